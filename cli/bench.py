@@ -1,0 +1,139 @@
+"""`ucudnn bench`: benchmark and optimise layers or a whole network."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+
+import click
+
+from ucudnn.errors import InvalidInput
+from ucudnn.problem import KINDS, ConvProblem
+from ucudnn.sizes import format_size, parse_size
+
+
+def _size_option(ctx, param, value):
+    if value is None:
+        return None
+    try:
+        return parse_size(value)
+    except InvalidInput as exc:
+        raise click.BadParameter(str(exc), ctx=ctx, param=param) from None
+
+
+@click.command()
+@click.option("--layer", "layer_specs", multiple=True, metavar="SPEC",
+              help="A conv layer, e.g. n=32,c=64,h=56,w=56,k=128,r=3,s=3,pad=1 (repeatable).")
+@click.option("--network", metavar="NAME", help="A network of the zoo (see `ucudnn networks`).")
+@click.option("--batch", type=click.IntRange(min=1), help="Mini-batch size (overrides n of --layer).")
+@click.option("--workspace", callback=_size_option, metavar="SIZE",
+              help="Per-kernel workspace limit, WR mode (e.g. 64MiB).")
+@click.option("--total-workspace", callback=_size_option, metavar="SIZE",
+              help="Total workspace of all kernels, WD mode (e.g. 256MiB).")
+@click.option("--policy", default="powerOfTwo", show_default=True,
+              help="Micro-batch sizes to benchmark: all, powerOfTwo, undivided, or a list like 1,4,16.")
+@click.option("--backend", "backend_name", default="auto", show_default=True, type=click.Choice(["auto", "cpu", "cudnn"]))
+@click.option("--kinds", default=",".join(KINDS), show_default=True, help="Kernels to optimise, comma-separated.")
+@click.option("--algos", help="Restrict the candidate algorithms (comma-separated).")
+@click.option("--db", "db_url", metavar="URL", help="Measurement cache (SQLAlchemy URL or SQLite file); default $UCUDNN_DB or the user cache.")
+@click.option("--reps", default=3, show_default=True, type=click.IntRange(min=1), help="Timed runs per measurement (median).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="WD mode: draw the Pareto front and the workspace division to this PNG.")
+def bench(layer_specs, network, batch, workspace, total_workspace, policy, backend_name, kinds, algos,
+          db_url, reps, as_json, quiet, plot_path):
+    """Benchmark every algorithm at several micro-batch sizes and pick the fastest division.
+
+    WR (--workspace, or no limit) optimises each kernel within its own limit; WD
+    (--total-workspace) divides one budget among all kernels of the network.
+    """
+    from ucudnn.backends import get_backend
+    from ucudnn.benchmark import batch_sizes, parse_policy
+    from ucudnn.db import Cache
+    from ucudnn.optimize import expand_kernels, optimize
+
+    if bool(layer_specs) == bool(network):
+        raise InvalidInput("give --layer SPEC (repeatable) or --network NAME, one of the two")
+    if workspace is not None and total_workspace is not None:
+        raise InvalidInput("give --workspace (WR) or --total-workspace (WD), not both")
+    if plot_path and total_workspace is None:
+        raise InvalidInput("--plot draws the WD solution: give --total-workspace too")
+    policy_value = parse_policy(policy)
+    kind_list = [k.strip() for k in kinds.split(",") if k.strip()]
+    algo_list = [a.strip() for a in algos.split(",") if a.strip()] if algos else None
+
+    if network:
+        from ucudnn.networks import layers as network_layers
+        layers = [(layer.name, layer.problem) for layer in network_layers(network, batch)]
+    else:
+        problems = [ConvProblem.parse(spec) for spec in layer_specs]
+        if batch is None and len({p.n for p in problems}) > 1:
+            raise InvalidInput("the --layer specs have different n; give --batch to choose one")
+        layers = [(f"layer{i + 1}" if len(problems) > 1 else "layer", p) for i, p in enumerate(problems)]
+    batch = batch or layers[0][1].n
+    kernels = expand_kernels(layers, batch, kind_list)
+
+    backend = get_backend(backend_name)
+    if algo_list:
+        known = set().union(*(backend.algorithms(p) for _, p in kernels))
+        unknown = [a for a in algo_list if a not in known]
+        if unknown:
+            raise InvalidInput(f"unknown algorithm(s) {', '.join(unknown)} for backend {backend.name}; "
+                               f"known: {', '.join(sorted(known))}")
+    cache = Cache(db_url)
+    show_progress = not quiet and not (as_json and not sys.stderr.isatty())
+    from tqdm import tqdm
+    n_sizes = len(batch_sizes(policy_value, batch))
+    unique = {p.key: p for _, p in kernels}
+    total = sum(n_sizes * len(algo_list or backend.algorithms(p)) for p in unique.values())
+    try:
+        with tqdm(total=total, desc="benchmark", unit="cfg", file=sys.stderr, disable=not show_progress,
+                  leave=False) as progress:
+            report = optimize(backend, kernels, policy=policy_value, workspace_limit=workspace,
+                              total_workspace=total_workspace, cache=cache, algos=algo_list, reps=reps,
+                              progress=progress)
+    finally:
+        cache.close()
+
+    if plot_path:
+        from ucudnn.plot import plot_wd
+        plot_wd(report, plot_path, backend=backend)
+    if as_json:
+        click.echo(json.dumps(report.to_json(), indent=2))
+    else:
+        click.echo(format_report(report))
+
+
+def format_report(report) -> str:
+    """A table a person can read: one row per kernel, then totals."""
+    limit = (f"workspace limit {format_size(report.workspace_limit)} per kernel" if report.mode == "WR"
+             else f"total workspace {format_size(report.total_workspace)}")
+    lines = [f"device {report.device} | backend {report.backend} | mode {report.mode}, {limit} | "
+             f"policy {report.policy} | batch {report.batch}"]
+    header = ("layer", "kind", "baseline", "base ms", "configuration", "ms", "workspace", "speedup")
+    rows = []
+    for k in report.kernels:
+        base = k.baseline
+        rows.append((k.layer, k.problem.kind, base.algo if base else "(none fits)",
+                     f"{base.time:.3f}" if base else "-", k.config.describe(), f"{k.config.time:.3f}",
+                     format_size(k.config.workspace), _ratio(k.speedup)))
+    total_ws = "sum " if report.mode == "WD" else "max "
+    rows.append(("total", "", "", f"{report.baseline_ms:.3f}", "", f"{report.time_ms:.3f}",
+                 total_ws + format_size(report.workspace), _ratio(report.baseline_ms / report.time_ms)))
+    widths = [max(len(str(row[i])) for row in [header, *rows]) for i in range(len(header))]
+    numeric = {3, 5, 6, 7}
+
+    def line(row):
+        return "  ".join(str(c).rjust(w) if i in numeric else str(c).ljust(w)
+                         for i, (c, w) in enumerate(zip(row, widths))).rstrip()
+
+    rule = "  ".join("-" * w for w in widths)
+    lines += [line(header), rule, *map(line, rows[:-1]), rule, line(rows[-1])]
+    s = report.stats
+    lines.append(f"benchmark: {s.measured} measured, {s.cached} from cache, {s.seconds:.1f} s")
+    return "\n".join(lines)
+
+
+def _ratio(x: float) -> str:
+    return f"{x:.2f}x" if math.isfinite(x) else "-"

@@ -1,0 +1,61 @@
+"""`ucudnn`: the command-line entry point and its error policy.
+
+Exit codes: 0 done, 1 the work failed, 2 bad usage or input (one line on stderr, no traceback).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import click
+
+from ucudnn.errors import BackendUnavailable, DatabaseError, InvalidInput, UcudnnError
+from ucudnn.solver.types import Infeasible
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+# Errors that mean the user asked for something that cannot be: exit 2. Any other UcudnnError is
+# work that failed: exit 1. Both print one line and no traceback.
+_USAGE_ERRORS = (InvalidInput, BackendUnavailable, DatabaseError)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="ucudnn")
+@click.option("-v", "--verbose", count=True, help="Log what is chosen and why (-vv for more).")
+def cli(verbose: int) -> None:
+    """ucudnn: fast convolutions inside a memory budget."""
+    level = {0: logging.WARNING, 1: logging.INFO}.get(verbose, logging.DEBUG)
+    logging.basicConfig(level=level, format="ucudnn: %(message)s", stream=sys.stderr)
+
+
+def _register_commands() -> None:
+    from ucudnn.cli.bench import bench
+    cli.add_command(bench)
+
+
+_register_commands()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the CLI and map errors to exit codes; returns the code (also used by tests)."""
+    try:
+        cli.main(args=argv, prog_name="ucudnn", standalone_mode=False)
+    except click.exceptions.Exit as exc:
+        return exc.exit_code
+    except click.exceptions.Abort:
+        click.echo("ucudnn: aborted", err=True)
+        return EXIT_FAILED
+    except click.ClickException as exc:  # bad usage: click's own message, on one line
+        click.echo(f"ucudnn: {exc.format_message()}", err=True)
+        return EXIT_USAGE
+    except _USAGE_ERRORS as exc:
+        click.echo(f"ucudnn: error: {exc}", err=True)
+        return EXIT_USAGE
+    except (Infeasible, UcudnnError) as exc:
+        click.echo(f"ucudnn: failed: {exc}", err=True)
+        return EXIT_FAILED
+    return EXIT_OK
+
+
+def entry_point() -> None:
+    sys.exit(main())

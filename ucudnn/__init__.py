@@ -1,0 +1,14 @@
+"""ucudnn: convolutions that run fast inside a memory budget.
+
+Splits each layer's mini-batch into micro-batches so that faster algorithms fit a workspace limit,
+chooses the division optimally (WR per kernel, WD per network), and caches every measurement.
+"""
+
+from ucudnn.backends import get_backend
+from ucudnn.errors import BackendUnavailable, InvalidInput, UcudnnError, UnsupportedProblem
+from ucudnn.execute import run_configuration
+from ucudnn.problem import ConvProblem
+from ucudnn.solver.types import Configuration, Infeasible, MicroConfig
+
+__all__ = ["BackendUnavailable", "Configuration", "ConvProblem", "Infeasible", "InvalidInput", "MicroConfig",
+           "UcudnnError", "UnsupportedProblem", "get_backend", "run_configuration"]

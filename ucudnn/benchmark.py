@@ -1,0 +1,112 @@
+"""Measuring a kernel at the micro-batch sizes of a policy, through the measurement cache."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ucudnn.backends.base import Backend
+from ucudnn.errors import InvalidInput
+from ucudnn.problem import ConvProblem
+from ucudnn.solver.types import MicroConfig
+
+POLICIES = ("all", "powerOfTwo", "undivided")
+
+Policy = str | tuple[int, ...]
+
+
+def parse_policy(text: str) -> Policy:
+    """A policy name, or an explicit comma-separated list of micro-batch sizes (`1,2,8,32`)."""
+    if text in POLICIES:
+        return text
+    try:
+        sizes = tuple(sorted({int(part) for part in text.split(",")}))
+    except ValueError:
+        raise InvalidInput(f"unknown policy {text!r}; choose one of {', '.join(POLICIES)} "
+                           "or give micro-batch sizes such as 1,2,8,32") from None
+    if not sizes or sizes[0] < 1:
+        raise InvalidInput(f"policy sizes must be positive integers, got {text!r}")
+    return sizes
+
+
+def policy_name(policy: Policy) -> str:
+    return policy if isinstance(policy, str) else ",".join(map(str, policy))
+
+
+def batch_sizes(policy: Policy, batch: int) -> list[int]:
+    """The micro-batch sizes a policy benchmarks for mini-batch `batch` (ascending)."""
+    if batch < 1:
+        raise InvalidInput(f"batch must be positive, got {batch}")
+    if policy == "all":
+        return list(range(1, batch + 1))
+    if policy == "powerOfTwo":
+        return sorted({1 << i for i in range(batch.bit_length()) if 1 << i <= batch} | {batch})
+    if policy == "undivided":
+        return [batch]
+    if isinstance(policy, tuple):
+        return [size for size in policy if size <= batch]
+    raise InvalidInput(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
+
+
+@dataclass(frozen=True, slots=True)
+class BenchStats:
+    """How a benchmark went: micro-configs measured now, taken from the cache, and wall time."""
+
+    measured: int = 0
+    cached: int = 0
+    seconds: float = 0.0
+
+    def __add__(self, other: BenchStats) -> BenchStats:
+        return BenchStats(self.measured + other.measured, self.cached + other.cached, self.seconds + other.seconds)
+
+
+def device_key(backend: Backend) -> dict[str, str]:
+    """The cache fields that identify where a measurement was taken."""
+    return {"device": backend.device.model, "backend": backend.name, "versions": backend.device.versions_text}
+
+
+def measure_table(backend: Backend, problem: ConvProblem, sizes: Sequence[int], *, cache=None,
+                  algos: Sequence[str] | None = None, reps: int = 3, workspace_limit: int | None = None,
+                  progress=None) -> tuple[dict[int, list[MicroConfig]], BenchStats]:
+    """Every candidate algorithm at every size: `{size: [MicroConfig, ...]}`.
+
+    Cached measurements are reused; the rest are measured and stored. An algorithm whose workspace
+    at a size exceeds `workspace_limit` is not run there: it appears with infinite time and the
+    reason (and is not cached, since another limit may admit it). `progress`, if given, is a tqdm
+    bar advanced once per micro-config.
+    """
+    start = time.perf_counter()
+    candidates = list(algos) if algos is not None else backend.algorithms(problem)
+    found = {}
+    if cache is not None:
+        found = cache.lookup(problem_key=problem.key, batches=sizes, algos=candidates, **device_key(backend))
+    table: dict[int, list[MicroConfig]] = {}
+    measured = cached = 0
+    for size in sizes:
+        part = problem.with_batch(size)
+        row: dict[str, MicroConfig] = {}
+        to_measure = []
+        for algo in candidates:
+            if (algo, size) in found:
+                row[algo] = found[algo, size]
+                cached += 1
+                continue
+            reason = backend.unsupported_reason(part, algo)
+            if reason is None and workspace_limit is not None:
+                need = backend.workspace_size(part, algo)
+                if need > workspace_limit:
+                    row[algo] = MicroConfig(algo, size, float("inf"), need,
+                                            reason=f"needs {need} B of workspace, over the limit {workspace_limit} B")
+                    continue
+            to_measure.append(algo)
+        if to_measure:
+            new = backend.measure(part, to_measure, reps)
+            if cache is not None:
+                cache.store(problem_key=problem.key, micros=new, **device_key(backend))
+            row.update((m.algo, m) for m in new)
+            measured += len(new)
+        table[size] = [row[algo] for algo in candidates]
+        if progress is not None:
+            progress.update(len(candidates))
+    return table, BenchStats(measured, cached, time.perf_counter() - start)

@@ -1,0 +1,159 @@
+"""From layers to an optimised report: measure every kernel, then solve WR (per kernel) or WD (network)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ucudnn.backends.base import Backend
+from ucudnn.benchmark import BenchStats, Policy, batch_sizes, device_key, measure_table, policy_name
+from ucudnn.errors import InvalidInput
+from ucudnn.problem import KINDS, ConvProblem
+from ucudnn.solver import wr
+from ucudnn.solver.types import Configuration, Infeasible, MicroConfig
+
+
+@dataclass(frozen=True, slots=True)
+class KernelPlan:
+    """One kernel of one layer: the undivided baseline and the chosen configuration."""
+
+    layer: str
+    problem: ConvProblem
+    baseline: MicroConfig | None  # None when no algorithm fits undivided
+    config: Configuration
+
+    @property
+    def speedup(self) -> float:
+        return self.baseline.time / self.config.time if self.baseline else math.inf
+
+
+@dataclass(frozen=True, slots=True)
+class Report:
+    """The result of `ucudnn bench`; `to_json()` gives the DESIGN JSON."""
+
+    device: str
+    backend: str
+    policy: str
+    mode: str  # "WR" or "WD"
+    workspace_limit: int | None
+    total_workspace: int | None
+    batch: int
+    kernels: tuple[KernelPlan, ...]
+    stats: BenchStats
+
+    @property
+    def baseline_ms(self) -> float:
+        return sum(k.baseline.time if k.baseline else math.inf for k in self.kernels)
+
+    @property
+    def time_ms(self) -> float:
+        return sum(k.config.time for k in self.kernels)
+
+    @property
+    def workspace(self) -> int:
+        """WR kernels reuse one buffer (the max); WD kernels each own a segment (the sum)."""
+        sizes = [k.config.workspace for k in self.kernels]
+        return (sum(sizes) if self.mode == "WD" else max(sizes)) if sizes else 0
+
+    def to_json(self) -> dict:
+        def micro(m: MicroConfig) -> dict:
+            return {"algo": m.algo, "batch": m.batch, "time_ms": m.time, "workspace": m.workspace}
+
+        def finite(x: float) -> float | None:  # JSON has no infinity
+            return x if math.isfinite(x) else None
+
+        return {
+            "device": self.device, "backend": self.backend, "policy": self.policy, "mode": self.mode,
+            "workspace_limit": self.workspace_limit, "total_workspace": self.total_workspace,
+            "batch": self.batch,
+            "kernels": [{
+                "layer": k.layer, "kind": k.problem.kind, "problem": k.problem.spec,
+                "baseline": ({"algo": k.baseline.algo, "time_ms": k.baseline.time,
+                              "workspace": k.baseline.workspace} if k.baseline else None),
+                "config": [micro(m) for m in k.config.micros],
+                "time_ms": k.config.time, "workspace": k.config.workspace, "speedup": finite(k.speedup),
+            } for k in self.kernels],
+            "total": {"baseline_ms": finite(self.baseline_ms), "time_ms": self.time_ms,
+                      "speedup": finite(self.baseline_ms / self.time_ms), "workspace": self.workspace},
+            "benchmark": {"measured": self.stats.measured, "cached": self.stats.cached,
+                          "seconds": round(self.stats.seconds, 3)},
+        }
+
+
+def expand_kernels(layers: Sequence[tuple[str, ConvProblem]], batch: int,
+                   kinds: Sequence[str] = KINDS) -> list[tuple[str, ConvProblem]]:
+    """Each layer at `batch`, once per kind, in layer order."""
+    for kind in kinds:
+        if kind not in KINDS:
+            raise InvalidInput(f"unknown kind {kind!r}; choose among {', '.join(KINDS)}")
+    return [(name, problem.with_batch(batch).with_kind(kind)) for name, problem in layers for kind in kinds]
+
+
+def plan_key(backend: Backend, **parts) -> str:
+    """A cache key for a solved plan: a hash of everything the plan was solved from."""
+    text = json.dumps({**device_key(backend), **parts}, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def optimize(backend: Backend, kernels: Sequence[tuple[str, ConvProblem]], *, policy: Policy,
+             workspace_limit: int | None = None, total_workspace: int | None = None, cache=None,
+             algos: Sequence[str] | None = None, reps: int = 3, progress=None) -> Report:
+    """Measure every kernel (each distinct problem once) and choose its configuration.
+
+    WR (`workspace_limit`, or no limit): each kernel independently by `wr.solve`.
+    WD (`total_workspace`): Pareto fronts per kernel, then `wd.solve` over all of them. The WD
+    baseline is the undivided fastest algorithm within an equal share `total_workspace / K`, the
+    division a framework without WD would make.
+    """
+    if not kernels:
+        raise InvalidInput("no kernels to optimise")
+    if workspace_limit is not None and total_workspace is not None:
+        raise InvalidInput("give a per-kernel workspace limit (WR) or a total workspace (WD), not both")
+    batches = {p.n for _, p in kernels}
+    if len(batches) != 1:
+        raise InvalidInput(f"all kernels must share one batch size, got {sorted(batches)}")
+    batch = batches.pop()
+    sizes = batch_sizes(policy, batch)
+    mode = "WD" if total_workspace is not None else "WR"
+    measure_limit = total_workspace if mode == "WD" else workspace_limit
+
+    tables: dict[str, dict[int, list[MicroConfig]]] = {}
+    stats = BenchStats()
+    for _, problem in kernels:
+        if problem.key not in tables:
+            tables[problem.key], s = measure_table(backend, problem, sizes, cache=cache, algos=algos, reps=reps,
+                                                   workspace_limit=measure_limit, progress=progress)
+            stats += s
+
+    baseline_limit = total_workspace // len(kernels) if mode == "WD" else workspace_limit
+    baselines = [_baseline(tables[p.key], batch, baseline_limit) for _, p in kernels]
+    if mode == "WR":
+        configs = [wr.solve(tables[p.key], batch, workspace_limit) for _, p in kernels]
+    else:
+        configs = _solve_wd(kernels, tables, batch, total_workspace)
+    plans = tuple(KernelPlan(name, p, b, c) for (name, p), b, c in zip(kernels, baselines, configs, strict=True))
+    return Report(device=backend.device.model, backend=backend.name, policy=policy_name(policy), mode=mode,
+                  workspace_limit=workspace_limit, total_workspace=total_workspace, batch=batch,
+                  kernels=plans, stats=stats)
+
+
+def _baseline(table: dict[int, list[MicroConfig]], batch: int, limit: int | None) -> MicroConfig | None:
+    """cuDNN-style selection: the fastest algorithm at the whole batch within the limit."""
+    return wr.fastest_within({batch: table.get(batch, [])}, limit).get(batch)
+
+
+def _solve_wd(kernels, tables, batch: int, total_workspace: int) -> list[Configuration]:
+    from ucudnn.solver import pareto, wd
+
+    fronts: dict[str, list[Configuration]] = {}
+    for _, p in kernels:
+        if p.key not in fronts:
+            try:
+                fronts[p.key] = pareto.front(tables[p.key], batch, total_workspace)
+            except Infeasible as exc:
+                raise Infeasible(f"{p.spec} ({p.kind}): {exc}") from exc
+    chosen = wd.solve({i: fronts[p.key] for i, (_, p) in enumerate(kernels)}, total_workspace)
+    return [chosen[i] for i in range(len(kernels))]
