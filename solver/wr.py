@@ -51,9 +51,10 @@ def solve(bench: Mapping[int, Sequence[MicroConfig]], batch: int, workspace_limi
     T = [0.0] + [math.inf] * batch
     first: list[MicroConfig | None] = [None] * (batch + 1)
     for b in range(1, batch + 1):
-        for size in sizes:
+        # Largest sizes first, so that among equally fast divisions the one with fewer micro-batches wins.
+        for size in reversed(sizes):
             if size > b:
-                break
+                continue
             t = t_mu[size].time + T[b - size]
             if t < T[b]:
                 T[b], first[b] = t, t_mu[size]
