@@ -98,7 +98,7 @@ def bench(layer_specs, network, batch, workspace, total_workspace, policy, backe
 
     if plot_path:
         from ucudnn.plot import plot_wd
-        plot_wd(report, plot_path, backend=backend)
+        plot_wd(report, plot_path)
     if as_json:
         click.echo(json.dumps(report.to_json(), indent=2))
     else:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 from ucudnn.backends.base import Backend
 from ucudnn.benchmark import BenchStats, Policy, batch_sizes, device_key, measure_table, policy_name
@@ -43,6 +43,8 @@ class Report:
     batch: int
     kernels: tuple[KernelPlan, ...]
     stats: BenchStats
+    # WD only: the Pareto front of each distinct problem (by ConvProblem.key), for plots.
+    fronts: Mapping[str, Sequence[Configuration]] = field(default_factory=dict)
 
     @property
     def baseline_ms(self) -> float:
@@ -130,14 +132,16 @@ def optimize(backend: Backend, kernels: Sequence[tuple[str, ConvProblem]], *, po
 
     baseline_limit = total_workspace // len(kernels) if mode == "WD" else workspace_limit
     baselines = [_baseline(tables[p.key], batch, baseline_limit) for _, p in kernels]
+    fronts: dict[str, list[Configuration]] = {}
     if mode == "WR":
         configs = [wr.solve(tables[p.key], batch, workspace_limit) for _, p in kernels]
     else:
-        configs = _solve_wd(kernels, tables, batch, total_workspace)
+        fronts = _pareto_fronts(kernels, tables, batch, total_workspace)
+        configs = _solve_wd(kernels, fronts, total_workspace)
     plans = tuple(KernelPlan(name, p, b, c) for (name, p), b, c in zip(kernels, baselines, configs, strict=True))
     return Report(device=backend.device.model, backend=backend.name, policy=policy_name(policy), mode=mode,
                   workspace_limit=workspace_limit, total_workspace=total_workspace, batch=batch,
-                  kernels=plans, stats=stats)
+                  kernels=plans, stats=stats, fronts=fronts)
 
 
 def _baseline(table: dict[int, list[MicroConfig]], batch: int, limit: int | None) -> MicroConfig | None:
@@ -145,8 +149,9 @@ def _baseline(table: dict[int, list[MicroConfig]], batch: int, limit: int | None
     return wr.fastest_within({batch: table.get(batch, [])}, limit).get(batch)
 
 
-def _solve_wd(kernels, tables, batch: int, total_workspace: int) -> list[Configuration]:
-    from ucudnn.solver import pareto, wd
+def _pareto_fronts(kernels, tables, batch: int, total_workspace: int) -> dict[str, list[Configuration]]:
+    """One front per distinct problem: kernels of the same shape share it."""
+    from ucudnn.solver import pareto
 
     fronts: dict[str, list[Configuration]] = {}
     for _, p in kernels:
@@ -155,5 +160,11 @@ def _solve_wd(kernels, tables, batch: int, total_workspace: int) -> list[Configu
                 fronts[p.key] = pareto.front(tables[p.key], batch, total_workspace)
             except Infeasible as exc:
                 raise Infeasible(f"{p.spec} ({p.kind}): {exc}") from exc
+    return fronts
+
+
+def _solve_wd(kernels, fronts, total_workspace: int) -> list[Configuration]:
+    from ucudnn.solver import wd
+
     chosen = wd.solve({i: fronts[p.key] for i, (_, p) in enumerate(kernels)}, total_workspace)
     return [chosen[i] for i in range(len(kernels))]

@@ -1,0 +1,48 @@
+"""The two pictures of a WD solution: a kernel's Pareto front, and the workspace division."""
+
+from __future__ import annotations
+
+from ucudnn.errors import InvalidInput
+
+_MIB = 2**20
+_KIND_COLOURS = {"fwd": "tab:blue", "bwd_data": "tab:orange", "bwd_filter": "tab:green"}
+
+
+def plot_wd(report, path: str) -> None:
+    """Left: the Pareto front (time x workspace) of the most expensive kernel, each point labelled
+    with its division and the chosen one marked. Right: the workspace each kernel was given."""
+    if report.mode != "WD" or not report.kernels:
+        raise InvalidInput("plot_wd needs a WD report with at least one kernel")
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only; no display needed
+    import matplotlib.pyplot as plt
+
+    costliest = max(report.kernels, key=lambda k: k.config.time)
+    front = report.fronts[costliest.problem.key]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(14, 5.5), gridspec_kw={"width_ratios": [1, 1.4]})
+
+    ws = [c.workspace / _MIB for c in front]
+    ms = [c.time for c in front]
+    left.step(ws, ms, where="post", color="0.6", zorder=1)
+    left.scatter(ws, ms, color="tab:blue", zorder=2, label="Pareto front")
+    for c in front[:: max(1, len(front) // 12)]:  # label at most ~12 points so the text stays readable
+        left.annotate(c.describe(), (c.workspace / _MIB, c.time), fontsize=7, xytext=(4, 4),
+                      textcoords="offset points")
+    left.scatter([costliest.config.workspace / _MIB], [costliest.config.time], s=160, facecolors="none",
+                 edgecolors="tab:red", linewidths=2, zorder=3, label="chosen by WD")
+    left.set(xlabel="workspace (MiB)", ylabel="time (ms)",
+             title=f"{costliest.layer} {costliest.problem.kind}, batch {report.batch}")
+    left.legend()
+
+    names = [f"{k.layer}:{k.problem.kind}" for k in report.kernels]
+    given = [k.config.workspace / _MIB for k in report.kernels]
+    right.bar(range(len(names)), given, color=[_KIND_COLOURS.get(k.problem.kind, "0.5") for k in report.kernels])
+    right.set_xticks(range(len(names)), names, rotation=90, fontsize=6 if len(names) > 30 else 8)
+    right.set(ylabel="workspace given (MiB)",
+              title=f"WD division: {report.workspace / _MIB:.1f} of {report.total_workspace / _MIB:.1f} MiB used")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in _KIND_COLOURS.values()]
+    right.legend(handles, list(_KIND_COLOURS), fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
