@@ -31,6 +31,8 @@ def cli(verbose: int) -> None:
 def _register_commands() -> None:
     from ucudnn.cli.bench import bench
     cli.add_command(bench)
+    from ucudnn.cli.networks_cmd import networks
+    cli.add_command(networks)
 
 
 _register_commands()
@@ -59,3 +61,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def entry_point() -> None:
     sys.exit(main())
+
+
+if __name__ == "__main__":
+    entry_point()

@@ -1,0 +1,105 @@
+"""`ucudnn bench` end to end on the CPU backend: the DESIGN JSON, the cache, and exit codes."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from ucudnn.cli.main import main
+
+LAYER = "n=8,c=8,h=12,w=12,k=16,r=3,s=3,pad=1"
+
+
+def run(argv, capsys):
+    code = main(argv)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def bench_json(tmp_path, capsys, *extra):
+    code, out, err = run(["bench", "--layer", LAYER, "--backend", "cpu", "--reps", "1", "--json",
+                          "--db", str(tmp_path / "cache.db"), *extra], capsys)
+    assert code == 0, err
+    return json.loads(out)
+
+
+def test_json_follows_the_contract_and_the_second_run_measures_nothing(tmp_path, capsys):
+    limit = 64 * 1024
+    first = bench_json(tmp_path, capsys, "--workspace", "64KiB", "--policy", "powerOfTwo")
+    assert set(first) == {"device", "backend", "policy", "mode", "workspace_limit", "total_workspace", "batch",
+                          "kernels", "total", "benchmark"}
+    assert (first["backend"], first["policy"], first["mode"]) == ("cpu", "powerOfTwo", "WR")
+    assert (first["workspace_limit"], first["total_workspace"], first["batch"]) == (limit, None, 8)
+    assert [k["kind"] for k in first["kernels"]] == ["fwd", "bwd_data", "bwd_filter"]
+    for k in first["kernels"]:
+        assert set(k) == {"layer", "kind", "problem", "baseline", "config", "time_ms", "workspace", "speedup"}
+        assert sum(m["batch"] for m in k["config"]) == 8
+        assert all(m["workspace"] <= limit for m in k["config"])
+        assert k["workspace"] == max(m["workspace"] for m in k["config"])
+        assert k["time_ms"] == pytest.approx(sum(m["time_ms"] for m in k["config"]))
+        assert k["baseline"]["workspace"] <= limit
+        # The undivided baseline is one of WR's candidates, so WR is never slower.
+        assert k["time_ms"] <= k["baseline"]["time_ms"] * (1 + 1e-9)
+        assert k["speedup"] == pytest.approx(k["baseline"]["time_ms"] / k["time_ms"])
+    total = first["total"]
+    assert total["time_ms"] == pytest.approx(sum(k["time_ms"] for k in first["kernels"]))
+    assert total["baseline_ms"] == pytest.approx(sum(k["baseline"]["time_ms"] for k in first["kernels"]))
+    assert total["workspace"] == max(k["workspace"] for k in first["kernels"])
+    assert first["benchmark"]["measured"] > 0 and first["benchmark"]["cached"] == 0
+
+    second = bench_json(tmp_path, capsys, "--workspace", "64KiB", "--policy", "powerOfTwo")
+    assert second["benchmark"]["measured"] == 0
+    assert second["benchmark"]["cached"] == first["benchmark"]["measured"]
+    assert second["kernels"] == first["kernels"]
+
+
+def test_algos_restricts_the_candidates_and_policy_lists_sizes(tmp_path, capsys):
+    report = bench_json(tmp_path, capsys, "--algos", "shift_gemm,im2col_gemm", "--policy", "2,8",
+                        "--kinds", "fwd")
+    assert [k["kind"] for k in report["kernels"]] == ["fwd"]
+    assert report["policy"] == "2,8"
+    for m in report["kernels"][0]["config"]:
+        assert m["algo"] in {"shift_gemm", "im2col_gemm"} and m["batch"] in (2, 8)
+
+
+def test_table_is_the_default_output(tmp_path, capsys):
+    code, out, err = run(["bench", "--layer", LAYER, "--backend", "cpu", "--reps", "1", "--kinds", "fwd",
+                          "--policy", "undivided", "--db", str(tmp_path / "c.db")], capsys)
+    assert code == 0, err
+    assert "baseline" in out and "speedup" in out and "total" in out
+    assert "benchmark: " in out
+
+
+def test_a_limit_nothing_fits_fails_with_exit_1(tmp_path, capsys):
+    code, out, err = run(["bench", "--layer", LAYER, "--backend", "cpu", "--reps", "1", "--kinds", "fwd",
+                          "--algos", "im2col_gemm", "--workspace", "1", "--db", str(tmp_path / "c.db")], capsys)
+    assert code == 1
+    assert err.count("\n") == 1 and "Traceback" not in err
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--layer", "n=8,c=8,h=12"], "missing"),
+    (["--layer", "nonsense"], "key=value"),
+    (["--layer", LAYER, "--workspace", "-5MiB"], "size"),
+    (["--layer", LAYER, "--workspace", "lots"], "size"),
+    (["--layer", LAYER, "--policy", "sometimes"], "unknown policy"),
+    (["--layer", LAYER, "--backend", "tpu"], "tpu"),
+    (["--layer", LAYER, "--batch", "0"], "batch"),
+    (["--layer", LAYER, "--kinds", "sideways"], "unknown kind"),
+    (["--layer", LAYER, "--algos", "magic", "--backend", "cpu"], "unknown algorithm"),
+    (["--layer", LAYER, "--workspace", "1MiB", "--total-workspace", "2MiB"], "not both"),
+    ([], "--layer"),
+])
+def test_bad_input_exits_2_with_one_line(argv, words, tmp_path, capsys):
+    code, out, err = run(["bench", *argv, "--db", str(tmp_path / "c.db")], capsys)
+    assert code == 2
+    assert err.count("\n") == 1, err
+    assert words in err and "Traceback" not in err
+
+
+def test_the_installed_command_reports_bad_input_without_traceback():
+    proc = subprocess.run([sys.executable, "-m", "ucudnn.cli.main", "bench", "--layer", "c=1"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("ucudnn: ") and "Traceback" not in proc.stderr
