@@ -84,12 +84,14 @@ def bench(layer_specs, network, batch, workspace, total_workspace, policy, backe
     cache = Cache(db_url)
     show_progress = not quiet and not (as_json and not sys.stderr.isatty())
     from tqdm import tqdm
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
     n_sizes = len(batch_sizes(policy_value, batch))
     unique = {p.key: p for _, p in kernels}
     total = sum(n_sizes * len(algo_list or backend.algorithms(p)) for p in unique.values())
     try:
         with tqdm(total=total, desc="benchmark", unit="cfg", file=sys.stderr, disable=not show_progress,
-                  leave=False) as progress:
+                  leave=False) as progress, logging_redirect_tqdm():
             report = optimize(backend, kernels, policy=policy_value, workspace_limit=workspace,
                               total_workspace=total_workspace, cache=cache, algos=algo_list, reps=reps,
                               progress=progress)

@@ -33,6 +33,9 @@ def _register_commands() -> None:
     cli.add_command(bench)
     from ucudnn.cli.networks_cmd import networks
     cli.add_command(networks)
+    from ucudnn.cli.selftest_cmd import selftest
+    cli.add_command(selftest)
+    from ucudnn.cli.db_cmd import db; cli.add_command(db)  # noqa: E702
 
 
 _register_commands()
@@ -41,7 +44,8 @@ _register_commands()
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI and map errors to exit codes; returns the code (also used by tests)."""
     try:
-        cli.main(args=argv, prog_name="ucudnn", standalone_mode=False)
+        # Without standalone mode click returns what ctx.exit(code) was given, or the command's value.
+        result = cli.main(args=argv, prog_name="ucudnn", standalone_mode=False)
     except click.exceptions.Exit as exc:
         return exc.exit_code
     except click.exceptions.Abort:
@@ -56,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     except (Infeasible, UcudnnError) as exc:
         click.echo(f"ucudnn: failed: {exc}", err=True)
         return EXIT_FAILED
-    return EXIT_OK
+    return result if isinstance(result, int) else EXIT_OK
 
 
 def entry_point() -> None:

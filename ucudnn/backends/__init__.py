@@ -24,9 +24,11 @@ def get_backend(name: str = "auto") -> Backend:
         try:
             backend = get_backend("cudnn")
         except BackendUnavailable as exc:
-            log.info("backend auto: chose cpu because cudnn is unavailable (%s)", exc)
+            log.info("backend auto: chose cpu because cudnn is unavailable: %s", exc)
             return get_backend("cpu")
-        log.info("backend auto: chose cudnn (%s)", backend.device.model)
+        versions = dict(backend.device.versions)
+        log.info("backend auto: chose cudnn because CuPy sees %s and libcudnn %s loads",
+                 backend.device.model, versions.get("cudnn", "(version unknown)"))
         return backend
     raise InvalidInput(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")
 

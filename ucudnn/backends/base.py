@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import abc
+import logging
 import statistics
 import time
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from ucudnn.problem import ConvProblem
 from ucudnn.solver.types import MicroConfig
+
+log = logging.getLogger(__name__)
 
 # A measurement whose interquartile range exceeds this fraction of its median is flagged as noisy:
 # on a shared 2-core machine a 25% spread means the median may be off by about that much.
@@ -103,8 +105,7 @@ class Backend(abc.ABC):
                 continue
             median, spread = summarize_samples(samples)
             if median > 0 and spread > NOISY_SPREAD_FRACTION * median:
-                warnings.warn(f"noisy timing for {algo} on {problem.spec} ({problem.kind}): "
-                              f"median {median:.3f} ms, IQR {spread:.3f} ms", stacklevel=2)
+                log.warning("noisy timing: %s on %s: median %.3f ms, IQR %.3f ms", algo, problem.spec, median, spread)
             results.append(MicroConfig(algo, problem.n, median, nbytes, spread=spread))
         return results
 

@@ -1,0 +1,589 @@
+"""Checks of the cudnn backend that need no GPU.
+
+1. The backend module imports without CuPy, a GPU or libcudnn, and `CudnnBackend()` then says in
+   one line what is missing.
+2. Every `cudnn.X`, `graph.X` and `<tensor>_t.X` in ucudnn/backends/cudnn.py is listed in
+   `CUDNN_API_USED` (and every entry is used), and exists in the installed cuDNN frontend with the
+   keyword arguments the backend passes.
+3. The graph the backend declares (pure Python until `validate()`) has the dims, strides, data
+   types and convolution parameters of the problem, for every kind.
+4. The backend's orchestration (enumeration, naming, rebuild from a name, failures as data, the
+   LRU, alignment copies, alpha/beta, timing, the selftest) runs end to end against a stand-in for
+   the frontend and CuPy that computes on host memory through the same raw pointers. The
+   stand-in frontend offers exactly the names in `CUDNN_API_USED`, on top of the real
+   `cudnn.pygraph` IR, so the backend cannot use anything else unnoticed.
+"""
+
+from __future__ import annotations
+
+import ast
+import ctypes
+import inspect
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from ucudnn import selftest
+from ucudnn.backends import cudnn as cudnn_backend
+from ucudnn.backends.cudnn import CUDNN_API_USED, EngineConfig, declare_graph, layout_strides
+from ucudnn.errors import BackendUnavailable, InvalidInput, UnsupportedProblem
+from ucudnn.problem import KINDS, ConvProblem
+
+SOURCE = Path(cudnn_backend.__file__)
+ENUM_GROUPS = ("data_type", "heur_mode", "knob_type")
+
+
+# ---- 1. importable without a GPU, clear errors ---------------------------------------------------
+def test_backend_module_imports_without_cupy_or_the_frontend():
+    # A clean interpreter in which neither CuPy nor the frontend can be imported.
+    code = ("import sys; sys.modules['cupy'] = None; sys.modules['cudnn'] = None\n"
+            "import ucudnn.backends.cudnn as m\n"
+            "try:\n    m.CudnnBackend()\nexcept m.BackendUnavailable as exc:\n    print(exc)\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("cupy is not installed") and result.stdout.count("\n") == 1
+
+
+def test_missing_cupy_is_one_line(monkeypatch):
+    monkeypatch.setitem(sys.modules, "cupy", None)  # `import cupy` now raises ImportError
+    with pytest.raises(BackendUnavailable) as info:
+        cudnn_backend.CudnnBackend()
+    message = str(info.value)
+    assert "\n" not in message and message.startswith("cupy is not installed")
+
+
+def _fake_cupy_without_device(error: Exception | None, count: int = 0):
+    def device_count():
+        if error is not None:
+            raise error
+        return count
+    return SimpleNamespace(cuda=SimpleNamespace(runtime=SimpleNamespace(getDeviceCount=device_count)))
+
+
+@pytest.mark.parametrize("error, count", [(RuntimeError("cudaErrorNoDevice: no CUDA-capable device\nis detected"), 0),
+                                          (None, 0)])
+def test_no_cuda_device_is_one_line(monkeypatch, error, count):
+    monkeypatch.setitem(sys.modules, "cupy", _fake_cupy_without_device(error, count))
+    with pytest.raises(BackendUnavailable) as info:
+        cudnn_backend.CudnnBackend()
+    assert str(info.value).startswith("no CUDA device")
+    assert "\n" not in str(info.value)
+
+
+def test_libcudnn_not_loadable_is_one_line(monkeypatch):
+    monkeypatch.setitem(sys.modules, "cupy", _fake_cupy_without_device(None, 1))
+
+    def backend_version():
+        raise RuntimeError("Unable to find symbol cudnnGetVersion")
+    monkeypatch.setitem(sys.modules, "cudnn", SimpleNamespace(backend_version=backend_version))
+    with pytest.raises(BackendUnavailable) as info:
+        cudnn_backend.CudnnBackend()
+    assert str(info.value).startswith("libcudnn is not loadable") and "cudnnGetVersion" in str(info.value)
+
+
+def test_frontend_not_installed_is_one_line(monkeypatch):
+    monkeypatch.setitem(sys.modules, "cupy", _fake_cupy_without_device(None, 1))
+    monkeypatch.setitem(sys.modules, "cudnn", None)
+    with pytest.raises(BackendUnavailable, match="^the cuDNN frontend is not installed"):
+        cudnn_backend.CudnnBackend()
+
+
+# ---- 2. the frontend API the backend uses --------------------------------------------------------
+def _used_api(source: str) -> dict[str, set[str]]:
+    """Attributes read from `cudnn` (and its enums), from `graph`, and from `*_t` tensors."""
+    used: dict[str, set[str]] = {group: set() for group in CUDNN_API_USED}
+    used["unlisted"] = set()
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Attribute):
+            continue
+        base = node.value
+        # The object a chain of calls starts from: `out_t.set_output(True).set_dim(d)` reads
+        # set_dim from what set_output returned, which is the tensor again.
+        root = base
+        while isinstance(root, (ast.Call, ast.Attribute)) and not (
+                isinstance(root, ast.Attribute) and isinstance(root.value, ast.Name)):
+            root = root.func if isinstance(root, ast.Call) else root.value
+        chained = isinstance(base, ast.Call)
+        if isinstance(base, ast.Name) and base.id == "cudnn":
+            used["cudnn"].add(node.attr)
+        elif (isinstance(base, ast.Attribute) and isinstance(base.value, ast.Name) and base.value.id == "cudnn"
+              and base.attr in ENUM_GROUPS and f"cudnn.{base.attr}" in used):
+            used[f"cudnn.{base.attr}"].add(node.attr)
+        elif isinstance(base, ast.Name) and base.id == "graph":
+            used["graph"].add(node.attr)
+        elif isinstance(base, ast.Name) and base.id.endswith("_t"):
+            used["tensor"].add(node.attr)
+        elif chained and isinstance(root, ast.Attribute) and isinstance(root.value, ast.Name):
+            if root.value.id.endswith("_t"):
+                used["tensor"].add(node.attr)
+            elif root.value.id in ("cudnn", "graph"):
+                used["unlisted"].add(f"{root.value.id}.{root.attr}(...).{node.attr}")
+    return used
+
+
+def test_api_list_matches_the_source():
+    used = _used_api(SOURCE.read_text())
+    assert not used["unlisted"], f"results of frontend calls used without a listing: {sorted(used['unlisted'])}"
+    for group, names in CUDNN_API_USED.items():
+        assert used[group] == set(names), (
+            f"CUDNN_API_USED[{group!r}] is out of date: used but unlisted {sorted(used[group] - set(names))}, "
+            f"listed but unused {sorted(set(names) - used[group])}")
+
+
+def test_the_grep_sees_calls():
+    # Guard the guard: a sample in the backend's conventions is read the way the test above expects.
+    used = _used_api("graph.validate()\nx_t.set_output(True).set_dim([1])\ncudnn.data_type.FLOAT\n"
+                     "cudnn.create_handle()\ncudnn.create_handle().foo\n")
+    assert used["graph"] == {"validate"} and used["tensor"] == {"set_output", "set_dim"}
+    assert used["unlisted"] == {"cudnn.create_handle(...).foo"}
+    assert used["cudnn"] == {"data_type", "create_handle"} and used["cudnn.data_type"] == {"FLOAT"}
+
+
+def test_every_used_attribute_exists_in_the_installed_frontend():
+    cudnn = pytest.importorskip("cudnn")
+    missing = [f"cudnn.{name}" for name in CUDNN_API_USED["cudnn"] if not hasattr(cudnn, name)]
+    for group in ENUM_GROUPS:
+        key = f"cudnn.{group}"
+        if key in CUDNN_API_USED:
+            missing += [f"{key}.{name}" for name in CUDNN_API_USED[key] if not hasattr(getattr(cudnn, group), name)]
+    # Class attributes only: pygraph's __getattr__ forwards unknown names to a lowered C++ graph at
+    # run time, which must not count as "exists" here.
+    missing += [f"cudnn.pygraph.{name}" for name in CUDNN_API_USED["graph"] if not hasattr(cudnn.pygraph, name)]
+    missing += [f"cudnn.Tensor.{name}" for name in CUDNN_API_USED["tensor"] if not hasattr(cudnn.Tensor, name)]
+    assert not missing, f"cudnn-frontend {cudnn.__version__} lacks {missing}"
+
+
+def _accepts(function, *keywords: str) -> None:
+    parameters = inspect.signature(function).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+    unknown = [k for k in keywords if k not in parameters and not takes_any]
+    assert not unknown, f"{function.__qualname__} does not take {unknown}"
+    named = [k for k in keywords if k not in parameters]
+    assert not named or takes_any
+
+
+def test_signatures_take_the_arguments_the_backend_passes():
+    cudnn = pytest.importorskip("cudnn")
+    _accepts(cudnn.pygraph.__init__, "name", "io_data_type", "intermediate_data_type", "compute_data_type", "handle")
+    _accepts(cudnn.pygraph.tensor, "name", "dim", "stride", "data_type")
+    _accepts(cudnn.pygraph.create_execution_plans, "heuristics")
+    _accepts(cudnn.pygraph.create_execution_plan, "engine_id", "knobs")
+    _accepts(cudnn.pygraph.build_plan_at_index, "index")
+    _accepts(cudnn.pygraph.get_workspace_size_plan_at_index, "index")
+    _accepts(cudnn.pygraph.get_engine_and_knobs_at_index, "index")
+    _accepts(cudnn.pygraph.execute_plan_at_index, "tensor_dict", "workspace", "index", "handle")
+    _accepts(cudnn.set_stream, "handle", "stream")
+    _accepts(cudnn.destroy_handle, "handle")
+    # The knob dict is keyed by enum members that round-trip through their names.
+    member = next(iter(cudnn.knob_type))
+    assert cudnn.knob_type[member.name] is member
+
+
+# ---- 3. the declared graph -----------------------------------------------------------------------
+PROBLEM = ConvProblem(n=3, c=6, h=9, w=8, k=4, r=3, s=2, pad_h=1, pad_w=0, stride_h=2, stride_w=1,
+                      dilation_h=1, dilation_w=2, groups=2)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+def test_declared_graph_matches_the_problem(kind, layout):
+    cudnn = pytest.importorskip("cudnn")
+    problem = ConvProblem(**{**{f: getattr(PROBLEM, f) for f in PROBLEM.__dataclass_fields__}, "kind": kind,
+                             "layout": layout})
+    declared = declare_graph(cudnn, problem)
+    (node,) = declared.graph.nodes
+    assert node.params["padding"] == [1, 0] and node.params["stride"] == [2, 1] and node.params["dilation"] == [1, 2]
+    assert node.compute_data_type == cudnn.data_type.FLOAT
+    shapes = {"x": problem.x_shape, "w": problem.w_shape, "dy": problem.y_shape}
+    for name, tensor in declared.inputs:
+        assert list(tensor.dim) == list(shapes[name])
+        assert list(tensor.stride) == list(layout_strides(shapes[name], layout))
+        assert tensor.data_type == cudnn.data_type.FLOAT
+    out = declared.output
+    assert list(out.dim) == list(problem.out_shape)
+    assert list(out.stride) == list(layout_strides(problem.out_shape, layout))
+    assert out.data_type == cudnn.data_type.FLOAT and not out.is_virtual
+    expected_ports = {"fwd": {"image", "weight"}, "bwd_data": {"loss", "filter"}, "bwd_filter": {"image", "loss"}}[kind]
+    assert set(node.inputs) == expected_ports
+    # groups reach cuDNN through the weight's channel count
+    weight = node.inputs.get("weight") or node.inputs.get("filter")
+    if weight is not None:
+        assert weight.dim[1] == problem.c // problem.groups
+
+
+@pytest.mark.parametrize("dtype, promoted, compute", [("float16", False, "HALF"), ("float16", True, "FLOAT"),
+                                                      ("bfloat16", True, "FLOAT"), ("float64", False, "DOUBLE")])
+def test_declared_graph_data_types(dtype, promoted, compute):
+    cudnn = pytest.importorskip("cudnn")
+    declared = declare_graph(cudnn, ConvProblem(c=2, h=4, w=4, k=2, r=1, s=1, dtype=dtype), promoted=promoted)
+    (node,) = declared.graph.nodes
+    assert node.compute_data_type == getattr(cudnn.data_type, compute)
+    io = {"float16": "HALF", "bfloat16": "BFLOAT16", "float64": "DOUBLE"}[dtype]
+    assert declared.output.data_type == getattr(cudnn.data_type, io)
+
+
+def test_layout_strides():
+    assert layout_strides((2, 3, 4, 5), "NCHW") == (60, 20, 5, 1)
+    assert layout_strides((2, 3, 4, 5), "NHWC") == (60, 1, 15, 3)
+
+
+# ---- algorithm names -----------------------------------------------------------------------------
+def test_engine_config_names_round_trip():
+    config = EngineConfig(12, (("SPLIT_K_BUF", 2), ("TILEK", -1)), promoted=True)
+    assert config.name == "eng12:SPLIT_K_BUF=2,TILEK=-1+fp32acc"
+    assert EngineConfig.parse(config.name) == config
+    assert EngineConfig.parse("eng0") == EngineConfig(0)
+    for bad in ("eng", "3", "eng3:", "eng3:TILEK", "eng3+fp16", "eng3:TILEK=1,TILEK=2", "im2col_gemm"):
+        with pytest.raises(InvalidInput):
+            EngineConfig.parse(bad)
+
+
+def test_engine_config_from_the_frontend_dict():
+    cudnn = pytest.importorskip("cudnn")
+    knobs = {cudnn.knob_type.TILEK: 0, cudnn.knob_type.SPLIT_K_BUF: 2}
+    config = EngineConfig.from_frontend(3, knobs, promoted=False)
+    assert config.name == "eng3:SPLIT_K_BUF=2,TILEK=0"  # sorted by knob name, whatever the dict order
+    assert config.frontend_knobs(cudnn) == knobs
+    with pytest.raises(UnsupportedProblem, match="NO_SUCH_KNOB"):
+        EngineConfig(3, (("NO_SUCH_KNOB", 1),)).frontend_knobs(cudnn)
+
+
+# ---- 4. a stand-in frontend and CuPy over host memory ---------------------------------------------
+class FakeArray(np.ndarray):
+    """A NumPy array that answers like a CuPy one: `.data.ptr` and `.device.id`."""
+
+    @property
+    def data(self):  # noqa: D401 -- CuPy's MemoryPointer, reduced to the address
+        return SimpleNamespace(ptr=self.__array_interface__["data"][0])
+
+    @property
+    def device(self):
+        return SimpleNamespace(id=0)
+
+
+def _fake(array: np.ndarray) -> FakeArray:
+    return np.asarray(array).view(FakeArray)
+
+
+class _Event:
+    def record(self, stream=None):
+        self.at = time.perf_counter()
+
+    def synchronize(self):
+        pass
+
+
+class _Device:
+    def __init__(self, device_id=0):
+        self.id = device_id
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+class _Rng:
+    def __init__(self, seed):
+        self._rng = np.random.default_rng(seed)
+
+    def standard_normal(self, shape, dtype=np.float32):
+        return _fake(self._rng.standard_normal(shape).astype(dtype))
+
+
+def make_fake_cupy():
+    runtime = SimpleNamespace(
+        getDeviceCount=lambda: 1, getDevice=lambda: 0, runtimeGetVersion=lambda: 12090, driverGetVersion=lambda: 12090,
+        getDeviceProperties=lambda i: {"name": b"Fake GPU", "totalGlobalMem": 2**34, "major": 9, "minor": 0})
+    return SimpleNamespace(
+        __version__="14.fake", ndarray=FakeArray, dtype=np.dtype,
+        float16=np.float16, float32=np.float32, float64=np.float64, uint8=np.uint8, uint16=np.uint16,
+        uint32=np.uint32,
+        empty=lambda shape, dtype=np.float32: _fake(np.empty(shape, dtype)),
+        zeros=lambda shape, dtype=np.float32: _fake(np.zeros(shape, dtype)),
+        empty_like=lambda a: _fake(np.empty_like(a)),
+        random=SimpleNamespace(default_rng=_Rng),
+        cuda=SimpleNamespace(runtime=runtime, Device=_Device, Event=_Event,
+                             get_current_stream=lambda: SimpleNamespace(ptr=0),
+                             get_elapsed_time=lambda start, end: (end.at - start.at) * 1e3))
+
+
+# What the stand-in heuristics offer, in rank order: (engine id, knobs by name, workspace bytes per
+# sample). A duplicate, a frontend python engine and the delegating entry must not become
+# algorithms; engine 7 is offered but does not build.
+FAKE_ENGINES = ((0, {}, 0), (1, {"TILE_SIZE": 2}, 256), (1, {"TILE_SIZE": 2}, 256), (7, {"SPLIT_K_BUF": 1}, 0),
+                (20_800, {}, 0), (-1, {}, 0), (2, {"SPLIT_K_BUF": 4, "TILEK": 0}, 1024))
+FAKE_ALGOS = ["eng0", "eng1:TILE_SIZE=2", "eng7:SPLIT_K_BUF=1", "eng2:SPLIT_K_BUF=4,TILEK=0"]
+
+
+def _host_view(address: int, dims, strides, data_type, cudnn) -> np.ndarray:
+    storage = {cudnn.data_type.FLOAT: np.float32, cudnn.data_type.HALF: np.float16,
+               cudnn.data_type.DOUBLE: np.float64, cudnn.data_type.BFLOAT16: np.uint16}[data_type]
+    itemsize = np.dtype(storage).itemsize
+    span = 1 + sum((d - 1) * s for d, s in zip(dims, strides))
+    buffer = (ctypes.c_char * (span * itemsize)).from_address(address)
+    return np.ndarray(tuple(dims), storage, buffer=buffer, strides=tuple(s * itemsize for s in strides))
+
+
+def make_fake_cudnn(real):
+    """The frontend as the backend may see it: only CUDNN_API_USED, with real enums and the real IR."""
+    calls = {"create_execution_plans": [], "create_execution_plan": [], "build_plan_at_index": [], "execute": 0}
+    knob = real.knob_type
+
+    class FakeGraph(real.pygraph):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.fake_state = {"validated": False, "operation_graph": False, "plans": None, "built": set()}
+
+        def validate(self):
+            self.fake_state["validated"] = True
+
+        def build_operation_graph(self):
+            assert self.fake_state["validated"], "build_operation_graph before validate"
+            self.fake_state["operation_graph"] = True
+
+        def create_execution_plans(self, heuristics=None):
+            assert self.fake_state["operation_graph"]
+            if self.fake_state["plans"] is not None:
+                raise RuntimeError("create_execution_plans() was already called on this graph; planning is one-shot")
+            calls["create_execution_plans"].append(list(heuristics))
+            self.fake_state["plans"] = [(e, {knob[k]: v for k, v in knobs.items()}) for e, knobs, _ in FAKE_ENGINES]
+
+        def create_execution_plan(self, engine_id, knobs=None):
+            assert self.fake_state["operation_graph"]
+            assert all(isinstance(k, knob) and isinstance(v, int) for k, v in (knobs or {}).items())
+            calls["create_execution_plan"].append((engine_id, dict(knobs or {})))
+            self.fake_state["plans"] = (self.fake_state["plans"] or []) + [(engine_id, dict(knobs or {}))]
+            return self
+
+        def check_support(self):
+            assert self.fake_state["plans"], "check_support before any plan"
+
+        def get_execution_plan_count(self):
+            return len(self.fake_state["plans"] or [])
+
+        def get_engine_and_knobs_at_index(self, index):
+            engine_id, knobs = self.fake_state["plans"][index]
+            if engine_id == -1:
+                raise NotImplementedError("plan delegates to the backend's own choice")
+            return engine_id, dict(knobs)
+
+        def _engine(self, index):
+            engine_id, knobs = self.fake_state["plans"][index]
+            for e, k, per_sample in FAKE_ENGINES:
+                if e == engine_id and {knob[n]: v for n, v in k.items()} == knobs:
+                    return e, per_sample
+            raise real.cudnnGraphNotSupportedError(f"no engine {engine_id} with knobs {knobs}")
+
+        def build_plan_at_index(self, index):
+            engine_id, _ = self._engine(index)
+            calls["build_plan_at_index"].append(engine_id)
+            if engine_id == 7:
+                raise real.cudnnGraphNotSupportedError("[cudnn_frontend] Error: engine 7 rejects this layout")
+            self.fake_state["built"].add(index)
+            return self
+
+        def get_workspace_size_plan_at_index(self, index, handle=None, *rest):
+            assert index in self.fake_state["built"]
+            return self._engine(index)[1] * self.nodes[0].inputs[next(iter(self.nodes[0].inputs))].dim[0]
+
+        def execute_plan_at_index(self, tensor_dict, workspace=None, index=0, handle=None):
+            assert index in self.fake_state["built"], "executing a plan that was not built"
+            assert isinstance(handle, FakeHandle)
+            if self.get_workspace_size_plan_at_index(index):
+                assert workspace, "a plan with workspace got a null workspace pointer"
+            calls["execute"] += 1
+            pointers = self._uid_to_data(tensor_dict)
+            (node,) = self.nodes
+            kind = {"CONV_FPROP": "fwd", "CONV_DGRAD": "bwd_data", "CONV_WGRAD": "bwd_filter"}[node.node_type.name]
+            views = {}
+            for port, tensor in [*node.inputs.items(), *node.outputs.items()]:
+                address = pointers[tensor.uid]
+                assert isinstance(address, int), f"{port} is not bound to a raw pointer"
+                assert address % 16 == 0, f"{port} pointer {address} is not 16-byte aligned"
+                views[port] = _host_view(address, tensor.dim, tensor.stride, tensor.data_type, real)
+            out_port = next(iter(node.outputs))
+            dtype = {np.float32: "float32", np.float16: "float16", np.float64: "float64",
+                     np.uint16: "bfloat16"}[views[out_port].dtype.type]
+            host = {port: selftest.to_host_float64(v, dtype) for port, v in views.items() if port != out_port}
+            names = {"image": "x", "weight": "w", "filter": "w", "loss": "dy"}
+            x_dims = (node.inputs.get("image") or node.outputs.get("DX")).dim
+            w_dims = (node.inputs.get("weight") or node.inputs.get("filter") or node.outputs.get("DW")).dim
+            y_dims = (node.inputs.get("loss") or node.outputs.get("Y")).dim
+            problem = ConvProblem(kind=kind, n=x_dims[0], c=x_dims[1], h=x_dims[2], w=x_dims[3], k=w_dims[0],
+                                  r=w_dims[2], s=w_dims[3], pad_h=node.params["padding"][0],
+                                  pad_w=node.params["padding"][1], stride_h=node.params["stride"][0],
+                                  stride_w=node.params["stride"][1], dilation_h=node.params["dilation"][0],
+                                  dilation_w=node.params["dilation"][1], groups=x_dims[1] // w_dims[1], dtype=dtype)
+            assert tuple(y_dims) == problem.y_shape
+            result = selftest.reference(problem, **{names[p]: v for p, v in host.items()})
+            if dtype == "bfloat16":
+                bits = result.astype(np.float32).view(np.uint32)
+                views[out_port][...] = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+            else:
+                views[out_port][...] = result
+
+    class FakeHandle:
+        pass
+
+    handles = {"created": 0, "destroyed": 0, "streams": []}
+
+    def create_handle():
+        handles["created"] += 1
+        return FakeHandle()
+
+    def destroy_handle(handle):
+        assert isinstance(handle, FakeHandle)
+        handles["destroyed"] += 1
+
+    def set_stream(handle, stream):
+        assert isinstance(handle, FakeHandle) and isinstance(stream, int)
+        handles["streams"].append(stream)
+
+    api = {"__version__": real.__version__, "backend_version": lambda: 92800,
+           "backend_version_string": lambda: "9.28.0", "create_handle": create_handle,
+           "destroy_handle": destroy_handle, "set_stream": set_stream, "pygraph": FakeGraph,
+           "cudnnGraphNotSupportedError": real.cudnnGraphNotSupportedError, "data_type": real.data_type,
+           "heur_mode": real.heur_mode, "knob_type": real.knob_type}
+    assert set(api) == set(CUDNN_API_USED["cudnn"]), "the stand-in must offer exactly the listed API"
+    return SimpleNamespace(**api), calls, handles
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    real = pytest.importorskip("cudnn")
+    fake_cudnn, calls, handles = make_fake_cudnn(real)
+    monkeypatch.setitem(sys.modules, "cupy", make_fake_cupy())
+    monkeypatch.setitem(sys.modules, "cudnn", fake_cudnn)
+    return SimpleNamespace(calls=calls, handles=handles, real=real)
+
+
+SMALL = ConvProblem(n=3, c=4, h=7, w=7, k=6, r=3, s=3, pad_h=1, pad_w=1)
+
+
+def test_enumeration_names_dedupes_and_filters(fake_gpu):
+    backend = cudnn_backend.CudnnBackend()
+    assert backend.device.model == "Fake GPU (sm_90)"
+    assert dict(backend.device.versions)["cudnn"] == "9.28.0"
+    assert backend.algorithms(SMALL) == FAKE_ALGOS
+    # both heuristic modes, in one call (planning is one-shot)
+    assert fake_gpu.calls["create_execution_plans"] == [[fake_gpu.real.heur_mode.A, fake_gpu.real.heur_mode.FALLBACK]]
+    assert backend.algorithms(SMALL) == FAKE_ALGOS  # cached: no second planning
+    assert len(fake_gpu.calls["create_execution_plans"]) == 1
+
+
+def test_half_precision_also_offers_float32_compute(fake_gpu):
+    backend = cudnn_backend.CudnnBackend()
+    half = ConvProblem(n=2, c=4, h=5, w=5, k=4, r=3, s=3, pad_h=1, pad_w=1, dtype="float16")
+    assert backend.algorithms(half) == FAKE_ALGOS + [f"{a}+fp32acc" for a in FAKE_ALGOS]
+    promoted_half = ConvProblem(n=2, c=4, h=5, w=5, k=4, r=3, s=3, dtype="float16", compute_type="float32")
+    assert backend.algorithms(promoted_half) == FAKE_ALGOS
+    assert "+fp32acc" in backend.unsupported_reason(SMALL, "eng0+fp32acc")
+
+
+def test_failures_are_data_and_names_rebuild(fake_gpu):
+    backend = cudnn_backend.CudnnBackend()
+    backend.algorithms(SMALL)
+    reason = backend.unsupported_reason(SMALL, "eng7:SPLIT_K_BUF=1")
+    assert "engine 7 rejects this layout" in reason and "\n" not in reason
+    with pytest.raises(UnsupportedProblem):
+        backend.workspace_size(SMALL, "eng7:SPLIT_K_BUF=1")
+    assert "not a cudnn algorithm name" in backend.unsupported_reason(SMALL, "im2col_gemm")
+    assert backend.workspace_size(SMALL, "eng2:SPLIT_K_BUF=4,TILEK=0") == 3 * 1024
+
+    # A fresh backend (a later process) rebuilds a recorded name at another batch size with
+    # create_execution_plan, without asking the heuristics.
+    fresh = cudnn_backend.CudnnBackend()
+    planned = len(fake_gpu.calls["create_execution_plans"])
+    assert fresh.workspace_size(SMALL.with_batch(2), "eng2:SPLIT_K_BUF=4,TILEK=0") == 2 * 1024
+    assert len(fake_gpu.calls["create_execution_plans"]) == planned
+    knob = fake_gpu.real.knob_type
+    assert fake_gpu.calls["create_execution_plan"][-1] == (2, {knob.SPLIT_K_BUF: 4, knob.TILEK: 0})
+
+
+def test_measure_times_and_records_failures(fake_gpu):
+    backend = cudnn_backend.CudnnBackend()
+    results = {m.algo: m for m in backend.measure(SMALL, backend.algorithms(SMALL), reps=3)}
+    assert set(results) == set(FAKE_ALGOS)
+    assert not results["eng7:SPLIT_K_BUF=1"].usable and "rejects" in results["eng7:SPLIT_K_BUF=1"].reason
+    usable = [m for m in results.values() if m.usable]
+    assert len(usable) == 3 and all(m.time > 0 and m.batch == 3 for m in usable)
+    assert results["eng1:TILE_SIZE=2"].workspace == 3 * 256
+
+
+def test_plan_cache_is_bounded(fake_gpu, monkeypatch):
+    monkeypatch.setattr(cudnn_backend, "PLAN_CACHE_ENTRIES", 3)
+    backend = cudnn_backend.CudnnBackend()
+    for n in range(1, 6):
+        backend.workspace_size(SMALL.with_batch(n), "eng0")
+    assert len(backend._plans) == 3
+
+
+def test_handle_is_released_with_the_backend(fake_gpu):
+    import gc
+
+    backend = cudnn_backend.CudnnBackend()
+    backend.workspace_size(SMALL, "eng0")
+    del backend
+    gc.collect()
+    assert fake_gpu.handles["destroyed"] == fake_gpu.handles["created"] == 1
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "float64"])
+def test_selftest_through_the_backend_passes(fake_gpu, dtype):
+    # Every kind, micro-batched (odd sizes: unaligned slices get copied), alpha/beta, per dtype.
+    backend = cudnn_backend.CudnnBackend()
+    report = selftest.run_selftest(backend, problems=selftest.DEFAULT_PROBLEMS[:3], dtype=dtype)
+    assert report.passed, report.format()
+    assert report.count("skip") == 3 * 3 * (2 if dtype in ("float16", "bfloat16") else 1)  # engine 7
+    assert {c.algo for c in report.checks if c.status == "pass"} >= {"eng0", "eng2:SPLIT_K_BUF=4,TILEK=0"}
+    assert fake_gpu.handles["streams"] and set(fake_gpu.handles["streams"]) == {0}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_nhwc_operands_run_undivided_and_micro_batched(fake_gpu, kind):
+    from ucudnn.execute import run_configuration
+    from ucudnn.solver.types import Configuration, MicroConfig
+
+    backend = cudnn_backend.CudnnBackend()
+    # 3 samples of 3x5x5 float32 (300 B each): the second micro-batch starts off 16-byte alignment.
+    problem = ConvProblem(kind=kind, n=3, c=3, h=5, w=5, k=4, r=3, s=3, pad_h=1, pad_w=1, layout="NHWC")
+    operands = backend.random_operands(problem)
+    for name, array in operands.items():
+        assert array.strides[1] == array.itemsize, f"{name} is not channels last"
+    inputs = {name: array for name, array in operands.items() if name != "out"}
+    expected = selftest.reference(problem, **{name: np.asarray(a, dtype=np.float64) for name, a in inputs.items()})
+    workspace = backend.empty_workspace(backend.workspace_size(problem, "eng1:TILE_SIZE=2"))
+    backend.run(problem, "eng1:TILE_SIZE=2", workspace=workspace, **operands)
+    assert selftest.relative_error(np.asarray(operands["out"], dtype=np.float64), expected) < 1e-6
+    micro_out = backend.random_operands(problem, seed=1)["out"]
+    algo = "eng1:TILE_SIZE=2"
+    micros = tuple(MicroConfig(algo, b, 0.0, backend.workspace_size(problem.with_batch(b), algo)) for b in (2, 1))
+    run_configuration(backend, problem, Configuration(micros), out=micro_out, **inputs)
+    assert selftest.relative_error(np.asarray(micro_out, dtype=np.float64), expected) < 1e-6
+
+
+def test_run_rejects_bad_operands(fake_gpu):
+    backend = cudnn_backend.CudnnBackend()
+    operands = backend.random_operands(SMALL)
+    workspace = backend.empty_workspace(backend.workspace_size(SMALL, "eng2:SPLIT_K_BUF=4,TILEK=0"))
+    with pytest.raises(InvalidInput, match="shape"):
+        backend.run(SMALL, "eng0", x=operands["x"][:2], w=operands["w"], out=operands["out"], workspace=workspace)
+    with pytest.raises(InvalidInput, match="dtype"):
+        backend.run(SMALL, "eng0", x=operands["x"].astype(np.float64), w=operands["w"], out=operands["out"],
+                    workspace=workspace)
+    with pytest.raises(InvalidInput, match="CuPy array"):
+        backend.run(SMALL, "eng0", x=np.asarray(operands["x"]), w=operands["w"], out=operands["out"],
+                    workspace=workspace)
+    with pytest.raises(InvalidInput, match="needs operand 'w'"):
+        backend.run(SMALL, "eng0", x=operands["x"], out=operands["out"], workspace=workspace)
+    with pytest.raises(InvalidInput, match="workspace"):
+        backend.run(SMALL, "eng2:SPLIT_K_BUF=4,TILEK=0", workspace=backend.empty_workspace(16), **operands)
+    with pytest.raises(UnsupportedProblem):
+        backend.run(SMALL, "eng7:SPLIT_K_BUF=1", workspace=workspace, **operands)

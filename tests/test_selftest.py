@@ -1,0 +1,212 @@
+"""The correctness suite: its float64 reference, its verdicts, its report, and `ucudnn selftest`."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+
+import numpy as np
+import pytest
+
+from ucudnn.backends.base import Backend, DeviceInfo, wall_clock_samples_ms
+from ucudnn.cli.main import main
+from ucudnn.problem import KINDS, ConvProblem
+from ucudnn.selftest import (
+    ALPHA,
+    BETA,
+    DEFAULT_PROBLEMS,
+    TOLERANCE,
+    micro_batches,
+    reference,
+    relative_error,
+    run_selftest,
+    to_host_float64,
+)
+
+PROBLEMS = [ConvProblem.parse(spec) for spec in DEFAULT_PROBLEMS]
+
+
+def _operands(problem: ConvProblem, seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {"x": rng.standard_normal(problem.x_shape), "w": rng.standard_normal(problem.w_shape),
+            "dy": rng.standard_normal(problem.y_shape)}
+
+
+# ---- the reference ---------------------------------------------------------------------------
+@pytest.mark.parametrize("problem", PROBLEMS, ids=DEFAULT_PROBLEMS)
+def test_reference_kernels_are_adjoint(problem):
+    # <conv(x, w), dy> = <x, dgrad(dy, w)> = <w, wgrad(x, dy)>: the three kernels are the same
+    # bilinear form, so each pair checks the other's indexing, padding, stride, dilation and groups.
+    ops = _operands(problem)
+    y = reference(problem.with_kind("fwd"), x=ops["x"], w=ops["w"])
+    dx = reference(problem.with_kind("bwd_data"), dy=ops["dy"], w=ops["w"])
+    dw = reference(problem.with_kind("bwd_filter"), x=ops["x"], dy=ops["dy"])
+    assert y.shape == problem.y_shape and dx.shape == problem.x_shape and dw.shape == problem.w_shape
+    forward = float(np.sum(y * ops["dy"]))
+    assert math.isclose(forward, float(np.sum(ops["x"] * dx)), rel_tol=1e-10)
+    assert math.isclose(forward, float(np.sum(ops["w"] * dw)), rel_tol=1e-10)
+
+
+@pytest.mark.parametrize("problem", PROBLEMS, ids=DEFAULT_PROBLEMS)
+def test_reference_matches_torch(problem):
+    torch = pytest.importorskip("torch")
+    ops = _operands(problem, seed=1)
+    x = torch.tensor(ops["x"], requires_grad=True)
+    w = torch.tensor(ops["w"], requires_grad=True)
+    y = torch.nn.functional.conv2d(x, w, stride=(problem.stride_h, problem.stride_w),
+                                   padding=(problem.pad_h, problem.pad_w),
+                                   dilation=(problem.dilation_h, problem.dilation_w), groups=problem.groups)
+    y.backward(torch.tensor(ops["dy"]))
+    np.testing.assert_allclose(reference(problem, x=ops["x"], w=ops["w"]), y.detach().numpy(), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(reference(problem.with_kind("bwd_data"), dy=ops["dy"], w=ops["w"]), x.grad.numpy(),
+                               rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(reference(problem.with_kind("bwd_filter"), x=ops["x"], dy=ops["dy"]), w.grad.numpy(),
+                               rtol=1e-12, atol=1e-12)
+
+
+def test_relative_error_and_helpers():
+    expected = np.array([1.0, -4.0, 2.0])
+    assert relative_error(expected, expected) == 0.0
+    assert relative_error(np.array([1.0, -3.0, 2.0]), expected) == 0.25
+    assert relative_error(np.array([1.0, np.nan, 2.0]), expected) == math.inf
+    assert relative_error(np.zeros(3), np.zeros(3)) == 0.0
+    assert micro_batches(1) == (1,) and micro_batches(3) == (2, 1) and micro_batches(4) == (2, 2)
+    bits = np.array([0x3F80, 0xC000], dtype=np.uint16)  # bfloat16 1.0 and -2.0
+    assert to_host_float64(bits, "bfloat16").tolist() == [1.0, -2.0]
+    assert to_host_float64(np.float16([0.5]), "float16").dtype == np.float64
+
+
+# ---- verdicts, with a backend made of the reference itself -------------------------------------
+class ReferenceBackend(Backend):
+    """NumPy backend computing with `reference`; `fault` breaks one part of the contract."""
+
+    name = "reference"
+
+    def __init__(self, algos=("direct", "other"), fault=None, unsupported=()):
+        self._algos, self._fault, self._unsupported = list(algos), fault, dict(unsupported)
+
+    @property
+    def device(self):
+        return DeviceInfo("host", 0)
+
+    def algorithms(self, problem):
+        return list(self._algos)
+
+    def unsupported_reason(self, problem, algo):
+        return self._unsupported.get(algo)
+
+    def workspace_size(self, problem, algo):
+        return 0
+
+    def run(self, problem, algo, *, x=None, w=None, dy=None, out, workspace, alpha=1.0, beta=0.0):
+        result = reference(problem, x=x, w=w, dy=dy)
+        if self._fault == "wrong" and algo == "other":
+            result = result * 1.01
+        if self._fault == "nan" and algo == "other":
+            result[..., 0] = np.nan
+        if self._fault == "alpha":
+            alpha = 1.0
+        if self._fault == "accumulate" and beta == 1.0:  # overwrite instead of accumulating micro-batches
+            beta = 0.0
+        out[...] = alpha * result + (beta * out if beta else 0.0)
+
+    def empty_workspace(self, nbytes):
+        return np.empty(nbytes, dtype=np.uint8)
+
+    def random_operands(self, problem, seed=0):
+        ops = {k: v.astype(problem.dtype) for k, v in _operands(problem, seed).items()}
+        names = {"fwd": ("x", "w"), "bwd_data": ("dy", "w"), "bwd_filter": ("x", "dy")}[problem.kind]
+        result = {name: ops[name] for name in names}
+        result["out"] = np.zeros(problem.out_shape, dtype=problem.dtype)
+        return result
+
+    def time_run_ms(self, problem, algo, operands, workspace, reps):
+        return wall_clock_samples_ms(lambda: self.run(problem, algo, workspace=workspace, **operands), reps)
+
+
+def test_a_correct_backend_passes_everything():
+    report = run_selftest(ReferenceBackend(), dtype="float64")
+    assert report.passed and report.count("fail") == report.count("skip") == 0
+    assert report.count("pass") == len(DEFAULT_PROBLEMS) * len(KINDS) * 2
+    for check in report.checks:
+        assert check.micro_batches == micro_batches(ConvProblem.parse(check.problem).n)
+        assert None not in (check.error_reference, check.error_alpha_beta, check.error_micro_reference,
+                            check.error_micro_undivided)
+        assert check.worst_error <= TOLERANCE["float64"]
+    assert set(report.table()) == {"direct", "other"}
+    assert {kind for row in report.table().values() for kind in row} == set(KINDS)
+
+
+@pytest.mark.parametrize("fault, failing", [("wrong", "error_reference"), ("nan", "error_reference"),
+                                            ("alpha", "error_alpha_beta"), ("accumulate", "error_micro_reference")])
+def test_each_broken_part_of_the_contract_fails(fault, failing):
+    report = run_selftest(ReferenceBackend(fault=fault), problems=DEFAULT_PROBLEMS[:2])
+    assert not report.passed
+    failed = [c for c in report.checks if c.status == "fail"]
+    assert failed and all(getattr(c, failing) > c.tolerance for c in failed)
+    if fault == "accumulate":  # only bwd_filter accumulates micro-batches
+        assert {c.kind for c in failed} == {"bwd_filter"}
+    if fault in ("wrong", "nan"):
+        assert {c.algo for c in failed} == {"other"}
+
+
+def test_unsupported_algorithms_are_skipped_and_nothing_runnable_fails():
+    report = run_selftest(ReferenceBackend(unsupported={"other": "needs a bigger tile"}), problems=DEFAULT_PROBLEMS[:1])
+    assert report.passed and report.count("skip") == 3
+    assert all(c.reason == "needs a bigger tile" for c in report.checks if c.status == "skip")
+    unrunnable = ReferenceBackend(algos=("other",), unsupported={"other": "no"})
+    nothing = run_selftest(unrunnable, problems=DEFAULT_PROBLEMS[:1])
+    assert not nothing.passed
+    assert {c.algo for c in nothing.checks if c.status == "fail"} == {"(none)"}
+
+
+def test_report_table_and_json():
+    report = run_selftest(ReferenceBackend(fault="nan"), problems=DEFAULT_PROBLEMS[:1])
+    text = report.format()
+    lines = text.splitlines()
+    assert lines[1].split() == ["algorithm", *KINDS]
+    assert any(line.startswith("direct") and line.count("pass") == 3 for line in lines)
+    assert any(line.startswith("other") and line.count("fail") == 3 for line in lines)
+    assert "FAIL fwd other" in text and "0 skipped" in text
+    data = json.loads(json.dumps(report.to_json()))  # strictly valid JSON: no bare Infinity or NaN
+    assert data["passed"] is False and data["summary"]["failed"] == 3
+    assert data["table"]["other"]["fwd"] == {"status": "fail", "max_rel_error": "inf"}
+    assert data["table"]["direct"]["bwd_filter"]["status"] == "pass"
+    assert {c["kind"] for c in data["checks"]} == set(KINDS)
+    assert data["tolerance"] == TOLERANCE["float32"]
+
+
+def test_alpha_beta_constants_test_both_terms():
+    assert ALPHA not in (0.0, 1.0) and BETA not in (0.0, 1.0)
+
+
+# ---- the command --------------------------------------------------------------------------------
+def test_cli_cudnn_without_gpu_exits_2_with_one_line(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "cupy", None)  # as on a machine without CuPy, whatever this one has
+    assert main(["selftest", "--backend", "cudnn"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.count("\n") == 1 and "Traceback" not in captured.err
+    assert captured.err.startswith("ucudnn: error: cupy is not installed")
+
+
+def test_cli_exit_codes_follow_the_verdict(monkeypatch, capsys):
+    import ucudnn.backends
+
+    monkeypatch.setattr(ucudnn.backends, "get_backend", lambda name: ReferenceBackend())
+    assert main(["selftest", "--layer", DEFAULT_PROBLEMS[0]]) == 0
+    assert "6 passed, 0 failed" in capsys.readouterr().out
+    monkeypatch.setattr(ucudnn.backends, "get_backend", lambda name: ReferenceBackend(fault="wrong"))
+    assert main(["selftest", "--json", "--layer", DEFAULT_PROBLEMS[0]]) == 1
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["summary"]["failed"] == 3
+    assert captured.err.strip() == "ucudnn: failed: selftest: 3 of 6 checks failed on backend reference"
+
+
+def test_cli_selftest_on_the_cpu_backend_passes(capsys):
+    pytest.importorskip("ucudnn.backends.cpu", reason="the cpu backend is not in this checkout yet")
+    assert main(["selftest", "--backend", "cpu", "--json"]) == 0, capsys.readouterr().out
+    data = json.loads(capsys.readouterr().out)
+    assert data["passed"] and data["backend"] == "cpu" and data["summary"]["failed"] == 0
+    assert {kind for row in data["table"].values() for kind in row} == set(KINDS)
