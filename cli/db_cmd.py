@@ -1,0 +1,104 @@
+"""`ucudnn db`: inspect, export, import and prune the measurement cache."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import click
+
+from ucudnn.db import MERGE_RULE, Cache
+from ucudnn.db.transfer import export_to, import_into
+
+_DB_HELP = ("Cache URL (sqlite:///PATH, postgresql+psycopg://USER@HOST/DB) or a SQLite file path. "
+            "Default: $UCUDNN_DB, else $XDG_CACHE_HOME/ucudnn/cache.db.")
+
+
+def _db_option(command: Callable[..., Any]) -> Callable[..., Any]:
+    return click.option("--db", "db_url", metavar="URL", default=None, help=_DB_HELP)(command)
+
+
+@click.group("db")
+def db() -> None:
+    """Inspect and maintain the measurement cache."""
+
+
+@db.command("info")
+@_db_option
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def info(db_url: str | None, as_json: bool) -> None:
+    """Show what the cache holds: devices, problems, measurements, plans, schema version."""
+    with Cache(db_url, readonly=True) as cache:
+        facts = cache.info()
+    if as_json:
+        click.echo(json.dumps(facts, sort_keys=True))
+        return
+    for name in ("url", "schema_version", "devices", "problems", "measurements", "plans"):
+        click.echo(f"{name:<15} {facts[name]}")
+    for d in facts["by_device"]:
+        click.echo(f"  {d['measurements']:>8}  {d['device']} [{d['backend']}] {d['versions']}")
+
+
+@db.command("export")
+@_db_option
+@click.argument("file", metavar="FILE")
+def export(db_url: str | None, file: str) -> None:
+    """Write the cache to FILE as JSON lines ('-' for stdout).
+
+    A header line, then one object per measurement (device, backend, versions, problem_key,
+    kind, algo, batch, time_ms (null: could not run), spread_ms, workspace_bytes, reason,
+    created_at), then one per plan (key, plan, created_at).
+    """
+    with Cache(db_url, readonly=True) as cache:
+        counts = export_to(cache, file)
+    if file != "-":
+        click.echo(f"exported {counts['measurements']} measurements and {counts['plans']} plans to {file}")
+
+
+@db.command("import", epilog=MERGE_RULE)
+@_db_option
+@click.argument("source", metavar="SOURCE")
+@click.option("--json", "as_json", is_flag=True, help="Print the counts as one JSON object.")
+def import_(db_url: str | None, source: str, as_json: bool) -> None:
+    """Merge SOURCE into the cache: an export file, another SQLite cache file, or a cache URL.
+
+    The whole import is checked first and written in one transaction: a bad SOURCE changes
+    nothing. Conflicts are settled by the merge rule below.
+    """
+    with Cache(db_url) as cache:
+        report = import_into(cache, source)
+    counts = {"measurements": _counts(report.measurements), "plans": _counts(report.plans)}
+    if as_json:
+        click.echo(json.dumps(counts, sort_keys=True))
+        return
+    for name, c in counts.items():
+        click.echo(f"{name}: {c['inserted']} inserted, {c['replaced']} replaced, {c['kept']} kept")
+
+
+def _counts(c: Any) -> dict[str, int]:
+    return {"inserted": c.inserted, "replaced": c.replaced, "kept": c.kept}
+
+
+@db.command("prune")
+@_db_option
+@click.option("--device", default=None, help="Only this device model (exact match).")
+@click.option("--backend", default=None, help="Only this backend (exact match).")
+@click.option("--versions", default=None, help="Only this library-versions text (exact match).")
+@click.option("--older-than", "older_than", type=click.FloatRange(min=0), default=None,
+              metavar="DAYS", help="Only rows written more than DAYS days ago.")
+@click.option("--all", "everything", is_flag=True, help="Remove everything (and no filter).")
+@click.option("--dry-run", is_flag=True, help="Count what would be removed; remove nothing.")
+def prune(db_url: str | None, device: str | None, backend: str | None, versions: str | None,
+          older_than: float | None, everything: bool, dry_run: bool) -> None:
+    """Remove measurements matching every filter given (AND), and print how many rows went.
+
+    Plans carry no device, so they go only with --older-than alone, or with --all. Devices and
+    problems left without measurements are removed too.
+    """
+    with Cache(db_url, create=False) as cache:
+        removed = cache.prune(device=device, backend=backend, versions=versions,
+                              older_than_days=older_than, everything=everything, dry_run=dry_run)
+    verb = "would remove" if dry_run else "removed"
+    parts = ", ".join(f"{n} {name}" for name, n in removed.items())
+    click.echo(f"{verb} {sum(removed.values())} rows ({parts})")

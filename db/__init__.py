@@ -1,0 +1,11 @@
+"""Persistence: the measurement and plan cache (SQLAlchemy 2; SQLite or PostgreSQL).
+
+Imports only `ucudnn.solver.types` and `ucudnn.errors` from the project, never the runtime.
+"""
+
+from ucudnn.db.cache import (MERGE_RULE, Cache, MeasurementRecord, MergeCounts, MergeReport,
+                             PlanRecord, default_url)
+from ucudnn.db.models import SCHEMA_VERSION
+
+__all__ = ["MERGE_RULE", "SCHEMA_VERSION", "Cache", "MeasurementRecord", "MergeCounts",
+           "MergeReport", "PlanRecord", "default_url"]
