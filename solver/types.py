@@ -35,17 +35,18 @@ class MicroConfig:
 
 @dataclass(frozen=True, slots=True)
 class Configuration:
-    """Micro-configs run one after another: time is the sum, workspace the max (shared buffer)."""
+    """Micro-configs run one after another: time is the sum, workspace the max (shared buffer).
+
+    Both are computed once on construction: solvers read them millions of times.
+    """
 
     micros: tuple[MicroConfig, ...]
+    time: float = field(init=False, compare=False)
+    workspace: int = field(init=False, compare=False)
 
-    @property
-    def time(self) -> float:
-        return sum(m.time for m in self.micros)
-
-    @property
-    def workspace(self) -> int:
-        return max((m.workspace for m in self.micros), default=0)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "time", sum(m.time for m in self.micros))
+        object.__setattr__(self, "workspace", max((m.workspace for m in self.micros), default=0))
 
     @property
     def batch(self) -> int:
