@@ -21,7 +21,6 @@ import sys
 from datetime import date
 from pathlib import Path
 
-import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import interleaved_medians_ms, table  # noqa: E402
@@ -63,6 +62,8 @@ def main() -> int:
     parser.add_argument("--measure-reps", type=int, default=3, help="reps of the WR benchmark phase")
     parser.add_argument("--db", help="measurement cache URL (default: the user cache)")
     parser.add_argument("--limits", default="8,64", help="per-kernel limits in MiB, comma-separated")
+    parser.add_argument("--skip-all", action="store_true",
+                        help="leave out WR `all` on conv2 (it measures 64 sizes; on 2 cores that takes most of an hour)")
     parser.add_argument("--json", help="also write the results to this JSON file")
     args = parser.parse_args()
 
@@ -77,7 +78,7 @@ def main() -> int:
             pow2 = optimize(backend, kernels, policy="powerOfTwo", workspace_limit=limit, cache=cache,
                             algos=algos, reps=args.measure_reps)
             conv2 = [k for k in kernels if k[0] == "conv2"]
-            every = {k.problem.kind: k.config for k in optimize(
+            every = {} if args.skip_all else {k.problem.kind: k.config for k in optimize(
                 backend, conv2, policy="all", workspace_limit=limit, cache=cache, algos=algos,
                 reps=args.measure_reps).kernels}
             for plan in pow2.kernels:
@@ -86,12 +87,12 @@ def main() -> int:
                 contenders = {"undivided": runner(backend, p, Configuration((plan.baseline,)), ops),
                               "wr_pow2": runner(backend, p, plan.config, ops),
                               "torch": torch_call(p, ops)}
-                if plan.layer == "conv2":
+                if plan.layer == "conv2" and every:
                     contenders["wr_all"] = runner(backend, p, every[p.kind], ops)
                 t = interleaved_medians_ms(contenders, args.reps)
                 results.append({"limit_mib": limit_mib, "candidates": label, "layer": plan.layer, "kind": p.kind,
                                 "baseline_algo": plan.baseline.algo, "config": plan.config.describe(),
-                                "config_all": every[p.kind].describe() if plan.layer == "conv2" else None,
+                                "config_all": every[p.kind].describe() if plan.layer == "conv2" and every else None,
                                 **{f"{name}_ms": v for name, v in t.items()}})
                 print(f"  {plan.layer:5s} {p.kind:10s} undivided {t['undivided']:8.1f} ms  "
                       f"WR {t['wr_pow2']:8.1f} ms  torch {t['torch']:8.1f} ms", file=sys.stderr, flush=True)

@@ -33,6 +33,12 @@ class DeviceInfo:
         return ",".join(f"{lib}={ver}" for lib, ver in self.versions)
 
 
+def one_line(exc: BaseException) -> str:
+    """An exception as one line of text, for reasons and error messages."""
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
 def summarize_samples(samples_ms: Sequence[float]) -> tuple[float, float]:
     """Median and interquartile range of timing samples (ms)."""
     if len(samples_ms) == 1:
@@ -45,6 +51,7 @@ class Backend(abc.ABC):
     """A convolution library. Arrays are NCHW and contiguous (NumPy on the CPU, CuPy on a GPU)."""
 
     name: str
+    warmup_runs = 1  # untimed runs before the timed ones (caches, lazy compilation)
 
     @property
     @abc.abstractmethod
@@ -80,11 +87,16 @@ class Backend(abc.ABC):
                     reps: int) -> list[float]:
         """`reps` timing samples (ms) of `run`, after the caller's warm-up."""
 
-    def measure(self, problem: ConvProblem, algos: Sequence[str], reps: int = 3) -> list[MicroConfig]:
-        """Time each algorithm at `problem.n`: one warm-up, then the median of `reps` runs.
+    def candidate_failures(self) -> tuple[type[BaseException], ...]:
+        """Exceptions that mean one candidate failed to build or run, besides running out of memory."""
+        return ()
 
-        An algorithm that cannot run is returned with infinite time and its reason; it never stops
-        the others.
+    def measure(self, problem: ConvProblem, algos: Sequence[str], reps: int = 3) -> list[MicroConfig]:
+        """Time each algorithm at `problem.n`: warm-up runs, then the median of `reps` runs.
+
+        An algorithm that cannot run (unsupported, out of memory, or failing with one of
+        `candidate_failures()`) is returned with infinite time and the reason; it never stops the
+        others.
         """
         if reps < 1:
             raise ValueError(f"reps must be positive, got {reps}")
@@ -98,10 +110,16 @@ class Backend(abc.ABC):
             nbytes = self.workspace_size(problem, algo)
             try:
                 workspace = self.empty_workspace(nbytes)
-                self.run(problem, algo, workspace=workspace, **operands)  # warm-up
+                for _ in range(self.warmup_runs):
+                    self.run(problem, algo, workspace=workspace, **operands)
                 samples = self.time_run_ms(problem, algo, operands, workspace, reps)
-            except MemoryError as exc:
-                results.append(MicroConfig(algo, problem.n, float("inf"), nbytes, reason=f"out of memory: {exc}"))
+            except MemoryError as exc:  # cupy's OutOfMemoryError is one too
+                results.append(MicroConfig(algo, problem.n, float("inf"), nbytes,
+                                           reason=f"out of memory: {one_line(exc)}"))
+                continue
+            except self.candidate_failures() as exc:
+                results.append(MicroConfig(algo, problem.n, float("inf"), nbytes,
+                                           reason=f"failed to run: {one_line(exc)}"))
                 continue
             median, spread = summarize_samples(samples)
             if median > 0 and spread > NOISY_SPREAD_FRACTION * median:

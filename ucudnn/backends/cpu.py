@@ -646,9 +646,9 @@ def _run_winograd(p: ConvProblem, ws: dict[str, np.ndarray], x, w, dy, out, alph
               out=u.reshape(16, p.k * cg))
     u_g = u.reshape(16, g, kg, cg)  # fwd: (cout_g, cin_g) per point and group
     if p.kind == "fwd":
-        inp, offsets, cin, cout, cin_g, cout_g = x, (-p.pad_h, -p.pad_w), p.c, p.k, cg, kg
+        inp, offsets, cin_g, cout_g = x, (-p.pad_h, -p.pad_w), cg, kg
     else:
-        inp, offsets, cin, cout, cin_g, cout_g = dy, (p.pad_h - 2, p.pad_w - 2), p.k, p.c, kg, cg
+        inp, offsets, cin_g, cout_g = dy, (p.pad_h - 2, p.pad_w - 2), kg, cg
         u_g = u_g.transpose(0, 1, 3, 2)  # the transposed filter: (c/g, k/g)
     th, tw = _wino_tiles(*out.shape[-2:])
     nt = p.n * th * tw

@@ -40,17 +40,15 @@ from __future__ import annotations
 
 import collections
 import logging
-import math
 import re
 import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ucudnn.backends.base import NOISY_SPREAD_FRACTION, Backend, DeviceInfo, summarize_samples
+from ucudnn.backends.base import Backend, DeviceInfo, one_line
 from ucudnn.errors import BackendUnavailable, InvalidInput, UnsupportedProblem
 from ucudnn.problem import ConvProblem
-from ucudnn.solver.types import MicroConfig
 
 log = logging.getLogger(__name__)
 
@@ -76,8 +74,6 @@ CUDNN_API_USED: dict[str, tuple[str, ...]] = {
 PLAN_CACHE_ENTRIES = 256
 # Enumerated graphs (one per problem, batch and compute type), each holding every plan it built.
 ENUMERATION_CACHE_ENTRIES = 64
-# Untimed runs before timing: the first run of a plan pays lazy module loading and clock ramp-up.
-WARMUP_RUNS = 2
 # The frontend declares its tensors 16-byte aligned (CUDNN_ATTR_TENSOR_BYTE_ALIGNMENT); a pointer
 # off that alignment is refused or misread by vectorised kernels, so such operands are copied.
 ALIGNMENT_BYTES = 16
@@ -138,33 +134,28 @@ class EngineConfig:
                                      f"{cudnn.__version__}") from None
 
 
-def _one_line(exc: BaseException) -> str:
-    text = " ".join(str(exc).split())
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
-
-
 def _probe() -> tuple[Any, Any, int]:
     """CuPy, the frontend and the current device, or BackendUnavailable saying what is missing."""
     try:
         import cupy
     except ImportError as exc:
-        raise BackendUnavailable(f"cupy is not installed or does not import ({_one_line(exc)}); "
+        raise BackendUnavailable(f"cupy is not installed or does not import ({one_line(exc)}); "
                                  f"install cupy-cuda12x") from None
     try:
         count = cupy.cuda.runtime.getDeviceCount()
     except Exception as exc:  # CUDARuntimeError without a driver; anything else CuPy raises is the same answer
-        raise BackendUnavailable(f"no CUDA device: CuPy cannot reach one ({_one_line(exc)})") from None
+        raise BackendUnavailable(f"no CUDA device: CuPy cannot reach one ({one_line(exc)})") from None
     if count < 1:
         raise BackendUnavailable("no CUDA device: CuPy sees 0 devices")
     try:
         import cudnn
     except ImportError as exc:
-        raise BackendUnavailable(f"the cuDNN frontend is not installed ({_one_line(exc)}); "
+        raise BackendUnavailable(f"the cuDNN frontend is not installed ({one_line(exc)}); "
                                  f"install nvidia-cudnn-frontend") from None
     try:
         cudnn.backend_version()
     except Exception as exc:  # the binding raises RuntimeError("Unable to find symbol cudnnGetVersion")
-        raise BackendUnavailable(f"libcudnn is not loadable ({_one_line(exc)}); install nvidia-cudnn-cu12 "
+        raise BackendUnavailable(f"libcudnn is not loadable ({one_line(exc)}); install nvidia-cudnn-cu12 "
                                  f"or put libcudnn.so.9 on LD_LIBRARY_PATH") from None
     return cupy, cudnn, int(cupy.cuda.runtime.getDevice())
 
@@ -305,6 +296,8 @@ class CudnnBackend(Backend):
     """cuDNN through the frontend's graph API. Arrays are CuPy, on the device current at creation."""
 
     name = "cudnn"
+    # The first run of a plan pays lazy module loading and clock ramp-up.
+    warmup_runs = 2
 
     def __init__(self) -> None:
         cupy, cudnn, device_id = _probe()
@@ -314,7 +307,7 @@ class CudnnBackend(Backend):
                 self._handle = cudnn.create_handle()
             except RuntimeError as exc:
                 raise BackendUnavailable(f"cuDNN could not create a handle on CUDA device {device_id} "
-                                         f"({_one_line(exc)})") from None
+                                         f"({one_line(exc)})") from None
         self._device = self._describe_device(cupy, cudnn, device_id)
         self._plans = _Lru(PLAN_CACHE_ENTRIES)  # (problem incl. its batch n, algo) -> _Plan | reason
         self._enumerations = _Lru(ENUMERATION_CACHE_ENTRIES)  # (problem, promoted) -> _Enumeration
@@ -360,7 +353,7 @@ class CudnnBackend(Backend):
             graph.check_support()
             count = graph.get_execution_plan_count()
         except (cudnn.cudnnGraphNotSupportedError, *_BUILD_ERRORS_EXTRA) as exc:
-            enumeration = _Enumeration(None, {}, _one_line(exc))
+            enumeration = _Enumeration(None, {}, one_line(exc))
             log.debug("cudnn offers no engine for %s (%s): %s", problem.spec, problem.kind, enumeration.reason)
             self._enumerations.put(key, enumeration)
             return enumeration
@@ -427,7 +420,7 @@ class CudnnBackend(Backend):
             graph.build_plan_at_index(index)
             plan: _Plan | str = _Plan(declared, index, int(graph.get_workspace_size_plan_at_index(index)))
         except (cudnn.cudnnGraphNotSupportedError, UnsupportedProblem, *_BUILD_ERRORS_EXTRA) as exc:
-            plan = f"{algo} does not build for this problem: {_one_line(exc)}"
+            plan = f"{algo} does not build for this problem: {one_line(exc)}"
             log.debug("%s (%s, %s)", plan, problem.spec, problem.kind)
         self._plans.put(key, plan)
         return plan
@@ -560,39 +553,7 @@ class CudnnBackend(Backend):
                 samples.append(float(cupy.cuda.get_elapsed_time(start, end)))
         return samples
 
-    def measure(self, problem: ConvProblem, algos: Sequence[str], reps: int = 3) -> list[MicroConfig]:
-        """Build, warm up and time each engine config (median of `reps` CUDA-event timings).
-
-        A config that does not build, runs out of memory or fails to run is returned with infinite
-        time and the reason; it never stops the others.
-        """
+    def candidate_failures(self) -> tuple[type[BaseException], ...]:
         import cudnn
 
-        if reps < 1:
-            raise ValueError(f"reps must be positive, got {reps}")
-        operands = self.random_operands(problem)
-        results: list[MicroConfig] = []
-        for algo in algos:
-            reason = self.unsupported_reason(problem, algo)
-            if reason is not None:
-                results.append(MicroConfig(algo, problem.n, math.inf, 0, reason=reason))
-                continue
-            nbytes = self.workspace_size(problem, algo)
-            try:
-                workspace = self.empty_workspace(nbytes)
-                for _ in range(WARMUP_RUNS):
-                    self.run(problem, algo, workspace=workspace, **operands)
-                samples = self.time_run_ms(problem, algo, operands, workspace, reps)
-            except MemoryError as exc:  # cupy.cuda.memory.OutOfMemoryError is one
-                results.append(MicroConfig(algo, problem.n, math.inf, nbytes,
-                                           reason=f"out of memory: {_one_line(exc)}"))
-                continue
-            except (cudnn.cudnnGraphNotSupportedError, RuntimeError, UnsupportedProblem) as exc:
-                results.append(MicroConfig(algo, problem.n, math.inf, nbytes,
-                                           reason=f"failed to run: {_one_line(exc)}"))
-                continue
-            median, spread = summarize_samples(samples)
-            if median > 0 and spread > NOISY_SPREAD_FRACTION * median:
-                log.warning("noisy timing: %s on %s: median %.3f ms, IQR %.3f ms", algo, problem.spec, median, spread)
-            results.append(MicroConfig(algo, problem.n, median, nbytes, spread=spread))
-        return results
+        return (cudnn.cudnnGraphNotSupportedError, RuntimeError, UnsupportedProblem)
