@@ -24,6 +24,8 @@ Notation: x (n, c, h, w), filter (k, c/g, r, s), y (n, k, oh, ow), g groups, P =
 from __future__ import annotations
 
 import functools
+import importlib.metadata
+import importlib.util
 import math
 import os
 import platform
@@ -662,17 +664,20 @@ def _run_winograd(p: ConvProblem, ws: dict[str, np.ndarray], x, w, dy, out, alph
 # ---- native (PyTorch) ------------------------------------------------------------------------
 
 @functools.cache
-def _torch():
-    """The torch module, or None when it cannot be imported (imported once, on first use)."""
-    try:
-        import torch
-    except ImportError:
+def _torch_version() -> str | None:
+    """PyTorch's version when it is installed, found without importing it (that takes seconds,
+    which a run served entirely from the cache should not pay)."""
+    if importlib.util.find_spec("torch") is None:
         return None
-    return torch
+    try:
+        return importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def _run_native(p: ConvProblem, x, w, dy, out, alpha: float, beta: float) -> None:
-    torch = _torch()
+    import torch
+
     conv = dict(stride=(p.stride_h, p.stride_w), padding=(p.pad_h, p.pad_w),
                 dilation=(p.dilation_h, p.dilation_w), groups=p.groups)
     with torch.no_grad():
@@ -697,6 +702,7 @@ def _blas_version(config: dict) -> str:
 
 
 @functools.cache
+@functools.cache
 def _device_info() -> DeviceInfo:
     model = platform.processor() or platform.machine() or "unknown CPU"
     try:
@@ -715,9 +721,8 @@ def _device_info() -> DeviceInfo:
     versions = {"numpy": np.__version__, "scipy": scipy.__version__,
                 "numpy-blas": _blas_version(np.show_config(mode="dicts")),
                 "scipy-blas": _blas_version(scipy.show_config(mode="dicts"))}
-    torch = _torch()
-    if torch is not None:
-        versions["torch"] = torch.__version__
+    if _torch_version() is not None:
+        versions["torch"] = _torch_version()
     return DeviceInfo(model=f"{model} ({cores} cores)", memory_bytes=int(memory_bytes),
                       versions=tuple(sorted(versions.items())))
 
@@ -732,7 +737,7 @@ class CpuBackend(Backend):
         return _device_info()
 
     def algorithms(self, problem: ConvProblem) -> list[str]:
-        return list(ALGORITHMS) + ([NATIVE] if _torch() is not None else [])
+        return list(ALGORITHMS) + ([NATIVE] if _torch_version() is not None else [])
 
     def unsupported_reason(self, problem: ConvProblem, algo: str) -> str | None:
         known = ALGORITHMS + (NATIVE,)
@@ -747,8 +752,8 @@ class CpuBackend(Backend):
             return f"the cpu backend runs NCHW tensors only, not {problem.layout}"
         if algo == WINOGRAD:
             return _winograd_reason(problem)
-        if algo == NATIVE and _torch() is None:
-            return "native needs PyTorch, which cannot be imported here"
+        if algo == NATIVE and _torch_version() is None:
+            return "native needs PyTorch, which is not installed here"
         return None
 
     def workspace_size(self, problem: ConvProblem, algo: str) -> int:
