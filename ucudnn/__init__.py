@@ -7,8 +7,10 @@ chooses the division optimally (WR per kernel, WD per network), and caches every
 from ucudnn.backends import get_backend
 from ucudnn.errors import BackendUnavailable, InvalidInput, UcudnnError, UnsupportedProblem
 from ucudnn.execute import run_configuration
+from ucudnn.handle import Handle, KernelChoice, LateRegistrationWarning
 from ucudnn.problem import ConvProblem
 from ucudnn.solver.types import Configuration, Infeasible, MicroConfig
 
-__all__ = ["BackendUnavailable", "Configuration", "ConvProblem", "Infeasible", "InvalidInput", "MicroConfig",
-           "UcudnnError", "UnsupportedProblem", "get_backend", "run_configuration"]
+__all__ = ["BackendUnavailable", "Configuration", "ConvProblem", "Handle", "Infeasible", "InvalidInput",
+           "KernelChoice", "LateRegistrationWarning", "MicroConfig", "UcudnnError", "UnsupportedProblem",
+           "get_backend", "run_configuration"]

@@ -1,0 +1,704 @@
+"""`Handle`: what a framework holds instead of a cuDNN handle.
+
+A `Handle` runs the three convolution kernels (`conv_forward`, `conv_backward_data`,
+`conv_backward_filter`) on NumPy arrays (CuPy on a GPU). The first time it sees a kernel it
+measures the candidate algorithms at the micro-batch sizes of its policy (through the
+measurement cache), solves for the fastest configuration within its workspace budget, stores the
+plan in the cache, and from then on runs that plan.
+
+Two budgets, as in the paper:
+
+- **WR** (``workspace_limit=M``, or no limit at all): each kernel independently gets the fastest
+  configuration whose workspace is at most ``M`` (`wr.solve`). Kernels run one after another, so
+  they reuse *one* workspace buffer: it is allocated for the first kernel and grown (never shrunk)
+  when a later kernel needs more. ``peak_workspace`` is its size, at most ``M``.
+- **WD** (``total_workspace=W``): one arena of ``W`` bytes (a single `empty_workspace` buffer) is
+  divided among all kernels of the network: each kernel owns a segment (a slice of the arena)
+  whose size the network-wide program `wd.solve` chose over each kernel's Pareto front. The
+  framework first *announces* its layers with `register` (``ucudnn.torch.announce`` does it
+  with one recording forward pass); the first real convolution then solves the whole network at
+  once. A layer that is first seen after that solve (or one whose shape changed) is registered
+  on the fly, with a `LateRegistrationWarning`, and the next convolution re-solves the network.
+  ``peak_workspace`` is the number of arena bytes assigned to segments, at most ``W``.
+
+Plans are keyed per mini-batch size: the last, smaller batch of an epoch gets its own plan (in
+WD, a plan of the same registered layers at that batch). Layers with the same shape share their
+measurements and (in WR) their plans, in memory and in the database.
+
+`prepare(kind, x_shape, w_shape, ...)` plans a kernel without running it and returns its
+configuration (like cudnnGet*Algorithm); `choices()` lists every planned kernel with its
+configuration, baseline and (WD) segment; `stats` says how much benchmarking it took.
+
+A Handle is not thread-safe (neither is a cuDNN handle): give each thread its own.
+"""
+
+from __future__ import annotations
+
+import operator
+import sys
+import warnings
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ucudnn.backends import get_backend
+from ucudnn.backends.base import Backend
+from ucudnn.benchmark import BenchStats, Policy, batch_sizes, measure_table, parse_policy, policy_name
+from ucudnn.errors import InvalidInput
+from ucudnn.execute import run_configuration
+from ucudnn.problem import KINDS, ConvProblem
+from ucudnn.sizes import parse_size
+from ucudnn.solver import wr
+from ucudnn.solver.types import Configuration, Infeasible, MicroConfig
+
+__all__ = ["Handle", "KernelChoice", "LateRegistrationWarning", "SEGMENT_ALIGN_BYTES"]
+
+# WD segments start at multiples of this: cuDNN wants aligned workspace pointers, and on the CPU an
+# aligned start keeps float views of a segment on cache-line (and SIMD) boundaries.
+SEGMENT_ALIGN_BYTES = 256
+
+# Databases spelled as "keep nothing across processes": mapped to SQLAlchemy's in-memory SQLite.
+_IN_MEMORY_DB = (":memory:", "sqlite://", "sqlite:///:memory:")
+
+_Pair = int | Sequence[int]
+
+
+class LateRegistrationWarning(UserWarning):
+    """A WD layer was announced after the network was solved; the network is solved again."""
+
+
+@dataclass(frozen=True, slots=True)
+class KernelChoice:
+    """One planned kernel: what runs for `layer`'s `kind` kernel at mini-batch `batch`.
+
+    `baseline` is plain cuDNN-style selection (the fastest algorithm at the whole batch within the
+    same limit: ``M`` in WR, an equal share ``W / K`` in WD), or None when nothing fits undivided.
+    `offset` is the byte offset of the kernel's segment in the WD arena (None in WR); the segment
+    is ``arena[offset : offset + config.workspace]``.
+    """
+
+    layer: str
+    kind: str
+    batch: int
+    problem: ConvProblem
+    config: Configuration
+    baseline: MicroConfig | None
+    offset: int | None
+
+    @property
+    def micro_batched(self) -> bool:
+        """Whether the plan runs the mini-batch as more than one micro-batch."""
+        return len(self.config.micros) > 1
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """A kernel's solved configuration, its baseline and (WD) its arena offset."""
+
+    config: Configuration
+    baseline: MicroConfig | None
+    offset: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class _Prepared:
+    """What a repeated call needs, looked up by the call's shapes and parameters alone."""
+
+    problem: ConvProblem
+    config: Configuration
+    offset: int | None  # WD segment offset; None in WR (the shared buffer)
+
+
+def _pair(name: str, value: _Pair, minimum: int) -> tuple[int, int]:
+    if isinstance(value, int) and not isinstance(value, bool):
+        pair = (value, value)
+    else:
+        try:
+            pair = tuple(value)  # type: ignore[arg-type]
+        except TypeError:
+            raise InvalidInput(f"{name} must be an integer or a pair of integers, got {value!r}") from None
+        if len(pair) != 2:
+            raise InvalidInput(f"{name} must be an integer or a pair of integers, got {value!r}")
+    for v in pair:
+        if not isinstance(v, int) or isinstance(v, bool) or v < minimum:
+            rule = "non-negative" if minimum == 0 else "positive"
+            raise InvalidInput(f"{name} must hold {rule} integers, got {value!r}")
+    return pair  # type: ignore[return-value]
+
+
+def _shape4(name: str, array_or_shape: Any) -> tuple[int, int, int, int]:
+    """The shape of a 4-D array, or a 4-entry shape itself, as a tuple of ints."""
+    shape = getattr(array_or_shape, "shape", array_or_shape)
+    try:
+        shape = tuple(operator.index(v) for v in shape if not isinstance(v, bool))
+        if len(shape) == 4:
+            return shape  # type: ignore[return-value]
+    except TypeError:
+        pass
+    raise InvalidInput(f"{name} must be a 4-D NCHW array or a shape of 4 integers, got "
+                       f"{getattr(array_or_shape, 'shape', array_or_shape)!r}")
+
+
+def _same_dtype(a: Any, b: Any) -> None:
+    if a.dtype != b.dtype:
+        raise InvalidInput(f"the two operands must share a dtype, got {a.dtype} and {b.dtype}")
+
+
+def _check_groups(groups: Any, c: int, w_shape: Sequence[int]) -> None:
+    if not isinstance(groups, int) or isinstance(groups, bool) or groups < 1:
+        raise InvalidInput(f"groups must be a positive integer, got {groups!r}")
+    if w_shape[1] * groups != c:
+        raise InvalidInput(f"the filter's input channels ({w_shape[1]}) times groups ({groups}) must equal "
+                           f"the input's channels ({c})")
+    if w_shape[0] % groups:
+        raise InvalidInput(f"groups ({groups}) must divide the filter's output channels ({w_shape[0]})")
+
+
+def _infer_x_shape(dy_shape, w_shape, stride, padding, dilation, groups) -> tuple[int, int, int, int]:
+    """The input shape of a convolution from its output and filter, where that is unambiguous."""
+    stride, padding, dilation = _pair("stride", stride, 1), _pair("padding", padding, 0), _pair("dilation", dilation, 1)
+    if not isinstance(groups, int) or isinstance(groups, bool) or groups < 1:
+        raise InvalidInput(f"groups must be a positive integer, got {groups!r}")
+    if stride != (1, 1):
+        # out = (h + 2p - d(r-1) - 1) // stride + 1 fixes h only when the stride is 1
+        raise InvalidInput("conv_backward_data cannot tell the input size from dy when the stride is above 1; "
+                           "give x_shape or out")
+    sizes = [dy_shape[2 + a] - 1 - 2 * padding[a] + dilation[a] * (w_shape[2 + a] - 1) + 1 for a in (0, 1)]
+    return (dy_shape[0], w_shape[1] * groups, *sizes)
+
+
+def _infer_w_shape(x_shape, dy_shape, stride, padding, dilation, groups) -> tuple[int, int, int, int]:
+    """The filter shape of a convolution from its input and output, where that is unambiguous."""
+    stride, padding, dilation = _pair("stride", stride, 1), _pair("padding", padding, 0), _pair("dilation", dilation, 1)
+    if not isinstance(groups, int) or isinstance(groups, bool) or groups < 1:
+        raise InvalidInput(f"groups must be a positive integer, got {groups!r}")
+    if stride != (1, 1):
+        raise InvalidInput("conv_backward_filter cannot tell the filter size from x and dy when the stride is "
+                           "above 1; give w_shape or out")
+    sizes = []
+    for a in (0, 1):
+        span = x_shape[2 + a] + 2 * padding[a] - dy_shape[2 + a]  # = dilation * (r - 1)
+        if span < 0 or span % dilation[a]:
+            raise InvalidInput(f"no filter size maps an input of {x_shape[2 + a]} to an output of {dy_shape[2 + a]} "
+                               f"with padding {padding[a]} and dilation {dilation[a]}")
+        sizes.append(span // dilation[a] + 1)
+    return (dy_shape[1], x_shape[1] // groups, *sizes)
+
+
+def _array_module(array: Any):
+    """numpy, or cupy for a CuPy array (cupy is imported only when such an array is given)."""
+    cupy = sys.modules.get("cupy")
+    if cupy is not None and isinstance(array, cupy.ndarray):
+        return cupy
+    import numpy
+    return numpy
+
+
+def _contiguous(array: Any) -> Any:
+    return array if array.flags.c_contiguous else _array_module(array).ascontiguousarray(array)
+
+
+def _micro_to_dict(m: MicroConfig) -> dict:
+    return {"algo": m.algo, "batch": m.batch, "time_ms": m.time, "workspace": m.workspace}
+
+
+def _micro_from_dict(d: dict) -> MicroConfig:
+    return MicroConfig(d["algo"], int(d["batch"]), float(d["time_ms"]), int(d["workspace"]))
+
+
+def _config_from_dict(items: Iterable[dict]) -> Configuration:
+    return Configuration(tuple(_micro_from_dict(d) for d in items))
+
+
+def _align_up(nbytes: int) -> int:
+    return -(-nbytes // SEGMENT_ALIGN_BYTES) * SEGMENT_ALIGN_BYTES
+
+
+def _place_segments(configs: Sequence[Configuration]) -> tuple[list[int], int]:
+    """Aligned, disjoint arena offsets for the kernels' workspaces, and the bytes they span."""
+    offsets, end = [], 0
+    for config in configs:
+        if config.workspace == 0:
+            offsets.append(0)  # an empty segment; it overlaps nothing
+            continue
+        start = _align_up(end)
+        offsets.append(start)
+        end = start + config.workspace
+    return offsets, end
+
+
+class Handle:
+    """Runs convolution kernels with micro-batched, workspace-bounded configurations.
+
+    Parameters (all keyword-only)
+    ----------
+    backend : "auto" (cudnn when usable, else cpu), "cpu", "cudnn", or a `Backend` instance.
+    policy : micro-batch sizes to measure: "powerOfTwo" (default), "all", "undivided", a string
+        such as "1,4,16", or a tuple of sizes.
+    workspace_limit : WR limit ``M`` per kernel, bytes or a size string ("64MiB"); None = no limit.
+    total_workspace : WD budget ``W`` for the whole network, bytes or a size string. Give at most
+        one of the two limits.
+    db : where measurements and plans persist: None for the default cache (``$UCUDNN_DB`` or the
+        user cache folder), a SQLAlchemy URL or SQLite file path, ":memory:" / "sqlite://" for a
+        database that lives as long as the handle, or False for no database at all.
+    reps : timed runs per measurement (the median is kept).
+    algos : restrict the candidate algorithms (default: every algorithm of the backend).
+    """
+
+    def __init__(self, *, backend: str | Backend = "auto", policy: Policy = "powerOfTwo",
+                 workspace_limit: int | str | None = None, total_workspace: int | str | None = None,
+                 db: str | bool | None = None, reps: int = 3, algos: Sequence[str] | None = None) -> None:
+        self._options = {"backend": backend, "policy": policy, "workspace_limit": workspace_limit,
+                         "total_workspace": total_workspace, "db": db, "reps": reps,
+                         "algos": tuple(algos) if algos is not None else None}
+        if workspace_limit is not None and total_workspace is not None:
+            raise InvalidInput("give workspace_limit (WR, per kernel) or total_workspace (WD, per network), not both")
+        self._workspace_limit = None if workspace_limit is None else parse_size(workspace_limit)
+        self._total_workspace = None if total_workspace is None else parse_size(total_workspace)
+        if isinstance(policy, str):
+            self._policy: Policy = parse_policy(policy)
+        elif isinstance(policy, tuple) and policy and all(isinstance(s, int) and s >= 1 for s in policy):
+            self._policy = tuple(sorted(set(policy)))
+        else:
+            raise InvalidInput(f"policy must be a policy name or a tuple of positive sizes, got {policy!r}")
+        if not isinstance(reps, int) or isinstance(reps, bool) or reps < 1:
+            raise InvalidInput(f"reps must be a positive integer, got {reps!r}")
+        self._reps = reps
+        if db is True or not (db is None or db is False or isinstance(db, str) or hasattr(db, "__fspath__")):
+            raise InvalidInput(f"db must be None (default cache), a URL or path, ':memory:', or False; got {db!r}")
+        self._db = db
+        if isinstance(backend, str):
+            self._backend = get_backend(backend)
+        elif isinstance(backend, Backend):
+            self._backend = backend
+        else:
+            raise InvalidInput(f"backend must be a backend name or a Backend instance, got {backend!r}")
+        self._algos = self._options["algos"]
+        if self._algos is not None and not self._algos:
+            raise InvalidInput("algos must name at least one algorithm (or be None for all)")
+
+        self._cache: Any = None           # opened on first use
+        self._cache_open = False
+        self._stats = BenchStats()
+        # call signature -> what to run; WD re-solves clear it
+        self._prepared: dict[tuple, _Prepared] = {}
+        # WR: (problem.key, batch) -> plan; one workspace buffer shared by every kernel
+        self._wr_plans: dict[tuple[str, int], _Plan] = {}
+        self._wr_seen: dict[tuple[str, str, int], ConvProblem] = {}
+        self._buffer: Any = None
+        self._buffer_bytes = 0
+        # WD: layer -> (fwd problem at any batch, kinds); batch -> (layer, kind) -> plan; one arena
+        self._layers: dict[str, tuple[ConvProblem, frozenset[str]]] = {}
+        self._wd_plans: dict[int, dict[tuple[str, str], tuple[ConvProblem, _Plan]]] = {}
+        self._wd_solved = False
+        self._arena: Any = None
+        self._peak_bytes = 0
+
+    # ---- introspection ------------------------------------------------------------------
+    @property
+    def backend(self) -> Backend:
+        return self._backend
+
+    @property
+    def mode(self) -> str:
+        """"WD" with a total workspace, else "WR"."""
+        return "WD" if self._total_workspace is not None else "WR"
+
+    @property
+    def workspace_limit(self) -> int | None:
+        return self._workspace_limit
+
+    @property
+    def total_workspace(self) -> int | None:
+        return self._total_workspace
+
+    @property
+    def policy(self) -> Policy:
+        return self._policy
+
+    @property
+    def peak_workspace(self) -> int:
+        """Most workspace bytes held at once: WR, the shared buffer; WD, the arena bytes in segments."""
+        return self._peak_bytes
+
+    @property
+    def arena(self) -> Any:
+        """The WD arena (one buffer of `total_workspace` bytes, allocated at the first solve), else None."""
+        return self._arena
+
+    @property
+    def stats(self) -> BenchStats:
+        """Benchmark work so far: micro-configs measured, taken from the cache, and seconds spent."""
+        return self._stats
+
+    @property
+    def layers(self) -> dict[str, tuple[ConvProblem, frozenset[str]]]:
+        """WD registry: layer -> (its forward problem, the kinds announced). A copy."""
+        return dict(self._layers)
+
+    def choices(self) -> list[KernelChoice]:
+        """Every kernel planned so far (WR: those that ran; WD: every registered kernel per solved batch)."""
+        out: list[KernelChoice] = []
+        if self.mode == "WR":
+            for (layer, kind, batch), problem in self._wr_seen.items():
+                plan = self._wr_plans[problem.key, batch]
+                out.append(KernelChoice(layer, kind, batch, problem, plan.config, plan.baseline, None))
+        else:
+            for batch, plans in self._wd_plans.items():
+                for (layer, kind), (problem, plan) in plans.items():
+                    out.append(KernelChoice(layer, kind, batch, problem, plan.config, plan.baseline, plan.offset))
+        return out
+
+    def __repr__(self) -> str:
+        limit = (f"workspace_limit={self._workspace_limit}" if self.mode == "WR"
+                 else f"total_workspace={self._total_workspace}")
+        return (f"Handle(backend={self._backend.name!r}, mode={self.mode}, {limit}, "
+                f"policy={policy_name(self._policy)!r})")
+
+    # ---- lifetime -----------------------------------------------------------------------
+    def close(self) -> None:
+        """Close the database connection and free the workspace; plans made so far are kept in memory."""
+        if self._cache is not None:
+            self._cache.close()
+        self._cache = None
+        self._cache_open = False
+        self._buffer = None
+        self._buffer_bytes = 0
+        self._arena = None
+
+    def __enter__(self) -> Handle:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __reduce__(self):
+        # A copy (pickle, copy.deepcopy of a model) is a fresh handle with the same options: the
+        # database connection and the workspace cannot travel, and plans come back from the DB.
+        return (_rebuild_handle, (self._options,))
+
+    # ---- announcing layers (WD) -----------------------------------------------------------
+    def register(self, layer: str, problem: ConvProblem, *, kinds: Iterable[str] = KINDS) -> None:
+        """Announce that `layer` runs `problem`'s convolution with these kernel kinds.
+
+        `problem` describes the layer's geometry; its `kind` and batch `n` are ignored (plans are
+        solved per batch as batches arrive). In WD, announce every layer before the first
+        convolution: that convolution solves the network. Announcing a new layer, a new kind or a
+        new shape for a known layer after a solve warns (`LateRegistrationWarning`) and makes the
+        next convolution solve again. In WR, kernels are planned independently and this only
+        checks its arguments.
+        """
+        if not isinstance(layer, str) or not layer:
+            raise InvalidInput(f"layer must be a non-empty string, got {layer!r}")
+        if not isinstance(problem, ConvProblem):
+            raise InvalidInput(f"problem must be a ConvProblem, got {type(problem).__name__}")
+        kinds = frozenset(kinds)
+        unknown = kinds - set(KINDS)
+        if not kinds or unknown:
+            raise InvalidInput(f"kinds must be a non-empty subset of {', '.join(KINDS)}, got {sorted(kinds)}")
+        if self.mode == "WR":
+            return
+        self._register(layer, problem.with_kind("fwd"), kinds, stacklevel=3)
+
+    def _register(self, layer: str, template: ConvProblem, kinds: frozenset[str], stacklevel: int) -> None:
+        known = self._layers.get(layer)
+        if known is not None and known[0].key == template.key:
+            if kinds <= known[1]:
+                return
+            kinds = kinds | known[1]
+            what = f"kernel kind(s) {', '.join(sorted(kinds - known[1]))} of layer {layer!r}"
+        elif known is not None:
+            what = f"a new shape for layer {layer!r} ({template.spec}, was {known[0].spec})"
+        else:
+            what = f"layer {layer!r}"
+        self._layers[layer] = (template, kinds)
+        if self._wd_solved:
+            warnings.warn(LateRegistrationWarning(
+                f"ucudnn WD: {what} was announced after the workspace division was solved; the network "
+                f"({len(self._layers)} layers) is solved again. Announce every layer before the first "
+                "convolution (Handle.register, or ucudnn.torch.announce)."), stacklevel=stacklevel)
+            self._wd_plans.clear()
+            self._prepared.clear()
+
+    # ---- the three kernels --------------------------------------------------------------
+    def conv_forward(self, x: Any, w: Any, *, stride: _Pair = 1, padding: _Pair = 0, dilation: _Pair = 1,
+                     groups: int = 1, alpha: float = 1.0, beta: float = 0.0, out: Any = None,
+                     layer: str | None = None) -> Any:
+        """y = alpha * conv2d(x, w) + beta * out, for x (n, c, h, w) and w (k, c/groups, r, s).
+
+        Without `out`, a new y is allocated and returned (`beta` must then be 0). With `out` (a
+        contiguous array of y's shape and dtype), the result is written into it and `out` is
+        returned. `layer` names the layer (WD gives each layer's kernels their own segment; None
+        uses the shape as the name, so layers of one shape share a segment).
+        """
+        xs, ws = _shape4("x", x), _shape4("w", w)
+        _same_dtype(x, w)
+        prep = self._lookup("fwd", layer, xs, ws, stride, padding, dilation, groups, str(x.dtype))
+        out = self._output(out, prep.problem, beta, x)
+        self._run(prep, x=_contiguous(x), w=_contiguous(w), out=out, alpha=alpha, beta=beta)
+        return out
+
+    def conv_backward_data(self, dy: Any, w: Any, *, x_shape: Sequence[int] | None = None, stride: _Pair = 1,
+                           padding: _Pair = 0, dilation: _Pair = 1, groups: int = 1, alpha: float = 1.0,
+                           beta: float = 0.0, out: Any = None, layer: str | None = None) -> Any:
+        """dx = alpha * (gradient of conv2d w.r.t. its input, given dy) + beta * out.
+
+        The input shape comes from `x_shape`, or from `out`'s shape; without either it is inferred
+        where that is unambiguous (stride 1 on both axes). The rest is as in `conv_forward`.
+        """
+        dys, ws = _shape4("dy", dy), _shape4("w", w)
+        _same_dtype(dy, w)
+        if x_shape is None:
+            x_shape = out.shape if out is not None else _infer_x_shape(dys, ws, stride, padding, dilation, groups)
+        prep = self._lookup("bwd_data", layer, _shape4("x_shape", x_shape), ws, stride, padding, dilation, groups,
+                            str(dy.dtype))
+        if dys != prep.problem.y_shape:
+            raise InvalidInput(f"dy has shape {dys}, but the convolution of an input {prep.problem.x_shape} with "
+                               f"w {ws} writes {prep.problem.y_shape}")
+        out = self._output(out, prep.problem, beta, dy)
+        self._run(prep, dy=_contiguous(dy), w=_contiguous(w), out=out, alpha=alpha, beta=beta)
+        return out
+
+    def conv_backward_filter(self, x: Any, dy: Any, *, w_shape: Sequence[int] | None = None, stride: _Pair = 1,
+                             padding: _Pair = 0, dilation: _Pair = 1, groups: int = 1, alpha: float = 1.0,
+                             beta: float = 0.0, out: Any = None, layer: str | None = None) -> Any:
+        """dw = alpha * (gradient of conv2d w.r.t. its filter, given x and dy) + beta * out.
+
+        The filter shape comes from `w_shape`, or from `out`'s shape; without either it is inferred
+        where that is unambiguous (stride 1 on both axes). Micro-batch gradients are summed into
+        the result. The rest is as in `conv_forward`.
+        """
+        xs, dys = _shape4("x", x), _shape4("dy", dy)
+        _same_dtype(x, dy)
+        if w_shape is None:
+            w_shape = out.shape if out is not None else _infer_w_shape(xs, dys, stride, padding, dilation, groups)
+        prep = self._lookup("bwd_filter", layer, xs, _shape4("w_shape", w_shape), stride, padding, dilation, groups,
+                            str(x.dtype))
+        if dys != prep.problem.y_shape:
+            raise InvalidInput(f"dy has shape {dys}, but the convolution of x {xs} with a filter "
+                               f"{prep.problem.w_shape} writes {prep.problem.y_shape}")
+        out = self._output(out, prep.problem, beta, x)
+        self._run(prep, x=_contiguous(x), dy=_contiguous(dy), out=out, alpha=alpha, beta=beta)
+        return out
+
+    def prepare(self, kind: str, x_shape: Sequence[int], w_shape: Sequence[int], *, stride: _Pair = 1,
+                padding: _Pair = 0, dilation: _Pair = 1, groups: int = 1, dtype: str = "float32",
+                layer: str | None = None) -> Configuration:
+        """Plan a kernel now (measuring and solving if needed) and return the configuration it runs.
+
+        The arguments describe the convolution as the kernel calls do: `x_shape` (n, c, h, w) and
+        `w_shape` (k, c/groups, r, s) for every kind. The call that follows with the same arguments
+        runs exactly this configuration; like cudnnGet*Algorithm, this lets a framework plan during
+        setup, or inspect the plan. (WD: the first `prepare` solves the network, as a convolution
+        would.) The workspace is taken when the kernel first runs through the handle.
+        """
+        if kind not in KINDS:
+            raise InvalidInput(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
+        return self._lookup(kind, layer, _shape4("x_shape", x_shape), _shape4("w_shape", w_shape), stride, padding,
+                            dilation, groups, str(dtype)).config
+
+    def _lookup(self, kind: str, layer: str | None, x_shape: tuple[int, ...], w_shape: tuple[int, ...], stride: _Pair,
+                padding: _Pair, dilation: _Pair, groups: int, dtype: str) -> _Prepared:
+        """What to run for this call: a dict hit on repeated calls, else the problem is built and planned."""
+        signature = (kind, layer, x_shape, w_shape, stride, padding, dilation, groups, dtype)
+        try:
+            prep = self._prepared.get(signature)
+        except TypeError:  # an unhashable argument (a list for stride, ...): normalised below
+            prep = None
+        if prep is not None:
+            return prep
+        stride, padding, dilation = (_pair("stride", stride, 1), _pair("padding", padding, 0),
+                                     _pair("dilation", dilation, 1))
+        _check_groups(groups, x_shape[1], w_shape)
+        n, c, h, w = x_shape
+        problem = ConvProblem(kind=kind, n=n, c=c, h=h, w=w, k=w_shape[0], r=w_shape[2], s=w_shape[3],
+                              pad_h=padding[0], pad_w=padding[1], stride_h=stride[0], stride_w=stride[1],
+                              dilation_h=dilation[0], dilation_w=dilation[1], groups=groups, dtype=dtype)
+        prep = self._prepare(layer, problem)
+        try:
+            self._prepared[signature] = prep
+        except TypeError:
+            pass
+        # the normalised spelling too, so that equal calls spelled differently hit the same entry
+        self._prepared[(kind, layer, x_shape, w_shape, stride, padding, dilation, groups, dtype)] = prep
+        return prep
+
+    # ---- outputs --------------------------------------------------------------------------
+    def _output(self, out: Any, problem: ConvProblem, beta: float, like: Any) -> Any:
+        if out is None:
+            if beta != 0:
+                raise InvalidInput(f"beta={beta} blends the result into an existing output; give out")
+            # Zeros, not empty: with beta = 0 a backend may still read out (0 * NaN is NaN).
+            return _array_module(like).zeros(problem.out_shape, dtype=like.dtype)
+        if tuple(out.shape) != problem.out_shape:
+            raise InvalidInput(f"out has shape {tuple(out.shape)}, the {problem.kind} kernel writes {problem.out_shape}")
+        if out.dtype != like.dtype:
+            raise InvalidInput(f"out has dtype {out.dtype}, the operands {like.dtype}")
+        if not out.flags.c_contiguous:
+            raise InvalidInput("out must be C-contiguous (NCHW); the kernel writes into it in place")
+        if _array_module(out) is not _array_module(like):
+            raise InvalidInput("out and the operands must live on the same device (NumPy or CuPy arrays alike)")
+        return out
+
+    # ---- planning -----------------------------------------------------------------------
+    def _prepare(self, layer: str | None, problem: ConvProblem) -> _Prepared:
+        if layer is not None and (not isinstance(layer, str) or not layer):
+            raise InvalidInput(f"layer must be a non-empty string or None, got {layer!r}")
+        name = layer if layer is not None else problem.with_kind("fwd").key
+        if self.mode == "WR":
+            plan = self._plan_wr(problem)
+            self._wr_seen.setdefault((name, problem.kind, problem.n), problem)
+            prep = _Prepared(problem, plan.config, None)
+        else:
+            self._register(name, problem.with_kind("fwd"), frozenset({problem.kind}), stacklevel=5)
+            plans = self._wd_plans.get(problem.n)
+            if plans is None:
+                plans = self._solve_wd(problem.n)
+            _, plan = plans[name, problem.kind]
+            prep = _Prepared(problem, plan.config, plan.offset)
+        return prep
+
+    def _candidates(self, problem: ConvProblem) -> list[str]:
+        if self._algos is None:
+            return self._backend.algorithms(problem)
+        known = self._backend.algorithms(problem)
+        unknown = [a for a in self._algos if a not in known]
+        if unknown:
+            raise InvalidInput(f"unknown algorithm(s) {', '.join(unknown)} for backend {self._backend.name} "
+                               f"({problem.kind}); known: {', '.join(known)}")
+        return list(self._algos)
+
+    def _open_cache(self):
+        if not self._cache_open:
+            self._cache_open = True
+            if self._db is not False:
+                from ucudnn.db import Cache
+                url = self._db
+                if isinstance(url, str) and url in _IN_MEMORY_DB:
+                    url = "sqlite://"
+                elif url is not None:
+                    url = str(url)
+                self._cache = Cache(url)
+        return self._cache
+
+    def _measure(self, problem: ConvProblem, limit: int | None) -> dict[int, list[MicroConfig]]:
+        table, stats = measure_table(self._backend, problem, batch_sizes(self._policy, problem.n),
+                                     cache=self._open_cache(), algos=self._candidates(problem), reps=self._reps,
+                                     workspace_limit=limit)
+        self._stats += stats
+        return table
+
+    def _plan_key(self, **parts) -> str:
+        from ucudnn.optimize import plan_key
+        return plan_key(self._backend, policy=policy_name(self._policy), algos=self._algos, **parts)
+
+    def _plan_wr(self, problem: ConvProblem) -> _Plan:
+        memo = (problem.key, problem.n)
+        plan = self._wr_plans.get(memo)
+        if plan is not None:
+            return plan
+        key = self._plan_key(mode="WR", workspace_limit=self._workspace_limit, problem=problem.key, batch=problem.n)
+        cache = self._open_cache()
+        stored = cache.get_plan(key) if cache is not None else None
+        if stored is not None:
+            plan = _Plan(_config_from_dict(stored["config"]),
+                         _micro_from_dict(stored["baseline"]) if stored.get("baseline") else None)
+        else:
+            table = self._measure(problem, self._workspace_limit)
+            try:
+                config = wr.solve(table, problem.n, self._workspace_limit)
+            except Infeasible as exc:
+                raise Infeasible(f"{problem.spec} ({problem.kind}): {exc}") from exc
+            baseline = wr.fastest_within({problem.n: table.get(problem.n, [])}, self._workspace_limit).get(problem.n)
+            plan = _Plan(config, baseline)
+            if cache is not None:
+                cache.put_plan(key, {"mode": "WR", "problem": problem.key, "batch": problem.n,
+                                     "config": [_micro_to_dict(m) for m in config.micros],
+                                     "baseline": _micro_to_dict(baseline) if baseline else None})
+        self._wr_plans[memo] = plan
+        return plan
+
+    def _solve_wd(self, batch: int) -> dict[tuple[str, str], tuple[ConvProblem, _Plan]]:
+        """Solve (or load) the workspace division of every registered kernel at this batch."""
+        total = self._total_workspace
+        assert total is not None
+        # A canonical kernel order, so that networks with the same multiset of kernels share a plan.
+        kernels = sorted(((layer, kind, template.with_batch(batch).with_kind(kind))
+                          for layer, (template, kinds) in self._layers.items() for kind in kinds),
+                         key=lambda t: (t[2].key, t[0]))
+        problem_keys = [p.key for _, _, p in kernels]
+        key = self._plan_key(mode="WD", total_workspace=total, batch=batch, kernels=problem_keys)
+        cache = self._open_cache()
+        stored = cache.get_plan(key) if cache is not None else None
+        if stored is not None and len(stored.get("kernels", ())) == len(kernels):
+            configs = [_config_from_dict(k["config"]) for k in stored["kernels"]]
+            baselines = [_micro_from_dict(k["baseline"]) if k.get("baseline") else None for k in stored["kernels"]]
+            offsets, end = _place_segments(configs)
+        else:
+            configs, baselines, offsets, end = self._solve_wd_fresh([p for _, _, p in kernels], total)
+            if cache is not None:
+                cache.put_plan(key, {"mode": "WD", "total_workspace": total, "batch": batch, "kernels": [
+                    {"problem": p, "config": [_micro_to_dict(m) for m in c.micros],
+                     "baseline": _micro_to_dict(b) if b else None}
+                    for p, c, b in zip(problem_keys, configs, baselines, strict=True)]})
+        if end > total:  # only a corrupt stored plan gets here; a fresh solve places within the total
+            raise Infeasible(f"the stored WD plan needs {end} B of arena, over the total {total} B")
+        if self._arena is None:
+            self._arena = self._backend.empty_workspace(total)
+        self._peak_bytes = max(self._peak_bytes, end)
+        plans = {(layer, kind): (p, _Plan(c, b, o))
+                 for (layer, kind, p), c, b, o in zip(kernels, configs, baselines, offsets, strict=True)}
+        self._wd_plans[batch] = plans
+        self._wd_solved = True
+        return plans
+
+    def _solve_wd_fresh(self, problems: list[ConvProblem], total: int):
+        from ucudnn.solver import pareto, wd
+
+        batch = problems[0].n
+        tables: dict[str, dict[int, list[MicroConfig]]] = {}
+        fronts: dict[str, list[Configuration]] = {}
+        for p in problems:
+            if p.key not in tables:
+                tables[p.key] = self._measure(p, total)
+                try:
+                    fronts[p.key] = pareto.front(tables[p.key], batch, total)
+                except Infeasible as exc:
+                    raise Infeasible(f"{p.spec} ({p.kind}): {exc}") from exc
+        share = total // len(problems)  # the baseline: an equal share, what a framework without WD gives
+        baselines = [wr.fastest_within({batch: tables[p.key].get(batch, [])}, share).get(batch) for p in problems]
+        # Aligning segment starts can push the placed span past the total by up to K * align bytes;
+        # solve again with the overshoot taken off the budget until the placement fits.
+        budget = total
+        while True:
+            chosen = wd.solve({i: fronts[p.key] for i, p in enumerate(problems)}, budget)
+            configs = [chosen[i] for i in range(len(problems))]
+            offsets, end = _place_segments(configs)
+            if end <= total:
+                return configs, baselines, offsets, end
+            budget -= end - total
+            if budget < 0:
+                raise Infeasible(f"aligned WD segments do not fit the total workspace {total} B")
+
+    # ---- running ------------------------------------------------------------------------
+    def _workspace(self, prep: _Prepared) -> Any:
+        need = prep.config.workspace
+        if prep.offset is not None:
+            if self._arena is None:  # freed by close(); the plans still hold
+                self._arena = self._backend.empty_workspace(self._total_workspace)
+            return self._arena[prep.offset:prep.offset + need]
+        if self._buffer is None or need > self._buffer_bytes:
+            self._buffer = None  # release the old buffer before taking the larger one
+            self._buffer = self._backend.empty_workspace(need)
+            self._buffer_bytes = need
+            self._peak_bytes = max(self._peak_bytes, need)
+        return self._buffer[:need]
+
+    def _run(self, prep: _Prepared, *, x: Any = None, w: Any = None, dy: Any = None, out: Any,
+             alpha: float, beta: float) -> None:
+        run_configuration(self._backend, prep.problem, prep.config, x=x, w=w, dy=dy, out=out,
+                          alpha=alpha, beta=beta, workspace=self._workspace(prep))
+
+
+def _rebuild_handle(options: dict) -> Handle:
+    return Handle(**options)
