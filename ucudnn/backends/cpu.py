@@ -701,7 +701,9 @@ def _blas_version(config: dict) -> str:
     return f"{blas.get('name', 'unknown')} {blas.get('version', 'unknown')}"
 
 
-@functools.cache
+_THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+
+
 @functools.cache
 def _device_info() -> DeviceInfo:
     model = platform.processor() or platform.machine() or "unknown CPU"
@@ -723,6 +725,9 @@ def _device_info() -> DeviceInfo:
                 "scipy-blas": _blas_version(scipy.show_config(mode="dicts"))}
     if _torch_version() is not None:
         versions["torch"] = _torch_version()
+    # Thread counts change every timing, so measurements taken under other settings are not reused.
+    for var in _THREAD_VARIABLES:
+        versions[var] = os.environ.get(var, "default")
     return DeviceInfo(model=f"{model} ({cores} cores)", memory_bytes=int(memory_bytes),
                       versions=tuple(sorted(versions.items())))
 
