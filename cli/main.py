@@ -30,12 +30,12 @@ def cli(verbose: int) -> None:
 
 def _register_commands() -> None:
     from ucudnn.cli.bench import bench
-    cli.add_command(bench)
+    from ucudnn.cli.db_cmd import db
     from ucudnn.cli.networks_cmd import networks
-    cli.add_command(networks)
     from ucudnn.cli.selftest_cmd import selftest
-    cli.add_command(selftest)
-    from ucudnn.cli.db_cmd import db; cli.add_command(db)  # noqa: E702
+
+    for command in (bench, db, networks, selftest):
+        cli.add_command(command)
 
 
 _register_commands()
