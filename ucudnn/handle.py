@@ -46,6 +46,7 @@ from ucudnn.backends.base import Backend
 from ucudnn.benchmark import BenchStats, Policy, batch_sizes, measure_table, parse_policy, policy_name
 from ucudnn.errors import InvalidInput
 from ucudnn.execute import run_configuration
+from ucudnn.optimize import pareto_fronts, plan_key, undivided_baseline
 from ucudnn.problem import KINDS, ConvProblem
 from ucudnn.sizes import parse_size
 from ucudnn.solver import wr
@@ -589,7 +590,6 @@ class Handle:
         return table
 
     def _plan_key(self, **parts) -> str:
-        from ucudnn.optimize import plan_key
         return plan_key(self._backend, policy=policy_name(self._policy), algos=self._algos, **parts)
 
     def _plan_wr(self, problem: ConvProblem) -> _Plan:
@@ -609,7 +609,7 @@ class Handle:
                 config = wr.solve(table, problem.n, self._workspace_limit)
             except Infeasible as exc:
                 raise Infeasible(f"{problem.spec} ({problem.kind}): {exc}") from exc
-            baseline = wr.fastest_within({problem.n: table.get(problem.n, [])}, self._workspace_limit).get(problem.n)
+            baseline = undivided_baseline(table, problem.n, self._workspace_limit)
             plan = _Plan(config, baseline)
             if cache is not None:
                 cache.put_plan(key, {"mode": "WR", "problem": problem.key, "batch": problem.n,
@@ -653,20 +653,16 @@ class Handle:
         return plans
 
     def _solve_wd_fresh(self, problems: list[ConvProblem], total: int):
-        from ucudnn.solver import pareto, wd
+        from ucudnn.solver import wd
 
         batch = problems[0].n
         tables: dict[str, dict[int, list[MicroConfig]]] = {}
-        fronts: dict[str, list[Configuration]] = {}
         for p in problems:
             if p.key not in tables:
                 tables[p.key] = self._measure(p, total)
-                try:
-                    fronts[p.key] = pareto.front(tables[p.key], batch, total)
-                except Infeasible as exc:
-                    raise Infeasible(f"{p.spec} ({p.kind}): {exc}") from exc
+        fronts = pareto_fronts(problems, tables, batch, total)
         share = total // len(problems)  # the baseline: an equal share, what a framework without WD gives
-        baselines = [wr.fastest_within({batch: tables[p.key].get(batch, [])}, share).get(batch) for p in problems]
+        baselines = [undivided_baseline(tables[p.key], batch, share) for p in problems]
         # Aligning segment starts can push the placed span past the total by up to K * align bytes;
         # solve again with the overshoot taken off the budget until the placement fits.
         budget = total

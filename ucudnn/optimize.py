@@ -131,12 +131,12 @@ def optimize(backend: Backend, kernels: Sequence[tuple[str, ConvProblem]], *, po
             stats += s
 
     baseline_limit = total_workspace // len(kernels) if mode == "WD" else workspace_limit
-    baselines = [_baseline(tables[p.key], batch, baseline_limit) for _, p in kernels]
+    baselines = [undivided_baseline(tables[p.key], batch, baseline_limit) for _, p in kernels]
     fronts: dict[str, list[Configuration]] = {}
     if mode == "WR":
         configs = [wr.solve(tables[p.key], batch, workspace_limit) for _, p in kernels]
     else:
-        fronts = _pareto_fronts(kernels, tables, batch, total_workspace)
+        fronts = pareto_fronts([p for _, p in kernels], tables, batch, total_workspace)
         configs = _solve_wd(kernels, fronts, total_workspace)
     plans = tuple(KernelPlan(name, p, b, c) for (name, p), b, c in zip(kernels, baselines, configs, strict=True))
     return Report(device=backend.device.model, backend=backend.name, policy=policy_name(policy), mode=mode,
@@ -144,17 +144,17 @@ def optimize(backend: Backend, kernels: Sequence[tuple[str, ConvProblem]], *, po
                   kernels=plans, stats=stats, fronts=fronts)
 
 
-def _baseline(table: dict[int, list[MicroConfig]], batch: int, limit: int | None) -> MicroConfig | None:
+def undivided_baseline(table: Mapping[int, Sequence[MicroConfig]], batch: int, limit: int | None) -> MicroConfig | None:
     """cuDNN-style selection: the fastest algorithm at the whole batch within the limit."""
     return wr.fastest_within({batch: table.get(batch, [])}, limit).get(batch)
 
 
-def _pareto_fronts(kernels, tables, batch: int, total_workspace: int) -> dict[str, list[Configuration]]:
-    """One front per distinct problem: kernels of the same shape share it."""
+def pareto_fronts(problems: Sequence[ConvProblem], tables, batch: int, total_workspace: int) -> dict[str, list[Configuration]]:
+    """One front per distinct problem (by key): kernels of the same shape share it."""
     from ucudnn.solver import pareto
 
     fronts: dict[str, list[Configuration]] = {}
-    for _, p in kernels:
+    for p in problems:
         if p.key not in fronts:
             try:
                 fronts[p.key] = pareto.front(tables[p.key], batch, total_workspace)
