@@ -32,3 +32,34 @@ def test_measure_table_skips_what_exceeds_the_limit_and_records_why():
     too_big = table[4][0]
     assert too_big.algo == "im2col_gemm" and not too_big.usable and "over the limit" in too_big.reason
     assert all(m.usable for size in (1, 2) for m in table[size])
+
+
+def test_confirm_faster_keeps_the_configuration_that_runs_faster():
+    import time
+
+    from ucudnn.backends.cpu import CpuBackend
+    from ucudnn.benchmark import confirm_faster
+    from ucudnn.solver.types import Configuration, MicroConfig
+
+    class SlowShift(CpuBackend):
+        """shift_gemm really takes 5 ms longer per call, whatever a table claims."""
+
+        def run(self, problem, algo, **kwargs):
+            if algo == "shift_gemm":
+                time.sleep(0.005)
+            super().run(problem, algo, **kwargs)
+
+    backend = SlowShift()
+    problem = ConvProblem.parse("n=8,c=8,h=16,w=16,k=8,r=3,s=3,pad=1")
+    baseline = MicroConfig("im2col_gemm", 8, 1.0, backend.workspace_size(problem, "im2col_gemm"))
+    one = backend.workspace_size(problem.with_batch(1), "shift_gemm")
+    claimed_fast = Configuration((MicroConfig("shift_gemm", 1, 0.01, one),) * 8)
+    assert confirm_faster(backend, problem, claimed_fast, baseline, reps=3) == Configuration((baseline,))
+    # And the other way round: a micro-batched im2col plan beats an undivided shift_gemm run.
+    slow_baseline = MicroConfig("shift_gemm", 8, 0.01, backend.workspace_size(problem, "shift_gemm"))
+    split = Configuration((MicroConfig("im2col_gemm", 4, 1.0, backend.workspace_size(problem.with_batch(4),
+                                                                                      "im2col_gemm")),) * 2)
+    assert confirm_faster(backend, problem, split, slow_baseline, reps=3) is split
+    same = Configuration((baseline,))
+    assert confirm_faster(backend, problem, same, baseline) is same
+    assert confirm_faster(backend, problem, claimed_fast, None) is claimed_fast

@@ -8,8 +8,9 @@ from dataclasses import dataclass
 
 from ucudnn.backends.base import Backend
 from ucudnn.errors import InvalidInput
+from ucudnn.execute import run_configuration
 from ucudnn.problem import ConvProblem
-from ucudnn.solver.types import MicroConfig
+from ucudnn.solver.types import Configuration, MicroConfig
 
 POLICIES = ("all", "powerOfTwo", "undivided")
 
@@ -110,3 +111,28 @@ def measure_table(backend: Backend, problem: ConvProblem, sizes: Sequence[int], 
         if progress is not None:
             progress.update(len(candidates))
     return table, BenchStats(measured, cached, time.perf_counter() - start)
+
+
+def confirm_faster(backend: Backend, problem: ConvProblem, chosen: Configuration, baseline: MicroConfig | None,
+                   reps: int = 3) -> Configuration:
+    """`chosen` if it really runs faster than the undivided `baseline`, else the baseline.
+
+    The solver adds up micro-batch times measured one size at a time; run back to back, the
+    micro-batches can behave otherwise (caches, thread pools, allocation). So the two are run for
+    real with `run_configuration`, interleaved rep by rep, and the faster median wins.
+    """
+    if baseline is None or chosen.micros == (baseline,):
+        return chosen
+    contenders = [chosen, Configuration((baseline,))]
+    operands = backend.random_operands(problem)
+    workspace = backend.empty_workspace(max(c.workspace for c in contenders))
+    samples: list[list[float]] = [[], []]
+    for rep in range(reps + 1):  # the first round warms up
+        for i, config in enumerate(contenders):
+            start = time.perf_counter()
+            run_configuration(backend, problem, config, workspace=workspace, **operands)
+            backend.synchronize()
+            if rep:
+                samples[i].append(time.perf_counter() - start)
+    chosen_s, baseline_s = (sorted(s)[len(s) // 2] for s in samples)
+    return chosen if chosen_s < baseline_s else contenders[1]

@@ -43,7 +43,8 @@ from typing import Any
 
 from ucudnn.backends import get_backend
 from ucudnn.backends.base import Backend
-from ucudnn.benchmark import BenchStats, Policy, batch_sizes, measure_table, parse_policy, policy_name
+from ucudnn.benchmark import (BenchStats, Policy, batch_sizes, confirm_faster, measure_table, parse_policy,
+                              policy_name)
 from ucudnn.errors import InvalidInput
 from ucudnn.execute import run_configuration
 from ucudnn.optimize import pareto_fronts, plan_key, undivided_baseline
@@ -610,6 +611,7 @@ class Handle:
             except Infeasible as exc:
                 raise Infeasible(f"{problem.spec} ({problem.kind}): {exc}") from exc
             baseline = undivided_baseline(table, problem.n, self._workspace_limit)
+            config = confirm_faster(self._backend, problem, config, baseline, self._reps)
             plan = _Plan(config, baseline)
             if cache is not None:
                 cache.put_plan(key, {"mode": "WR", "problem": problem.key, "batch": problem.n,

@@ -74,6 +74,9 @@ class Backend(abc.ABC):
             out: Any, workspace: Any, alpha: float = 1.0, beta: float = 0.0) -> None:
         """One kernel: out = alpha * result + beta * out, temporaries taken from `workspace`."""
 
+    def synchronize(self) -> None:
+        """Wait until every kernel launched so far has finished (asynchronous devices override this)."""
+
     @abc.abstractmethod
     def empty_workspace(self, nbytes: int) -> Any:
         """A byte buffer of `nbytes` on this backend's device."""

@@ -553,6 +553,12 @@ class CudnnBackend(Backend):
                 samples.append(float(cupy.cuda.get_elapsed_time(start, end)))
         return samples
 
+    def synchronize(self) -> None:
+        import cupy
+
+        with cupy.cuda.Device(self._device_id):
+            cupy.cuda.get_current_stream().synchronize()
+
     def candidate_failures(self) -> tuple[type[BaseException], ...]:
         import cudnn
 
