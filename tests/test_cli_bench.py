@@ -103,3 +103,18 @@ def test_the_installed_command_reports_bad_input_without_traceback():
                           capture_output=True, text=True)
     assert proc.returncode == 2
     assert proc.stderr.startswith("ucudnn: ") and "Traceback" not in proc.stderr
+
+
+def test_an_exported_cache_imported_elsewhere_serves_a_rerun(tmp_path, capsys):
+    first = bench_json(tmp_path, capsys, "--kinds", "fwd,bwd_filter")
+    assert first["benchmark"]["measured"] > 0
+    export = tmp_path / "cache.jsonl"
+    assert run(["db", "export", "--db", str(tmp_path / "cache.db"), str(export)], capsys)[0] == 0
+    other = tmp_path / "other.db"
+    assert run(["db", "import", "--db", str(other), str(export)], capsys)[0] == 0
+    code, out, err = run(["bench", "--layer", LAYER, "--backend", "cpu", "--reps", "1", "--json",
+                          "--kinds", "fwd,bwd_filter", "--db", str(other)], capsys)
+    assert code == 0, err
+    again = json.loads(out)
+    assert again["benchmark"]["measured"] == 0
+    assert again["kernels"] == first["kernels"]
