@@ -1,28 +1,10 @@
-"""Shared pieces of the benchmark scripts: interleaved timing and plain-text tables."""
+"""Shared pieces of the benchmark scripts: interleaved timing (the package's own) and plain-text tables."""
 
 from __future__ import annotations
 
-import statistics
-import time
-from collections.abc import Callable, Mapping
+from ucudnn.benchmark import interleaved_medians_ms
 
-
-def interleaved_medians_ms(fns: Mapping[str, Callable[[], object]], reps: int, warmup: int = 1) -> dict[str, float]:
-    """Median wall time (ms) of each function, run in turn rep after rep.
-
-    Interleaving puts every contender under the same machine load at the same moments, so the
-    ratios stay meaningful on a noisy machine even when absolute times drift.
-    """
-    for _ in range(warmup):
-        for fn in fns.values():
-            fn()
-    samples: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(reps):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            fn()
-            samples[name].append((time.perf_counter() - start) * 1e3)
-    return {name: statistics.median(s) for name, s in samples.items()}
+__all__ = ["interleaved_medians_ms", "table"]
 
 
 def table(header: list[str], rows: list[list[object]]) -> str:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from ucudnn.backends.base import Backend
@@ -123,16 +124,33 @@ def confirm_faster(backend: Backend, problem: ConvProblem, chosen: Configuration
     """
     if baseline is None or chosen.micros == (baseline,):
         return chosen
-    contenders = [chosen, Configuration((baseline,))]
+    undivided = Configuration((baseline,))
     operands = backend.random_operands(problem)
-    workspace = backend.empty_workspace(max(c.workspace for c in contenders))
-    samples: list[list[float]] = [[], []]
-    for rep in range(reps + 1):  # the first round warms up
-        for i, config in enumerate(contenders):
-            start = time.perf_counter()
+    workspace = backend.empty_workspace(max(chosen.workspace, undivided.workspace))
+
+    def runner(config: Configuration) -> Callable[[], None]:
+        def run() -> None:
             run_configuration(backend, problem, config, workspace=workspace, **operands)
             backend.synchronize()
-            if rep:
-                samples[i].append(time.perf_counter() - start)
-    chosen_s, baseline_s = (sorted(s)[len(s) // 2] for s in samples)
-    return chosen if chosen_s < baseline_s else contenders[1]
+        return run
+
+    times = interleaved_medians_ms({"chosen": runner(chosen), "undivided": runner(undivided)}, reps)
+    return chosen if times["chosen"] < times["undivided"] else undivided
+
+
+def interleaved_medians_ms(fns: Mapping[str, Callable[[], object]], reps: int, warmup: int = 1) -> dict[str, float]:
+    """Median wall time (ms) of each function, run in turn rep after rep.
+
+    Interleaving puts every contender under the same machine load at the same moments, so the
+    comparison stays meaningful on a noisy machine even when absolute times drift.
+    """
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            samples[name].append((time.perf_counter() - start) * 1e3)
+    return {name: statistics.median(s) for name, s in samples.items()}

@@ -47,7 +47,7 @@ from ucudnn.benchmark import (BenchStats, Policy, batch_sizes, confirm_faster, m
                               policy_name)
 from ucudnn.errors import InvalidInput
 from ucudnn.execute import run_configuration
-from ucudnn.optimize import pareto_fronts, plan_key, undivided_baseline
+from ucudnn.optimize import micro_from_json, micro_to_json, pareto_fronts, plan_key, undivided_baseline
 from ucudnn.problem import KINDS, ConvProblem
 from ucudnn.sizes import parse_size
 from ucudnn.solver import wr
@@ -200,16 +200,8 @@ def _contiguous(array: Any) -> Any:
     return array if array.flags.c_contiguous else _array_module(array).ascontiguousarray(array)
 
 
-def _micro_to_dict(m: MicroConfig) -> dict:
-    return {"algo": m.algo, "batch": m.batch, "time_ms": m.time, "workspace": m.workspace}
-
-
-def _micro_from_dict(d: dict) -> MicroConfig:
-    return MicroConfig(d["algo"], int(d["batch"]), float(d["time_ms"]), int(d["workspace"]))
-
-
 def _config_from_dict(items: Iterable[dict]) -> Configuration:
-    return Configuration(tuple(_micro_from_dict(d) for d in items))
+    return Configuration(tuple(micro_from_json(d) for d in items))
 
 
 def _align_up(nbytes: int) -> int:
@@ -603,7 +595,7 @@ class Handle:
         stored = cache.get_plan(key) if cache is not None else None
         if stored is not None:
             plan = _Plan(_config_from_dict(stored["config"]),
-                         _micro_from_dict(stored["baseline"]) if stored.get("baseline") else None)
+                         micro_from_json(stored["baseline"]) if stored.get("baseline") else None)
         else:
             table = self._measure(problem, self._workspace_limit)
             try:
@@ -615,8 +607,8 @@ class Handle:
             plan = _Plan(config, baseline)
             if cache is not None:
                 cache.put_plan(key, {"mode": "WR", "problem": problem.key, "batch": problem.n,
-                                     "config": [_micro_to_dict(m) for m in config.micros],
-                                     "baseline": _micro_to_dict(baseline) if baseline else None})
+                                     "config": [micro_to_json(m) for m in config.micros],
+                                     "baseline": micro_to_json(baseline) if baseline else None})
         self._wr_plans[memo] = plan
         return plan
 
@@ -634,14 +626,14 @@ class Handle:
         stored = cache.get_plan(key) if cache is not None else None
         if stored is not None and len(stored.get("kernels", ())) == len(kernels):
             configs = [_config_from_dict(k["config"]) for k in stored["kernels"]]
-            baselines = [_micro_from_dict(k["baseline"]) if k.get("baseline") else None for k in stored["kernels"]]
+            baselines = [micro_from_json(k["baseline"]) if k.get("baseline") else None for k in stored["kernels"]]
             offsets, end = _place_segments(configs)
         else:
             configs, baselines, offsets, end = self._solve_wd_fresh([p for _, _, p in kernels], total)
             if cache is not None:
                 cache.put_plan(key, {"mode": "WD", "total_workspace": total, "batch": batch, "kernels": [
-                    {"problem": p, "config": [_micro_to_dict(m) for m in c.micros],
-                     "baseline": _micro_to_dict(b) if b else None}
+                    {"problem": p, "config": [micro_to_json(m) for m in c.micros],
+                     "baseline": micro_to_json(b) if b else None}
                     for p, c, b in zip(problem_keys, configs, baselines, strict=True)]})
         if end > total:  # only a corrupt stored plan gets here; a fresh solve places within the total
             raise Infeasible(f"the stored WD plan needs {end} B of arena, over the total {total} B")

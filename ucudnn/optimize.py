@@ -16,6 +16,15 @@ from ucudnn.solver import wr
 from ucudnn.solver.types import Configuration, Infeasible, MicroConfig
 
 
+def micro_to_json(m: MicroConfig) -> dict:
+    """The JSON form of a micro-config, as in `ucudnn bench --json` and stored plans."""
+    return {"algo": m.algo, "batch": m.batch, "time_ms": m.time, "workspace": m.workspace}
+
+
+def micro_from_json(d: Mapping) -> MicroConfig:
+    return MicroConfig(d["algo"], int(d["batch"]), float(d["time_ms"]), int(d["workspace"]))
+
+
 @dataclass(frozen=True, slots=True)
 class KernelPlan:
     """One kernel of one layer: the undivided baseline and the chosen configuration."""
@@ -61,9 +70,6 @@ class Report:
         return (sum(sizes) if self.mode == "WD" else max(sizes)) if sizes else 0
 
     def to_json(self) -> dict:
-        def micro(m: MicroConfig) -> dict:
-            return {"algo": m.algo, "batch": m.batch, "time_ms": m.time, "workspace": m.workspace}
-
         def finite(x: float) -> float | None:  # JSON has no infinity
             return x if math.isfinite(x) else None
 
@@ -75,7 +81,7 @@ class Report:
                 "layer": k.layer, "kind": k.problem.kind, "problem": k.problem.spec,
                 "baseline": ({"algo": k.baseline.algo, "time_ms": k.baseline.time,
                               "workspace": k.baseline.workspace} if k.baseline else None),
-                "config": [micro(m) for m in k.config.micros],
+                "config": [micro_to_json(m) for m in k.config.micros],
                 "time_ms": k.config.time, "workspace": k.config.workspace, "speedup": finite(k.speedup),
             } for k in self.kernels],
             "total": {"baseline_ms": finite(self.baseline_ms), "time_ms": self.time_ms,
