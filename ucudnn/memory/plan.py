@@ -1,0 +1,89 @@
+"""The plan format: what the planner decides and the executor runs (JSON as in `ucudnn plan --json`).
+
+Tensor names are the graph's: for a graph built from a PyTorch model through `torch.fx`, a feature
+map is named after the fx node that produces it (``layer1_0_conv1``); for a zoo network, after its
+layer. Conv workspaces are named by the conv layer and the kernel (`fwd`, `bwd_data`, `bwd_filter`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from ucudnn.errors import InvalidInput
+
+__all__ = ["ACTIONS", "ConvWorkspace", "MemoryPlan", "TensorAction"]
+
+# keep: resident from production to its last use; offload: copied to host after the forward pass
+# uses it and prefetched before the backward pass does; recompute: freed and recomputed from the
+# nearest kept tensor before its backward use; release: freed after its last forward use (the
+# backward pass does not need it).
+ACTIONS = ("keep", "offload", "recompute", "release")
+
+
+@dataclass(frozen=True, slots=True)
+class TensorAction:
+    name: str
+    bytes: int
+    action: str
+
+    def __post_init__(self) -> None:
+        if self.action not in ACTIONS:
+            raise InvalidInput(f"tensor {self.name!r}: action must be one of {', '.join(ACTIONS)}, got {self.action!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class ConvWorkspace:
+    layer: str
+    kind: str
+    bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryPlan:
+    """One network, batch, device profile and memory limit: each tensor's action and each conv kernel's workspace."""
+
+    network: str
+    batch: int
+    device: str
+    devices: int
+    memory_limit: int
+    policy: str
+    fits: bool
+    peak_bytes: int
+    average_bytes: int
+    baseline_peak_bytes: int
+    step_ms: float
+    baseline_step_ms: float
+    stall_ms: float
+    bytes_offloaded: int
+    tensors: tuple[TensorAction, ...]
+    conv_workspace: tuple[ConvWorkspace, ...]
+
+    @property
+    def overhead(self) -> float:
+        """step_ms / baseline_step_ms - 1."""
+        return self.step_ms / self.baseline_step_ms - 1.0
+
+    def action(self, name: str) -> str:
+        """The action planned for tensor `name` (keep when the plan does not name it)."""
+        for t in self.tensors:
+            if t.name == name:
+                return t.action
+        return "keep"
+
+    def to_json(self) -> dict:
+        data = asdict(self)
+        data["overhead"] = self.overhead
+        data["tensors"] = [asdict(t) for t in self.tensors]
+        data["conv_workspace"] = [asdict(c) for c in self.conv_workspace]
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict) -> MemoryPlan:
+        try:
+            fields = {k: v for k, v in data.items() if k != "overhead"}
+            fields["tensors"] = tuple(TensorAction(**t) for t in data["tensors"])
+            fields["conv_workspace"] = tuple(ConvWorkspace(**c) for c in data["conv_workspace"])
+            return cls(**fields)
+        except (KeyError, TypeError, AttributeError) as exc:
+            raise InvalidInput(f"not a memory plan: {exc}") from None
