@@ -270,9 +270,14 @@ def _fake(array: np.ndarray) -> FakeArray:
     return np.asarray(array).view(FakeArray)
 
 
+# What the stand-in device did, in order: ("event",), ("hold", cycles), ("execute",), ("kernel", name).
+TRACE: list[tuple] = []
+
+
 class _Event:
     def record(self, stream=None):
         self.at = time.perf_counter()
+        TRACE.append(("event",))
 
     def synchronize(self):
         pass
@@ -297,6 +302,34 @@ class _Rng:
         return _fake(self._rng.standard_normal(shape).astype(dtype))
 
 
+class _RawKernel:
+    def __init__(self, source, name):
+        assert name in source
+        self.name = name
+
+    def __call__(self, grid, block, args):
+        assert self.name == "ucudnn_hold" and len(args) == 1 and isinstance(args[0], np.int64)
+        TRACE.append(("hold", int(args[0])))
+
+
+class _ElementwiseKernel:
+    """CuPy's ElementwiseKernel for the two blends the backend declares, computed in NumPy."""
+
+    def __init__(self, in_params, out_params, operation, name):
+        self.name = name
+
+    def __call__(self, tmp, *args):
+        TRACE.append(("kernel", self.name))
+        out = args[-1]
+        if self.name == "ucudnn_scale":
+            (alpha, _) = args
+            out[...] = alpha * tmp.astype(type(alpha))
+        else:
+            assert self.name == "ucudnn_blend"
+            alpha, beta, _ = args
+            out[...] = alpha * tmp.astype(type(alpha)) + beta * out.astype(type(alpha))
+
+
 def make_fake_cupy():
     runtime = SimpleNamespace(
         getDeviceCount=lambda: 1, getDevice=lambda: 0, runtimeGetVersion=lambda: 12090, driverGetVersion=lambda: 12090,
@@ -306,20 +339,26 @@ def make_fake_cupy():
         float16=np.float16, float32=np.float32, float64=np.float64, uint8=np.uint8, uint16=np.uint16,
         uint32=np.uint32,
         empty=lambda shape, dtype=np.float32: _fake(np.empty(shape, dtype)),
-        zeros=lambda shape, dtype=np.float32: _fake(np.zeros(shape, dtype)),
+        zeros=lambda shape, dtype=np.float64: _fake(np.zeros(shape, dtype)),
         empty_like=lambda a: _fake(np.empty_like(a)),
-        random=SimpleNamespace(default_rng=_Rng),
+        asarray=lambda a, dtype=None: _fake(np.asarray(a, dtype)),
+        pad=lambda a, pads: _fake(np.pad(a, pads)), einsum=lambda *a: _fake(np.einsum(*a)),
+        abs=lambda a: _fake(np.abs(a)),
+        random=SimpleNamespace(default_rng=_Rng), RawKernel=_RawKernel, ElementwiseKernel=_ElementwiseKernel,
         cuda=SimpleNamespace(runtime=runtime, Device=_Device, Event=_Event,
-                             get_current_stream=lambda: SimpleNamespace(ptr=0),
+                             get_current_stream=lambda: SimpleNamespace(ptr=0, synchronize=lambda: None),
                              get_elapsed_time=lambda start, end: (end.at - start.at) * 1e3))
 
 
 # What the stand-in heuristics offer, in rank order: (engine id, knobs by name, workspace bytes per
 # sample). A duplicate, a frontend python engine and the delegating entry must not become
-# algorithms; engine 7 is offered but does not build.
+# algorithms; engine 7 is offered but does not build; engine 28 is listed with the NOT_SET
+# placeholder knob, which `create_execution_plan` rejects as the real frontend does.
 FAKE_ENGINES = ((0, {}, 0), (1, {"TILE_SIZE": 2}, 256), (1, {"TILE_SIZE": 2}, 256), (7, {"SPLIT_K_BUF": 1}, 0),
-                (20_800, {}, 0), (-1, {}, 0), (2, {"SPLIT_K_BUF": 4, "TILEK": 0}, 1024))
-FAKE_ALGOS = ["eng0", "eng1:TILE_SIZE=2", "eng7:SPLIT_K_BUF=1", "eng2:SPLIT_K_BUF=4,TILEK=0"]
+                (20_800, {}, 0), (-1, {}, 0), (2, {"SPLIT_K_BUF": 4, "TILEK": 0}, 1024),
+                (28, {"NOT_SET": 0, "TILE_SIZE": 4}, 64))
+FAKE_ALGOS = ["eng0", "eng1:TILE_SIZE=2", "eng7:SPLIT_K_BUF=1", "eng2:SPLIT_K_BUF=4,TILEK=0",
+              "eng28:NOT_SET=0,TILE_SIZE=4"]
 
 
 def _host_view(address: int, dims, strides, data_type, cudnn) -> np.ndarray:
@@ -358,6 +397,9 @@ def make_fake_cudnn(real):
         def create_execution_plan(self, engine_id, knobs=None):
             assert self.fake_state["operation_graph"]
             assert all(isinstance(k, knob) and isinstance(v, int) for k, v in (knobs or {}).items())
+            if knob.NOT_SET in (knobs or {}):
+                raise RuntimeError("convert_to_backend_knob_type(type, backend_type) failed with "
+                                   "CUDNN_STATUS_INVALID_VALUE")
             calls["create_execution_plan"].append((engine_id, dict(knobs or {})))
             self.fake_state["plans"] = (self.fake_state["plans"] or []) + [(engine_id, dict(knobs or {}))]
             return self
@@ -377,7 +419,8 @@ def make_fake_cudnn(real):
         def _engine(self, index):
             engine_id, knobs = self.fake_state["plans"][index]
             for e, k, per_sample in FAKE_ENGINES:
-                if e == engine_id and {knob[n]: v for n, v in k.items()} == knobs:
+                listed = {knob[n]: v for n, v in k.items() if n != "NOT_SET"}
+                if e == engine_id and listed == {n: v for n, v in knobs.items() if n != knob.NOT_SET}:
                     return e, per_sample
             raise real.cudnnGraphNotSupportedError(f"no engine {engine_id} with knobs {knobs}")
 
@@ -399,6 +442,7 @@ def make_fake_cudnn(real):
             if self.get_workspace_size_plan_at_index(index):
                 assert workspace, "a plan with workspace got a null workspace pointer"
             calls["execute"] += 1
+            TRACE.append(("execute",))
             pointers = self._uid_to_data(tensor_dict)
             (node,) = self.nodes
             kind = {"CONV_FPROP": "fwd", "CONV_DGRAD": "bwd_data", "CONV_WGRAD": "bwd_filter"}[node.node_type.name]
@@ -461,6 +505,9 @@ def fake_gpu(monkeypatch):
     fake_cudnn, calls, handles = make_fake_cudnn(real)
     monkeypatch.setitem(sys.modules, "cupy", make_fake_cupy())
     monkeypatch.setitem(sys.modules, "cudnn", fake_cudnn)
+    TRACE.clear()
+    cudnn_backend._blend_kernels.cache_clear()
+    cudnn_backend._hold_kernel.cache_clear()
     return SimpleNamespace(calls=calls, handles=handles, real=real)
 
 
@@ -513,7 +560,7 @@ def test_measure_times_and_records_failures(fake_gpu):
     assert set(results) == set(FAKE_ALGOS)
     assert not results["eng7:SPLIT_K_BUF=1"].usable and "rejects" in results["eng7:SPLIT_K_BUF=1"].reason
     usable = [m for m in results.values() if m.usable]
-    assert len(usable) == 3 and all(m.time > 0 and m.batch == 3 for m in usable)
+    assert len(usable) == 4 and all(m.time > 0 and m.batch == 3 for m in usable)
     assert results["eng1:TILE_SIZE=2"].workspace == 3 * 256
 
 

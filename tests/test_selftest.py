@@ -121,8 +121,8 @@ class ReferenceBackend(Backend):
         result["out"] = np.zeros(problem.out_shape, dtype=problem.dtype)
         return result
 
-    def time_run_ms(self, problem, algo, operands, workspace, reps):
-        return wall_clock_samples_ms(lambda: self.run(problem, algo, workspace=workspace, **operands), reps)
+    def time_run_ms(self, problem, algo, operands, workspace, reps, beta=0.0):
+        return wall_clock_samples_ms(lambda: self.run(problem, algo, workspace=workspace, beta=beta, **operands), reps)
 
 
 def test_a_correct_backend_passes_everything():

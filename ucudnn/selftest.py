@@ -61,14 +61,15 @@ class SelftestFailed(UcudnnError):
 
 
 # ---- the float64 reference ------------------------------------------------------------------
-def reference(problem: ConvProblem, *, x: Any = None, w: Any = None, dy: Any = None) -> np.ndarray:
+def reference(problem: ConvProblem, *, x: Any = None, w: Any = None, dy: Any = None, xp: Any = np) -> Any:
     """The kernel's exact result in float64, by direct summation over the filter taps.
 
     fwd:        y[n, k, i, j]  = sum_{c, r, s} x_pad[n, c, i*sh + r*dh, j*sw + s*dw] * w[k, c, r, s]
     bwd_data:   dx = the adjoint of fwd in x: each dy[n, k, i, j] * w[k, c, r, s] lands on the
                 x_pad position fwd read it from, then the padding is cropped
     bwd_filter: dw[k, c, r, s] = sum_{n, i, j} dy[n, k, i, j] * x_pad[n, c, i*sh + r*dh, j*sw + s*dw]
-    with c restricted to the group of k (c/groups channels per group).
+    with c restricted to the group of k (c/groups channels per group). `xp` is the array module
+    (NumPy, or CuPy to compute on the GPU where the operands are).
     """
     p = problem
     groups, cg, kg = p.groups, p.c // p.groups, p.k // p.groups
@@ -87,32 +88,32 @@ def reference(problem: ConvProblem, *, x: Any = None, w: Any = None, dy: Any = N
         return slice(g * cg, (g + 1) * cg), slice(g * kg, (g + 1) * kg)
 
     if p.kind == "fwd":
-        x_pad = np.pad(np.asarray(x, dtype=np.float64), pads)
-        w64 = np.asarray(w, dtype=np.float64)
-        y = np.zeros(p.y_shape)
+        x_pad = xp.pad(xp.asarray(x, dtype=xp.float64), pads)
+        w64 = xp.asarray(w, dtype=xp.float64)
+        y = xp.zeros(p.y_shape)
         for r, s, window in taps():
             patch = x_pad[window]
             for g in range(groups):
                 cs, ks = group(g)
-                y[:, ks] += np.einsum("nchw,kc->nkhw", patch[:, cs], w64[ks, :, r, s])
+                y[:, ks] += xp.einsum("nchw,kc->nkhw", patch[:, cs], w64[ks, :, r, s])
         return y
     if p.kind == "bwd_data":
-        dy64, w64 = np.asarray(dy, dtype=np.float64), np.asarray(w, dtype=np.float64)
-        dx_pad = np.zeros((p.n, p.c, p.h + 2 * p.pad_h, p.w + 2 * p.pad_w))
+        dy64, w64 = xp.asarray(dy, dtype=xp.float64), xp.asarray(w, dtype=xp.float64)
+        dx_pad = xp.zeros((p.n, p.c, p.h + 2 * p.pad_h, p.w + 2 * p.pad_w))
         for r, s, window in taps():
             view = dx_pad[window]  # a strided view: the += lands in dx_pad
             for g in range(groups):
                 cs, ks = group(g)
-                view[:, cs] += np.einsum("nkhw,kc->nchw", dy64[:, ks], w64[ks, :, r, s])
+                view[:, cs] += xp.einsum("nkhw,kc->nchw", dy64[:, ks], w64[ks, :, r, s])
         return dx_pad[:, :, p.pad_h:p.pad_h + p.h, p.pad_w:p.pad_w + p.w]
-    x_pad = np.pad(np.asarray(x, dtype=np.float64), pads)
-    dy64 = np.asarray(dy, dtype=np.float64)
-    dw = np.zeros(p.w_shape)
+    x_pad = xp.pad(xp.asarray(x, dtype=xp.float64), pads)
+    dy64 = xp.asarray(dy, dtype=xp.float64)
+    dw = xp.zeros(p.w_shape)
     for r, s, window in taps():
         patch = x_pad[window]
         for g in range(groups):
             cs, ks = group(g)
-            dw[ks, :, r, s] = np.einsum("nkhw,nchw->kc", dy64[:, ks], patch[:, cs])
+            dw[ks, :, r, s] = xp.einsum("nkhw,nchw->kc", dy64[:, ks], patch[:, cs])
     return dw
 
 
