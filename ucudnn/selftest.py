@@ -12,7 +12,10 @@ every kind and every algorithm a backend offers, each check runs the algorithm
 Errors are normwise: max |out - expected| / max |expected|, so one number per comparison that does
 not blow up where a single expected value happens to be near zero. A check passes when every
 comparison it could make is within `TOLERANCE[dtype]`; an algorithm the backend declares unsupported
-for a problem is skipped with its reason. A (problem, kind) that no algorithm could run fails.
+for a problem is skipped with its reason. A failed check whose algorithm the backend's measurement
+also rejects (`wrong result`: verification against a trusted result, see `Backend.measure`) is
+`excluded`: ucudnn never chooses it, so it does not fail the suite, and the report shows it. A
+(problem, kind) that no algorithm could run fails.
 """
 
 from __future__ import annotations
@@ -146,7 +149,7 @@ class Check:
     problem: str
     kind: str
     algo: str
-    status: str  # "pass", "fail" or "skip"
+    status: str  # "pass", "fail", "skip" or "excluded" (wrong, and rejected by the measurement)
     tolerance: float
     micro_batches: tuple[int, ...] = ()
     error_reference: float | None = None        # undivided vs float64 reference
@@ -188,8 +191,8 @@ class SelftestReport:
         return self.count("fail") == 0
 
     def table(self) -> dict[str, dict[str, tuple[str, float | None]]]:
-        """algo -> kind -> (status, worst error over problems); status fail beats pass beats skip."""
-        rank = {"skip": 0, "pass": 1, "fail": 2}
+        """algo -> kind -> (status, worst error over problems); fail beats excluded beats pass beats skip."""
+        rank = {"skip": 0, "pass": 1, "excluded": 2, "fail": 3}
         cells: dict[str, dict[str, tuple[str, float | None]]] = {}
         for c in self.checks:
             row = cells.setdefault(c.algo, {})
@@ -221,12 +224,15 @@ class SelftestReport:
                 cells.append(f"{text:<15}")
             lines.append(f"{algo:<{width}}  " + "  ".join(cells).rstrip())
         lines.append(f"checks: {self.count('pass')} passed, {self.count('fail')} failed, "
+                     f"{self.count('excluded')} excluded (wrong results ucudnn never chooses), "
                      f"{self.count('skip')} skipped (unsupported) in {self.seconds:.1f} s")
         for c in self.checks:
             if c.status == "fail":
                 errors = ", ".join(f"{e:.2e}" for e in c.errors)
                 detail = c.reason or f"errors {errors} over {c.tolerance:.0e}"
                 lines.append(f"FAIL {c.kind} {c.algo} on {c.problem}: {detail}")
+            elif c.status == "excluded":
+                lines.append(f"excluded {c.kind} {c.algo} on {c.problem}: {c.reason}")
         skipped = collections.Counter((c.algo, c.reason) for c in self.checks if c.status == "skip")
         for (algo, reason), times in skipped.items():
             lines.append(f"skip {algo} ({times}x): {reason}")
@@ -237,6 +243,7 @@ class SelftestReport:
             "backend": self.backend, "device": self.device, "dtype": self.dtype,
             "tolerance": TOLERANCE[self.dtype], "passed": self.passed,
             "summary": {"passed": self.count("pass"), "failed": self.count("fail"), "skipped": self.count("skip"),
+                        "excluded": self.count("excluded"),
                         "seconds": self.seconds},
             "table": {algo: {kind: {"status": status, "max_rel_error": _json_number(worst)}
                              for kind, (status, worst) in row.items()}
@@ -297,6 +304,16 @@ def _check(backend: Backend, problem: ConvProblem, algo: str, seed: int) -> Chec
     return Check(status=status, micro_batches=sizes, reason="; ".join(notes), **base, **errors)
 
 
+def _exclude_rejected(backend: Backend, problem: ConvProblem, checks: list[Check]) -> list[Check]:
+    """Failed checks whose algorithm the measurement's verification rejects become `excluded`."""
+    failed = [c.algo for c in checks if c.status == "fail"]
+    if not failed:
+        return checks
+    verdicts = {m.algo: m.reason for m in backend.measure(problem, failed, reps=1)}
+    return [dataclasses.replace(c, status="excluded", reason=f"{verdicts[c.algo]}; measurement rejects it")
+            if c.status == "fail" and verdicts[c.algo].startswith("wrong result") else c for c in checks]
+
+
 def _problem_text(problem: ConvProblem) -> str:
     """The problem's spec without its kind (a check names the kind apart)."""
     return dataclasses.replace(problem, kind="fwd").spec
@@ -313,7 +330,8 @@ def run_selftest(backend: Backend, *, problems: Sequence[str | ConvProblem] = DE
         problem = ConvProblem.parse(item) if isinstance(item, str) else item
         for kind in kinds:
             part = dataclasses.replace(problem, kind=kind, dtype=dtype)
-            found = [_check(backend, part, algo, seed) for algo in backend.algorithms(part)]
+            found = _exclude_rejected(backend, part, [_check(backend, part, algo, seed)
+                                                       for algo in backend.algorithms(part)])
             if not any(c.status in ("pass", "fail") for c in found):
                 found.append(Check(_problem_text(part), kind, "(none)", "fail", TOLERANCE[dtype],
                                    reason="no algorithm could run this problem"))
