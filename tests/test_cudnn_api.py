@@ -372,7 +372,9 @@ def _host_view(address: int, dims, strides, data_type, cudnn) -> np.ndarray:
 
 def make_fake_cudnn(real):
     """The frontend as the backend may see it: only CUDNN_API_USED, with real enums and the real IR."""
-    calls = {"create_execution_plans": [], "create_execution_plan": [], "build_plan_at_index": [], "execute": 0}
+    # "stale_workspace": engine ids that read the first float of their workspace without writing it.
+    calls = {"create_execution_plans": [], "create_execution_plan": [], "build_plan_at_index": [], "execute": 0,
+             "stale_workspace": set()}
     knob = real.knob_type
 
     class FakeGraph(real.pygraph):
@@ -467,6 +469,9 @@ def make_fake_cudnn(real):
                                   dilation_w=node.params["dilation"][1], groups=x_dims[1] // w_dims[1], dtype=dtype)
             assert tuple(y_dims) == problem.y_shape
             result = selftest.reference(problem, **{names[p]: v for p, v in host.items()})
+            engine_id, _ = self._engine(index)
+            if engine_id in calls["stale_workspace"]:  # right on zeroed memory, NaN on 0xFF bytes
+                result = result + 0.0 * ctypes.c_float.from_address(workspace).value
             if dtype == "bfloat16":
                 bits = result.astype(np.float32).view(np.uint32)
                 views[out_port][...] = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
@@ -634,3 +639,94 @@ def test_run_rejects_bad_operands(fake_gpu):
         backend.run(SMALL, "eng2:SPLIT_K_BUF=4,TILEK=0", workspace=backend.empty_workspace(16), **operands)
     with pytest.raises(UnsupportedProblem):
         backend.run(SMALL, "eng7:SPLIT_K_BUF=1", workspace=workspace, **operands)
+
+
+# ---- issue 9: rebuilds, cache overflow, verification, back-to-back timing, accumulation ----------
+NOT_SET_ALGO = "eng28:NOT_SET=0,TILE_SIZE=4"
+
+
+def test_a_not_set_name_rebuilds_with_the_placeholder_dropped(fake_gpu):
+    fresh = cudnn_backend.CudnnBackend()  # a later process: the name comes from the cache
+    problem = SMALL.with_batch(2)
+    assert fresh.unsupported_reason(problem, NOT_SET_ALGO) is None
+    knob = fake_gpu.real.knob_type
+    assert fake_gpu.calls["create_execution_plan"][-1] == (28, {knob.TILE_SIZE: 4})
+    assert EngineConfig.parse(NOT_SET_ALGO).name == NOT_SET_ALGO  # stored names keep their spelling
+    operands = fresh.random_operands(problem)
+    fresh.run(problem, NOT_SET_ALGO, workspace=fresh.empty_workspace(fresh.workspace_size(problem, NOT_SET_ALGO)),
+              **operands)
+    expected = selftest.reference(problem, x=np.asarray(operands["x"]), w=np.asarray(operands["w"]))
+    assert selftest.relative_error(np.asarray(operands["out"], np.float64), expected) < 1e-6
+
+
+def test_more_problems_than_the_caches_hold_run_without_error(fake_gpu, monkeypatch):
+    from ucudnn import Handle
+
+    monkeypatch.setattr(cudnn_backend, "ENUMERATION_CACHE_ENTRIES", 2)
+    monkeypatch.setattr(cudnn_backend, "PLAN_CACHE_ENTRIES", 3)
+    backend = cudnn_backend.CudnnBackend()
+    # Only the NOT_SET engine: every plan at a micro-batch size is a rebuild from its name.
+    problems = [ConvProblem(n=4, c=3, h=5 + i, w=6, k=4, r=3, s=3, pad_h=1, pad_w=1) for i in range(6)]
+    with Handle(backend=backend, db=False, algos=[NOT_SET_ALGO], reps=1) as handle:
+        for _ in range(2):  # the second pass finds every problem evicted from both caches
+            for p in problems:
+                x, w = (backend.random_operands(p, seed=p.h)[name] for name in ("x", "w"))
+                y = handle.conv_forward(x, w, padding=1)
+                expected = selftest.reference(p, x=np.asarray(x), w=np.asarray(w))
+                assert selftest.relative_error(np.asarray(y, np.float64), expected) < 1e-6
+    assert len(backend._enumerations) <= 2 and len(backend._plans) <= 3
+
+
+def test_a_wrong_engine_is_excluded_by_measurement_selftest_and_optimize(fake_gpu):
+    from ucudnn.optimize import expand_kernels, optimize
+
+    fake_gpu.calls["stale_workspace"].add(2)
+    backend = cudnn_backend.CudnnBackend()
+    wrong = "eng2:SPLIT_K_BUF=4,TILEK=0"
+    results = {m.algo: m for m in backend.measure(SMALL, backend.algorithms(SMALL), reps=1)}
+    assert results[wrong].reason == "wrong result (rel. error inf)" and not results[wrong].usable
+    assert results["eng0"].usable
+    report = selftest.run_selftest(backend, problems=selftest.DEFAULT_PROBLEMS[:1])
+    assert report.passed and {c.algo for c in report.checks if c.status == "excluded"} == {wrong}
+    plan = optimize(backend, expand_kernels([("l", SMALL)], SMALL.n), policy="powerOfTwo", reps=1)
+    for k in plan.kernels:
+        assert wrong not in {m.algo for m in k.config.micros}
+        assert wrong in {m.algo for m in k.excluded}
+
+
+def test_timing_launches_back_to_back_behind_a_hold(fake_gpu):
+    backend = cudnn_backend.CudnnBackend()
+    operands = backend.random_operands(SMALL)
+    workspace = backend.empty_workspace(backend.workspace_size(SMALL, "eng0"))
+    TRACE.clear()
+    samples = backend.time_run_ms(SMALL, "eng0", operands, workspace, reps=3)
+    assert len(samples) == 3 and all(t > 0 for t in samples)
+    # One launch alone sizes the sample, then per sample: hold, event, N launches, event.
+    assert TRACE[:3] == [("event",), ("execute",), ("event",)]
+    rest = TRACE[3:]
+    n = len(rest) // 3 - 3
+    assert n >= 1 and rest == [("hold", rest[0][1]), ("event",), *[("execute",)] * n, ("event",)] * 3
+    assert rest[0][1] == int(min(n * cudnn_backend.HOST_MS_PER_LAUNCH, cudnn_backend.MAX_HOLD_MS) * 1_000_000)
+
+
+def test_launches_per_sample():
+    from ucudnn.backends.cudnn import MAX_LAUNCHES_PER_SAMPLE, SAMPLE_TARGET_MS, launches_per_sample
+
+    assert launches_per_sample(SAMPLE_TARGET_MS * 2) == 1
+    assert launches_per_sample(SAMPLE_TARGET_MS / 10) == 10
+    assert launches_per_sample(1e-6) == launches_per_sample(0.0) == MAX_LAUNCHES_PER_SAMPLE
+
+
+def test_bwd_filter_accumulation_is_one_fused_kernel_and_is_timed(fake_gpu):
+    backend = cudnn_backend.CudnnBackend()
+    problem = SMALL.with_kind("bwd_filter")
+    TRACE.clear()
+    backend.measure(problem, ["eng0"], reps=2)
+    assert ("kernel", "ucudnn_blend") not in TRACE  # beta = 0 writes out directly
+    TRACE.clear()
+    backend.measure(problem, ["eng0"], reps=2, accumulate=True)
+    blends = TRACE.count(("kernel", "ucudnn_blend"))
+    executes = TRACE.count(("execute",))
+    # every run after the verified one accumulates: one blend kernel each
+    assert blends == executes - 1 and blends > 0
+    assert ("kernel", "ucudnn_scale") not in TRACE

@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from ucudnn.backends.base import Backend
+from ucudnn.backends.base import UNWRITTEN_WORKSPACE_BYTE, Backend
 from ucudnn.errors import UcudnnError
 from ucudnn.execute import run_configuration
 from ucudnn.problem import KINDS, ConvProblem
@@ -274,6 +274,7 @@ def _check(backend: Backend, problem: ConvProblem, algo: str, seed: int) -> Chec
         expected = reference(problem, **{name: to_host_float64(a, problem.dtype) for name, a in inputs.items()})
         out = operands["out"]
         workspace = backend.empty_workspace(backend.workspace_size(problem, algo))
+        workspace.fill(UNWRITTEN_WORKSPACE_BYTE)  # an algorithm reading workspace it never wrote shows
         backend.run(problem, algo, out=out, workspace=workspace, **inputs)
         undivided = to_host_float64(out, problem.dtype)
         errors["error_reference"] = relative_error(undivided, expected)
