@@ -43,8 +43,8 @@ from typing import Any
 
 from ucudnn.backends import get_backend
 from ucudnn.backends.base import Backend, one_line
-from ucudnn.benchmark import (BenchStats, Policy, batch_sizes, confirm_faster, measure_table, parse_policy,
-                              policy_name)
+from ucudnn.benchmark import (BenchStats, Policy, batch_sizes, confirm_faster, device_key, measure_table,
+                              parse_policy, policy_name)
 from ucudnn.errors import InvalidInput, UnsupportedProblem
 from ucudnn.execute import run_configuration
 from ucudnn.optimize import micro_from_json, micro_to_json, pareto_fronts, plan_key, undivided_baseline
@@ -760,9 +760,7 @@ class Handle:
         for m in failures:
             self._failed[problem.key, m.algo, m.batch] = m
         cache = self._open_cache()
-        if cache is not None:
-            from ucudnn.benchmark import device_key
-
+        if cache is not None and not isinstance(exc, MemoryError):  # out of memory says nothing lasting
             cache.store(problem_key=problem.key, micros=failures, replace=True, **device_key(self._backend))
         if not self._warned_failure:
             self._warned_failure = True
