@@ -89,7 +89,8 @@ def back_to_back_ms(work: Callable[[], None], reps: int = 10) -> float:
 
     work()
     cupy.cuda.get_current_stream().synchronize()
-    clock_khz = int(cupy.cuda.runtime.getDeviceProperties(cupy.cuda.runtime.getDevice())["clockRate"])
+    # CUDA 13 dropped clockRate from the properties: assume 2 GHz (a longer hold, never a shorter one)
+    clock_khz = int(cupy.cuda.runtime.getDeviceProperties(cupy.cuda.runtime.getDevice()).get("clockRate", 2_000_000))
     stream = cupy.cuda.get_current_stream()
     start, end = cupy.cuda.Event(), cupy.cuda.Event()
     samples = []

@@ -371,8 +371,9 @@ class CudnnBackend(Backend):
                 raise BackendUnavailable(f"cuDNN could not create a handle on CUDA device {device_id} "
                                          f"({one_line(exc)})") from None
         self._device = self._describe_device(cupy, cudnn, device_id)
-        # kHz, for the spin kernel of back-to-back timing
-        self._clock_khz = int(cupy.cuda.runtime.getDeviceProperties(device_id).get("clockRate", 1_000_000))
+        # kHz, for the spin kernel of back-to-back timing. CUDA 13 dropped clockRate from the
+        # properties; 2 GHz, above current parts' boost clocks, then errs on a longer hold.
+        self._clock_khz = int(cupy.cuda.runtime.getDeviceProperties(device_id).get("clockRate", 2_000_000))
         self._plans = _Lru(PLAN_CACHE_ENTRIES)  # (problem incl. its batch n, algo) -> _Plan | reason
         self._enumerations = _Lru(ENUMERATION_CACHE_ENTRIES)  # (problem, promoted) -> _Enumeration
         self._finalizer = weakref.finalize(self, _release, (self._plans, self._enumerations), cudnn, self._handle)
