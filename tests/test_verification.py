@@ -107,3 +107,19 @@ def test_tolerance_scales_with_reduction_length_and_precision():
     half = ConvProblem.parse("n=1,c=4,h=4,w=4,k=4,r=1,s=1,dtype=float16")
     assert verification_tolerance(half) > verification_tolerance(small)
     assert not math.isnan(verification_tolerance(half))
+
+
+def test_bwd_filter_micro_batches_are_timed_as_they_run():
+    # run_configuration accumulates every bwd_filter micro-batch after the first with beta = 1;
+    # the measurement of a size below the batch charges that, the undivided one does not.
+    seen = []
+
+    class Spy(CpuBackend):
+        def time_run_ms(self, problem, algo, operands, workspace, reps, beta=0.0):
+            seen.append((problem.kind, problem.n, beta))
+            return super().time_run_ms(problem, algo, operands, workspace, reps, beta)
+
+    for kind in ("bwd_filter", "fwd"):
+        measure_table(Spy(), PROBLEM.with_kind(kind), [1, 2, 4], algos=["im2col_gemm"], reps=1)
+    assert seen == [("bwd_filter", 1, 1.0), ("bwd_filter", 2, 1.0), ("bwd_filter", 4, 0.0),
+                    ("fwd", 1, 0.0), ("fwd", 2, 0.0), ("fwd", 4, 0.0)]
