@@ -8,6 +8,7 @@ import sys
 
 import click
 
+from ucudnn.backends.base import NOISY_SPREAD_FRACTION
 from ucudnn.errors import InvalidInput
 from ucudnn.problem import KINDS, ConvProblem
 from ucudnn.sizes import format_size, parse_size
@@ -39,14 +40,16 @@ def _size_option(ctx, param, value):
 @click.option("--db", "db_url", metavar="URL", help="Measurement cache (SQLAlchemy URL or SQLite file); default $UCUDNN_DB or the user cache.")
 @click.option("--reps", default=3, show_default=True, type=click.IntRange(min=1), help="Timed runs per measurement (median).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
+@click.option("--verbose", is_flag=True, help="After the table, list every noisy timing and every excluded (wrong) algorithm.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="WD mode: draw the Pareto front and the workspace division to this PNG.")
 def bench(layer_specs, network, batch, workspace, total_workspace, policy, backend_name, kinds, algos,
-          db_url, reps, as_json, quiet, plot_path):
+          db_url, reps, as_json, verbose, quiet, plot_path):
     """Benchmark every algorithm at several micro-batch sizes and pick the fastest division.
 
-    WR (--workspace, or no limit) optimises each kernel within its own limit; WD
-    (--total-workspace) divides one budget among all kernels of the network.
+    WR (--workspace, or no limit) optimises each kernel within its own limit, so --layer specs
+    may have different n; WD (--total-workspace) divides one budget among all kernels of the
+    network, at one batch size.
     """
     from ucudnn.backends import get_backend
     from ucudnn.benchmark import batch_sizes, parse_policy
@@ -68,11 +71,12 @@ def bench(layer_specs, network, batch, workspace, total_workspace, policy, backe
         layers = [(layer.name, layer.problem) for layer in network_layers(network, batch)]
     else:
         problems = [ConvProblem.parse(spec) for spec in layer_specs]
-        if batch is None and len({p.n for p in problems}) > 1:
-            raise InvalidInput("the --layer specs have different n; give --batch to choose one")
+        if batch is None and total_workspace is not None and len({p.n for p in problems}) > 1:
+            raise InvalidInput("the --layer specs have different n and WD divides one workspace among kernels of "
+                               "one batch size; give --batch to choose one")
         layers = [(f"layer{i + 1}" if len(problems) > 1 else "layer", p) for i, p in enumerate(problems)]
-    batch = batch or layers[0][1].n
-    kernels = expand_kernels(layers, batch, kind_list)
+    # Each layer at --batch, or at its own n (WR: every kernel stands alone).
+    kernels = [kernel for layer in layers for kernel in expand_kernels([layer], batch or layer[1].n, kind_list)]
 
     backend = get_backend(backend_name)
     if algo_list:
@@ -86,9 +90,8 @@ def bench(layer_specs, network, batch, workspace, total_workspace, policy, backe
     from tqdm import tqdm
     from tqdm.contrib.logging import logging_redirect_tqdm
 
-    n_sizes = len(batch_sizes(policy_value, batch))
-    unique = {p.key: p for _, p in kernels}
-    total = sum(n_sizes * len(algo_list or backend.algorithms(p)) for p in unique.values())
+    unique = {(p.key, p.n): p for _, p in kernels}
+    total = sum(len(batch_sizes(policy_value, p.n)) * len(algo_list or backend.algorithms(p)) for p in unique.values())
     try:
         with tqdm(total=total, desc="benchmark", unit="cfg", file=sys.stderr, disable=not show_progress,
                   leave=False) as progress, logging_redirect_tqdm():
@@ -104,15 +107,15 @@ def bench(layer_specs, network, batch, workspace, total_workspace, policy, backe
     if as_json:
         click.echo(json.dumps(report.to_json(), indent=2))
     else:
-        click.echo(format_report(report))
+        click.echo(format_report(report, verbose=verbose))
 
 
-def format_report(report) -> str:
+def format_report(report, verbose: bool = False) -> str:
     """A table a person can read: one row per kernel, then totals."""
     limit = (f"workspace limit {format_size(report.workspace_limit)} per kernel" if report.mode == "WR"
              else f"total workspace {format_size(report.total_workspace)}")
     lines = [f"device {report.device} | backend {report.backend} | mode {report.mode}, {limit} | "
-             f"policy {report.policy} | batch {report.batch}"]
+             f"policy {report.policy} | batch {report.batch if report.batch is not None else 'per layer'}"]
     header = ("layer", "kind", "baseline", "base ms", "configuration", "ms", "workspace", "speedup")
     rows = []
     for k in report.kernels:
@@ -134,6 +137,15 @@ def format_report(report) -> str:
     lines += [line(header), rule, *map(line, rows[:-1]), rule, line(rows[-1])]
     s = report.stats
     lines.append(f"benchmark: {s.measured} measured, {s.cached} from cache, {s.seconds:.1f} s")
+    noisy = report.noisy
+    excluded = [(k, m) for k in report.kernels for m in k.excluded]
+    if noisy or excluded:
+        lines.append(f"warnings: {len(noisy)} noisy timings (IQR over {NOISY_SPREAD_FRACTION:.0%} of the median), "
+                     f"{len(excluded)} wrong results excluded" + ("" if verbose else " (details: --verbose or --json)"))
+    if verbose:
+        lines += [f"noisy: {k.layer} {k.problem.kind} {m.algo} at batch {m.batch}: median {m.time:.3f} ms, "
+                  f"IQR {m.spread:.3f} ms" for k, m in noisy]
+        lines += [f"excluded: {k.layer} {k.problem.kind} {m.algo} at batch {m.batch}: {m.reason}" for k, m in excluded]
     return "\n".join(lines)
 
 

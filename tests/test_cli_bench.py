@@ -28,12 +28,15 @@ def test_json_follows_the_contract_and_the_second_run_measures_nothing(tmp_path,
     limit = 64 * 1024
     first = bench_json(tmp_path, capsys, "--workspace", "64KiB", "--policy", "powerOfTwo")
     assert set(first) == {"device", "backend", "policy", "mode", "workspace_limit", "total_workspace", "batch",
-                          "kernels", "total", "benchmark"}
+                          "kernels", "total", "benchmark", "warnings", "noisy"}
+    assert first["warnings"] == {"noisy_timings": len(first["noisy"]), "wrong_results": 0}
     assert (first["backend"], first["policy"], first["mode"]) == ("cpu", "powerOfTwo", "WR")
     assert (first["workspace_limit"], first["total_workspace"], first["batch"]) == (limit, None, 8)
     assert [k["kind"] for k in first["kernels"]] == ["fwd", "bwd_data", "bwd_filter"]
     for k in first["kernels"]:
-        assert set(k) == {"layer", "kind", "problem", "baseline", "config", "time_ms", "workspace", "speedup"}
+        assert set(k) == {"layer", "kind", "problem", "baseline", "config", "time_ms", "workspace", "speedup",
+                          "batch", "excluded"}
+        assert k["batch"] == 8 and k["excluded"] == []
         assert sum(m["batch"] for m in k["config"]) == 8
         assert all(m["workspace"] <= limit for m in k["config"])
         assert k["workspace"] == max(m["workspace"] for m in k["config"])
@@ -52,6 +55,7 @@ def test_json_follows_the_contract_and_the_second_run_measures_nothing(tmp_path,
     assert second["benchmark"]["measured"] == 0
     assert second["benchmark"]["cached"] == first["benchmark"]["measured"]
     assert second["kernels"] == first["kernels"]
+    assert second["noisy"] == first["noisy"]  # the spread is cached with the time
 
 
 def test_algos_restricts_the_candidates_and_policy_lists_sizes(tmp_path, capsys):
@@ -118,3 +122,38 @@ def test_an_exported_cache_imported_elsewhere_serves_a_rerun(tmp_path, capsys):
     again = json.loads(out)
     assert again["benchmark"]["measured"] == 0
     assert again["kernels"] == first["kernels"]
+
+
+def test_wr_accepts_layers_with_different_batch_sizes(tmp_path, capsys):
+    # DeepBench-style: every kernel at its own batch, each standing alone in WR.
+    small = "n=2,c=4,h=8,w=8,k=4,r=3,s=3,pad=1"
+    report = bench_json(tmp_path, capsys, "--layer", small, "--workspace", "1MiB", "--policy", "undivided",
+                        "--kinds", "fwd")
+    assert report["batch"] is None
+    assert [(k["layer"], k["batch"]) for k in report["kernels"]] == [("layer1", 8), ("layer2", 2)]
+    assert [sum(m["batch"] for m in k["config"]) for k in report["kernels"]] == [8, 2]
+    # Same shape at two batch sizes: two tables, not one.
+    same = bench_json(tmp_path, capsys, "--layer", LAYER.replace("n=8", "n=4"), "--policy", "undivided",
+                      "--kinds", "fwd")
+    assert [k["config"][0]["batch"] for k in same["kernels"]] == [8, 4]
+    code, _, err = run(["bench", "--layer", LAYER, "--layer", small, "--total-workspace", "1MiB", "--backend", "cpu",
+                        "--db", str(tmp_path / "cache.db")], capsys)
+    assert code == 2 and "give --batch" in err
+
+
+def test_stderr_has_no_per_measurement_lines_and_verbose_lists_noisy_timings(tmp_path, capsys, monkeypatch):
+    import ucudnn.backends.base as base
+
+    # Every timing counts as noisy, so the summary and the details must show up.
+    monkeypatch.setattr(base, "NOISY_SPREAD_FRACTION", -1.0)
+    argv = ["bench", "--layer", LAYER, "--backend", "cpu", "--reps", "2", "--policy", "undivided", "--kinds", "fwd",
+            "--db", str(tmp_path / "cache.db"), "--quiet"]
+    code, out, err = run(argv, capsys)
+    assert code == 0 and err == ""
+    (summary,) = [line for line in out.splitlines() if line.startswith("warnings: ")]
+    count = int(summary.split()[1])
+    assert count > 0 and "--verbose" in summary
+    assert not any(line.startswith("noisy: ") for line in out.splitlines())
+    code, out, err = run([*argv, "--verbose"], capsys)
+    assert code == 0 and err == ""
+    assert sum(line.startswith("noisy: layer fwd ") for line in out.splitlines()) == count

@@ -270,9 +270,14 @@ def _fake(array: np.ndarray) -> FakeArray:
     return np.asarray(array).view(FakeArray)
 
 
+# What the stand-in device did, in order: ("event",), ("hold", cycles), ("execute",), ("kernel", name).
+TRACE: list[tuple] = []
+
+
 class _Event:
     def record(self, stream=None):
         self.at = time.perf_counter()
+        TRACE.append(("event",))
 
     def synchronize(self):
         pass
@@ -297,6 +302,34 @@ class _Rng:
         return _fake(self._rng.standard_normal(shape).astype(dtype))
 
 
+class _RawKernel:
+    def __init__(self, source, name):
+        assert name in source
+        self.name = name
+
+    def __call__(self, grid, block, args):
+        assert self.name == "ucudnn_hold" and len(args) == 1 and isinstance(args[0], np.int64)
+        TRACE.append(("hold", int(args[0])))
+
+
+class _ElementwiseKernel:
+    """CuPy's ElementwiseKernel for the two blends the backend declares, computed in NumPy."""
+
+    def __init__(self, in_params, out_params, operation, name):
+        self.name = name
+
+    def __call__(self, tmp, *args):
+        TRACE.append(("kernel", self.name))
+        out = args[-1]
+        if self.name == "ucudnn_scale":
+            (alpha, _) = args
+            out[...] = alpha * tmp.astype(type(alpha))
+        else:
+            assert self.name == "ucudnn_blend"
+            alpha, beta, _ = args
+            out[...] = alpha * tmp.astype(type(alpha)) + beta * out.astype(type(alpha))
+
+
 def make_fake_cupy():
     runtime = SimpleNamespace(
         getDeviceCount=lambda: 1, getDevice=lambda: 0, runtimeGetVersion=lambda: 12090, driverGetVersion=lambda: 12090,
@@ -306,20 +339,26 @@ def make_fake_cupy():
         float16=np.float16, float32=np.float32, float64=np.float64, uint8=np.uint8, uint16=np.uint16,
         uint32=np.uint32,
         empty=lambda shape, dtype=np.float32: _fake(np.empty(shape, dtype)),
-        zeros=lambda shape, dtype=np.float32: _fake(np.zeros(shape, dtype)),
+        zeros=lambda shape, dtype=np.float64: _fake(np.zeros(shape, dtype)),
         empty_like=lambda a: _fake(np.empty_like(a)),
-        random=SimpleNamespace(default_rng=_Rng),
+        asarray=lambda a, dtype=None: _fake(np.asarray(a, dtype)),
+        pad=lambda a, pads: _fake(np.pad(a, pads)), einsum=lambda *a, **kw: _fake(np.einsum(*a, **kw)),
+        abs=lambda a: _fake(np.abs(a)), tensordot=lambda a, b, axes: _fake(np.tensordot(a, b, axes)),
+        random=SimpleNamespace(default_rng=_Rng), RawKernel=_RawKernel, ElementwiseKernel=_ElementwiseKernel,
         cuda=SimpleNamespace(runtime=runtime, Device=_Device, Event=_Event,
-                             get_current_stream=lambda: SimpleNamespace(ptr=0),
+                             get_current_stream=lambda: SimpleNamespace(ptr=0, synchronize=lambda: None),
                              get_elapsed_time=lambda start, end: (end.at - start.at) * 1e3))
 
 
 # What the stand-in heuristics offer, in rank order: (engine id, knobs by name, workspace bytes per
 # sample). A duplicate, a frontend python engine and the delegating entry must not become
-# algorithms; engine 7 is offered but does not build.
+# algorithms; engine 7 is offered but does not build; engine 28 is listed with the NOT_SET
+# placeholder knob, which `create_execution_plan` rejects as the real frontend does.
 FAKE_ENGINES = ((0, {}, 0), (1, {"TILE_SIZE": 2}, 256), (1, {"TILE_SIZE": 2}, 256), (7, {"SPLIT_K_BUF": 1}, 0),
-                (20_800, {}, 0), (-1, {}, 0), (2, {"SPLIT_K_BUF": 4, "TILEK": 0}, 1024))
-FAKE_ALGOS = ["eng0", "eng1:TILE_SIZE=2", "eng7:SPLIT_K_BUF=1", "eng2:SPLIT_K_BUF=4,TILEK=0"]
+                (20_800, {}, 0), (-1, {}, 0), (2, {"SPLIT_K_BUF": 4, "TILEK": 0}, 1024),
+                (28, {"NOT_SET": 0, "TILE_SIZE": 4}, 64))
+FAKE_ALGOS = ["eng0", "eng1:TILE_SIZE=2", "eng7:SPLIT_K_BUF=1", "eng2:SPLIT_K_BUF=4,TILEK=0",
+              "eng28:NOT_SET=0,TILE_SIZE=4"]
 
 
 def _host_view(address: int, dims, strides, data_type, cudnn) -> np.ndarray:
@@ -333,7 +372,9 @@ def _host_view(address: int, dims, strides, data_type, cudnn) -> np.ndarray:
 
 def make_fake_cudnn(real):
     """The frontend as the backend may see it: only CUDNN_API_USED, with real enums and the real IR."""
-    calls = {"create_execution_plans": [], "create_execution_plan": [], "build_plan_at_index": [], "execute": 0}
+    # "stale_workspace": engine ids that read the first float of their workspace without writing it.
+    calls = {"create_execution_plans": [], "create_execution_plan": [], "build_plan_at_index": [], "execute": 0,
+             "stale_workspace": set()}
     knob = real.knob_type
 
     class FakeGraph(real.pygraph):
@@ -358,6 +399,9 @@ def make_fake_cudnn(real):
         def create_execution_plan(self, engine_id, knobs=None):
             assert self.fake_state["operation_graph"]
             assert all(isinstance(k, knob) and isinstance(v, int) for k, v in (knobs or {}).items())
+            if knob.NOT_SET in (knobs or {}):
+                raise RuntimeError("convert_to_backend_knob_type(type, backend_type) failed with "
+                                   "CUDNN_STATUS_INVALID_VALUE")
             calls["create_execution_plan"].append((engine_id, dict(knobs or {})))
             self.fake_state["plans"] = (self.fake_state["plans"] or []) + [(engine_id, dict(knobs or {}))]
             return self
@@ -377,7 +421,8 @@ def make_fake_cudnn(real):
         def _engine(self, index):
             engine_id, knobs = self.fake_state["plans"][index]
             for e, k, per_sample in FAKE_ENGINES:
-                if e == engine_id and {knob[n]: v for n, v in k.items()} == knobs:
+                listed = {knob[n]: v for n, v in k.items() if n != "NOT_SET"}
+                if e == engine_id and listed == {n: v for n, v in knobs.items() if n != knob.NOT_SET}:
                     return e, per_sample
             raise real.cudnnGraphNotSupportedError(f"no engine {engine_id} with knobs {knobs}")
 
@@ -399,6 +444,7 @@ def make_fake_cudnn(real):
             if self.get_workspace_size_plan_at_index(index):
                 assert workspace, "a plan with workspace got a null workspace pointer"
             calls["execute"] += 1
+            TRACE.append(("execute",))
             pointers = self._uid_to_data(tensor_dict)
             (node,) = self.nodes
             kind = {"CONV_FPROP": "fwd", "CONV_DGRAD": "bwd_data", "CONV_WGRAD": "bwd_filter"}[node.node_type.name]
@@ -423,6 +469,9 @@ def make_fake_cudnn(real):
                                   dilation_w=node.params["dilation"][1], groups=x_dims[1] // w_dims[1], dtype=dtype)
             assert tuple(y_dims) == problem.y_shape
             result = selftest.reference(problem, **{names[p]: v for p, v in host.items()})
+            engine_id, _ = self._engine(index)
+            if engine_id in calls["stale_workspace"]:  # right on zeroed memory, NaN on 0xFF bytes
+                result = result + 0.0 * ctypes.c_float.from_address(workspace).value
             if dtype == "bfloat16":
                 bits = result.astype(np.float32).view(np.uint32)
                 views[out_port][...] = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
@@ -461,6 +510,9 @@ def fake_gpu(monkeypatch):
     fake_cudnn, calls, handles = make_fake_cudnn(real)
     monkeypatch.setitem(sys.modules, "cupy", make_fake_cupy())
     monkeypatch.setitem(sys.modules, "cudnn", fake_cudnn)
+    TRACE.clear()
+    cudnn_backend._blend_kernels.cache_clear()
+    cudnn_backend._hold_kernel.cache_clear()
     return SimpleNamespace(calls=calls, handles=handles, real=real)
 
 
@@ -513,7 +565,7 @@ def test_measure_times_and_records_failures(fake_gpu):
     assert set(results) == set(FAKE_ALGOS)
     assert not results["eng7:SPLIT_K_BUF=1"].usable and "rejects" in results["eng7:SPLIT_K_BUF=1"].reason
     usable = [m for m in results.values() if m.usable]
-    assert len(usable) == 3 and all(m.time > 0 and m.batch == 3 for m in usable)
+    assert len(usable) == 4 and all(m.time > 0 and m.batch == 3 for m in usable)
     assert results["eng1:TILE_SIZE=2"].workspace == 3 * 256
 
 
@@ -587,3 +639,94 @@ def test_run_rejects_bad_operands(fake_gpu):
         backend.run(SMALL, "eng2:SPLIT_K_BUF=4,TILEK=0", workspace=backend.empty_workspace(16), **operands)
     with pytest.raises(UnsupportedProblem):
         backend.run(SMALL, "eng7:SPLIT_K_BUF=1", workspace=workspace, **operands)
+
+
+# ---- issue 9: rebuilds, cache overflow, verification, back-to-back timing, accumulation ----------
+NOT_SET_ALGO = "eng28:NOT_SET=0,TILE_SIZE=4"
+
+
+def test_a_not_set_name_rebuilds_with_the_placeholder_dropped(fake_gpu):
+    fresh = cudnn_backend.CudnnBackend()  # a later process: the name comes from the cache
+    problem = SMALL.with_batch(2)
+    assert fresh.unsupported_reason(problem, NOT_SET_ALGO) is None
+    knob = fake_gpu.real.knob_type
+    assert fake_gpu.calls["create_execution_plan"][-1] == (28, {knob.TILE_SIZE: 4})
+    assert EngineConfig.parse(NOT_SET_ALGO).name == NOT_SET_ALGO  # stored names keep their spelling
+    operands = fresh.random_operands(problem)
+    fresh.run(problem, NOT_SET_ALGO, workspace=fresh.empty_workspace(fresh.workspace_size(problem, NOT_SET_ALGO)),
+              **operands)
+    expected = selftest.reference(problem, x=np.asarray(operands["x"]), w=np.asarray(operands["w"]))
+    assert selftest.relative_error(np.asarray(operands["out"], np.float64), expected) < 1e-6
+
+
+def test_more_problems_than_the_caches_hold_run_without_error(fake_gpu, monkeypatch):
+    from ucudnn import Handle
+
+    monkeypatch.setattr(cudnn_backend, "ENUMERATION_CACHE_ENTRIES", 2)
+    monkeypatch.setattr(cudnn_backend, "PLAN_CACHE_ENTRIES", 3)
+    backend = cudnn_backend.CudnnBackend()
+    # Only the NOT_SET engine: every plan at a micro-batch size is a rebuild from its name.
+    problems = [ConvProblem(n=4, c=3, h=5 + i, w=6, k=4, r=3, s=3, pad_h=1, pad_w=1) for i in range(6)]
+    with Handle(backend=backend, db=False, algos=[NOT_SET_ALGO], reps=1) as handle:
+        for _ in range(2):  # the second pass finds every problem evicted from both caches
+            for p in problems:
+                x, w = (backend.random_operands(p, seed=p.h)[name] for name in ("x", "w"))
+                y = handle.conv_forward(x, w, padding=1)
+                expected = selftest.reference(p, x=np.asarray(x), w=np.asarray(w))
+                assert selftest.relative_error(np.asarray(y, np.float64), expected) < 1e-6
+    assert len(backend._enumerations) <= 2 and len(backend._plans) <= 3
+
+
+def test_a_wrong_engine_is_excluded_by_measurement_selftest_and_optimize(fake_gpu):
+    from ucudnn.optimize import expand_kernels, optimize
+
+    fake_gpu.calls["stale_workspace"].add(2)
+    backend = cudnn_backend.CudnnBackend()
+    wrong = "eng2:SPLIT_K_BUF=4,TILEK=0"
+    results = {m.algo: m for m in backend.measure(SMALL, backend.algorithms(SMALL), reps=1)}
+    assert results[wrong].reason == "wrong result (rel. error inf)" and not results[wrong].usable
+    assert results["eng0"].usable
+    report = selftest.run_selftest(backend, problems=selftest.DEFAULT_PROBLEMS[:1])
+    assert report.passed and {c.algo for c in report.checks if c.status == "excluded"} == {wrong}
+    plan = optimize(backend, expand_kernels([("l", SMALL)], SMALL.n), policy="powerOfTwo", reps=1)
+    for k in plan.kernels:
+        assert wrong not in {m.algo for m in k.config.micros}
+        assert wrong in {m.algo for m in k.excluded}
+
+
+def test_timing_launches_back_to_back_behind_a_hold(fake_gpu):
+    backend = cudnn_backend.CudnnBackend()
+    operands = backend.random_operands(SMALL)
+    workspace = backend.empty_workspace(backend.workspace_size(SMALL, "eng0"))
+    TRACE.clear()
+    samples = backend.time_run_ms(SMALL, "eng0", operands, workspace, reps=3)
+    assert len(samples) == 3 and all(t > 0 for t in samples)
+    # One launch alone sizes the sample, then per sample: hold, event, N launches, event.
+    assert TRACE[:3] == [("event",), ("execute",), ("event",)]
+    rest = TRACE[3:]
+    n = len(rest) // 3 - 3
+    assert n >= 1 and rest == [("hold", rest[0][1]), ("event",), *[("execute",)] * n, ("event",)] * 3
+    assert rest[0][1] == int(min(n * cudnn_backend.HOST_MS_PER_LAUNCH, cudnn_backend.MAX_HOLD_MS) * 2_000_000)
+
+
+def test_launches_per_sample():
+    from ucudnn.backends.cudnn import MAX_LAUNCHES_PER_SAMPLE, SAMPLE_TARGET_MS, launches_per_sample
+
+    assert launches_per_sample(SAMPLE_TARGET_MS * 2) == 1
+    assert launches_per_sample(SAMPLE_TARGET_MS / 10) == 10
+    assert launches_per_sample(1e-6) == launches_per_sample(0.0) == MAX_LAUNCHES_PER_SAMPLE
+
+
+def test_bwd_filter_accumulation_is_one_fused_kernel_and_is_timed(fake_gpu):
+    backend = cudnn_backend.CudnnBackend()
+    problem = SMALL.with_kind("bwd_filter")
+    TRACE.clear()
+    backend.measure(problem, ["eng0"], reps=2)
+    assert ("kernel", "ucudnn_blend") not in TRACE  # beta = 0 writes out directly
+    TRACE.clear()
+    backend.measure(problem, ["eng0"], reps=2, accumulate=True)
+    blends = TRACE.count(("kernel", "ucudnn_blend"))
+    executes = TRACE.count(("execute",))
+    # every run after the verified one accumulates: one blend kernel each
+    assert blends == executes - 1 and blends > 0
+    assert ("kernel", "ucudnn_scale") not in TRACE

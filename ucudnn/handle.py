@@ -42,10 +42,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from ucudnn.backends import get_backend
-from ucudnn.backends.base import Backend
-from ucudnn.benchmark import (BenchStats, Policy, batch_sizes, confirm_faster, measure_table, parse_policy,
-                              policy_name)
-from ucudnn.errors import InvalidInput
+from ucudnn.backends.base import Backend, one_line
+from ucudnn.benchmark import (BenchStats, Policy, batch_sizes, confirm_faster, device_key, measure_table,
+                              parse_policy, policy_name)
+from ucudnn.errors import InvalidInput, UnsupportedProblem
 from ucudnn.execute import run_configuration
 from ucudnn.optimize import micro_from_json, micro_to_json, pareto_fronts, plan_key, undivided_baseline
 from ucudnn.problem import KINDS, ConvProblem
@@ -53,7 +53,7 @@ from ucudnn.sizes import parse_size
 from ucudnn.solver import wr
 from ucudnn.solver.types import Configuration, Infeasible, MicroConfig
 
-__all__ = ["Handle", "KernelChoice", "LateRegistrationWarning", "SEGMENT_ALIGN_BYTES"]
+__all__ = ["Handle", "KernelChoice", "LateRegistrationWarning", "PlanFailureWarning", "SEGMENT_ALIGN_BYTES"]
 
 # WD segments start at multiples of this: cuDNN wants aligned workspace pointers, and on the CPU an
 # aligned start keeps float views of a segment on cache-line (and SIMD) boundaries.
@@ -67,6 +67,15 @@ _Pair = int | Sequence[int]
 
 class LateRegistrationWarning(UserWarning):
     """A WD layer was announced after the network was solved; the network is solved again."""
+
+
+class PlanFailureWarning(UserWarning):
+    """A planned algorithm could not run; it was recorded as unusable and the kernel re-planned."""
+
+
+# Re-plans of one call before giving up. Each records at least one more unusable (algorithm,
+# micro-batch), so this only bounds a backend whose failures move from size to size.
+_MAX_REPLANS = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -287,6 +296,12 @@ class Handle:
         self._wd_solved = False
         self._arena: Any = None
         self._peak_bytes = 0
+        # Recovery from planned algorithms that cannot run (see _run): configurations that ran
+        # once, failures recorded this session ((problem key, algo, batch) -> unusable MicroConfig),
+        # and whether the one warning was given.
+        self._proven: dict[int, _Prepared] = {}  # by id; holding the value keeps the id unique
+        self._failed: dict[tuple[str, str, int], MicroConfig] = {}
+        self._warned_failure = False
 
     # ---- introspection ------------------------------------------------------------------
     @property
@@ -580,19 +595,22 @@ class Handle:
                                      cache=self._open_cache(), algos=self._candidates(problem), reps=self._reps,
                                      workspace_limit=limit)
         self._stats += stats
+        if self._failed:  # algorithms that failed in a plan this session, also without a cache
+            table = {size: [self._failed.get((problem.key, m.algo, size), m) for m in row]
+                     for size, row in table.items()}
         return table
 
     def _plan_key(self, **parts) -> str:
         return plan_key(self._backend, policy=policy_name(self._policy), algos=self._algos, **parts)
 
-    def _plan_wr(self, problem: ConvProblem) -> _Plan:
+    def _plan_wr(self, problem: ConvProblem, fresh: bool = False) -> _Plan:
         memo = (problem.key, problem.n)
         plan = self._wr_plans.get(memo)
         if plan is not None:
             return plan
         key = self._plan_key(mode="WR", workspace_limit=self._workspace_limit, problem=problem.key, batch=problem.n)
         cache = self._open_cache()
-        stored = cache.get_plan(key) if cache is not None else None
+        stored = cache.get_plan(key) if cache is not None and not fresh else None
         if stored is not None:
             plan = _Plan(_config_from_dict(stored["config"]),
                          micro_from_json(stored["baseline"]) if stored.get("baseline") else None)
@@ -612,7 +630,7 @@ class Handle:
         self._wr_plans[memo] = plan
         return plan
 
-    def _solve_wd(self, batch: int) -> dict[tuple[str, str], tuple[ConvProblem, _Plan]]:
+    def _solve_wd(self, batch: int, fresh: bool = False) -> dict[tuple[str, str], tuple[ConvProblem, _Plan]]:
         """Solve (or load) the workspace division of every registered kernel at this batch."""
         total = self._total_workspace
         assert total is not None
@@ -623,7 +641,7 @@ class Handle:
         problem_keys = [p.key for _, _, p in kernels]
         key = self._plan_key(mode="WD", total_workspace=total, batch=batch, kernels=problem_keys)
         cache = self._open_cache()
-        stored = cache.get_plan(key) if cache is not None else None
+        stored = cache.get_plan(key) if cache is not None and not fresh else None
         if stored is not None and len(stored.get("kernels", ())) == len(kernels):
             configs = [_config_from_dict(k["config"]) for k in stored["kernels"]]
             baselines = [micro_from_json(k["baseline"]) if k.get("baseline") else None for k in stored["kernels"]]
@@ -686,8 +704,78 @@ class Handle:
 
     def _run(self, prep: _Prepared, *, x: Any = None, w: Any = None, dy: Any = None, out: Any,
              alpha: float, beta: float) -> None:
-        run_configuration(self._backend, prep.problem, prep.config, x=x, w=w, dy=dy, out=out,
-                          alpha=alpha, beta=beta, workspace=self._workspace(prep))
+        if id(prep) not in self._proven:
+            self._run_first(prep, x=x, w=w, dy=dy, out=out, alpha=alpha, beta=beta)
+            return
+        try:
+            run_configuration(self._backend, prep.problem, prep.config, x=x, w=w, dy=dy, out=out,
+                              alpha=alpha, beta=beta, workspace=self._workspace(prep))
+        except self._candidate_failures() as exc:
+            if beta != 0:  # out already holds part of the blend: no way back to the caller's values
+                raise
+            self._run_first(self._replan(prep, exc), x=x, w=w, dy=dy, out=out, alpha=alpha, beta=beta)
+
+    # ---- recovery from planned algorithms that cannot run ----------------------------------
+    def _candidate_failures(self) -> tuple[type[BaseException], ...]:
+        return (UnsupportedProblem, MemoryError, *self._backend.candidate_failures())
+
+    def _run_first(self, prep: _Prepared, *, out: Any, beta: float, **operands: Any) -> None:
+        """Run a configuration that has not run before: one that cannot run is recorded and re-planned.
+
+        Every micro-batch's algorithm is checked before anything is written; for a failure while
+        running, `out` is restored from a copy taken first when beta != 0 reads it.
+        """
+        for _ in range(_MAX_REPLANS):
+            failures = [MicroConfig(m.algo, m.batch, float("inf"), 0, reason=reason)
+                        for m in dict.fromkeys(prep.config.micros)
+                        if (reason := self._backend.unsupported_reason(prep.problem.with_batch(m.batch), m.algo))]
+            if failures:
+                prep = self._replan(prep, UnsupportedProblem(failures[0].reason), failures)
+                continue
+            saved = out.copy() if beta != 0 else None
+            try:
+                run_configuration(self._backend, prep.problem, prep.config, out=out, beta=beta,
+                                  workspace=self._workspace(prep), **operands)
+            except self._candidate_failures() as exc:
+                if saved is not None:
+                    out[...] = saved
+                prep = self._replan(prep, exc)
+                continue
+            self._proven[id(prep)] = prep
+            return
+        raise UnsupportedProblem(f"{prep.problem.spec} ({prep.problem.kind}): no runnable configuration after "
+                                 f"{_MAX_REPLANS} re-plans")
+
+    def _replan(self, prep: _Prepared, exc: BaseException, failures: Sequence[MicroConfig] = ()) -> _Prepared:
+        """Record the failed algorithms as unusable (cache and this session), solve again, warn once."""
+        problem = prep.problem
+        sizes = batch_sizes(self._policy, problem.n)
+        if failures:  # did not build: so at every other size where it does not build either
+            failures = [MicroConfig(algo, size, float("inf"), 0, reason=reason)
+                        for algo in dict.fromkeys(m.algo for m in failures) for size in sizes
+                        if (reason := self._backend.unsupported_reason(problem.with_batch(size), algo))]
+        else:  # failed while running: the plan's algorithms are suspect at every size
+            failures = [MicroConfig(algo, size, float("inf"), 0, reason=f"failed to run: {one_line(exc)}")
+                        for algo in dict.fromkeys(m.algo for m in prep.config.micros) for size in sizes]
+        for m in failures:
+            self._failed[problem.key, m.algo, m.batch] = m
+        cache = self._open_cache()
+        if cache is not None and not isinstance(exc, MemoryError):  # out of memory says nothing lasting
+            cache.store(problem_key=problem.key, micros=failures, replace=True, **device_key(self._backend))
+        if not self._warned_failure:
+            self._warned_failure = True
+            warnings.warn(PlanFailureWarning(
+                f"{', '.join(m.algo for m in failures)} could not run {problem.spec} ({problem.kind}): "
+                f"{failures[0].reason}; recorded as unusable and re-planned (later failures are not warned)"),
+                stacklevel=5)
+        self._prepared.clear()
+        if self.mode == "WR":
+            self._wr_plans.pop((problem.key, problem.n), None)
+            return _Prepared(problem, self._plan_wr(problem, fresh=True).config, None)
+        self._wd_plans.pop(problem.n, None)
+        plans = self._solve_wd(problem.n, fresh=True)
+        plan = next(plan for p, plan in plans.values() if p == problem)
+        return _Prepared(problem, plan.config, plan.offset)
 
 
 def _rebuild_handle(options: dict) -> Handle:

@@ -8,7 +8,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from ucudnn.backends.base import Backend
+from ucudnn.backends.base import Backend, is_noisy
 from ucudnn.benchmark import BenchStats, Policy, batch_sizes, device_key, measure_table, policy_name
 from ucudnn.errors import InvalidInput
 from ucudnn.problem import KINDS, ConvProblem
@@ -33,6 +33,10 @@ class KernelPlan:
     problem: ConvProblem
     baseline: MicroConfig | None  # None when no algorithm fits undivided
     config: Configuration
+    # Candidates verification rejected (`wrong result ...`), at every size measured: never chosen.
+    excluded: tuple[MicroConfig, ...] = ()
+    # Measurements whose interquartile range is a large fraction of their median (see is_noisy).
+    noisy: tuple[MicroConfig, ...] = ()
 
     @property
     def speedup(self) -> float:
@@ -49,7 +53,7 @@ class Report:
     mode: str  # "WR" or "WD"
     workspace_limit: int | None
     total_workspace: int | None
-    batch: int
+    batch: int | None  # None when WR kernels have different batch sizes (each kernel's problem has its n)
     kernels: tuple[KernelPlan, ...]
     stats: BenchStats
     # WD only: the Pareto front of each distinct problem (by ConvProblem.key), for plots.
@@ -69,6 +73,16 @@ class Report:
         sizes = [k.config.workspace for k in self.kernels]
         return (sum(sizes) if self.mode == "WD" else max(sizes)) if sizes else 0
 
+    @property
+    def noisy(self) -> list[tuple[KernelPlan, MicroConfig]]:
+        """Noisy measurements, once per distinct problem (kernels of one shape share a table)."""
+        seen, found = set(), []
+        for k in self.kernels:
+            if (k.problem.key, k.problem.n) not in seen:
+                seen.add((k.problem.key, k.problem.n))
+                found += [(k, m) for m in k.noisy]
+        return found
+
     def to_json(self) -> dict:
         def finite(x: float) -> float | None:  # JSON has no infinity
             return x if math.isfinite(x) else None
@@ -83,11 +97,17 @@ class Report:
                               "workspace": k.baseline.workspace} if k.baseline else None),
                 "config": [micro_to_json(m) for m in k.config.micros],
                 "time_ms": k.config.time, "workspace": k.config.workspace, "speedup": finite(k.speedup),
+                "batch": k.problem.n,
+                "excluded": [{"algo": m.algo, "batch": m.batch, "reason": m.reason} for m in k.excluded],
             } for k in self.kernels],
             "total": {"baseline_ms": finite(self.baseline_ms), "time_ms": self.time_ms,
                       "speedup": finite(self.baseline_ms / self.time_ms), "workspace": self.workspace},
             "benchmark": {"measured": self.stats.measured, "cached": self.stats.cached,
                           "seconds": round(self.stats.seconds, 3)},
+            "warnings": {"noisy_timings": len(self.noisy),
+                         "wrong_results": sum(len(k.excluded) for k in self.kernels)},
+            "noisy": [{"layer": k.layer, "kind": k.problem.kind, "problem": k.problem.spec, "algo": m.algo,
+                       "batch": m.batch, "time_ms": m.time, "spread_ms": m.spread} for k, m in self.noisy],
         }
 
 
@@ -111,7 +131,8 @@ def optimize(backend: Backend, kernels: Sequence[tuple[str, ConvProblem]], *, po
              algos: Sequence[str] | None = None, reps: int = 3, progress=None) -> Report:
     """Measure every kernel (each distinct problem once) and choose its configuration.
 
-    WR (`workspace_limit`, or no limit): each kernel independently by `wr.solve`.
+    WR (`workspace_limit`, or no limit): each kernel independently by `wr.solve`, each at its own
+    batch size.
     WD (`total_workspace`): Pareto fronts per kernel, then `wd.solve` over all of them. The WD
     baseline is the undivided fastest algorithm within an equal share `total_workspace / K`, the
     division a framework without WD would make.
@@ -120,34 +141,48 @@ def optimize(backend: Backend, kernels: Sequence[tuple[str, ConvProblem]], *, po
         raise InvalidInput("no kernels to optimise")
     if workspace_limit is not None and total_workspace is not None:
         raise InvalidInput("give a per-kernel workspace limit (WR) or a total workspace (WD), not both")
-    batches = {p.n for _, p in kernels}
-    if len(batches) != 1:
-        raise InvalidInput(f"all kernels must share one batch size, got {sorted(batches)}")
-    batch = batches.pop()
-    sizes = batch_sizes(policy, batch)
     mode = "WD" if total_workspace is not None else "WR"
+    batches = {p.n for _, p in kernels}
+    if mode == "WD" and len(batches) != 1:
+        raise InvalidInput(f"WD divides one workspace among kernels of one batch size, got {sorted(batches)}")
     measure_limit = total_workspace if mode == "WD" else workspace_limit
 
-    tables: dict[str, dict[int, list[MicroConfig]]] = {}
+    # Keyed by (problem key, n): the key leaves the batch size out, and WR kernels may differ in it.
+    tables: dict[tuple[str, int], dict[int, list[MicroConfig]]] = {}
     stats = BenchStats()
     for _, problem in kernels:
-        if problem.key not in tables:
-            tables[problem.key], s = measure_table(backend, problem, sizes, cache=cache, algos=algos, reps=reps,
-                                                   workspace_limit=measure_limit, progress=progress)
+        if (problem.key, problem.n) not in tables:
+            tables[problem.key, problem.n], s = measure_table(
+                backend, problem, batch_sizes(policy, problem.n), cache=cache, algos=algos, reps=reps,
+                workspace_limit=measure_limit, progress=progress)
             stats += s
 
+    def table(p: ConvProblem) -> dict[int, list[MicroConfig]]:
+        return tables[p.key, p.n]
+
     baseline_limit = total_workspace // len(kernels) if mode == "WD" else workspace_limit
-    baselines = [undivided_baseline(tables[p.key], batch, baseline_limit) for _, p in kernels]
+    baselines = [undivided_baseline(table(p), p.n, baseline_limit) for _, p in kernels]
     fronts: dict[str, list[Configuration]] = {}
     if mode == "WR":
-        configs = [wr.solve(tables[p.key], batch, workspace_limit) for _, p in kernels]
+        configs = [wr.solve(table(p), p.n, workspace_limit) for _, p in kernels]
     else:
-        fronts = pareto_fronts([p for _, p in kernels], tables, batch, total_workspace)
+        batch = next(iter(batches))
+        fronts = pareto_fronts([p for _, p in kernels], {p.key: table(p) for _, p in kernels}, batch,
+                               total_workspace)
         configs = _solve_wd(kernels, fronts, total_workspace)
-    plans = tuple(KernelPlan(name, p, b, c) for (name, p), b, c in zip(kernels, baselines, configs, strict=True))
+    plans = tuple(KernelPlan(name, p, b, c, *_findings(table(p)))
+                  for (name, p), b, c in zip(kernels, baselines, configs, strict=True))
     return Report(device=backend.device.model, backend=backend.name, policy=policy_name(policy), mode=mode,
-                  workspace_limit=workspace_limit, total_workspace=total_workspace, batch=batch,
+                  workspace_limit=workspace_limit, total_workspace=total_workspace,
+                  batch=next(iter(batches)) if len(batches) == 1 else None,
                   kernels=plans, stats=stats, fronts=fronts)
+
+
+def _findings(table: Mapping[int, Sequence[MicroConfig]]) -> tuple[tuple[MicroConfig, ...], tuple[MicroConfig, ...]]:
+    """(candidates rejected as wrong, noisy measurements) of one kernel's table."""
+    micros = [m for row in table.values() for m in row]
+    return (tuple(m for m in micros if m.reason.startswith("wrong result")),
+            tuple(m for m in micros if m.usable and is_noisy(m.time, m.spread)))
 
 
 def undivided_baseline(table: Mapping[int, Sequence[MicroConfig]], batch: int, limit: int | None) -> MicroConfig | None:

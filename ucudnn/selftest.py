@@ -12,7 +12,10 @@ every kind and every algorithm a backend offers, each check runs the algorithm
 Errors are normwise: max |out - expected| / max |expected|, so one number per comparison that does
 not blow up where a single expected value happens to be near zero. A check passes when every
 comparison it could make is within `TOLERANCE[dtype]`; an algorithm the backend declares unsupported
-for a problem is skipped with its reason. A (problem, kind) that no algorithm could run fails.
+for a problem is skipped with its reason. A failed check whose algorithm the backend's measurement
+also rejects (`wrong result`: verification against a trusted result, see `Backend.measure`) is
+`excluded`: ucudnn never chooses it, so it does not fail the suite, and the report shows it. A
+(problem, kind) that no algorithm could run fails.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from ucudnn.backends.base import Backend
+from ucudnn.backends.base import UNWRITTEN_WORKSPACE_BYTE, Backend
 from ucudnn.errors import UcudnnError
 from ucudnn.execute import run_configuration
 from ucudnn.problem import KINDS, ConvProblem
@@ -61,14 +64,15 @@ class SelftestFailed(UcudnnError):
 
 
 # ---- the float64 reference ------------------------------------------------------------------
-def reference(problem: ConvProblem, *, x: Any = None, w: Any = None, dy: Any = None) -> np.ndarray:
+def reference(problem: ConvProblem, *, x: Any = None, w: Any = None, dy: Any = None, xp: Any = np) -> Any:
     """The kernel's exact result in float64, by direct summation over the filter taps.
 
     fwd:        y[n, k, i, j]  = sum_{c, r, s} x_pad[n, c, i*sh + r*dh, j*sw + s*dw] * w[k, c, r, s]
     bwd_data:   dx = the adjoint of fwd in x: each dy[n, k, i, j] * w[k, c, r, s] lands on the
                 x_pad position fwd read it from, then the padding is cropped
     bwd_filter: dw[k, c, r, s] = sum_{n, i, j} dy[n, k, i, j] * x_pad[n, c, i*sh + r*dh, j*sw + s*dw]
-    with c restricted to the group of k (c/groups channels per group).
+    with c restricted to the group of k (c/groups channels per group). `xp` is the array module
+    (NumPy, or CuPy to compute on the GPU where the operands are).
     """
     p = problem
     groups, cg, kg = p.groups, p.c // p.groups, p.k // p.groups
@@ -87,32 +91,32 @@ def reference(problem: ConvProblem, *, x: Any = None, w: Any = None, dy: Any = N
         return slice(g * cg, (g + 1) * cg), slice(g * kg, (g + 1) * kg)
 
     if p.kind == "fwd":
-        x_pad = np.pad(np.asarray(x, dtype=np.float64), pads)
-        w64 = np.asarray(w, dtype=np.float64)
-        y = np.zeros(p.y_shape)
+        x_pad = xp.pad(xp.asarray(x, dtype=xp.float64), pads)
+        w64 = xp.asarray(w, dtype=xp.float64)
+        y = xp.zeros(p.y_shape)
         for r, s, window in taps():
             patch = x_pad[window]
             for g in range(groups):
                 cs, ks = group(g)
-                y[:, ks] += np.einsum("nchw,kc->nkhw", patch[:, cs], w64[ks, :, r, s])
+                y[:, ks] += xp.einsum("nchw,kc->nkhw", patch[:, cs], w64[ks, :, r, s], optimize=True)
         return y
     if p.kind == "bwd_data":
-        dy64, w64 = np.asarray(dy, dtype=np.float64), np.asarray(w, dtype=np.float64)
-        dx_pad = np.zeros((p.n, p.c, p.h + 2 * p.pad_h, p.w + 2 * p.pad_w))
+        dy64, w64 = xp.asarray(dy, dtype=xp.float64), xp.asarray(w, dtype=xp.float64)
+        dx_pad = xp.zeros((p.n, p.c, p.h + 2 * p.pad_h, p.w + 2 * p.pad_w))
         for r, s, window in taps():
             view = dx_pad[window]  # a strided view: the += lands in dx_pad
             for g in range(groups):
                 cs, ks = group(g)
-                view[:, cs] += np.einsum("nkhw,kc->nchw", dy64[:, ks], w64[ks, :, r, s])
+                view[:, cs] += xp.einsum("nkhw,kc->nchw", dy64[:, ks], w64[ks, :, r, s], optimize=True)
         return dx_pad[:, :, p.pad_h:p.pad_h + p.h, p.pad_w:p.pad_w + p.w]
-    x_pad = np.pad(np.asarray(x, dtype=np.float64), pads)
-    dy64 = np.asarray(dy, dtype=np.float64)
-    dw = np.zeros(p.w_shape)
+    x_pad = xp.pad(xp.asarray(x, dtype=xp.float64), pads)
+    dy64 = xp.asarray(dy, dtype=xp.float64)
+    dw = xp.zeros(p.w_shape)
     for r, s, window in taps():
         patch = x_pad[window]
         for g in range(groups):
             cs, ks = group(g)
-            dw[ks, :, r, s] = np.einsum("nkhw,nchw->kc", dy64[:, ks], patch[:, cs])
+            dw[ks, :, r, s] = xp.tensordot(dy64[:, ks], patch[:, cs], axes=([0, 2, 3], [0, 2, 3]))
     return dw
 
 
@@ -145,7 +149,7 @@ class Check:
     problem: str
     kind: str
     algo: str
-    status: str  # "pass", "fail" or "skip"
+    status: str  # "pass", "fail", "skip" or "excluded" (wrong, and rejected by the measurement)
     tolerance: float
     micro_batches: tuple[int, ...] = ()
     error_reference: float | None = None        # undivided vs float64 reference
@@ -187,8 +191,8 @@ class SelftestReport:
         return self.count("fail") == 0
 
     def table(self) -> dict[str, dict[str, tuple[str, float | None]]]:
-        """algo -> kind -> (status, worst error over problems); status fail beats pass beats skip."""
-        rank = {"skip": 0, "pass": 1, "fail": 2}
+        """algo -> kind -> (status, worst error over problems); fail beats excluded beats pass beats skip."""
+        rank = {"skip": 0, "pass": 1, "excluded": 2, "fail": 3}
         cells: dict[str, dict[str, tuple[str, float | None]]] = {}
         for c in self.checks:
             row = cells.setdefault(c.algo, {})
@@ -220,12 +224,15 @@ class SelftestReport:
                 cells.append(f"{text:<15}")
             lines.append(f"{algo:<{width}}  " + "  ".join(cells).rstrip())
         lines.append(f"checks: {self.count('pass')} passed, {self.count('fail')} failed, "
+                     f"{self.count('excluded')} excluded (wrong results ucudnn never chooses), "
                      f"{self.count('skip')} skipped (unsupported) in {self.seconds:.1f} s")
         for c in self.checks:
             if c.status == "fail":
                 errors = ", ".join(f"{e:.2e}" for e in c.errors)
                 detail = c.reason or f"errors {errors} over {c.tolerance:.0e}"
                 lines.append(f"FAIL {c.kind} {c.algo} on {c.problem}: {detail}")
+            elif c.status == "excluded":
+                lines.append(f"excluded {c.kind} {c.algo} on {c.problem}: {c.reason}")
         skipped = collections.Counter((c.algo, c.reason) for c in self.checks if c.status == "skip")
         for (algo, reason), times in skipped.items():
             lines.append(f"skip {algo} ({times}x): {reason}")
@@ -236,6 +243,7 @@ class SelftestReport:
             "backend": self.backend, "device": self.device, "dtype": self.dtype,
             "tolerance": TOLERANCE[self.dtype], "passed": self.passed,
             "summary": {"passed": self.count("pass"), "failed": self.count("fail"), "skipped": self.count("skip"),
+                        "excluded": self.count("excluded"),
                         "seconds": self.seconds},
             "table": {algo: {kind: {"status": status, "max_rel_error": _json_number(worst)}
                              for kind, (status, worst) in row.items()}
@@ -266,6 +274,7 @@ def _check(backend: Backend, problem: ConvProblem, algo: str, seed: int) -> Chec
         expected = reference(problem, **{name: to_host_float64(a, problem.dtype) for name, a in inputs.items()})
         out = operands["out"]
         workspace = backend.empty_workspace(backend.workspace_size(problem, algo))
+        workspace.fill(UNWRITTEN_WORKSPACE_BYTE)  # an algorithm reading workspace it never wrote shows
         backend.run(problem, algo, out=out, workspace=workspace, **inputs)
         undivided = to_host_float64(out, problem.dtype)
         errors["error_reference"] = relative_error(undivided, expected)
@@ -296,6 +305,16 @@ def _check(backend: Backend, problem: ConvProblem, algo: str, seed: int) -> Chec
     return Check(status=status, micro_batches=sizes, reason="; ".join(notes), **base, **errors)
 
 
+def _exclude_rejected(backend: Backend, problem: ConvProblem, checks: list[Check]) -> list[Check]:
+    """Failed checks whose algorithm the measurement's verification rejects become `excluded`."""
+    failed = [c.algo for c in checks if c.status == "fail"]
+    if not failed:
+        return checks
+    verdicts = {m.algo: m.reason for m in backend.measure(problem, failed, reps=1)}
+    return [dataclasses.replace(c, status="excluded", reason=f"{verdicts[c.algo]}; measurement rejects it")
+            if c.status == "fail" and verdicts[c.algo].startswith("wrong result") else c for c in checks]
+
+
 def _problem_text(problem: ConvProblem) -> str:
     """The problem's spec without its kind (a check names the kind apart)."""
     return dataclasses.replace(problem, kind="fwd").spec
@@ -312,7 +331,8 @@ def run_selftest(backend: Backend, *, problems: Sequence[str | ConvProblem] = DE
         problem = ConvProblem.parse(item) if isinstance(item, str) else item
         for kind in kinds:
             part = dataclasses.replace(problem, kind=kind, dtype=dtype)
-            found = [_check(backend, part, algo, seed) for algo in backend.algorithms(part)]
+            found = _exclude_rejected(backend, part, [_check(backend, part, algo, seed)
+                                                       for algo in backend.algorithms(part)])
             if not any(c.status in ("pass", "fail") for c in found):
                 found.append(Check(_problem_text(part), kind, "(none)", "fail", TOLERANCE[dtype],
                                    reason="no algorithm could run this problem"))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import abc
 import logging
+import math
 import statistics
 import time
 from collections.abc import Sequence
@@ -18,6 +19,43 @@ log = logging.getLogger(__name__)
 # A measurement whose interquartile range exceeds this fraction of its median is flagged as noisy:
 # on a shared 2-core machine a 25% spread means the median may be off by about that much.
 NOISY_SPREAD_FRACTION = 0.25
+
+# The verified run finds its workspace full of these bytes (NaN in every float format), so an
+# algorithm that reads workspace it never wrote gives a non-finite or wrong result instead of
+# passing on the zeros a fresh allocation often happens to hold.
+UNWRITTEN_WORKSPACE_BYTE = 0xFF
+# Unit roundoff of the formats a result passes through: storage (inputs and output are rounded to
+# it) and accumulation. TF32 is float32 with a 10-bit mantissa, what tensor cores use for float32.
+UNIT_ROUNDOFF = {"float64": 2.0**-53, "float32": 2.0**-24, "tf32": 2.0**-11, "float16": 2.0**-11,
+                 "bfloat16": 2.0**-8}
+# Headroom over the rounding estimate: correct cuDNN engines reached 5.7e-3 under TF32 summing over
+# 16x224x224 (estimate 5.4e-4, tolerance 3.5e-2), a wrong one 1.54. The cap keeps low-precision
+# accumulation over long sums from accepting anything.
+VERIFY_SAFETY = 64.0
+VERIFY_CAP = 0.25
+
+
+def reduction_length(problem: ConvProblem) -> int:
+    """How many products each output element sums."""
+    if problem.kind == "fwd":
+        return problem.c // problem.groups * problem.r * problem.s
+    if problem.kind == "bwd_data":
+        return problem.k // problem.groups * problem.r * problem.s
+    return problem.n * problem.out_h * problem.out_w
+
+
+def verification_tolerance(problem: ConvProblem, *, tf32: bool = False) -> float:
+    """Normwise relative error (max |out - ref| / max |ref|) a correct algorithm stays within.
+
+    Rounding the operands costs about one unit roundoff of the input format (TF32 for float32
+    compute when `tf32`), summing L products about sqrt(L) units of the accumulator (random-walk
+    growth of rounding errors).
+    """
+    compute = problem.effective_compute_type
+    inputs = "tf32" if tf32 and compute == "float32" else compute
+    storage = max(UNIT_ROUNDOFF[problem.dtype], UNIT_ROUNDOFF[inputs])
+    estimate = storage + UNIT_ROUNDOFF[compute] * math.sqrt(reduction_length(problem))
+    return min(VERIFY_SAFETY * estimate, VERIFY_CAP)
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +89,8 @@ class Backend(abc.ABC):
     """A convolution library. Arrays are NCHW and contiguous (NumPy on the CPU, CuPy on a GPU)."""
 
     name: str
-    warmup_runs = 1  # untimed runs before the timed ones (caches, lazy compilation)
+    warmup_runs = 1  # untimed runs before the timed ones (caches, lazy compilation); the first is verified
+    tf32 = False  # float32 compute may round operands to TF32 (GPU tensor cores)
 
     @property
     @abc.abstractmethod
@@ -87,23 +126,49 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def time_run_ms(self, problem: ConvProblem, algo: str, operands: dict[str, Any], workspace: Any,
-                    reps: int) -> list[float]:
-        """`reps` timing samples (ms) of `run`, after the caller's warm-up."""
+                    reps: int, beta: float = 0.0) -> list[float]:
+        """`reps` timing samples (ms) of `run` with this `beta`, after the caller's warm-up."""
+
+    def trusted_result(self, problem: ConvProblem, inputs: dict[str, Any]) -> Any:
+        """The kernel's float64 result on `inputs`, computed independently of every algorithm.
+
+        Here on the host in NumPy; a device backend overrides it to compute where the data is.
+        """
+        from ucudnn.selftest import reference, to_host_float64
+
+        return reference(problem, **{name: to_host_float64(a, problem.dtype) for name, a in inputs.items()})
+
+    def result_error(self, problem: ConvProblem, out: Any, trusted: Any) -> float:
+        """Normwise relative error of `out` against `trusted_result` (inf for NaN or inf)."""
+        from ucudnn.selftest import relative_error, to_host_float64
+
+        return relative_error(to_host_float64(out, problem.dtype), trusted)
 
     def candidate_failures(self) -> tuple[type[BaseException], ...]:
         """Exceptions that mean one candidate failed to build or run, besides running out of memory."""
         return ()
 
-    def measure(self, problem: ConvProblem, algos: Sequence[str], reps: int = 3) -> list[MicroConfig]:
-        """Time each algorithm at `problem.n`: warm-up runs, then the median of `reps` runs.
+    def measure(self, problem: ConvProblem, algos: Sequence[str], reps: int = 3, *,
+                accumulate: bool = False) -> list[MicroConfig]:
+        """Verify, then time each algorithm at `problem.n`: warm-up runs, then the median of `reps` runs.
+
+        The first warm-up run is the verified one: its workspace holds UNWRITTEN_WORKSPACE_BYTE and
+        its output is compared with `trusted_result` on the same operands (computed once per call,
+        that is once per problem and micro-batch size). A candidate beyond
+        `verification_tolerance` is returned unusable with the reason `wrong result (rel. error X)`.
+        `accumulate` times the runs with beta = 1, as bwd_filter micro-batches after the first run.
 
         An algorithm that cannot run (unsupported, out of memory, or failing with one of
         `candidate_failures()`) is returned with infinite time and the reason; it never stops the
-        others.
+        others. Noisy timings are logged at debug level; `MicroConfig.spread` carries them to reports.
         """
         if reps < 1:
             raise ValueError(f"reps must be positive, got {reps}")
         operands = self.random_operands(problem)
+        inputs = {name: array for name, array in operands.items() if name != "out"}
+        tolerance = verification_tolerance(problem, tf32=self.tf32)
+        beta = 1.0 if accumulate else 0.0
+        trusted = None
         results: list[MicroConfig] = []
         for algo in algos:
             reason = self.unsupported_reason(problem, algo)
@@ -113,9 +178,22 @@ class Backend(abc.ABC):
             nbytes = self.workspace_size(problem, algo)
             try:
                 workspace = self.empty_workspace(nbytes)
-                for _ in range(self.warmup_runs):
-                    self.run(problem, algo, workspace=workspace, **operands)
-                samples = self.time_run_ms(problem, algo, operands, workspace, reps)
+                workspace.fill(UNWRITTEN_WORKSPACE_BYTE)
+                operands["out"].fill(0)  # an algorithm that writes nothing must not inherit a right answer
+                self.run(problem, algo, workspace=workspace, **operands)
+                self.synchronize()
+                if trusted is None:
+                    trusted = self.trusted_result(problem, inputs)
+                error = self.result_error(problem, operands["out"], trusted)
+                if not error <= tolerance:  # NaN compares false too
+                    results.append(MicroConfig(algo, problem.n, float("inf"), nbytes,
+                                               reason=f"wrong result (rel. error {error:.3g})"))
+                    log.debug("%s on %s (%s): wrong result, rel. error %.3g over %.3g", algo, problem.spec,
+                              problem.kind, error, tolerance)
+                    continue
+                for _ in range(self.warmup_runs - 1):
+                    self.run(problem, algo, workspace=workspace, beta=beta, **operands)
+                samples = self.time_run_ms(problem, algo, operands, workspace, reps, beta=beta)
             except MemoryError as exc:  # cupy's OutOfMemoryError is one too
                 results.append(MicroConfig(algo, problem.n, float("inf"), nbytes,
                                            reason=f"out of memory: {one_line(exc)}"))
@@ -125,10 +203,15 @@ class Backend(abc.ABC):
                                            reason=f"failed to run: {one_line(exc)}"))
                 continue
             median, spread = summarize_samples(samples)
-            if median > 0 and spread > NOISY_SPREAD_FRACTION * median:
-                log.warning("noisy timing: %s on %s: median %.3f ms, IQR %.3f ms", algo, problem.spec, median, spread)
+            if is_noisy(median, spread):
+                log.debug("noisy timing: %s on %s: median %.3f ms, IQR %.3f ms", algo, problem.spec, median, spread)
             results.append(MicroConfig(algo, problem.n, median, nbytes, spread=spread))
         return results
+
+
+def is_noisy(median_ms: float, spread_ms: float) -> bool:
+    """A timing whose interquartile range is a large fraction of its median."""
+    return median_ms > 0 and spread_ms > NOISY_SPREAD_FRACTION * median_ms
 
 
 def wall_clock_samples_ms(fn, reps: int) -> list[float]:

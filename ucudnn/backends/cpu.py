@@ -790,8 +790,10 @@ class CpuBackend(Backend):
         return operands
 
     def time_run_ms(self, problem: ConvProblem, algo: str, operands: dict[str, Any], workspace: Any,
-                    reps: int) -> list[float]:
-        return wall_clock_samples_ms(lambda: self.run(problem, algo, workspace=workspace, **operands), reps)
+                    reps: int, beta: float = 0.0) -> list[float]:
+        # `run` honours beta itself (BLAS beta, or one blend into out), so what is timed is what runs.
+        return wall_clock_samples_ms(lambda: self.run(problem, algo, workspace=workspace, beta=beta, **operands),
+                                     reps)
 
     def run(self, problem: ConvProblem, algo: str, *, x: Any = None, w: Any = None, dy: Any = None,
             out: Any, workspace: Any, alpha: float = 1.0, beta: float = 0.0) -> None:

@@ -30,16 +30,24 @@ this file's syntax tree and checks every `cudnn.X`, `graph.X` and `*_t.X` agains
 
 Memory beyond the workspace: cuDNN's graph API fixes alpha = 1 and beta = 0, so a call with other
 values (and every bwd_filter micro-batch after the first, which accumulates with beta = 1) computes
-into a temporary of the output's size and blends `out = alpha * tmp + beta * out` with CuPy
-elementwise operations; for half-precision outputs the blend widens to float32, which briefly
-holds two more output-sized float32 arrays. An operand whose device pointer is not 16-byte aligned
-(a micro-batch slice of an odd-sized tensor) is copied to an aligned buffer first.
+into a temporary of the output's size and blends `out = alpha * tmp + beta * out` in ONE fused
+elementwise kernel, in float32 (float64 for float64 data). bfloat16, which CuPy stores as uint16
+bits, blends through float32 arrays with several CuPy operations. Measurements of bwd_filter
+micro-batches are taken with beta = 1 (`Backend.measure(accumulate=True)`), so this blend is
+charged where it runs. An operand whose device pointer is not 16-byte aligned (a micro-batch slice
+of an odd-sized tensor) is copied to an aligned buffer first.
+
+Timing: one sample is several launches back to back between two CUDA events, queued behind a
+short spin kernel that holds the stream while the host enqueues them, so the ~50 us of Python per
+launch never sits between kernels (`time_run_ms`).
 """
 
 from __future__ import annotations
 
 import collections
+import functools
 import logging
+import math
 import re
 import weakref
 from collections.abc import Mapping, Sequence
@@ -80,7 +88,16 @@ ALIGNMENT_BYTES = 16
 # Engine ids below this are cuDNN backend engines; 10_000 and up are the frontend's own C++ and
 # Python engines, which need other runtimes (cudnn/engines/engine_ids.py).
 BACKEND_ENGINE_ID_LIMIT = 10_000
+# Back-to-back timing: launches per sample so that one sample spans about this much kernel time,
+# at most this many; the stream is held for HOST_MS_PER_LAUNCH per launch (capped) while the host
+# queues them.
+SAMPLE_TARGET_MS = 2.0
+MAX_LAUNCHES_PER_SAMPLE = 64
+HOST_MS_PER_LAUNCH = 0.1
+MAX_HOLD_MS = 10.0
 PROMOTED_SUFFIX = "+fp32acc"
+# The knob_type member the heuristics list beside real knobs; it sets nothing and cannot be passed back.
+PLACEHOLDER_KNOB = "NOT_SET"
 HALF_DTYPES = ("float16", "bfloat16")
 
 _ALGO_NAME = re.compile(r"^eng(?P<engine>\d+)(?::(?P<knobs>[A-Za-z0-9_]+=-?\d+(?:,[A-Za-z0-9_]+=-?\d+)*))?"
@@ -126,9 +143,14 @@ class EngineConfig:
         return cls(int(engine_id), tuple(sorted((knob.name, int(value)) for knob, value in knobs.items())), promoted)
 
     def frontend_knobs(self, cudnn: Any) -> dict[Any, int]:
-        """The `{cudnn.knob_type: int}` dict `graph.create_execution_plan` takes."""
+        """The `{cudnn.knob_type: int}` dict `graph.create_execution_plan` takes.
+
+        `get_engine_and_knobs_at_index` reports a placeholder knob, NOT_SET, which the name keeps
+        (names in users' caches carry it) but `create_execution_plan` rejects with
+        CUDNN_STATUS_INVALID_VALUE, so it is left out here.
+        """
         try:
-            return {cudnn.knob_type[knob]: value for knob, value in self.knobs}
+            return {cudnn.knob_type[knob]: value for knob, value in self.knobs if knob != PLACEHOLDER_KNOB}
         except KeyError as exc:
             raise UnsupportedProblem(f"{self.name}: knob {exc.args[0]} is unknown to cudnn-frontend "
                                      f"{cudnn.__version__}") from None
@@ -263,6 +285,13 @@ class _Lru:
         return len(self._items)
 
 
+def launches_per_sample(single_ms: float) -> int:
+    """Back-to-back launches per timing sample for a kernel that took `single_ms` alone."""
+    if not single_ms > 0:
+        return MAX_LAUNCHES_PER_SAMPLE
+    return max(1, min(MAX_LAUNCHES_PER_SAMPLE, math.ceil(SAMPLE_TARGET_MS / single_ms)))
+
+
 def _release(caches: Sequence[_Lru], cudnn: Any, handle: Any) -> None:
     # Graphs first: they were lowered with this handle.
     for cache in caches:
@@ -292,12 +321,45 @@ def _narrow(cupy: Any, values: Any, dtype: str) -> Any:
     return values.astype(_storage_dtype(cupy, dtype))
 
 
+@functools.cache
+def _blend_kernels() -> tuple[Any, Any]:
+    """(scale, blend) elementwise kernels: out = alpha * tmp, and out = alpha * tmp + beta * out.
+
+    W is the arithmetic type (float32, float64 for float64 data); T the storage type. Scaling is
+    its own kernel so that beta = 0 never reads `out`, which may hold NaN.
+    """
+    import cupy
+
+    scale = cupy.ElementwiseKernel("T tmp, W alpha", "T out", "out = (T)(alpha * (W)tmp)", "ucudnn_scale")
+    blend = cupy.ElementwiseKernel("T tmp, W alpha, W beta", "T out", "out = (T)(alpha * (W)tmp + beta * (W)out)",
+                                   "ucudnn_blend")
+    return scale, blend
+
+
+_HOLD_SOURCE = r"""
+extern "C" __global__ void ucudnn_hold(long long cycles) {
+    long long start = clock64();
+    while (clock64() - start < cycles) { }
+}
+"""
+
+
+@functools.cache
+def _hold_kernel() -> Any:
+    """A one-thread kernel that spins for a number of clock cycles, holding the stream."""
+    import cupy
+
+    return cupy.RawKernel(_HOLD_SOURCE, "ucudnn_hold")
+
+
 class CudnnBackend(Backend):
     """cuDNN through the frontend's graph API. Arrays are CuPy, on the device current at creation."""
 
     name = "cudnn"
     # The first run of a plan pays lazy module loading and clock ramp-up.
     warmup_runs = 2
+    # float32 graphs may run on TF32 tensor cores (cuDNN's default math mode on sm_80 and later).
+    tf32 = True
 
     def __init__(self) -> None:
         cupy, cudnn, device_id = _probe()
@@ -309,6 +371,9 @@ class CudnnBackend(Backend):
                 raise BackendUnavailable(f"cuDNN could not create a handle on CUDA device {device_id} "
                                          f"({one_line(exc)})") from None
         self._device = self._describe_device(cupy, cudnn, device_id)
+        # kHz, for the spin kernel of back-to-back timing. CUDA 13 dropped clockRate from the
+        # properties; 2 GHz, above current parts' boost clocks, then errs on a longer hold.
+        self._clock_khz = int(cupy.cuda.runtime.getDeviceProperties(device_id).get("clockRate", 2_000_000))
         self._plans = _Lru(PLAN_CACHE_ENTRIES)  # (problem incl. its batch n, algo) -> _Plan | reason
         self._enumerations = _Lru(ENUMERATION_CACHE_ENTRIES)  # (problem, promoted) -> _Enumeration
         self._finalizer = weakref.finalize(self, _release, (self._plans, self._enumerations), cudnn, self._handle)
@@ -522,10 +587,24 @@ class CudnnBackend(Backend):
             graph.execute_plan_at_index(pack, workspace.data.ptr if plan.workspace_bytes else 0,
                                         index=plan.index, handle=self._handle)
             if not direct:
-                blended = _widen(cupy, target, problem.dtype) * alpha
-                if beta != 0.0:  # beta = 0 never reads `out`, which may hold garbage
-                    blended += beta * _widen(cupy, out, problem.dtype)
-                out[...] = _narrow(cupy, blended, problem.dtype)
+                self._blend(problem, target, out, alpha, beta)
+
+    def _blend(self, problem: ConvProblem, target: Any, out: Any, alpha: float, beta: float) -> None:
+        """out = alpha * target + beta * out; beta = 0 never reads `out`, which may hold garbage."""
+        import cupy
+
+        if problem.dtype == "bfloat16":  # uint16 bits: no arithmetic type for the fused kernel
+            blended = _widen(cupy, target, problem.dtype) * alpha
+            if beta != 0.0:
+                blended += beta * _widen(cupy, out, problem.dtype)
+            out[...] = _narrow(cupy, blended, problem.dtype)
+            return
+        wide = cupy.float64 if problem.dtype == "float64" else cupy.float32
+        scale, blend = _blend_kernels()
+        if beta == 0.0:
+            scale(target, wide(alpha), out)
+        else:
+            blend(target, wide(alpha), wide(beta), out)
 
     def run(self, problem: ConvProblem, algo: str, *, x: Any = None, w: Any = None, dy: Any = None,
             out: Any, workspace: Any, alpha: float = 1.0, beta: float = 0.0) -> None:
@@ -534,24 +613,62 @@ class CudnnBackend(Backend):
         self._launch(problem, plan, inputs, out, workspace, alpha, beta)
 
     def time_run_ms(self, problem: ConvProblem, algo: str, operands: dict[str, Any], workspace: Any,
-                    reps: int) -> list[float]:
-        """CUDA-event time of each of `reps` runs on the current stream (ms)."""
+                    reps: int, beta: float = 0.0) -> list[float]:
+        """Per-launch kernel time (ms) of `reps` samples, each several launches back to back.
+
+        One launch timed alone sizes the sample (about SAMPLE_TARGET_MS of kernel time); each
+        sample's launches are queued behind a spin kernel, so the CUDA events around them measure
+        the kernels and not the Python between launches.
+        """
         import cupy
+        import numpy
 
         plan = self._require_plan(problem, algo)
         out = operands["out"]
         inputs = self._operands(problem, plan, operands, out)
+
+        def launch() -> None:
+            self._launch(problem, plan, inputs, out, workspace, 1.0, beta)
+
         samples = []
         with cupy.cuda.Device(self._device_id):
             stream = cupy.cuda.get_current_stream()
             start, end = cupy.cuda.Event(), cupy.cuda.Event()
+            start.record(stream)
+            launch()
+            end.record(stream)
+            end.synchronize()
+            single = float(cupy.cuda.get_elapsed_time(start, end))
+            launches = launches_per_sample(single)
+            hold = _hold_kernel()
+            cycles = int(min(launches * HOST_MS_PER_LAUNCH, MAX_HOLD_MS) * self._clock_khz)
             for _ in range(reps):
+                hold((1,), (1,), (numpy.int64(cycles),))  # the kernel takes a long long
                 start.record(stream)
-                self._launch(problem, plan, inputs, out, workspace, 1.0, 0.0)
+                for _ in range(launches):
+                    launch()
                 end.record(stream)
                 end.synchronize()
-                samples.append(float(cupy.cuda.get_elapsed_time(start, end)))
+                samples.append(float(cupy.cuda.get_elapsed_time(start, end)) / launches)
         return samples
+
+    def trusted_result(self, problem: ConvProblem, inputs: dict[str, Any]) -> Any:
+        """The float64 reference computed on the GPU with CuPy (the same direct summation as NumPy's)."""
+        import cupy
+
+        from ucudnn.selftest import reference
+
+        with cupy.cuda.Device(self._device_id):
+            wide = {name: _widen(cupy, array, problem.dtype).astype(cupy.float64) for name, array in inputs.items()}
+            return reference(problem, xp=cupy, **wide)
+
+    def result_error(self, problem: ConvProblem, out: Any, trusted: Any) -> float:
+        import cupy
+
+        with cupy.cuda.Device(self._device_id):
+            worst = float(cupy.abs(_widen(cupy, out, problem.dtype).astype(cupy.float64) - trusted).max())
+            scale = max(float(cupy.abs(trusted).max()), 1e-30)
+        return worst / scale if math.isfinite(worst) else math.inf
 
     def synchronize(self) -> None:
         import cupy
