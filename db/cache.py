@@ -820,7 +820,10 @@ class Cache:
             measurement_where.append(m.device_id.in_(select(d.id).where(and_(*conditions))))
         cutoff = None
         if older_than_days is not None:
-            cutoff = _now() - timedelta(days=older_than_days)
+            try:
+                cutoff = _now() - timedelta(days=older_than_days)
+            except OverflowError:  # before year 1: nothing stored is that old
+                cutoff = datetime.min
             measurement_where.append(m.created_at < cutoff)
         plan_where: list | None = None
         if everything:
