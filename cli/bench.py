@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 from pathlib import Path
 
@@ -171,9 +170,14 @@ def check_plot_path(path: str) -> None:
         raise InvalidInput(f"--plot {path!r} is a directory; name a file")
     if not folder.is_dir():
         raise InvalidInput(f"--plot {path!r}: the directory {str(folder)!r} does not exist")
-    if not os.access(folder, os.W_OK | os.X_OK) or (target.exists() and not os.access(target, os.W_OK)):
-        raise InvalidInput(f"--plot {path!r} cannot be written (permission denied or a read-only "
-                           f"file system)")
+    existed = target.exists()
+    try:  # the one sure test (root, read-only mounts, /proc): open it for appending, as savefig will
+        with open(target, "ab"):
+            pass
+    except OSError as exc:
+        raise InvalidInput(f"--plot {path!r} cannot be written: {exc.strerror or exc}") from None
+    if not existed:
+        target.unlink()
 
 
 def _ratio(x: float) -> str:
