@@ -425,3 +425,51 @@ def test_installing_torch_keeps_the_numpy_measurements(monkeypatch: pytest.Monke
         assert third.measured == 1
     assert "torch" in backend.versions_for("native") and "torch" not in backend.versions_for("fft")
     assert "numpy" in backend.versions_for("fft") and "numpy=" not in backend.versions_for("native")
+
+
+# ---- 9. what a newcomer reads and sees ---------------------------------------------------------------
+
+
+def _wd_report(layers: int, baseline: bool = True):
+    from ucudnn.benchmark import BenchStats
+    from ucudnn.optimize import KernelPlan, Report
+    from ucudnn.solver.types import Configuration
+
+    problem = ConvProblem.parse(SMALL)
+    micro = MicroConfig("fft", 2, 1.0, 2**20)
+    kernels = tuple(KernelPlan(f"conv{i}", problem.with_kind(kind), micro if baseline and i else None,
+                               Configuration((micro,)))
+                    for i in range(layers) for kind in ("fwd", "bwd_data", "bwd_filter"))
+    front = {p.key: [Configuration((micro,))] for p in (k.problem for k in kernels)}
+    return Report("cpu", "cpu", "powerOfTwo", "WD", None, 2**30, 2, kernels, BenchStats(), front)
+
+
+def test_a_total_without_a_baseline_prints_a_dash_not_inf() -> None:
+    from ucudnn.cli.bench import format_report
+
+    text = format_report(_wd_report(3))
+    total = [line for line in text.splitlines() if line.startswith("total")][0]
+    assert "inf" not in text and total.split()[1] == "-"
+    assert json.loads(json.dumps(_wd_report(3).to_json(), allow_nan=False))["total"]["baseline_ms"] is None
+
+
+def test_the_wd_plot_of_159_kernels_has_readable_labels(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    from ucudnn.plot import MAX_TICK_LABELS, layer_ticks, plot_wd
+
+    layers = [f"layer{i}" for i in range(53) for _ in range(3)]  # ResNet-50: 53 layers, 159 kernels
+    positions, labels = layer_ticks(layers)
+    assert 20 <= len(labels) <= MAX_TICK_LABELS and labels[:2] == ["layer0", "layer2"]
+    assert positions[0] == 1.0 and all(b - a >= 3 for a, b in zip(positions, positions[1:]))
+    plot_wd(_wd_report(53), str(tmp_path / "wd.png"))
+    assert (tmp_path / "wd.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_readme_and_docs_stand_alone() -> None:
+    root = Path(__file__).resolve().parents[1]
+    texts = {p: p.read_text() for p in [root / "README.md", *sorted((root / "docs").glob("*.md"))]}
+    assert len(texts) >= 3, "docs/ holds the design and the JSON schemas"
+    for path, text in texts.items():
+        assert "../shared" not in text and "/work/" not in text, path
+    readme = texts[root / "README.md"]
+    assert ".venv/bin/activate" in readme and "docs/" in readme
