@@ -11,7 +11,7 @@ import click
 
 from ucudnn.errors import InvalidInput
 from ucudnn.problem import KINDS, ConvProblem
-from ucudnn.resources import check_fits, check_runnable
+from ucudnn.resources import check_can_run
 from ucudnn.sizes import format_size, parse_size
 
 # Timed runs per measurement; more only adds time (the median of 1000 runs is already stable).
@@ -93,8 +93,8 @@ def bench(layer_specs, network, batch, workspace, total_workspace, policy, backe
     if not sizes:
         raise InvalidInput(f"--policy {policy}: every size is larger than the batch {batch}")
     for problem in {p.key: p for _, p in kernels}.values():  # refuse before measuring anything
-        check_runnable(backend, problem, sizes, algo_list)
-        check_fits(backend, problem, sizes=sizes, algos=algo_list, workspace_limit=workspace if workspace is not None else total_workspace)
+        check_can_run(backend, problem, sizes=sizes, algos=algo_list,
+                      workspace_limit=workspace if workspace is not None else total_workspace)
     cache = Cache(db_url)
     show_progress = not quiet and not (as_json and not sys.stderr.isatty())
     from tqdm import tqdm

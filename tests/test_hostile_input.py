@@ -473,3 +473,23 @@ def test_readme_and_docs_stand_alone() -> None:
         assert "../shared" not in text and "/work/" not in text, path
     readme = texts[root / "README.md"]
     assert ".venv/bin/activate" in readme and "docs/" in readme
+
+
+def test_the_memory_check_counts_the_smallest_workspace_near_the_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ucudnn import resources
+    from ucudnn.backends.cpu import CpuBackend
+
+    backend, problem = CpuBackend(), ConvProblem.parse(SMALL)
+    operands = resources.operand_bytes(problem)
+    workspace = backend.workspace_size(problem, "shift_gemm")
+    assert operands == (2 * 4 * 6 * 6 * 2 + 4 * 4 * 3 * 3) * 4 and 0 < workspace < operands
+    monkeypatch.setattr(resources, "available_bytes", lambda b: operands + workspace)
+    resources.check_fits(backend, problem, algos=["shift_gemm", "im2col_gemm"])  # exactly fits
+    monkeypatch.setattr(resources, "available_bytes", lambda b: operands + workspace - 1)
+    with pytest.raises(resources.NotEnoughMemory, match=f"needs .*{operands + workspace} bytes"):
+        resources.check_fits(backend, problem, algos=["shift_gemm", "im2col_gemm"])
+    # Far from the limit, workspaces are not sized (a plan per cuDNN engine): the benchmark
+    # records a candidate whose workspace does not fit as out of memory and runs the others.
+    monkeypatch.setattr(resources, "available_bytes", lambda b: 3 * operands)
+    monkeypatch.setattr(backend, "workspace_size", lambda *a: pytest.fail("sized far from the limit"))
+    resources.check_fits(backend, problem, algos=["im2col_gemm"])

@@ -64,11 +64,16 @@ def _smallest_workspace(backend: Backend, problem: ConvProblem, algos: Iterable[
 def check_fits(backend: Backend, problem: ConvProblem, *, sizes: Sequence[int] = (),
                algos: Sequence[str] | None = None, workspace_limit: int | None = None) -> None:
     """NotEnoughMemory unless `problem`'s operands at its largest micro-batch size, plus the
-    smallest workspace of a runnable candidate there, fit in `available_bytes(backend)`."""
+    smallest workspace of a runnable candidate there, fit in `available_bytes(backend)`.
+
+    Cheap: arithmetic on shapes, and workspace sizes only for a problem near the limit."""
     largest = problem.with_batch(max([problem.n, *sizes]))
     have = available_bytes(backend)
     need = operand_bytes(largest)
-    if need <= have:  # only then can a workspace be sized without overflowing the library
+    # Sizing workspaces can build a plan per candidate (cuDNN), so it is done only when the
+    # operands take more than half the memory; below that, a candidate whose workspace does not
+    # fit is recorded by the benchmark as out of memory, and the others still run.
+    if have // 2 < need <= have:
         workspace = _smallest_workspace(backend, largest, algos or backend.algorithms(largest),
                                         workspace_limit)
         need += workspace or 0
@@ -87,7 +92,7 @@ def check_runnable(backend: Backend, problem: ConvProblem, sizes: Sequence[int],
     limit that nothing fits; the message gives each algorithm's own reason.
     """
     reasons: dict[str, str] = {}
-    for algo in algos or backend.algorithms(problem):
+    for algo in algos or backend.algorithms(problem):  # stops at the first that can run
         for size in sizes or (problem.n,):
             reason = backend.unsupported_reason(problem.with_batch(size), algo)
             if reason is None:
@@ -97,3 +102,11 @@ def check_runnable(backend: Backend, problem: ConvProblem, sizes: Sequence[int],
     why = distinct.pop() if len(distinct) == 1 else "; ".join(f"{a}: {r}" for a, r in reasons.items())
     raise UnsupportedProblem(f"backend {backend.name} cannot run {problem.spec} ({problem.kind}) with "
                              f"{', '.join(reasons)}: {why}")
+
+
+def check_can_run(backend: Backend, problem: ConvProblem, *, sizes: Sequence[int] = (),
+                  algos: Sequence[str] | None = None, workspace_limit: int | None = None) -> None:
+    """Both checks, before a problem is measured: some candidate supports it (`check_runnable`),
+    and its benchmark fits in memory (`check_fits`). Bench and Handle call this one function."""
+    check_runnable(backend, problem, sizes, algos)
+    check_fits(backend, problem, sizes=sizes, algos=algos, workspace_limit=workspace_limit)
