@@ -8,6 +8,8 @@ reason. Import merges by `MERGE_RULE` (see `ucudnn.db.cache`).
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import math
 import os
@@ -72,9 +74,10 @@ def export_to(cache: Cache, target: str) -> dict[str, int]:
 
     Only a regular file (or a new name) is replaced: the export is written beside it and renamed
     into place, so a failed export never leaves half a file where a good one was, and the new
-    file gets the mode the old one had (a new one gets the umask's). Anything else that is not a
-    directory (`-` for stdout, a FIFO, a character or block device such as /dev/null) is written
-    to as it is, never replaced. A write that fails (a full disk) raises DatabaseError.
+    file gets the mode and owner the old one had (a new one the umask's mode). Anything else
+    that is not a directory (`-` for stdout, a FIFO, a character or block device such as
+    /dev/null) is written to as it is, never replaced. A failed write (a full disk) raises
+    DatabaseError.
     """
     counts = {"measurements": 0, "plans": 0}
 
@@ -96,11 +99,12 @@ def export_to(cache: Cache, target: str) -> dict[str, int]:
         return counts
     path = Path(target).expanduser().resolve()  # a symlink's target is written, the link kept
     try:
-        mode = path.stat().st_mode
+        old = path.stat()
     except FileNotFoundError:
-        mode = None
+        old = None
     except OSError as exc:
         raise failed(path, exc) from exc
+    mode = None if old is None else old.st_mode
     if mode is not None and stat.S_ISDIR(mode):
         raise InvalidInput(f"export target {target!r} is a directory; name a file")
     if mode is not None and not stat.S_ISREG(mode):
@@ -118,6 +122,9 @@ def export_to(cache: Cache, target: str) -> dict[str, int]:
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as fp:
             os.fchmod(fp.fileno(), stat.S_IMODE(mode) if mode is not None else 0o666 & ~_umask())
+            if old is not None and (old.st_uid, old.st_gid) != (os.geteuid(), os.getegid()):
+                with contextlib.suppress(PermissionError):  # only root may give a file away
+                    os.fchown(fp.fileno(), old.st_uid, old.st_gid)
             write(fp)
             os.fsync(fp.fileno())
         os.replace(tmp, path)
@@ -182,6 +189,19 @@ def _check_int(name: str, value: object, *, minimum: int, maximum: int) -> None:
         raise ValueError(f"{name} must be an integer from {minimum} to {maximum}, got {value!r:.80}")
 
 
+@functools.lru_cache(maxsize=4096)  # a cache holds few problems and many rows of each
+def _problem_key_error(key: str) -> str | None:
+    from ucudnn.problem import ConvProblem  # a leaf value module (it imports only the errors)
+
+    try:
+        problem = ConvProblem.parse(key)
+    except InvalidInput as exc:
+        return f"problem_key {key!r:.120} is not a problem: {exc}"
+    if problem.key != key:
+        return f"problem_key {key!r:.120} is not in canonical form ({problem.key!r}); it would never be looked up"
+    return None
+
+
 def check_measurement(r: MeasurementRecord, now: datetime) -> None:
     """ValueError unless `r` could have been written by a fresh measurement at or before `now`.
 
@@ -189,8 +209,6 @@ def check_measurement(r: MeasurementRecord, now: datetime) -> None:
     form is never looked up); the backend a plain name; a cpu algorithm one the cpu backend has;
     numbers in range; a failed candidate must say why; nothing from the future.
     """
-    from ucudnn.problem import ConvProblem  # a leaf value module (it imports only the errors)
-
     for name in ("device", "backend", "versions", "problem_key", "algo"):
         _check_text(name, getattr(r, name))
     _check_text("reason", r.reason, empty_ok=True)
@@ -200,13 +218,9 @@ def check_measurement(r: MeasurementRecord, now: datetime) -> None:
         raise ValueError(f"algo {r.algo!r:.80} is not a cpu algorithm ({', '.join(_CPU_ALGORITHMS)})")
     if any(c.isspace() for c in r.algo):
         raise ValueError(f"algo {r.algo!r:.80} holds white space; algorithm names have none")
-    try:
-        problem = ConvProblem.parse(r.problem_key)
-    except InvalidInput as exc:
-        raise ValueError(f"problem_key {r.problem_key!r:.120} is not a problem: {exc}") from None
-    if problem.key != r.problem_key:
-        raise ValueError(f"problem_key {r.problem_key!r:.120} is not in canonical form "
-                         f"({problem.key!r}); it would never be looked up")
+    problem_error = _problem_key_error(r.problem_key)
+    if problem_error:
+        raise ValueError(problem_error)
     _check_int("batch", r.batch, minimum=1, maximum=_MAX_INT32)
     _check_int("workspace_bytes", r.workspace_bytes, minimum=0, maximum=_MAX_INT64)
     if r.time_ms is None:

@@ -493,3 +493,14 @@ def test_the_memory_check_counts_the_smallest_workspace_near_the_limit(monkeypat
     monkeypatch.setattr(resources, "available_bytes", lambda b: 3 * operands)
     monkeypatch.setattr(backend, "workspace_size", lambda *a: pytest.fail("sized far from the limit"))
     resources.check_fits(backend, problem, algos=["im2col_gemm"])
+
+
+def test_export_over_another_users_file_keeps_its_owner(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("only root can write over another user's file here")
+    db = cache_file(tmp_path / "c.db")
+    out = tmp_path / "theirs.jsonl"
+    out.write_text("")
+    os.chown(out, 12345, 23456)
+    assert run(capsys, "db", "export", "--db", str(db), str(out))[0] == 0
+    assert (out.stat().st_uid, out.stat().st_gid) == (12345, 23456) and out.read_text()
