@@ -413,12 +413,17 @@ def _precheck_sqlite_file(path: Path, *, readonly: bool) -> str | None:
     return unwritable
 
 
+def _in_use(path: Path) -> bool:
+    """Whether some process may have `path` open for writing (its side files exist)."""
+    return any(Path(f"{path}{suffix}").exists() for suffix in ("-wal", "-shm", "-journal"))
+
+
 def _immutable(path: Path, header: bytes, unwritable: str | None) -> bool:
-    """Whether to read `path` with SQLite's `immutable` flag: a WAL file that nobody has open
-    (no -wal/-shm/-journal beside it), or any file nobody can be writing. A read-only WAL
-    connection otherwise needs a -shm file it cannot create on a read-only mount."""
-    in_use = any(Path(f"{path}{suffix}").exists() for suffix in ("-wal", "-shm", "-journal"))
-    return not in_use and (header[18] == 2 or unwritable is not None)
+    """Whether the pre-check reads `path` with SQLite's `immutable` flag: a WAL file that nobody
+    has open, or a file that cannot be written here. A read-only WAL connection otherwise needs
+    a -shm file, which it would create beside a file that may be damaged, or cannot create on a
+    read-only mount."""
+    return not _in_use(path) and (header[18] == 2 or unwritable is not None)
 
 
 def _check_writable_dir(folder: Path, path: Path) -> None:
@@ -485,9 +490,9 @@ class Cache:
                                     f"pip install 'psycopg[binary]'") from exc
             return engine
         if path is not None and self.readonly:
-            with open(path, "rb") as fp:
-                header = fp.read(100)
-            uri = _ro_uri(path, immutable=len(header) == 100 and _immutable(path, header, _unwritable(path)))
+            # Immutable only where nobody can be writing (a read-only mount): elsewhere a writer may
+            # start while this connection reads, and it must see the writer's locks.
+            uri = _ro_uri(path, immutable=_unwritable(path) is not None and not _in_use(path))
             engine = create_engine(
                 URL.create("sqlite", database=str(path)),
                 creator=lambda: sqlite3.connect(uri, uri=True, timeout=SQLITE_BUSY_TIMEOUT_S,
