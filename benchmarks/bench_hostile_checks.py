@@ -1,6 +1,6 @@
 """What issue 15's checks cost, measured side by side in one run.
 
-  - `db import` of an export of 20,250 measurements (50 problems x 3 kinds x 9 batch sizes x 5
+  - `db import` of an export of 6,750 measurements (50 problems x 3 kinds x 9 batch sizes x 5
     algorithms, realistic keys and names) into a fresh SQLite cache, with every record checked as
     a fresh measurement would be, against the same import with the checks switched off;
   - the pre-check that bench and Handle run before measuring (`resources.check_can_run`: support,

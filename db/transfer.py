@@ -144,7 +144,10 @@ def _reject_constant(name: str) -> float:
     raise ValueError(f"{name} is not JSON; times must be finite numbers or null")
 
 
-# What a fresh measurement can hold; an import is held to the same (DESIGN: nothing poisoned).
+_DECODER = json.JSONDecoder(parse_constant=_reject_constant)  # made once, not per line
+
+
+# What a fresh measurement can hold; an import is held to the same, so nothing poisons a cache.
 # Clocks of the machines sharing a cache may disagree by this much, no more.
 CLOCK_SKEW = timedelta(hours=1)
 EARLIEST = datetime(2000, 1, 1)
@@ -155,6 +158,7 @@ _MAX_TIME_MS = 86_400_000.0  # one kernel taking a day is a broken record, not a
 _MAX_LENGTH = {"device": 256, "backend": 32, "versions": 1024, "problem_key": 512, "algo": 256,
                "reason": 4096, "plan key": 4096}
 _BACKEND_NAME = re.compile(r"[a-z][a-z0-9_-]*")
+_WHITE_SPACE = re.compile(r"\s")
 _CPU_ALGORITHMS = ("im2col_gemm", "shift_gemm", "fft", "winograd", "native")
 
 
@@ -216,7 +220,7 @@ def check_measurement(r: MeasurementRecord, now: datetime) -> None:
         raise ValueError(f"backend {r.backend!r} is not a backend name (lower-case letters, digits, _ -)")
     if r.backend == "cpu" and r.algo not in _CPU_ALGORITHMS:
         raise ValueError(f"algo {r.algo!r:.80} is not a cpu algorithm ({', '.join(_CPU_ALGORITHMS)})")
-    if any(c.isspace() for c in r.algo):
+    if _WHITE_SPACE.search(r.algo):
         raise ValueError(f"algo {r.algo!r:.80} holds white space; algorithm names have none")
     problem_error = _problem_key_error(r.problem_key)
     if problem_error:
@@ -285,7 +289,7 @@ def _read_export(path: Path, now: datetime) -> Iterator[MeasurementRecord | Plan
                     continue
                 where = f"{path} line {number}"
                 try:
-                    obj = json.loads(line, parse_constant=_reject_constant)
+                    obj = _DECODER.decode(line)
                     if not isinstance(obj, dict):
                         raise ValueError("each line must be a JSON object")
                     kind = obj.get("type")
