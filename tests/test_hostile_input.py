@@ -11,7 +11,7 @@ import subprocess
 import sys
 import threading
 import time
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -151,7 +151,7 @@ def _record(**changes: object) -> dict:
     return {**base, **changes}
 
 
-FUTURE = (datetime.utcnow() + timedelta(days=2)).isoformat() + "Z"
+FUTURE = (datetime.now(UTC) + timedelta(days=2)).isoformat()
 POISON = {
     "future created_at": (_record(created_at="9999-12-31T00:00:00Z", time_ms=1000.0), "in the future"),
     "two days ahead": (_record(created_at=FUTURE), "in the future"),
