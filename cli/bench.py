@@ -5,13 +5,18 @@ from __future__ import annotations
 import json
 import math
 import sys
+from pathlib import Path
 
 import click
 
 from ucudnn.backends.base import NOISY_SPREAD_FRACTION
 from ucudnn.errors import InvalidInput
 from ucudnn.problem import KINDS, ConvProblem
+from ucudnn.resources import check_can_run
 from ucudnn.sizes import format_size, parse_size
+
+# Timed runs per measurement; more only adds time (the median of 1000 runs is already stable).
+MAX_REPS = 1000
 
 
 def _size_option(ctx, param, value):
@@ -38,7 +43,7 @@ def _size_option(ctx, param, value):
 @click.option("--kinds", default=",".join(KINDS), show_default=True, help="Kernels to optimise, comma-separated.")
 @click.option("--algos", help="Restrict the candidate algorithms (comma-separated).")
 @click.option("--db", "db_url", metavar="URL", help="Measurement cache (SQLAlchemy URL or SQLite file); default $UCUDNN_DB or the user cache.")
-@click.option("--reps", default=3, show_default=True, type=click.IntRange(min=1), help="Timed runs per measurement (median).")
+@click.option("--reps", default=3, show_default=True, type=click.IntRange(1, MAX_REPS), help="Timed runs per measurement (median).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
 @click.option("--verbose", is_flag=True, help="After the table, list every noisy timing and every excluded (wrong) algorithm.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
@@ -62,9 +67,12 @@ def bench(layer_specs, network, batch, workspace, total_workspace, policy, backe
         raise InvalidInput("give --workspace (WR) or --total-workspace (WD), not both")
     if plot_path and total_workspace is None:
         raise InvalidInput("--plot draws the WD solution: give --total-workspace too")
+    if plot_path:
+        check_plot_path(plot_path)  # before the benchmark, not after minutes of it
     policy_value = parse_policy(policy)
-    kind_list = [k.strip() for k in kinds.split(",") if k.strip()]
-    algo_list = [a.strip() for a in algos.split(",") if a.strip()] if algos else None
+    # Each kind and algorithm once, in the order given: `fwd,fwd` must not count fwd twice.
+    kind_list = list(dict.fromkeys(k.strip() for k in kinds.split(",") if k.strip()))
+    algo_list = list(dict.fromkeys(a.strip() for a in algos.split(",") if a.strip())) if algos else None
 
     if network:
         from ucudnn.networks import layers as network_layers
@@ -85,13 +93,20 @@ def bench(layer_specs, network, batch, workspace, total_workspace, policy, backe
         if unknown:
             raise InvalidInput(f"unknown algorithm(s) {', '.join(unknown)} for backend {backend.name}; "
                                f"known: {', '.join(sorted(known))}")
+    unique = {(p.key, p.n): p for _, p in kernels}
+    sizes = {p.n: batch_sizes(policy_value, p.n) for p in unique.values()}
+    for n, sizes_n in sizes.items():
+        if not sizes_n:
+            raise InvalidInput(f"--policy {policy}: every size is larger than the batch {n}")
+    for problem in unique.values():  # refuse before measuring anything
+        check_can_run(backend, problem, sizes=sizes[problem.n], algos=algo_list,
+                      workspace_limit=workspace if workspace is not None else total_workspace)
     cache = Cache(db_url)
     show_progress = not quiet and not (as_json and not sys.stderr.isatty())
     from tqdm import tqdm
     from tqdm.contrib.logging import logging_redirect_tqdm
 
-    unique = {(p.key, p.n): p for _, p in kernels}
-    total = sum(len(batch_sizes(policy_value, p.n)) * len(algo_list or backend.algorithms(p)) for p in unique.values())
+    total = sum(len(sizes[p.n]) * len(algo_list or backend.algorithms(p)) for p in unique.values())
     try:
         with tqdm(total=total, desc="benchmark", unit="cfg", file=sys.stderr, disable=not show_progress,
                   leave=False) as progress, logging_redirect_tqdm():
@@ -124,7 +139,7 @@ def format_report(report, verbose: bool = False) -> str:
                      f"{base.time:.3f}" if base else "-", k.config.describe(), f"{k.config.time:.3f}",
                      format_size(k.config.workspace), _ratio(k.speedup)))
     total_ws = "sum " if report.mode == "WD" else "max "
-    rows.append(("total", "", "", f"{report.baseline_ms:.3f}", "", f"{report.time_ms:.3f}",
+    rows.append(("total", "", "", _ms(report.baseline_ms), "", f"{report.time_ms:.3f}",
                  total_ws + format_size(report.workspace), _ratio(report.baseline_ms / report.time_ms)))
     widths = [max(len(str(row[i])) for row in [header, *rows]) for i in range(len(header))]
     numeric = {3, 5, 6, 7}
@@ -147,6 +162,35 @@ def format_report(report, verbose: bool = False) -> str:
                   f"IQR {m.spread:.3f} ms" for k, m in noisy]
         lines += [f"excluded: {k.layer} {k.problem.kind} {m.algo} at batch {m.batch}: {m.reason}" for k, m in excluded]
     return "\n".join(lines)
+
+
+def _ms(x: float) -> str:
+    """A total in ms, or `-` when some kernel has none (no undivided baseline fits its share)."""
+    return f"{x:.3f}" if math.isfinite(x) else "-"
+
+
+def check_plot_path(path: str) -> None:
+    """InvalidInput unless a figure can be saved at `path`: a known format, a writable place."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    target = Path(path).expanduser()
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if target.suffix and target.suffix[1:].lower() not in formats:
+        raise InvalidInput(f"--plot {path!r}: matplotlib cannot write {target.suffix!r} files; "
+                           f"use one of {', '.join('.' + f for f in sorted(formats))}")
+    folder = target.parent
+    if target.is_dir():
+        raise InvalidInput(f"--plot {path!r} is a directory; name a file")
+    if not folder.is_dir():
+        raise InvalidInput(f"--plot {path!r}: the directory {str(folder)!r} does not exist")
+    existed = target.exists()
+    try:  # the one sure test (root, read-only mounts, /proc): open it for appending, as savefig will
+        with open(target, "ab"):
+            pass
+    except OSError as exc:
+        raise InvalidInput(f"--plot {path!r} cannot be written: {exc.strerror or exc}") from None
+    if not existed:
+        target.unlink()
 
 
 def _ratio(x: float) -> str:

@@ -6,17 +6,19 @@ Exit codes: 0 done, 1 the work failed, 2 bad usage or input (one line on stderr,
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 import click
 
-from ucudnn.errors import BackendUnavailable, DatabaseError, InvalidInput, UcudnnError
+from ucudnn.errors import BackendUnavailable, DatabaseError, InvalidInput, UcudnnError, UnsupportedProblem
 from ucudnn.solver.types import Infeasible
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
-# Errors that mean the user asked for something that cannot be: exit 2. Any other UcudnnError is
-# work that failed: exit 1. Both print one line and no traceback.
-_USAGE_ERRORS = (InvalidInput, BackendUnavailable, DatabaseError)
+# Errors that mean the user asked for something that cannot be: exit 2 (a backend that cannot run
+# the problem at all is one; a limit that nothing fits is not, that is Infeasible: exit 1). Any
+# other UcudnnError is work that failed: exit 1. Both print one line and no traceback.
+_USAGE_ERRORS = (InvalidInput, BackendUnavailable, DatabaseError, UnsupportedProblem)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -60,7 +62,29 @@ def main(argv: list[str] | None = None) -> int:
     except (Infeasible, UcudnnError) as exc:
         click.echo(f"ucudnn: failed: {exc}", err=True)
         return EXIT_FAILED
+    except OSError as exc:  # the output cannot be written: a full disk (> /dev/full), a closed pipe
+        return _output_failed(exc)
+    try:
+        sys.stdout.flush()  # here, not at exit, where a full disk would end in a traceback
+    except OSError as exc:
+        return _output_failed(exc)
     return result if isinstance(result, int) else EXIT_OK
+
+
+def _output_failed(exc: OSError) -> int:
+    where = f" {exc.filename}" if exc.filename else ""
+    try:
+        click.echo(f"ucudnn: failed: cannot write the output{where}: {exc.strerror or exc}", err=True)
+    except OSError:
+        pass
+    # Point stdout at /dev/null so that Python's own flush at exit finds nothing to fail on.
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # stdout is not a real file (captured by a test): nothing to do
+        pass
+    return EXIT_FAILED
 
 
 def entry_point() -> None:

@@ -7,6 +7,7 @@ import json
 import click
 
 from ucudnn.backends import BACKENDS
+from ucudnn.errors import UnsupportedProblem
 from ucudnn.problem import DTYPES
 
 
@@ -22,8 +23,9 @@ def selftest(backend_name, dtype, layer_specs, as_json):
     """Run every kind and every algorithm, undivided and micro-batched, against a float64 reference.
 
     Prints a pass/fail table (algorithm x kind, worst relative error); exits 0 when every check
-    passes and 1 when any fails. An algorithm that gives a wrong result which the measurement's own
-    verification also rejects is listed as excluded (ucudnn never chooses it) and does not fail.
+    passes, 1 when any fails, and 2 when the backend supports none of them (e.g. a dtype it lacks). An
+    algorithm that gives a wrong result which the measurement's own verification also rejects is listed
+    as excluded (ucudnn never chooses it) and does not fail.
     """
     from ucudnn.backends import get_backend
     from ucudnn.problem import ConvProblem
@@ -33,6 +35,9 @@ def selftest(backend_name, dtype, layer_specs, as_json):
     backend = get_backend(backend_name)
     report = run_selftest(backend, problems=problems, dtype=dtype)
     click.echo(json.dumps(report.to_json(), indent=2) if as_json else report.format())
+    if report.count("pass") + report.count("fail") == 0:
+        raise UnsupportedProblem(f"selftest: backend {report.backend} runs none of the {len(report.checks)} "
+                                 f"checks at {dtype}; every one is skipped (the reasons are listed above)")
     if not report.passed:
         raise SelftestFailed(f"selftest: {report.count('fail')} of {len(report.checks)} checks failed "
                              f"on backend {report.backend}")

@@ -343,8 +343,24 @@ def _check_columns(conn: Connection, names: set[str], where: str) -> None:
                                 f"or not a ucudnn cache")
 
 
-def _precheck_sqlite_file(path: Path, *, readonly: bool) -> None:
-    """Validate a SQLite file without writing anything.
+def _unwritable(path: Path) -> str | None:
+    """Why an existing cache file cannot be written here (None when it can).
+
+    `os.access` answers for this process, root included: a read-only mount gives EROFS even to
+    root. SQLite writes -wal and -shm files beside the database, so the folder counts too.
+    """
+    if not os.access(path, os.W_OK):
+        return f"the file {path} is not writable"
+    if not os.access(path.parent, os.W_OK | os.X_OK):
+        return f"the directory {path.parent} is not writable"
+    return None
+
+
+def _precheck_sqlite_file(path: Path, *, readonly: bool) -> str | None:
+    """Validate a SQLite file without writing anything; returns why it must be opened read-only.
+
+    An existing cache that cannot be written (a read-only mount, a cache baked into an image)
+    is opened read-only instead of refused: it serves every lookup, and only a write fails.
 
     Order matters: the header is read with plain `open(..., "rb")`, and only a file that starts
     with SQLite's header is handed to SQLite, through a read-only connection, for the schema
@@ -365,21 +381,19 @@ def _precheck_sqlite_file(path: Path, *, readonly: bool) -> None:
             header = fp.read(100)
     except OSError as exc:
         raise DatabaseError(f"cannot read {where}: {exc.strerror or exc}") from exc
-    if not readonly:
-        _check_writable_dir(path.parent, path)
-        if not os.access(path, os.R_OK | os.W_OK):
-            raise DatabaseError(f"{where} is not writable; fix its permissions or pass another --db")
+    unwritable = _unwritable(path)
     if not header:
-        return  # SQLite treats an empty file as an empty database
+        if unwritable and not readonly:  # an empty database must be written to become a cache
+            raise DatabaseError(f"cannot create cache {path}: {unwritable}; pass --db or set "
+                                f"{ENV_VAR} to a writable place")
+        return None  # SQLite treats an empty file as an empty database
     if not header.startswith(SQLITE_HEADER):
         raise DatabaseError(f"{where} is not a SQLite database (it starts with {header[:16]!r}); "
                             f"move it away or pass another --db")
     if len(header) < 100:
         raise DatabaseError(f"{where} is damaged: it is {len(header)} bytes, shorter than a SQLite "
                             f"header; move it away or pass another --db")
-    in_use = any(Path(f"{path}{suffix}").exists() for suffix in ("-wal", "-shm", "-journal"))
-    immutable = header[18] == 2 and not in_use  # WAL file that nobody has open
-    uri = _ro_uri(path, immutable=immutable)
+    uri = _ro_uri(path, immutable=_immutable(path, header, unwritable))
     engine = create_engine(URL.create("sqlite", database=str(path)), poolclass=NullPool,
                            creator=lambda: sqlite3.connect(uri, uri=True, timeout=SQLITE_BUSY_TIMEOUT_S))
     try:
@@ -396,6 +410,20 @@ def _precheck_sqlite_file(path: Path, *, readonly: bool) -> None:
                             f"move it away or pass another --db") from exc
     finally:
         engine.dispose()
+    return unwritable
+
+
+def _in_use(path: Path) -> bool:
+    """Whether some process may have `path` open for writing (its side files exist)."""
+    return any(Path(f"{path}{suffix}").exists() for suffix in ("-wal", "-shm", "-journal"))
+
+
+def _immutable(path: Path, header: bytes, unwritable: str | None) -> bool:
+    """Whether the pre-check reads `path` with SQLite's `immutable` flag: a WAL file that nobody
+    has open, or a file that cannot be written here. A read-only WAL connection otherwise needs
+    a -shm file, which it would create beside a file that may be damaged, or cannot create on a
+    read-only mount."""
+    return not _in_use(path) and (header[18] == 2 or unwritable is not None)
 
 
 def _check_writable_dir(folder: Path, path: Path) -> None:
@@ -429,14 +457,19 @@ class Cache:
         self._where = f"cache {self.url}"
         self._is_sqlite = self._url.get_backend_name() == "sqlite"
         self.sqlite_path = path = _sqlite_file(self._url)
+        # Why this cache was opened read-only when writing was asked for (None: it was not).
+        self.readonly_reason: str | None = None
         if path is not None:
             if not create and not path.exists():
                 raise DatabaseError(f"no cache at {path}; run a benchmark to create one, or pass --db")
-            _precheck_sqlite_file(path, readonly=readonly)
+            unwritable = _precheck_sqlite_file(path, readonly=readonly)
+            if unwritable and not readonly:
+                log.info("%s: %s; opened read-only", self._where, unwritable)
+                self.readonly, self.readonly_reason = True, unwritable
         self._engine = self._create_engine(path)
         self._pid = os.getpid()
         try:
-            if readonly:
+            if self.readonly:
                 self._run(lambda conn: self._require_current(conn), write=False, action="open")
             else:
                 if path is not None:
@@ -457,7 +490,9 @@ class Cache:
                                     f"pip install 'psycopg[binary]'") from exc
             return engine
         if path is not None and self.readonly:
-            uri = _ro_uri(path, immutable=False)
+            # Immutable only where nobody can be writing (a read-only mount): elsewhere a writer may
+            # start while this connection reads, and it must see the writer's locks.
+            uri = _ro_uri(path, immutable=_unwritable(path) is not None and not _in_use(path))
             engine = create_engine(
                 URL.create("sqlite", database=str(path)),
                 creator=lambda: sqlite3.connect(uri, uri=True, timeout=SQLITE_BUSY_TIMEOUT_S,
@@ -528,7 +563,10 @@ class Cache:
         them; on PostgreSQL it then runs without BEGIN/ROLLBACK, two round trips fewer.
         """
         if write and self.readonly:
-            raise DatabaseError(f"cannot {action} {self._where}: it was opened read-only")
+            why = self.readonly_reason or "it was opened read-only"
+            raise DatabaseError(f"cannot {action} {self._where}: {why} (the cache is read-only; "
+                                f"everything cached can be read, nothing new stored); pass --db or "
+                                f"set {ENV_VAR} to a writable cache")
 
         if os.getpid() != self._pid:
             # A forked child must not use its parent's connections (both would talk over the
@@ -787,7 +825,10 @@ class Cache:
             measurement_where.append(m.device_id.in_(select(d.id).where(and_(*conditions))))
         cutoff = None
         if older_than_days is not None:
-            cutoff = _now() - timedelta(days=older_than_days)
+            try:
+                cutoff = _now() - timedelta(days=older_than_days)
+            except OverflowError:  # before year 1: nothing stored is that old
+                cutoff = datetime.min
             measurement_where.append(m.created_at < cutoff)
         plan_where: list | None = None
         if everything:

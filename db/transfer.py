@@ -8,13 +8,17 @@ reason. Import merges by `MERGE_RULE` (see `ucudnn.db.cache`).
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import math
 import os
+import re
+import stat
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import IO, Any
 
@@ -59,11 +63,21 @@ def export_objects(cache: Cache) -> Iterator[dict[str, Any]]:
                "created_at": _timestamp(p.created_at)}
 
 
-def export_to(cache: Cache, target: str) -> dict[str, int]:
-    """Write the export to the file `target` ('-' for stdout); returns counts per record type.
+def _umask() -> int:
+    mask = os.umask(0o022)  # reading the umask means setting it; put it straight back
+    os.umask(mask)
+    return mask
 
-    A file is written beside its final name and renamed into place, so a failed export never
-    leaves half a file where a good one was.
+
+def export_to(cache: Cache, target: str) -> dict[str, int]:
+    """Write the export to what `target` names; returns counts per record type.
+
+    Only a regular file (or a new name) is replaced: the export is written beside it and renamed
+    into place, so a failed export never leaves half a file where a good one was, and the new
+    file gets the mode and owner the old one had (a new one the umask's mode). Anything else
+    that is not a directory (`-` for stdout, a FIFO, a character or block device such as
+    /dev/null) is written to as it is, never replaced. A failed write (a full disk) raises
+    DatabaseError.
     """
     counts = {"measurements": 0, "plans": 0}
 
@@ -72,24 +86,52 @@ def export_to(cache: Cache, target: str) -> dict[str, int]:
             if obj["type"] != "header":
                 counts[obj["type"] + "s"] += 1
             fp.write(json.dumps(obj, allow_nan=False) + "\n")
+        fp.flush()
+
+    def failed(where: object, exc: OSError) -> DatabaseError:
+        return DatabaseError(f"cannot write the export {where}: {exc.strerror or exc}")
 
     if target == "-":
-        write(sys.stdout)
-        sys.stdout.flush()
+        try:
+            write(sys.stdout)
+        except OSError as exc:
+            raise failed("to stdout", exc) from exc
         return counts
-    path = Path(target).expanduser().resolve()
-    if path.is_dir():
+    path = Path(target).expanduser().resolve()  # a symlink's target is written, the link kept
+    try:
+        old = path.stat()
+    except FileNotFoundError:
+        old = None
+    except OSError as exc:
+        raise failed(path, exc) from exc
+    mode = None if old is None else old.st_mode
+    if mode is not None and stat.S_ISDIR(mode):
         raise InvalidInput(f"export target {target!r} is a directory; name a file")
+    if mode is not None and not stat.S_ISREG(mode):
+        # A FIFO or a device: stream into it. Replacing it would destroy it (as root, even /dev/null).
+        try:
+            with open(path, "w", encoding="utf-8") as fp:
+                write(fp)
+        except OSError as exc:
+            raise failed(path, exc) from exc
+        return counts
     try:
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     except OSError as exc:
-        raise DatabaseError(f"cannot write the export {path}: {exc.strerror or exc}") from exc
+        raise failed(path, exc) from exc
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as fp:
+            os.fchmod(fp.fileno(), stat.S_IMODE(mode) if mode is not None else 0o666 & ~_umask())
+            if old is not None and (old.st_uid, old.st_gid) != (os.geteuid(), os.getegid()):
+                with contextlib.suppress(PermissionError):  # only root may give a file away
+                    os.fchown(fp.fileno(), old.st_uid, old.st_gid)
             write(fp)
+            os.fsync(fp.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         os.unlink(tmp)
+        if isinstance(exc, OSError):
+            raise failed(path, exc) from exc
         raise
     return counts
 
@@ -102,47 +144,138 @@ def _reject_constant(name: str) -> float:
     raise ValueError(f"{name} is not JSON; times must be finite numbers or null")
 
 
-_TEXT_FIELDS = ("device", "backend", "versions", "problem_key", "algo")
+_DECODER = json.JSONDecoder(parse_constant=_reject_constant)  # made once, not per line
 
 
-def _measurement(obj: dict[str, Any]) -> MeasurementRecord:
-    for name in _TEXT_FIELDS:
-        if not isinstance(obj.get(name), str) or not obj[name].strip():
-            raise ValueError(f"{name} must be a non-empty string, got {obj.get(name)!r}")
-    batch, workspace = obj.get("batch"), obj.get("workspace_bytes")
-    if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
-        raise ValueError(f"batch must be a positive integer, got {batch!r}")
-    if not isinstance(workspace, int) or isinstance(workspace, bool) or workspace < 0:
-        raise ValueError(f"workspace_bytes must be a non-negative integer, got {workspace!r}")
-    time_ms, spread_ms = obj.get("time_ms"), obj.get("spread_ms", 0.0)
-    if time_ms is not None and (isinstance(time_ms, bool) or not isinstance(time_ms, (int, float))
-                                or not math.isfinite(time_ms) or time_ms < 0):
-        raise ValueError(f"time_ms must be a non-negative number or null, got {time_ms!r}")
-    if isinstance(spread_ms, bool) or not isinstance(spread_ms, (int, float)) \
-            or not math.isfinite(spread_ms) or spread_ms < 0:
-        raise ValueError(f"spread_ms must be a non-negative number, got {spread_ms!r}")
-    reason = obj.get("reason", "")
-    if not isinstance(reason, str):
-        raise ValueError(f"reason must be a string, got {reason!r}")
-    return MeasurementRecord(
-        device=obj["device"], backend=obj["backend"], versions=obj["versions"],
-        problem_key=obj["problem_key"], algo=obj["algo"], batch=batch,
+# What a fresh measurement can hold; an import is held to the same, so nothing poisons a cache.
+# Clocks of the machines sharing a cache may disagree by this much, no more.
+CLOCK_SKEW = timedelta(hours=1)
+EARLIEST = datetime(2000, 1, 1)
+_MAX_INT32, _MAX_INT64 = 2**31 - 1, 2**63 - 1
+_MAX_TIME_MS = 86_400_000.0  # one kernel taking a day is a broken record, not a measurement
+# Longest text per field: device models, version lists, problem keys and cuDNN engine names with
+# their knobs are all far below these; a reason quotes an exception, so it gets more room.
+_MAX_LENGTH = {"device": 256, "backend": 32, "versions": 1024, "problem_key": 512, "algo": 256,
+               "reason": 4096, "plan key": 4096}
+_BACKEND_NAME = re.compile(r"[a-z][a-z0-9_-]*")
+_WHITE_SPACE = re.compile(r"\s")
+_CPU_ALGORITHMS = ("im2col_gemm", "shift_gemm", "fft", "winograd", "native")
+
+
+def _check_text(name: str, value: object, *, empty_ok: bool = False) -> str:
+    if not isinstance(value, str) or (not value.strip() and not empty_ok):
+        raise ValueError(f"{name} must be a non-empty string, got {value!r:.80}")
+    if len(value) > _MAX_LENGTH[name]:
+        raise ValueError(f"{name} is {len(value)} characters long, over the {_MAX_LENGTH[name]} "
+                         f"a real one needs")
+    if not value.isprintable():
+        raise ValueError(f"{name} {value!r:.80} holds control characters")
+    return value
+
+
+def _check_timestamp(value: datetime, now: datetime) -> None:
+    if value > now + CLOCK_SKEW:
+        raise ValueError(f"created_at {_timestamp(value)} is in the future (now is {_timestamp(now)}, "
+                         f"clock skew allowed {CLOCK_SKEW}); it would win every later merge")
+    if value < EARLIEST:
+        raise ValueError(f"created_at {_timestamp(value)} is before {EARLIEST.year}; no ucudnn "
+                         f"measurement is that old")
+
+
+def _check_number(name: str, value: object, *, maximum: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or not 0 <= value <= maximum:
+        raise ValueError(f"{name} must be a number from 0 to {maximum:g}, got {value!r:.80}")
+
+
+def _check_int(name: str, value: object, *, minimum: int, maximum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= maximum:
+        raise ValueError(f"{name} must be an integer from {minimum} to {maximum}, got {value!r:.80}")
+
+
+@functools.lru_cache(maxsize=4096)  # a cache holds few problems and many rows of each
+def _problem_key_error(key: str) -> str | None:
+    from ucudnn.problem import ConvProblem  # a leaf value module (it imports only the errors)
+
+    try:
+        problem = ConvProblem.parse(key)
+    except InvalidInput as exc:
+        return f"problem_key {key!r:.120} is not a problem: {exc}"
+    if problem.key != key:
+        return f"problem_key {key!r:.120} is not in canonical form ({problem.key!r}); it would never be looked up"
+    return None
+
+
+def check_measurement(r: MeasurementRecord, now: datetime) -> None:
+    """ValueError unless `r` could have been written by a fresh measurement at or before `now`.
+
+    The problem key must parse back to a problem and be its canonical text (a key in any other
+    form is never looked up); the backend a plain name; a cpu algorithm one the cpu backend has;
+    numbers in range; a failed candidate must say why; nothing from the future.
+    """
+    for name in ("device", "backend", "versions", "problem_key", "algo"):
+        _check_text(name, getattr(r, name))
+    _check_text("reason", r.reason, empty_ok=True)
+    if not _BACKEND_NAME.fullmatch(r.backend):
+        raise ValueError(f"backend {r.backend!r} is not a backend name (lower-case letters, digits, _ -)")
+    if r.backend == "cpu" and r.algo not in _CPU_ALGORITHMS:
+        raise ValueError(f"algo {r.algo!r:.80} is not a cpu algorithm ({', '.join(_CPU_ALGORITHMS)})")
+    if _WHITE_SPACE.search(r.algo):
+        raise ValueError(f"algo {r.algo!r:.80} holds white space; algorithm names have none")
+    problem_error = _problem_key_error(r.problem_key)
+    if problem_error:
+        raise ValueError(problem_error)
+    _check_int("batch", r.batch, minimum=1, maximum=_MAX_INT32)
+    _check_int("workspace_bytes", r.workspace_bytes, minimum=0, maximum=_MAX_INT64)
+    if r.time_ms is None:
+        if not r.reason.strip():
+            raise ValueError("a measurement with time_ms null (could not run) must give its reason")
+    else:
+        _check_number("time_ms", r.time_ms, maximum=_MAX_TIME_MS)
+    _check_number("spread_ms", r.spread_ms, maximum=_MAX_TIME_MS)
+    _check_timestamp(r.created_at, now)
+
+
+def check_plan(p: PlanRecord, now: datetime) -> None:
+    """ValueError unless `p` is a plan a fresh run could have stored at or before `now`."""
+    _check_text("plan key", p.key)
+    _check_timestamp(p.created_at, now)
+
+
+def _measurement(obj: dict[str, Any], now: datetime) -> MeasurementRecord:
+    time_ms = obj.get("time_ms")
+    if time_ms is not None and (isinstance(time_ms, bool) or not isinstance(time_ms, (int, float))):
+        raise ValueError(f"time_ms must be a number or null, got {time_ms!r:.80}")
+    spread_ms = obj.get("spread_ms", 0.0)
+    if isinstance(spread_ms, bool) or not isinstance(spread_ms, (int, float)):
+        raise ValueError(f"spread_ms must be a number, got {spread_ms!r:.80}")
+    record = MeasurementRecord(
+        device=obj.get("device"), backend=obj.get("backend"), versions=obj.get("versions"),
+        problem_key=obj.get("problem_key"), algo=obj.get("algo"), batch=obj.get("batch"),
         time_ms=None if time_ms is None else float(time_ms), spread_ms=float(spread_ms),
-        workspace_bytes=workspace, reason=reason, created_at=_parse_timestamp(obj.get("created_at")))
+        workspace_bytes=obj.get("workspace_bytes"), reason=obj.get("reason", ""),
+        created_at=_parse_timestamp(obj.get("created_at")))
+    check_measurement(record, now)
+    kind = obj.get("kind")
+    if kind is not None and kind != _kind_of(record.problem_key):
+        raise ValueError(f"kind {kind!r:.40} disagrees with the problem key's "
+                         f"{_kind_of(record.problem_key)!r}")
+    return record
 
 
-def _plan(obj: dict[str, Any]) -> PlanRecord:
+def _plan(obj: dict[str, Any], now: datetime) -> PlanRecord:
     key = obj.get("key")
-    if not isinstance(key, str) or not key.strip():
-        raise ValueError(f"key must be a non-empty string, got {key!r}")
+    _check_text("plan key", key)
     try:
         text = _plan_json(key, obj.get("plan"))
     except InvalidInput as exc:
         raise ValueError(str(exc)) from exc
-    return PlanRecord(key=key, plan_json=text, created_at=_parse_timestamp(obj.get("created_at")))
+    record = PlanRecord(key=key, plan_json=text, created_at=_parse_timestamp(obj.get("created_at")))
+    check_plan(record, now)
+    return record
 
 
-def _read_export(path: Path) -> Iterator[MeasurementRecord | PlanRecord]:
+def _read_export(path: Path, now: datetime) -> Iterator[MeasurementRecord | PlanRecord]:
     """Parse and check every line; InvalidInput names the file, the line and the rule broken."""
     try:
         fp = open(path, encoding="utf-8")
@@ -156,7 +289,7 @@ def _read_export(path: Path) -> Iterator[MeasurementRecord | PlanRecord]:
                     continue
                 where = f"{path} line {number}"
                 try:
-                    obj = json.loads(line, parse_constant=_reject_constant)
+                    obj = _DECODER.decode(line)
                     if not isinstance(obj, dict):
                         raise ValueError("each line must be a JSON object")
                     kind = obj.get("type")
@@ -169,9 +302,9 @@ def _read_export(path: Path) -> Iterator[MeasurementRecord | PlanRecord]:
                                              f"not {EXPORT_VERSION}, the one this ucudnn reads")
                         header_seen = True
                     elif kind == "measurement":
-                        yield _measurement(obj)
+                        yield _measurement(obj, now)
                     elif kind == "plan":
-                        yield _plan(obj)
+                        yield _plan(obj, now)
                     else:
                         raise ValueError(f"type must be 'measurement' or 'plan', got {kind!r}")
                 except ValueError as exc:
@@ -211,11 +344,12 @@ def import_into(cache: Cache, source: str) -> MergeReport:
         header = fp.read(len(SQLITE_HEADER))
     if header == SQLITE_HEADER:
         return _import_cache(cache, Cache(path, readonly=True))
-    for _ in _read_export(path):  # check everything first: a bad line imports nothing
+    now = _now()
+    for _ in _read_export(path, now):  # check everything first: a bad line imports nothing
         pass
 
     def records(kind: type) -> Callable[[], Iterator]:
-        return lambda: (r for r in _read_export(path) if isinstance(r, kind))
+        return lambda: (r for r in _read_export(path, now) if isinstance(r, kind))
 
     return cache.merge(records(MeasurementRecord), records(PlanRecord))
 
@@ -227,6 +361,19 @@ def _import_cache(cache: Cache, source: Cache) -> MergeReport:
             raise InvalidInput(f"import source {source.url} is the cache itself")
         if source.url == cache.url and source.sqlite_path is None:
             raise InvalidInput(f"import source {source.url} is the cache itself")
+        now = _now()
+        # Another cache is held to the same rules as an export, all of it before anything is written.
+        for number, record in enumerate(source.measurement_records(), start=1):
+            try:
+                check_measurement(record, now)
+            except ValueError as exc:
+                raise InvalidInput(f"{source.url} measurement {number} ({record.algo!r:.60} at batch "
+                                   f"{record.batch}): {exc}") from None
+        for record in source.plan_records():
+            try:
+                check_plan(record, now)
+            except ValueError as exc:
+                raise InvalidInput(f"{source.url} plan {record.key!r:.60}: {exc}") from None
         return cache.merge(source.measurement_records, source.plan_records)
     finally:
         source.close()

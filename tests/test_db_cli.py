@@ -13,10 +13,11 @@ from pg_server import db_url, pg_server  # noqa: F401
 
 from ucudnn.cli.main import main
 from ucudnn.db import MERGE_RULE, SCHEMA_VERSION, Cache
+from ucudnn.problem import ConvProblem
 from ucudnn.solver.types import MicroConfig
 
 DEVICE = {"device": "Test GPU", "backend": "cudnn", "versions": "cudnn=9.1.0"}
-KEY = "kind=fwd,c=64,h=56,w=56,k=128,r=3,s=3,pad_h=1,pad_w=1"
+KEY = ConvProblem(c=64, h=56, w=56, k=128, r=3, s=3, pad_h=1, pad_w=1).key
 MICROS = [MicroConfig("gemm", 1, 0.5, 0, spread=0.125), MicroConfig("fft", 1, 0.25, 4096),
           MicroConfig("winograd", 1, math.inf, 0, reason="unsupported: stride 2")]
 
@@ -247,11 +248,14 @@ def random_exports(tmp_path: Path, count: int = 3) -> list[Path]:
     for f in range(count):
         records = []
         for _ in range(300):
-            records.append(measurement(
+            record = measurement(
                 algo=rng.choice(["gemm", "fft", "winograd"]), batch=rng.choice([1, 2, 4, 8]),
                 time_ms=rng.choice([None, 0.5, 1.0, 2.0]), created_at=rng.choice(stamps),
                 device=rng.choice(["A", "B"]), spread_ms=rng.choice([0.0, 0.25]),
-                workspace_bytes=rng.choice([0, 64]), reason=rng.choice(["", "x"])))
+                workspace_bytes=rng.choice([0, 64]), reason=rng.choice(["", "x"]))
+            if record["time_ms"] is None:  # a candidate that could not run always says why
+                record["reason"] = record["reason"] or "y"
+            records.append(record)
         records += [plan(f"p{rng.randrange(5)}", {"v": rng.randrange(3)}, rng.choice(stamps))
                     for _ in range(10)]
         files.append(write(tmp_path / f"e{f}.jsonl", records))

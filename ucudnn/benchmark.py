@@ -63,9 +63,11 @@ class BenchStats:
         return BenchStats(self.measured + other.measured, self.cached + other.cached, self.seconds + other.seconds)
 
 
-def device_key(backend: Backend) -> dict[str, str]:
-    """The cache fields that identify where a measurement was taken."""
-    return {"device": backend.device.model, "backend": backend.name, "versions": backend.device.versions_text}
+def device_key(backend: Backend, algo: str | None = None) -> dict[str, str]:
+    """The cache fields that identify where a measurement was taken: for one algorithm, the
+    versions of the libraries it runs on (`Backend.versions_for`); without one, all of them."""
+    versions = backend.device.versions_text if algo is None else backend.versions_for(algo)
+    return {"device": backend.device.model, "backend": backend.name, "versions": versions}
 
 
 def measure_table(backend: Backend, problem: ConvProblem, sizes: Sequence[int], *, cache=None,
@@ -82,8 +84,13 @@ def measure_table(backend: Backend, problem: ConvProblem, sizes: Sequence[int], 
     start = time.perf_counter()
     candidates = list(algos) if algos is not None else backend.algorithms(problem)
     found = {}
+    by_versions: dict[str, list[str]] = {}  # algorithms grouped by their versions key
+    for algo in candidates:
+        by_versions.setdefault(backend.versions_for(algo), []).append(algo)
     if cache is not None:
-        found = cache.lookup(problem_key=problem.key, batches=sizes, algos=candidates, **device_key(backend))
+        for group in by_versions.values():
+            found.update(cache.lookup(problem_key=problem.key, batches=sizes, algos=group,
+                                      **device_key(backend, group[0])))
     table: dict[int, list[MicroConfig]] = {}
     measured = cached = 0
     for size in sizes:
@@ -109,7 +116,9 @@ def measure_table(backend: Backend, problem: ConvProblem, sizes: Sequence[int], 
             accumulate = problem.kind == "bwd_filter" and size < problem.n
             new = backend.measure(part, to_measure, reps, accumulate=accumulate)
             if cache is not None:
-                cache.store(problem_key=problem.key, micros=new, **device_key(backend))
+                for group in by_versions.values():
+                    cache.store(problem_key=problem.key, micros=[m for m in new if m.algo in group],
+                                **device_key(backend, group[0]))
             row.update((m.algo, m) for m in new)
             measured += len(new)
         table[size] = [row[algo] for algo in candidates]

@@ -49,6 +49,7 @@ from ucudnn.errors import InvalidInput, UnsupportedProblem
 from ucudnn.execute import run_configuration
 from ucudnn.optimize import micro_from_json, micro_to_json, pareto_fronts, plan_key, undivided_baseline
 from ucudnn.problem import KINDS, ConvProblem
+from ucudnn.resources import check_can_run
 from ucudnn.sizes import parse_size
 from ucudnn.solver import wr
 from ucudnn.solver.types import Configuration, Infeasible, MicroConfig
@@ -591,6 +592,7 @@ class Handle:
         return self._cache
 
     def _measure(self, problem: ConvProblem, limit: int | None) -> dict[int, list[MicroConfig]]:
+        check_can_run(self._backend, problem, algos=self._candidates(problem), workspace_limit=limit)
         table, stats = measure_table(self._backend, problem, batch_sizes(self._policy, problem.n),
                                      cache=self._open_cache(), algos=self._candidates(problem), reps=self._reps,
                                      workspace_limit=limit)

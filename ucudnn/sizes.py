@@ -1,35 +1,57 @@
-"""Byte sizes as people write them: `64MiB`, `1GiB`, `512KB`, `1000000`."""
+"""Byte sizes as people write them: `64MiB`, `1.5GiB`, `100MB`, `1048576`.
+
+The units (case-insensitive): `B` or none = bytes; `KiB MiB GiB TiB` = powers of 1024; `kB MB GB
+TB` = powers of 1000, as SI says. A bare `k`, `m`, `g` or `t` is refused: some tools read `64m` as
+MiB and others as MB, and a workspace limit off by 5% is a silent wrong answer. A size must come
+to a whole number of bytes (`0.5` is refused, `1.5KiB` is 1536) and at most 2**63 - 1 bytes, the
+most a cache column or an allocation can hold.
+"""
 
 from __future__ import annotations
 
 import re
+from decimal import Decimal
 
 from ucudnn.errors import InvalidInput
 
+MAX_BYTES = 2**63 - 1
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "k": 2**10, "m": 2**20, "g": 2**30}
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_AMBIGUOUS = {"k": "KiB", "m": "MiB", "g": "GiB", "t": "TiB"}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+_SHOWN = ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB")
 
 
 def parse_size(text: str | int) -> int:
     """Bytes from `64MiB`, `1.5GiB`, `100MB` or plain `1048576`; refuses negatives and junk."""
     if isinstance(text, int) and not isinstance(text, bool):
-        if text < 0:
-            raise InvalidInput(f"size must be non-negative, got {text}")
+        if not 0 <= text <= MAX_BYTES:
+            raise InvalidInput(f"size must be from 0 to {MAX_BYTES} bytes, got {text}")
         return text
     match = _SIZE.match(str(text))
-    if not match or match.group(2).lower() not in _UNITS:
-        raise InvalidInput(f"cannot read size {text!r}; write e.g. 64MiB, 1GiB or a number of bytes")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    unit = match.group(2).lower() if match else ""
+    if match and unit in _AMBIGUOUS:
+        raise InvalidInput(f"size {text!r}: the unit {match.group(2)!r} is ambiguous; write "
+                           f"{match.group(1)}{_AMBIGUOUS[unit]} (powers of 1024) or "
+                           f"{match.group(1)}{_AMBIGUOUS[unit][0].upper()}B (powers of 1000)")
+    if not match or unit not in _UNITS:
+        raise InvalidInput(f"cannot read size {text!r}; write e.g. 64MiB, 1GiB, 100MB or a number of bytes")
+    value = Decimal(match.group(1)) * _UNITS[unit]  # exact: 0.1GiB is not rounded through a float
+    if value != value.to_integral_value():
+        raise InvalidInput(f"size {text!r} is {value} bytes, not a whole number of bytes")
+    if value > MAX_BYTES:
+        raise InvalidInput(f"size {text!r} is {format_size(int(value))}, over the largest possible "
+                           f"{format_size(MAX_BYTES)}")
+    return int(value)
 
 
 def format_size(nbytes: int | None) -> str:
-    """Short binary-unit text: 8.0 MiB, 512 B."""
+    """Short binary-unit text: 512 B, 8.0 MiB, 3.2 TiB (up to EiB, so any size stays short)."""
     if nbytes is None:
         return "-"
     value = float(nbytes)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if value < 1024 or unit == "GiB":
+    for unit in _SHOWN:
+        if abs(value) < 1024 or unit == _SHOWN[-1]:
             return f"{int(value)} {unit}" if unit == "B" else f"{value:.1f} {unit}"
         value /= 1024
     raise AssertionError("unreachable")

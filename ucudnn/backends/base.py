@@ -144,6 +144,15 @@ class Backend(abc.ABC):
 
         return relative_error(to_host_float64(out, problem.dtype), trusted)
 
+    def versions_for(self, algo: str) -> str:
+        """The library versions that can change `algo`'s measurements: its part of the cache key.
+
+        By default every library of the device; a backend whose algorithms come from different
+        libraries narrows it, so that installing or upgrading one library keeps the others'
+        measurements.
+        """
+        return self.device.versions_text
+
     def candidate_failures(self) -> tuple[type[BaseException], ...]:
         """Exceptions that mean one candidate failed to build or run, besides running out of memory."""
         return ()

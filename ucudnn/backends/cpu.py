@@ -744,6 +744,13 @@ class CpuBackend(Backend):
     def algorithms(self, problem: ConvProblem) -> list[str]:
         return list(ALGORITHMS) + ([NATIVE] if _torch_version() is not None else [])
 
+    def versions_for(self, algo: str) -> str:
+        # native is PyTorch's convolution; the others are NumPy/SciPy over their BLAS. Both read
+        # the thread-count variables. So installing torch keeps every NumPy measurement.
+        own = ("torch",) if algo == NATIVE else ("numpy", "numpy-blas", "scipy", "scipy-blas")
+        return ",".join(f"{lib}={ver}" for lib, ver in self.device.versions
+                        if lib in own or lib in _THREAD_VARIABLES)
+
     def unsupported_reason(self, problem: ConvProblem, algo: str) -> str | None:
         known = ALGORITHMS + (NATIVE,)
         if algo not in known:
