@@ -150,7 +150,8 @@ def expand(graph: TrainingGraph, actions: Mapping[str, str] | None = None) -> tu
         for op in producers:
             for i in op.inputs:
                 src = graph.storage_of(i)
-                if src != storage and acts[src] == "recompute" and src not in rebuilt:
+                # a source that is not resident (recomputed or released) is rebuilt first
+                if src != storage and acts[src] in ("recompute", "release") and src not in rebuilt:
                     rebuild(src)
         rebuilt.add(storage)
         for op in producers:
@@ -239,9 +240,7 @@ def _prepare(graph: TrainingGraph, costs: Sequence[StepCost], actions: Mapping[s
         alloc_at.setdefault(k, []).append((name, nbytes[name]))
         if action == "keep" or name.startswith("grad:"):
             free_after.setdefault(last_use[name], []).append(name)
-        elif action == "release":
-            free_after.setdefault(last_fwd_use[name], []).append(name)
-        elif action == "recompute":
+        elif action in ("release", "recompute"):
             free_after.setdefault(last_fwd_use[name], []).append(name)
             if name in rebuilt_at:
                 alloc_at.setdefault(rebuilt_at[name], []).append((name, nbytes[name]))
