@@ -17,9 +17,10 @@ decided (weights, gradients, tensors with one possible action). The 0-1 program 
          fixed_t + sum_{s,a: t in rows_sa} b_s x_sa + W_t <= M     for every row t
          x_{s,recompute} + x_{p,offload} + x_{p,recompute} <= 1    for every tensor p that s is rebuilt from
          sum_s b_s x_{s,offload} <= copy_budget_bytes          (the copies must fit in the compute they hide behind)
-         Q_t >= Q_{t-1} + sum_{s: copy_row_s = t} b_s x_{s,offload} - drain_t,  Q_t >= 0
+         Q_k >= Q_{k-1} + sum_{s: copy_row_s in block k} b_s x_{s,offload} - drain_k,  Q_k >= 0
                                                      (the copy-out queue: bytes waiting on the device)
-and Q_t joins row t's memory, for the rows `drain_bytes` covers (the forward pass).
+and Q_k joins the memory of every row of block k (`queue_block[t]` = k; the forward pass). Rows are
+grouped in blocks because a queue per row makes the relaxation weak and HiGHS slow (ResNet-152: 3x).
 
 The objective is the program's model of the step time; the caller simulates the answer and reports
 how far the simulated time is from it. `solve` returns the choices, the objective, HiGHS's own MIP
@@ -28,6 +29,9 @@ gap (0 when proved optimal) and the solve time.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -68,8 +72,25 @@ class Solution:
     status: str = field(default="optimal")
 
 
+@contextlib.contextmanager
+def _quiet_stdout():
+    """HiGHS's MIP solver prints a debug line to the C-level stdout even with disp off; it would
+    corrupt `ucudnn plan --json`. Point file descriptor 1 at /dev/null while it runs."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 1)
+        yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+        os.close(devnull)
+
+
 def solve(tensors: Sequence[Tensor], kernels: Sequence[Kernel], fixed_bytes: Sequence[int], memory_limit: int,
           *, copy_budget_bytes: float | None = None, drain_bytes: Sequence[float] = (),
+          queue_block: Sequence[int] = (),
           time_limit_s: float = 8.0, mip_rel_gap: float = 1e-3) -> Solution:
     """Solve the program above; `Infeasible` when no choice fits `memory_limit`."""
     from scipy.optimize import Bounds, LinearConstraint, milp
@@ -146,7 +167,8 @@ def solve(tensors: Sequence[Tensor], kernels: Sequence[Kernel], fixed_bytes: Seq
         entries = [(m_var[r], 1.0)] + ([(m_var[r - 1], -1.0)] if r else []) + [(c, -v) for c, v in delta[r]]
         step = float(fixed_bytes[r] - (fixed_bytes[r - 1] if r else 0))
         row(entries, step, step)
-        cap = [(m_var[r], 1.0)] + ([(w_var[r], 1.0)] if r in w_var else []) + ([(q_var[r], 1.0)] if r in q_var else [])
+        cap = [(m_var[r], 1.0)] + ([(w_var[r], 1.0)] if r in w_var else []) + \
+            ([(q_var[queue_block[r]], 1.0)] if r < len(queue_block) else [])
         row(cap, -np.inf, float(memory_limit))
     # x_{s,recompute} + x_{p,offload} + x_{p,recompute} <= 1
     index_of = {t.name: si for si, t in enumerate(tensors)}
@@ -168,8 +190,8 @@ def solve(tensors: Sequence[Tensor], kernels: Sequence[Kernel], fixed_bytes: Seq
             row(entries, -np.inf, float(copy_budget_bytes))
     queued: dict[int, list[tuple[int, float]]] = {}
     for si, t in enumerate(tensors):
-        if (si, "offload") in var_of and t.copy_row is not None and t.copy_row < len(drain_bytes):
-            queued.setdefault(t.copy_row, []).append((var_of[(si, "offload")], -float(t.bytes)))
+        if (si, "offload") in var_of and t.copy_row is not None and t.copy_row < len(queue_block):
+            queued.setdefault(queue_block[t.copy_row], []).append((var_of[(si, "offload")], -float(t.bytes)))
     for r in range(len(drain_bytes)):
         entries = [(q_var[r], 1.0)] + ([(q_var[r - 1], -1.0)] if r else []) + queued.get(r, [])
         row(entries, -float(drain_bytes[r]), np.inf)
@@ -183,9 +205,10 @@ def solve(tensors: Sequence[Tensor], kernels: Sequence[Kernel], fixed_bytes: Seq
     lower = np.zeros(n)
     lower[m_var] = -np.inf
     start = time.perf_counter()
-    res = milp(np.asarray(cost), constraints=LinearConstraint(A, lo, hi), integrality=integrality,
-               bounds=Bounds(lower, upper),
-               options={"time_limit": time_limit_s, "mip_rel_gap": mip_rel_gap, "disp": False})
+    with _quiet_stdout():
+        res = milp(np.asarray(cost), constraints=LinearConstraint(A, lo, hi), integrality=integrality,
+                   bounds=Bounds(lower, upper),
+                   options={"time_limit": time_limit_s, "mip_rel_gap": mip_rel_gap, "disp": False})
     elapsed = time.perf_counter() - start
     if res.x is None:
         raise Infeasible(f"no keep/offload/recompute choice fits {memory_limit} bytes ({res.message})")

@@ -32,7 +32,8 @@ __all__ = ["OptimalResult", "plan", "search"]
 log = logging.getLogger("ucudnn.memory.optimal")
 
 QUEUE_FACTOR = 1.2       # copies back queue on their stream: one is assumed to take this times its time alone
-MAX_OPTIONS = 5          # options kept per kernel front: the program stays small, the extremes stay in
+QUEUE_BLOCKS = 24        # the copy-out queue is modelled per block of forward steps (see memplan)
+MAX_OPTIONS = 4          # options kept per kernel front: the program stays small, the extremes stay in
 MIP_REL_GAP = 0.005      # HiGHS stops within 0.5% of its bound: the time model is not finer than that
 ROUNDS = 6               # solve-simulate rounds at most
 STALL_TOLERANCE = 0.01   # a plan stalling more than this share of its step is solved again with fewer copies
@@ -131,9 +132,13 @@ def _tables(graph: TrainingGraph, device: DeviceProfile, costs, fronts):
     budget = min(fwd_ms * device.d2h_gbps, bwd_ms * device.h2d_gbps) * 1e6  # bytes (GB/s x ms = MB)
     # the steps that run no conv kernel take the same time whatever is chosen
     constant_ms = sum(c.ms for c, st in zip(costs, steps) if not st.kernels)
-    # what the copy-out stream drains while each forward step runs (bytes)
-    drain = [m * device.d2h_gbps * 1e6 for m in ms[:nf]]
-    return tensors, kernels, fixed, thinned, budget, constant_ms, prefetch_at, drain
+    # the copy-out queue in blocks of forward rows: what the stream drains while each block runs (bytes)
+    size = max(1, -(-nf // QUEUE_BLOCKS))
+    block = [r // size for r in range(nf)]
+    drain = [0.0] * (block[-1] + 1)
+    for r in range(nf):
+        drain[block[r]] += ms[r] * device.d2h_gbps * 1e6
+    return tensors, kernels, fixed, thinned, budget, constant_ms, prefetch_at, (drain, block)
 
 
 def _triggers(graph: TrainingGraph, actions: dict[str, str], prefetch_at: dict[str, int]) -> dict[str, int]:
@@ -161,7 +166,8 @@ def search(graph: TrainingGraph, device: DeviceProfile, memory_limit: int, *, de
     rounds = 0
     for rounds in range(1, ROUNDS + 1):
         try:
-            sol = memplan.solve(tensors, kernels, fixed, target, copy_budget_bytes=budget, drain_bytes=drain,
+            sol = memplan.solve(tensors, kernels, fixed, target, copy_budget_bytes=budget, drain_bytes=drain[0],
+                                queue_block=drain[1],
                                 time_limit_s=max(1.0, time_limit_s - solve_s), mip_rel_gap=MIP_REL_GAP)
         except Infeasible as exc:  # proved infeasible, or HiGHS found no answer in its time
             log.info("optimal: round %d: %s", rounds, exc)
