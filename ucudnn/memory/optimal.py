@@ -8,6 +8,9 @@ they hide behind; so its answer is simulated, and when the simulation overflows 
 or prefetch ran later than the program assumed) or stalls, the program is solved again with the
 limit lowered by the overflow, or the copy budget cut, and the best simulated plan that fits wins.
 
+vDNN's static plans (nothing, conv inputs or everything offloaded, fastest or smallest workspaces)
+are simulated too, and win where they fit and run faster (the program's copy queue is conservative).
+
 Each kernel's chosen workspace is its budget for the WD solver (the plan's `conv_workspace`).
 `search` returns the plan with the program's figures: its objective (a model of the step time, a
 bound for the decisions it weighs), HiGHS's own MIP gap, and the simulated step's distance to it.
@@ -48,6 +51,7 @@ class OptimalResult:
     model_gap: float              # simulated step / objective - 1: what the program's time model missed
     solve_time_s: float
     rounds: int
+    chosen: str = "program"       # program, or vdnn when a static vDNN plan simulated faster
 
 
 def _thin(options: tuple[KernelOption, ...]) -> tuple[KernelOption, ...]:
@@ -197,20 +201,33 @@ def search(graph: TrainingGraph, device: DeviceProfile, memory_limit: int, *, de
             budget *= 0.7
         if target <= 0:
             break
-    if best is None and last is None:
-        # nothing the program can choose fits: report vDNN_all with the smallest workspaces, which does not
-        from ucudnn.memory.vdnn import actions_for
+    # vDNN's static plans are candidates too: the program's memory model is conservative (whole-block
+    # copy queues), so where a plain plan fits and runs faster in simulation, it is the better answer
+    from ucudnn.memory.vdnn import actions_for
 
-        actions = actions_for(graph, "all")
-        workspace = {k: fastest(v[:1]).workspace for k, v in fronts.items()}
-        costs = step_costs(graph, device, workspace=workspace, fronts=fronts)
+    fast = {k: fastest(v).workspace for k, v in fronts.items()}
+    small = {k: v[0].workspace for k, v in fronts.items()}
+    fast_costs = step_costs(graph, device, workspace=fast, fronts=fronts)
+    static = None
+    for mode, workspace, costs in (("none", fast, fast_costs), ("conv", fast, fast_costs), ("all", fast, fast_costs),
+                                   ("all", small, None)):
+        actions = actions_for(graph, mode)
+        if costs is None:
+            costs = step_costs(graph, device, workspace=workspace, fronts=fronts)
         result = simulate(graph, device, costs, actions, memory_limit=memory_limit, prefetch="adaptive",
                           devices=devices)
+        if static is None or (result.fits and (not static[2].fits or result.step_ms < static[2].step_ms)):
+            static = (actions, workspace, result)
+    if best is None or (static[2].fits and static[2].step_ms < best[2].step_ms):
+        actions, workspace, result = static
         p = to_plan(graph, device, memory_limit, "optimal", actions, workspace, result, devices=devices, base=base)
-        return OptimalResult(p, float("nan"), float("nan"), float("nan"), solve_s, rounds)
-    sol, workspace, result = best or last
+        objective = last[0].objective_ms if last else float("nan")
+        return OptimalResult(p, objective, last[0].mip_gap if last else float("nan"),
+                             result.step_ms / objective - 1 if last else float("nan"), solve_s, rounds, "vdnn")
+    sol, workspace, result = best
     p = to_plan(graph, device, memory_limit, "optimal", sol.actions, workspace, result, devices=devices, base=base)
-    return OptimalResult(p, sol.objective_ms, sol.mip_gap, result.step_ms / sol.objective_ms - 1, solve_s, rounds)
+    return OptimalResult(p, sol.objective_ms, sol.mip_gap, result.step_ms / sol.objective_ms - 1, solve_s, rounds,
+                         "program")
 
 
 def plan(graph: TrainingGraph, device: DeviceProfile, memory_limit: int, *, devices: int = 1, db=None,
