@@ -41,11 +41,13 @@ def _describe(plan) -> str:
 @click.option("--policy", default="optimal", show_default=True,
               help="vdnn-all, vdnn-conv, vdnn-dyn, swap-multi, dymem, checkpoint or optimal.")
 @click.option("--devices", type=int, default=1, show_default=True, help="Devices training data-parallel.")
+@click.option("--db", "db_url", default=None,
+              help="A measurement cache (URL or SQLite file) whose measurements of this device come first.")
 @click.option("--compare", is_flag=True, help="Plan with every available policy, side by side.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON (one plan, or {\"policies\": [...]}).")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False),
               help="Draw memory over the step and the streams' activity to this PNG (the first plan's).")
-def plan(network, batch, device_name, memory, policy, devices, compare, as_json, plot_path):
+def plan(network, batch, device_name, memory, policy, devices, db_url, compare, as_json, plot_path):
     """Plan where each feature map lives (kept, offloaded, recomputed) so NETWORK trains within --memory.
 
     Exit 0 when the plan fits (with --compare: some plan fits), 1 when nothing fits (the message names
@@ -71,7 +73,7 @@ def plan(network, batch, device_name, memory, policy, devices, compare, as_json,
     if not compare and policy not in available_policies():
         raise InvalidInput(f"unknown or unavailable policy {policy!r}; available: {', '.join(available_policies())}")
     graph = from_network(canonical, batch)
-    plans = [make_plan(graph, profile, limit, p, devices=devices) for p in policies]
+    plans = [make_plan(graph, profile, limit, p, devices=devices, db=db_url) for p in policies]
 
     if plot_path:
         from ucudnn.memory.plot import plot_plan

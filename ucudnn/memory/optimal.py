@@ -157,11 +157,11 @@ def _triggers(graph: TrainingGraph, actions: dict[str, str], prefetch_at: dict[s
     return {s: position[prefetch_at[s]] for s, a in actions.items() if a == "offload"}
 
 
-def search(graph: TrainingGraph, device: DeviceProfile, memory_limit: int, *, devices: int = 1,
+def search(graph: TrainingGraph, device: DeviceProfile, memory_limit: int, *, devices: int = 1, db=None,
            time_limit_s: float = 4.0) -> OptimalResult:
     """The optimal policy's plan and the program's figures (see the module docstring)."""
-    fronts = conv_fronts(graph, device)
-    base = baseline(graph, device)
+    fronts = conv_fronts(graph, device, db=db)
+    base = baseline(graph, device, fronts)
     tensors, kernels, fixed, thinned, budget, constant_ms, prefetch_at, drain = _tables(graph, device, base.costs, fronts)
     target = memory_limit
     best = None
@@ -233,4 +233,4 @@ def search(graph: TrainingGraph, device: DeviceProfile, memory_limit: int, *, de
 def plan(graph: TrainingGraph, device: DeviceProfile, memory_limit: int, *, devices: int = 1, db=None,
          time_limit_s: float = 4.0) -> MemoryPlan:
     """The `optimal` policy (see the module docstring)."""
-    return search(graph, device, memory_limit, devices=devices, time_limit_s=time_limit_s).plan
+    return search(graph, device, memory_limit, devices=devices, db=db, time_limit_s=time_limit_s).plan

@@ -81,10 +81,12 @@ class Baseline:
     costs: tuple[StepCost, ...]
 
 
-def baseline(graph: TrainingGraph, device: DeviceProfile) -> Baseline:
+def baseline(graph: TrainingGraph, device: DeviceProfile, fronts=None) -> Baseline:
+    """Everything resident with the fastest option of each conv kernel (`fronts`: its options, as
+    `ucudnn.memory.timing.conv_fronts` gives them; computed when not given)."""
     from ucudnn.memory.timing import step_costs
 
-    costs = step_costs(graph, device)
+    costs = step_costs(graph, device, fronts=fronts)
     result = simulate(graph, device, costs, timeline=False)
     return Baseline(network_wide_bytes(graph, max(c.workspace for c in costs)), result.step_ms, costs)
 
