@@ -119,3 +119,17 @@ def test_bad_actions():
         simulate(g, DEVICE, COSTS, {"x": "recompute"})
     with pytest.raises(InvalidInput, match="costs"):
         simulate(g, DEVICE, COSTS[:3])
+
+
+def test_the_allocation_trace_replays_to_the_memory_curve():
+    r = simulate(chain(), DEVICE, COSTS, {"x": "offload", "a": "offload"}, memory_limit=3 * MB + 20)
+    d = r.devices[0]
+    used = 2 * W * 2  # weights and weight gradients are resident throughout, outside the trace
+    live: dict[str, int] = {}
+    for t, name, delta in d.allocations:
+        used += delta
+        live[name] = live.get(name, 0) + delta
+        assert live[name] >= 0
+    assert used == d.memory[-1][1] and all(v == 0 for v in live.values())
+    # x and a were each allocated twice (produced, then copied back)
+    assert [n for _, n, delta in d.allocations if delta > 0].count("a") == 2

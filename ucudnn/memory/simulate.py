@@ -95,6 +95,9 @@ class DeviceResult:
     overflow: bool                # an allocation went past the memory limit
     missing: tuple[str, ...]      # "step op: tensor" for every read of a tensor not resident (a bad plan)
     memory: tuple[tuple[float, int], ...]  # (time, bytes in use) at every change
+    # the allocation trace: (time, tensor, +bytes allocated or -bytes freed), in order; conv
+    # workspaces are named "workspace:<op>"; weights and their gradients (always resident) are not in it
+    allocations: tuple[tuple[float, str, int], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -327,9 +330,11 @@ class _Device:
         self.bytes_prefetched = 0
         self.done_at = 0.0
         self.missing: list[str] = []
+        self.events: list[tuple[float, str, int]] = []
 
-    def set_used(self, t: float, delta: int) -> None:
+    def set_used(self, t: float, delta: int, name: str) -> None:
         self.used += delta
+        self.events.append((t, name, delta))
         self.peak = max(self.peak, self.used)
         if self.limit is not None and self.used > self.limit:
             self.overflow = True
@@ -404,9 +409,9 @@ def simulate(graph: TrainingGraph, device: DeviceProfile, costs: Sequence[StepCo
         for name, b in p.alloc_at.get(k, ()):
             if name not in dv.resident:
                 dv.resident[name] = b
-                dv.set_used(t, b)
+                dv.set_used(t, b, name)
         if p.workspace[k]:
-            dv.set_used(t, p.workspace[k])
+            dv.set_used(t, p.workspace[k], f"workspace:{p.sched[k].op}")
         # the invariant every plan must keep: what a step reads is on the device when it starts
         s = p.sched[k]
         dv.missing += [f"{k} {s.phase} {s.op}: {name}" for name in s.reads if name not in dv.resident]
@@ -423,16 +428,16 @@ def simulate(graph: TrainingGraph, device: DeviceProfile, costs: Sequence[StepCo
         if s.phase == "recompute":
             dv.recompute_ms += p.ms[k]
         if p.workspace[k]:
-            dv.set_used(t, -p.workspace[k])
+            dv.set_used(t, -p.workspace[k], f"workspace:{s.op}")
         for name in p.offload_after.get(k, ()):
             dv.d2h_queue.append(name)
         for name in p.free_after.get(k, ()):
             if name in dv.resident:
-                dv.set_used(t, -dv.resident.pop(name))
+                dv.set_used(t, -dv.resident.pop(name), name)
         for name, last in p.offload_free_after.items():
             if last == k and name in dv.resident:
                 if name in dv.offloaded:
-                    dv.set_used(t, -dv.resident.pop(name))
+                    dv.set_used(t, -dv.resident.pop(name), name)
                 else:
                     dv.pending_free.add(name)
         dv.running = None
@@ -457,7 +462,7 @@ def simulate(graph: TrainingGraph, device: DeviceProfile, costs: Sequence[StepCo
             if name in dv.offloaded and (dv.fits(b + reserve) or force):
                 dv.h2d_queue.pop(0)
                 dv.resident[name] = b
-                dv.set_used(t, b)
+                dv.set_used(t, b, name)
                 dv.h2d = _Copy(dv.index, "h2d", name, b, b, t)
                 started = True
         return started
@@ -487,7 +492,7 @@ def simulate(graph: TrainingGraph, device: DeviceProfile, costs: Sequence[StepCo
             dv.bytes_offloaded += dv.p.nbytes[c.name]
             if c.name in dv.pending_free:
                 dv.pending_free.discard(c.name)
-                dv.set_used(t, -dv.resident.pop(c.name))
+                dv.set_used(t, -dv.resident.pop(c.name), c.name)
         else:
             dv.h2d = None
             dv.h2d_done.add(c.name)
@@ -540,7 +545,8 @@ def simulate(graph: TrainingGraph, device: DeviceProfile, costs: Sequence[StepCo
         area += (end - mem_end) * mem[-1][1]
         average = int(area / end) if end > 0 else dv.used
         results.append(DeviceResult(dv.peak, average, end, dv.stall, dv.bytes_offloaded, dv.bytes_prefetched,
-                                    dv.recompute_ms, dv.overflow, tuple(dv.missing), tuple(mem)))
+                                    dv.recompute_ms, dv.overflow, tuple(dv.missing), tuple(mem),
+                                    tuple(dv.events)))
     return SimResult(
         peak_bytes=max(r.peak_bytes for r in results),
         average_bytes=max(r.average_bytes for r in results),
