@@ -232,6 +232,11 @@ class TrainingGraph:
         return tuple(steps)
 
     @cached_property
+    def op_index(self) -> dict[str, int]:
+        """Each op's position in `ops`, which is also the index of its forward step."""
+        return {op.name: i for i, op in enumerate(self.ops)}
+
+    @cached_property
     def forward_steps(self) -> int:
         """How many steps the forward pass has (the backward steps follow)."""
         return len(self.ops)

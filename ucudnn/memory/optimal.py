@@ -88,7 +88,6 @@ def _tables(graph: TrainingGraph, device: DeviceProfile, costs, fronts):
         if t.kind == "gradient":
             uses = [s.index for s in steps if name in s.reads or name in s.writes]
             add_fixed(min(uses), max(uses), t.bytes)
-    op_row = {op.name: i for i, op in enumerate(graph.ops)}
     tensors = []
     prefetch_at: dict[str, int] = {}
     for s in graph.storages:
@@ -120,7 +119,7 @@ def _tables(graph: TrainingGraph, device: DeviceProfile, costs, fronts):
         # rebuilt from resident sources only: a released source would have to be rebuilt too
         if producers[0].type != "input" and all(src in bwd_uses for src in sources):
             rows["recompute"] = tuple(sorted(set(range(p, f + 1)) | set(range(u, e + 1))))
-            cost["recompute"] = sum(ms[op_row[op.name]] for op in producers)
+            cost["recompute"] = sum(ms[graph.op_index[op.name]] for op in producers)
         last_write = max(st.index for st in steps[:nf] if s in st.writes)
         tensors.append(memplan.Tensor(s, b, rows, cost, sources, copy_row=last_write))
     kernels = []

@@ -159,7 +159,7 @@ def expand(graph: TrainingGraph, actions: Mapping[str, str] | None = None) -> tu
                     rebuild(src)
         rebuilt.add(storage)
         for op in producers:
-            fwd = steps[_op_index(graph)[op.name]]
+            fwd = steps[graph.op_index[op.name]]
             out.append(SimStep(fwd.index, fwd.op, "recompute", fwd.reads, fwd.writes))
 
     for s in steps[nf:]:
@@ -168,14 +168,6 @@ def expand(graph: TrainingGraph, actions: Mapping[str, str] | None = None) -> tu
                 rebuild(r)
         out.append(SimStep(s.index, s.op, "bwd", s.reads, s.writes))
     return tuple(out)
-
-
-def _op_index(graph: TrainingGraph) -> dict[str, int]:
-    cache = graph.__dict__.get("_sim_op_index")
-    if cache is None:
-        cache = {op.name: i for i, op in enumerate(graph.ops)}
-        graph.__dict__["_sim_op_index"] = cache
-    return cache
 
 
 def network_wide_bytes(graph: TrainingGraph, workspace: int = 0) -> int:
