@@ -137,3 +137,34 @@ def test_fx_graph_plans_like_a_zoo_graph():
     assert g.op("_1").inplace is False  # nn.ReLU() without inplace writes new memory
     plan = make_plan(g, "k40", 2**30, "vdnn-all")
     assert {t.name for t in plan.tensors} == set(g.storages)
+
+
+def test_fx_functional_calls_fork_and_join():
+    torch = pytest.importorskip("torch")
+    from torch import nn
+    from torch.nn import functional as F
+
+    from ucudnn.memory import make_plan
+
+    class Fork(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Conv2d(3, 8, 1)
+            self.b = nn.Conv2d(3, 8, 3, padding=1)
+            self.fc = nn.Linear(16 * 8 * 8, 10)
+
+        def forward(self, x):
+            y = torch.cat([F.relu(self.a(x)), F.relu(self.b(x), inplace=True)], 1)
+            y = F.max_pool2d(y, 2)
+            return self.fc(y.view(y.size(0), -1))
+
+    g = trace(Fork(), torch.randn(2, 3, 16, 16))
+    types = {op.name: (op.type, op.inplace) for op in g.ops}
+    assert types["relu"] == ("relu", False) and types["relu_1"] == ("relu", True)
+    assert types["cat"] == ("concat", False) and types["max_pool2d"] == ("pool", False)
+    assert g.op("cat").inputs == ("relu", "relu_1") and g.storage_of("relu_1") == "b"
+    assert g.storage_of("view") == "max_pool2d"
+    plan = make_plan(g, "k40", 2**30, "vdnn-all")
+    actions = {t.name: t.action for t in plan.tensors}
+    assert actions["a"] == "release"  # the conv output feeds a ReLU that saves its own output
+    assert actions["relu"] == "offload"

@@ -97,7 +97,10 @@ def to_plan(graph: TrainingGraph, device: DeviceProfile, memory_limit: int, poli
     """The `MemoryPlan` of one simulated decision: `actions` per storage (keep where absent) and each
     conv kernel's workspace in bytes (what `result`'s costs used)."""
     base = base or baseline(graph, device)
-    tensors = tuple(TensorAction(s, graph.bytes_of(s), actions.get(s, "keep")) for s in graph.storages)
+    # a storage the policy left out is kept, or released when the backward pass never reads it
+    backward = {r for st in graph.steps if st.phase == "bwd" for r in st.reads}
+    tensors = tuple(TensorAction(s, graph.bytes_of(s), actions.get(s, "keep" if s in backward else "release"))
+                    for s in graph.storages)
     conv_ws = tuple(ConvWorkspace(layer, kind, int(b)) for (layer, kind), b in workspace.items())
     return MemoryPlan(network=graph.network, batch=graph.batch, device=device.name, devices=devices,
                       memory_limit=memory_limit, policy=policy, fits=result.fits and result.peak_bytes <= memory_limit,
