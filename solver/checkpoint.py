@@ -144,8 +144,9 @@ def optimal(sizes: Sequence[int], costs: Sequence[float] | None = None, *,
 
     For a fixed bound M on a segment's dropped bytes, the cheapest kept set is a shortest path over
     the stages, g(j) = s_j + min{g(i) : i < j, sum_{i<l<j} s_l <= M}, solved with a sliding-window
-    minimum in O(n); peak(K) = g(n-1) + M. Only M equal to some run of consecutive sizes matters,
-    so trying each of those (O(n^2) of them) gives the exact optimum in O(n^3). No library solves
+    minimum in O(n); peak(K) = g(n-1) + M. Only M equal to the dropped bytes between two candidate
+    stages matters, so trying each of those (O(c^2) for c candidates) gives the exact optimum in
+    O(c^2 n). No library solves
     this small min-max path directly; a MILP would need the same n^2 bounds as constraints.
     """
     s = _check_sizes(sizes)
@@ -162,7 +163,9 @@ def optimal(sizes: Sequence[int], costs: Sequence[float] | None = None, *,
 
     # Keeping stage j adds s_j bytes and saves its recompute cost f_j: both objectives are additive
     # over the kept stages, so the pair (bytes, -saved cost) is minimised lexicographically.
-    bounds = sorted({dropped(i, j) for j in range(n) for i in range(-1, j)})
+    # the largest segment always lies between two kept stages, so only those gaps are candidate bounds
+    ends = sorted(allowed)
+    bounds = sorted({dropped(i, j) for j in ends for i in [-1, *ends] if i < j})
     best: Segmentation | None = None
     for bound in bounds:
         g: dict[int, tuple[int, float]] = {-1: (0, 0.0)}  # -1: the chain start, kept for free

@@ -102,3 +102,19 @@ def test_bad_checkpoint_and_costs():
         checkpoint.evaluate([1, 2], [], costs=[1.0])
     with pytest.raises(InvalidInput, match="budget"):
         checkpoint.greedy([1, 2], -1)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_optimal_with_candidates_matches_brute_force(seed):
+    rng = random.Random(100 + seed)
+    n = rng.randint(2, 10)
+    sizes = [rng.randint(0, 30) for _ in range(n)]
+    costs = [rng.uniform(0, 3) for _ in range(n)]
+    candidates = sorted(rng.sample(range(n - 1), rng.randint(0, n - 1)))
+    exact = checkpoint.optimal(sizes, costs, candidates=candidates)
+    best = min((checkpoint.evaluate(sizes, kept, costs)
+                for r in range(len(candidates) + 1) for kept in itertools.combinations(candidates, r)),
+               key=lambda p: (p.peak_bytes, p.recompute_cost))
+    assert set(exact.checkpoints) <= {*candidates, n - 1}
+    assert exact.peak_bytes == best.peak_bytes
+    assert exact.recompute_cost == pytest.approx(best.recompute_cost)
