@@ -1,8 +1,14 @@
 """Memory planning: where each feature map lives during a training step, and what workspace each conv gets.
 
-`plan` holds the plan format shared by the planner and the PyTorch executor (`ucudnn.torch.memory`).
+- `graph`: the training graph (`from_network(name, batch)` for the zoo, `trace(model, example_input)`
+  for a PyTorch model through torch.fx).
+- `timing`: each step's time and workspace (measured conv configurations, else a roofline).
+- `simulate`: the event simulator every policy goes through (its docstring says how a policy drives it).
+- `planner`: `make_plan(graph, device, memory_limit, policy, *, devices=1, db=None) -> MemoryPlan`.
+- `plan`: the plan format shared by the planner and the PyTorch executor (`ucudnn.torch.memory`).
 """
 
 from ucudnn.memory.plan import ACTIONS, ConvWorkspace, MemoryPlan, TensorAction
+from ucudnn.memory.planner import POLICIES, available_policies, make_plan
 
-__all__ = ["ACTIONS", "ConvWorkspace", "MemoryPlan", "TensorAction"]
+__all__ = ["ACTIONS", "POLICIES", "ConvWorkspace", "MemoryPlan", "TensorAction", "available_policies", "make_plan"]

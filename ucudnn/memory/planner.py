@@ -1,0 +1,105 @@
+"""The policies by name, and what every policy shares: the baseline and turning a simulation into a plan.
+
+`make_plan(graph, device, memory_limit, policy, *, devices=1, db=None)` runs one policy. Each policy
+is a module with a function ``plan(graph, device, memory_limit, *, devices=1, db=None, **options)``
+returning a `MemoryPlan`; `POLICIES` maps a policy's name to its module, function and options.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from ucudnn.devices import DeviceProfile, load_profile
+from ucudnn.errors import InvalidInput
+from ucudnn.memory.graph import TrainingGraph
+from ucudnn.memory.plan import ConvWorkspace, MemoryPlan, TensorAction
+from ucudnn.memory.simulate import SimResult, StepCost, network_wide_bytes, simulate
+
+__all__ = ["POLICIES", "Baseline", "available_policies", "baseline", "make_plan", "to_plan"]
+
+# name -> (module, function, keyword options)
+POLICIES: dict[str, tuple[str, str, dict]] = {
+    "vdnn-all": ("ucudnn.memory.vdnn", "plan", {"mode": "all"}),
+    "vdnn-conv": ("ucudnn.memory.vdnn", "plan", {"mode": "conv"}),
+    "vdnn-dyn": ("ucudnn.memory.vdnn", "plan", {"mode": "dyn"}),
+    "swap-multi": ("ucudnn.memory.swap_multi", "plan", {}),
+    "dymem": ("ucudnn.memory.dymem", "plan", {}),
+    "checkpoint": ("ucudnn.memory.checkpoint", "plan", {}),
+    "optimal": ("ucudnn.memory.optimal", "plan", {}),
+}
+
+
+def _policy_function(name: str):
+    module_name, function, options = POLICIES[name]
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name == module_name:
+            return None
+        raise
+    fn = getattr(module, function, None)
+    return (fn, options) if fn is not None else None
+
+
+def available_policies() -> list[str]:
+    """The policies whose modules are present, in `POLICIES` order."""
+    return [name for name in POLICIES if _policy_function(name) is not None]
+
+
+def _check_limit(memory_limit: int) -> None:
+    if isinstance(memory_limit, bool) or not isinstance(memory_limit, int) or memory_limit <= 0:
+        raise InvalidInput(f"memory_limit must be a positive number of bytes, got {memory_limit!r}")
+
+
+def make_plan(graph: TrainingGraph, device: DeviceProfile | str, memory_limit: int, policy: str, *,
+              devices: int = 1, db=None) -> MemoryPlan:
+    """The plan `policy` makes for `graph` on `devices` copies of `device` within `memory_limit` bytes each.
+
+    Policies: vdnn-all, vdnn-conv, vdnn-dyn, swap-multi, dymem, checkpoint, optimal; an unknown or
+    unavailable one raises `InvalidInput` naming those available. The plan's `fits` says whether the
+    simulated memory stayed within the limit.
+    """
+    profile = device if isinstance(device, DeviceProfile) else load_profile(device)
+    _check_limit(memory_limit)
+    if not isinstance(devices, int) or isinstance(devices, bool) or devices < 1:
+        raise InvalidInput(f"devices must be a positive integer, got {devices!r}")
+    found = _policy_function(policy) if policy in POLICIES else None
+    if found is None:
+        raise InvalidInput(f"unknown or unavailable policy {policy!r}; available: {', '.join(available_policies())}")
+    fn, options = found
+    return fn(graph, profile, memory_limit, devices=devices, db=db, **options)
+
+
+@dataclass(frozen=True, slots=True)
+class Baseline:
+    """Everything resident, the fastest algorithms, unlimited memory."""
+
+    peak_bytes: int               # network-wide allocation, as vDNN's baseline
+    step_ms: float
+    costs: tuple[StepCost, ...]
+
+
+def baseline(graph: TrainingGraph, device: DeviceProfile) -> Baseline:
+    from ucudnn.memory.timing import step_costs
+
+    costs = step_costs(graph, device)
+    result = simulate(graph, device, costs, timeline=False)
+    return Baseline(network_wide_bytes(graph, max(c.workspace for c in costs)), result.step_ms, costs)
+
+
+def to_plan(graph: TrainingGraph, device: DeviceProfile, memory_limit: int, policy: str,
+            actions: Mapping[str, str], workspace: Mapping[tuple[str, str], int], result: SimResult, *,
+            devices: int = 1, base: Baseline | None = None) -> MemoryPlan:
+    """The `MemoryPlan` of one simulated decision: `actions` per storage (keep where absent) and each
+    conv kernel's workspace in bytes (what `result`'s costs used)."""
+    base = base or baseline(graph, device)
+    tensors = tuple(TensorAction(s, graph.bytes_of(s), actions.get(s, "keep")) for s in graph.storages)
+    conv_ws = tuple(ConvWorkspace(layer, kind, int(b)) for (layer, kind), b in workspace.items())
+    return MemoryPlan(network=graph.network, batch=graph.batch, device=device.name, devices=devices,
+                      memory_limit=memory_limit, policy=policy, fits=result.fits and result.peak_bytes <= memory_limit,
+                      peak_bytes=result.peak_bytes, average_bytes=result.average_bytes,
+                      baseline_peak_bytes=base.peak_bytes, step_ms=result.step_ms, baseline_step_ms=base.step_ms,
+                      stall_ms=result.stall_ms, bytes_offloaded=result.bytes_offloaded, tensors=tensors,
+                      conv_workspace=conv_ws)

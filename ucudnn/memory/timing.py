@@ -1,0 +1,163 @@
+"""Operation times for the simulator: measured conv configurations where the device has them, else a roofline.
+
+A conv kernel (``fwd``, ``bwd_data``, ``bwd_filter``) has a front of options, time against workspace
+(`KernelOption`, ascending workspace and strictly descending time), as the WD solver sees it:
+
+- **measured** (``source="measured"``): the device has measurements of the kernel's problem (the
+  H100's are shipped in ``ucudnn/memory/data/h100_convs.json``, or a measurement cache given as
+  `db`); the front is `ucudnn.solver.pareto.front` over the measured micro-batch sizes, so a batch
+  larger than any measured one runs as micro-batches.
+- **scaled** (``source="scaled"``): another device, a problem the H100 measured. The H100's front
+  keeps its workspaces and its times are multiplied by the ratio of the two devices' roofline
+  estimates of the kernel: the trade between algorithms and workspace is the H100's, the speed is the
+  device's. An estimate, and named as one.
+- **roofline** (``source="roofline"``): one option, `DeviceProfile.roofline_ms` at no workspace.
+
+Other operations take `roofline_ms` of their arithmetic and memory traffic; a backward step counts
+twice the forward's. `step_costs` turns a choice of workspace per kernel into each graph step's time
+and workspace (`ucudnn.memory.simulate.StepCost`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import lru_cache
+from importlib import resources
+
+from ucudnn.devices import PROFILES, DeviceProfile
+from ucudnn.errors import InvalidInput
+from ucudnn.memory.graph import TrainingGraph
+from ucudnn.memory.simulate import StepCost
+from ucudnn.problem import ConvProblem
+from ucudnn.solver.types import Infeasible, MicroConfig
+
+__all__ = ["KernelOption", "conv_fronts", "fastest", "measured_devices", "step_costs"]
+
+_DATA_FILES = {"h100": "h100_convs.json"}
+
+
+@dataclass(frozen=True, slots=True)
+class KernelOption:
+    """One configuration of one conv kernel: its time and workspace, and what it runs."""
+
+    time_ms: float
+    workspace: int
+    config: str = ""              # `Configuration.describe()` where measured
+    source: str = "roofline"      # measured, scaled or roofline
+
+
+@lru_cache(maxsize=None)
+def _shipped(device: str) -> dict[tuple[str, str], dict[int, tuple[MicroConfig, ...]]]:
+    """The measurements shipped for `device`: (problem key without kind, kind) -> batch -> micro-configs."""
+    name = _DATA_FILES.get(device)
+    if name is None:
+        return {}
+    data = json.loads(resources.files("ucudnn.memory").joinpath("data", name).read_text(encoding="utf-8"))
+    out: dict[tuple[str, str], dict[int, tuple[MicroConfig, ...]]] = {}
+    for entry in data["problems"]:
+        bench: dict[int, tuple[MicroConfig, ...]] = {}
+        for batch, options in entry["batches"].items():
+            bench[int(batch)] = tuple(MicroConfig(algo, int(batch), float(t), int(w)) for algo, t, w in options)
+        out[(entry["key"], entry["kind"])] = bench
+    return out
+
+
+def measured_devices() -> list[str]:
+    """Devices whose conv measurements ship with ucudnn."""
+    return list(_DATA_FILES)
+
+
+def _problem_key(problem: ConvProblem) -> str:
+    """The problem's key without its kind: one shape's three kernels share it."""
+    return problem.with_kind("fwd").key.split(",", 1)[1]
+
+
+@lru_cache(maxsize=4096)
+def _measured_front(device: str, key: str, kind: str, batch: int) -> tuple[KernelOption, ...]:
+    from ucudnn.solver.pareto import front
+
+    bench = _shipped(device).get((key, kind))
+    if not bench:
+        return ()
+    try:
+        configs = front(bench, batch, None)
+    except Infeasible:
+        return ()
+    return tuple(KernelOption(c.time, c.workspace, c.describe(), "measured") for c in configs)
+
+
+def _db_front(db, device_model: str, problem: ConvProblem) -> tuple[KernelOption, ...]:
+    """A front from a measurement cache (`ucudnn.db.Cache`) holding this device's measurements."""
+    raise NotImplementedError  # filled in with the cache reader
+
+
+def _roofline(device: DeviceProfile, problem: ConvProblem) -> float:
+    traffic = 4 * (problem.n * problem.c * problem.h * problem.w + problem.n * problem.k * problem.out_h
+                   * problem.out_w + problem.k * (problem.c // problem.groups) * problem.r * problem.s)
+    return device.roofline_ms(problem.flops, traffic)
+
+
+def kernel_front(device: DeviceProfile, problem: ConvProblem) -> tuple[KernelOption, ...]:
+    """The options of one conv kernel (`problem.kind`) on `device`; see the module docstring."""
+    key = _problem_key(problem)
+    if device.name in _DATA_FILES and PROFILES.get(device.name) == device:
+        measured = _measured_front(device.name, key, problem.kind, problem.n)
+        if measured:
+            return measured
+    for ref in _DATA_FILES:
+        shape = _measured_front(ref, key, problem.kind, problem.n)
+        if shape:
+            scale = _roofline(device, problem) / _roofline(PROFILES[ref], problem)
+            return tuple(KernelOption(o.time_ms * scale, o.workspace, o.config, "scaled") for o in shape)
+    return (KernelOption(_roofline(device, problem), 0, "", "roofline"),)
+
+
+def conv_fronts(graph: TrainingGraph, device: DeviceProfile) -> dict[tuple[str, str], tuple[KernelOption, ...]]:
+    """Every conv kernel of `graph` that a step runs: (layer, kind) -> its options."""
+    out: dict[tuple[str, str], tuple[KernelOption, ...]] = {}
+    for step in graph.steps:
+        if step.kernels:
+            problem = graph.op(step.op).conv
+            assert problem is not None
+            for kind in step.kernels:
+                out[(step.op, kind)] = kernel_front(device, problem.with_kind(kind))
+    return out
+
+
+def fastest(options: tuple[KernelOption, ...], budget: int | None = None) -> KernelOption:
+    """The fastest option within `budget` bytes of workspace (the smallest one when none fits)."""
+    best = options[0]
+    for o in options:
+        if budget is None or o.workspace <= budget:
+            best = o if o.time_ms < best.time_ms else best
+    return best
+
+
+def step_costs(graph: TrainingGraph, device: DeviceProfile, *,
+               workspace: Mapping[tuple[str, str], int] | int | None = None,
+               fronts: Mapping[tuple[str, str], tuple[KernelOption, ...]] | None = None) -> tuple[StepCost, ...]:
+    """Each step's time and workspace when conv kernel (layer, kind) may use `workspace[(layer, kind)]`
+    bytes (one number: every kernel; None: unlimited, the fastest option)."""
+    if fronts is None:
+        fronts = conv_fronts(graph, device)
+    if isinstance(workspace, int) and not isinstance(workspace, bool) and workspace < 0:
+        raise InvalidInput(f"workspace must be non-negative, got {workspace}")
+    costs: list[StepCost] = []
+    for step in graph.steps:
+        op = graph.op(step.op)
+        if step.kernels:
+            ms, ws = 0.0, 0
+            for kind in step.kernels:
+                budget = workspace.get((step.op, kind)) if isinstance(workspace, Mapping) else workspace
+                o = fastest(fronts[(step.op, kind)], budget)
+                ms += o.time_ms
+                ws = max(ws, o.workspace)
+            costs.append(StepCost(ms, ws))
+        elif op.type == "input":
+            costs.append(StepCost(0.0))
+        else:
+            factor = 1 if step.phase == "fwd" else 2
+            costs.append(StepCost(device.roofline_ms(factor * op.flops, factor * op.bytes_moved)))
+    return tuple(costs)
