@@ -33,3 +33,27 @@ def assert_within_limit(result, limit):
         for device in result.devices:
             assert max(b for _, b in device.memory) <= limit
             assert device.peak_bytes <= limit
+
+
+def assert_prefetched_before_use(graph, actions, result, device=0):
+    """Every offloaded storage the backward pass reads is copied out, then back, before that read."""
+    compute = {}
+    copies = {}
+    for i in result.timeline:
+        if i.device != device:
+            continue
+        if i.stream == "compute":
+            compute.setdefault(i.label, i)
+        elif i.stream in ("d2h", "h2d"):
+            copies.setdefault((i.stream, i.label), i)
+    nf = graph.forward_steps
+    for s, action in actions.items():
+        if action != "offload":
+            continue
+        readers = [st for st in graph.steps[nf:] if s in st.reads]
+        if not readers:
+            continue
+        use = compute[f"bwd {readers[0].op}"]
+        out, back = copies[("d2h", s)], copies[("h2d", s)]
+        assert out.end_ms <= back.start_ms + 1e-9, f"{s!r} copied back before its copy out ended"
+        assert back.end_ms <= use.start_ms + 1e-9, f"{s!r} read at {use.start_ms} before its prefetch ended"

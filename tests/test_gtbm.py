@@ -109,3 +109,11 @@ def test_bad_traces():
         Alloc("x", 1, "pinned")
     with pytest.raises(InvalidInput, match="bytes"):
         Alloc("x", 0)
+
+
+def test_gtbm_temporary_takes_the_smallest_fitting_hole_at_its_high_end():
+    pool = GTBMPool(1000)
+    replay([Alloc("a", 100), Alloc("b", 200), Alloc("c", 100), Alloc("d", 300), Free("b")], pool)
+    assert pool.main.holes == [(100, 300), (700, 1000)]
+    # holes of 200 and 300: a temporary of 150 goes to the 200 one, at its top
+    assert pool.place(Alloc("t", 150, "temporary")) == ("main", 150)

@@ -11,9 +11,10 @@ buddy sizes 2^i generalised to any hole size):
 
 - `BestFitPool`: CNMeM's default (vDNN, SuperNeurons): the smallest hole that fits, low end first.
 - `GTBMPool`: Group Tensors By Mobility. *Movable* tensors (one consumer, used at once) are placed
-  best-fit from the low end; *temporary* tensors (forks, tensors waiting for a join) from the high
-  end of the main space, so they are freed roughly in the reverse order of allocation and leave
-  no holes among the movable ones; *reclaimed* tensors (FC, softmax, loss: small, long-lived) go
+  best-fit from the low end; *temporary* tensors (forks, tensors waiting for a join) best-fit from
+  the high end of a hole, so they are freed roughly in the reverse order of allocation and leave
+  no holes among the movable ones; *reclaimed* tensors (FC, softmax, loss outputs, and maps kept
+  resident instead of offloaded: the paper's "layers not selected for offloading") go
   to the incremental space, exact-size allocations outside the pool (cudaMalloc).
 
 Hand-written: no library models an address-ordered free list with the paper's placement rules.
@@ -108,13 +109,6 @@ class _Arena:
                 best = (hole, i)
         return None if best is None else best[1]
 
-    def highest_fit(self, size: int) -> int | None:
-        for i in range(len(self.holes) - 1, -1, -1):
-            start, end = self.holes[i]
-            if end - start >= size:
-                return i
-        return None
-
 
 class BestFitPool:
     """CNMeM's best-fit placement over one arena of `capacity` bytes."""
@@ -144,8 +138,10 @@ class GTBMPool:
     def place(self, request: Alloc) -> tuple[str, int] | None:
         if request.mobility == "reclaimed":
             return ("incremental", 0)
-        if request.mobility == "temporary":   # cnmemHighMalloc: from the high-end available address
-            i = self.main.highest_fit(request.bytes)
+        if request.mobility == "temporary":
+            # cnmemHighMalloc: CNMeM's best-fit search, the block carved from its high end. (The other
+            # reading, the highest hole that fits, fragments DenseNet's growing concatenations more.)
+            i = self.main.best_fit(request.bytes, high=True)
             return None if i is None else ("main", self.main.take(i, request.bytes, high=True))
         i = self.main.best_fit(request.bytes)
         return None if i is None else ("main", self.main.take(i, request.bytes, high=False))
