@@ -3,7 +3,7 @@
 import pytest
 
 from ucudnn.errors import InvalidInput
-from ucudnn.memory.dymem_order import dfs_order, mobility, prefetch_starts
+from ucudnn.memory.dymem_order import dfs_order, prefetch_starts
 
 # After the paper's Figure 10 (Inception-A): l0 forks into four branches of 1, 1, 2 and 3
 # operations that join at l9, then a fully connected layer.
@@ -44,20 +44,6 @@ def test_dfs_rejects_cycles_and_unknown_names():
         dfs_order({"a": ["b"], "b": ["a"]})
     with pytest.raises(InvalidInput, match="not an operation"):
         dfs_order({"a": ["zz"]})
-
-
-def test_mobility_follows_algorithm_3():
-    order = dfs_order(INCEPTION)
-    kinds = {"fc": "linear"}
-    classes = mobility(order, INCEPTION, kinds)
-    assert classes["l0"] == "temporary"           # a fork: four readers
-    assert classes["l1"] == "temporary"           # read by the join, which is not next
-    assert classes["l2"] == "temporary"
-    assert classes["l3"] == "movable"             # l5 runs right after
-    assert classes["l4"] == "movable" and classes["l6"] == "movable"
-    assert classes["l7"] == "movable"             # the join runs right after the last branch
-    assert classes["l9"] == "movable"
-    assert classes["fc"] == "reclaimed"
 
 
 def test_prefetch_looks_ahead_two_convolutions():

@@ -1,13 +1,10 @@
 """Dymem's graph analysis for fork/join networks (Yang & Cheng 2020, 3.1-3.3), on plain graphs.
 
-Three pieces, each a function of operation names, their successors and their kinds:
+Two pieces, each a function of operation names, their successors and their kinds:
 
 - `dfs_order` (Algorithm 1): the execution order. At a fork, each branch is followed depth-first
   until it reaches the join; the join runs once its last branch arrives. A branch's short-lived
   maps are then freed one after another instead of all branches' maps living at once.
-- `mobility` (Algorithm 3): each forward output's class for the GTBM pool: *reclaimed* for fully
-  connected, softmax/loss and dropout outputs; *temporary* when more than one operation reads it
-  (a fork) or its reader is not the next operation (it waits for a join); else *movable*.
 - `prefetch_starts` (Algorithm 2): in the backward pass, at each step Dymem starts the prefetch of
   the offloaded maps that the coming steps need, looking ahead until it has passed at most two
   convolutions (prefetching conv inputs earlier wastes memory; other layers are cheap, so their
@@ -20,9 +17,10 @@ from collections.abc import Mapping, Sequence
 
 from ucudnn.errors import InvalidInput
 
-__all__ = ["RECLAIMED_KINDS", "dfs_order", "mobility", "prefetch_starts"]
+__all__ = ["CONV_LOOKAHEAD", "RECLAIMED_KINDS", "dfs_order", "prefetch_starts"]
 
-# Algorithm 3, line 2: FC, Softmax and Dropout outputs are small and live long.
+# Algorithm 3, line 2: FC, Softmax and Dropout outputs are small and live long (the GTBM trace
+# in `ucudnn.memory.dymem` classifies the rest by lifetime).
 RECLAIMED_KINDS = frozenset({"linear", "fc", "softmax", "loss", "dropout"})
 # Algorithm 2, line 7: "no more than two Convolution layers" prefetched ahead.
 CONV_LOOKAHEAD = 2
@@ -57,21 +55,6 @@ def dfs_order(successors: Mapping[str, Sequence[str]]) -> list[str]:
         cyclic = sorted(op for op in successors if remaining[op] > 0)
         raise InvalidInput(f"the graph has a cycle through {', '.join(cyclic[:5])}")
     return order
-
-
-def mobility(order: Sequence[str], successors: Mapping[str, Sequence[str]], kinds: Mapping[str, str]) -> dict[str, str]:
-    """Algorithm 3: each operation's output class (movable, temporary or reclaimed) in `order`."""
-    position = {op: k for k, op in enumerate(order)}
-    classes = {}
-    for op in order:
-        readers = successors.get(op, ())
-        if kinds.get(op, "") in RECLAIMED_KINDS:
-            classes[op] = "reclaimed"
-        elif len(readers) > 1 or not readers or position[readers[0]] != position[op] + 1:
-            classes[op] = "temporary"
-        else:
-            classes[op] = "movable"
-    return classes
 
 
 def prefetch_starts(steps: Sequence[tuple[str, Sequence[str]]], offloaded: set[str], *,
