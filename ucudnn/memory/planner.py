@@ -17,7 +17,7 @@ from ucudnn.memory.graph import TrainingGraph
 from ucudnn.memory.plan import ConvWorkspace, MemoryPlan, TensorAction
 from ucudnn.memory.simulate import SimResult, StepCost, network_wide_bytes, simulate
 
-__all__ = ["POLICIES", "Baseline", "available_policies", "baseline", "make_plan", "to_plan"]
+__all__ = ["POLICIES", "Baseline", "available_policies", "baseline", "make_plan", "smallest_fitting_limit", "to_plan"]
 
 # name -> (module, function, keyword options)
 POLICIES: dict[str, tuple[str, str, dict]] = {
@@ -102,4 +102,24 @@ def to_plan(graph: TrainingGraph, device: DeviceProfile, memory_limit: int, poli
                       peak_bytes=result.peak_bytes, average_bytes=result.average_bytes,
                       baseline_peak_bytes=base.peak_bytes, step_ms=result.step_ms, baseline_step_ms=base.step_ms,
                       stall_ms=result.stall_ms, bytes_offloaded=result.bytes_offloaded, tensors=tensors,
-                      conv_workspace=conv_ws)
+                      conv_workspace=conv_ws, simulation=result)
+
+
+def smallest_fitting_limit(graph: TrainingGraph, device: DeviceProfile, policy: str, *, devices: int = 1,
+                           above: int = 0) -> int:
+    """The smallest memory limit at which `policy`'s plan fits, to within 1/256 of it (at least 1 MiB).
+
+    Bisection between `above` (known not to fit) and the peak of the policy's plan without a limit
+    (which fits at its own peak), assuming a larger limit never makes a plan stop fitting.
+    """
+    hi = make_plan(graph, device, 2**62, policy, devices=devices).peak_bytes
+    while not make_plan(graph, device, hi, policy, devices=devices).fits:
+        hi *= 2  # a policy's own unconstrained peak may still block on copies: give it room
+    lo = min(above, hi)
+    while hi - lo > max(2**20, hi // 256):
+        mid = (lo + hi) // 2
+        if make_plan(graph, device, mid, policy, devices=devices).fits:
+            hi = mid
+        else:
+            lo = mid
+    return hi

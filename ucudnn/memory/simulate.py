@@ -325,6 +325,7 @@ class _Device:
         self.trigger_pos = 0                      # next prefetch (plan.prefetches) to issue
         self.bytes_offloaded = 0
         self.bytes_prefetched = 0
+        self.done_at = 0.0
 
     def set_used(self, t: float, delta: int) -> None:
         self.used += delta
@@ -433,6 +434,7 @@ def simulate(graph: TrainingGraph, device: DeviceProfile, costs: Sequence[StepCo
         dv.running = None
         dv.next = k + 1
         dv.idle_since = t
+        dv.done_at = t
 
     def try_start_copies(dv: _Device, force: bool = False) -> bool:
         started = False
@@ -443,7 +445,12 @@ def simulate(graph: TrainingGraph, device: DeviceProfile, costs: Sequence[StepCo
         if dv.h2d is None and dv.h2d_queue:
             name = dv.h2d_queue[0]
             b = dv.p.nbytes[name]
-            if name in dv.offloaded and (dv.fits(b) or force):
+            # a prefetch leaves room for the next step's own allocations unless that step waits for it
+            k = dv.next
+            reserve = 0
+            if dv.running is None and k < len(dv.p.sched) and name not in dv.p.waits_for.get(k, ()):
+                reserve = dv.step_needs(k)
+            if name in dv.offloaded and (dv.fits(b + reserve) or force):
                 dv.h2d_queue.pop(0)
                 dv.resident[name] = b
                 dv.set_used(t, b)
@@ -486,9 +493,9 @@ def simulate(graph: TrainingGraph, device: DeviceProfile, costs: Sequence[StepCo
         progress = True
         while progress:
             progress = False
-            for dv in devs:
-                progress |= try_start_copies(dv)
+            for dv in devs:  # the compute stream allocates first: a prefetch must not starve it
                 progress |= try_start_compute(dv)
+                progress |= try_start_copies(dv)
         if all(dv.next >= len(dv.p.sched) and dv.running is None and dv.d2h is None and dv.h2d is None
                and not dv.d2h_queue for dv in devs):
             break
@@ -523,12 +530,12 @@ def simulate(graph: TrainingGraph, device: DeviceProfile, costs: Sequence[StepCo
 
     results = []
     for dv in devs:
-        step_ms = max(t, _EPS_MS)
+        end = max(dv.done_at, mem_end := dv.memory[-1][0])
         mem = dv.memory
         area = sum((mem[i + 1][0] - mem[i][0]) * mem[i][1] for i in range(len(mem) - 1))
-        area += (t - mem[-1][0]) * mem[-1][1]
-        average = int(area / step_ms) if t > 0 else dv.used
-        results.append(DeviceResult(dv.peak, average, t, dv.stall, dv.bytes_offloaded, dv.bytes_prefetched,
+        area += (end - mem_end) * mem[-1][1]
+        average = int(area / end) if end > 0 else dv.used
+        results.append(DeviceResult(dv.peak, average, end, dv.stall, dv.bytes_offloaded, dv.bytes_prefetched,
                                     dv.recompute_ms, dv.overflow, tuple(mem)))
     return SimResult(
         peak_bytes=max(r.peak_bytes for r in results),

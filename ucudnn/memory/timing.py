@@ -88,11 +88,6 @@ def _measured_front(device: str, key: str, kind: str, batch: int) -> tuple[Kerne
     return tuple(KernelOption(c.time, c.workspace, c.describe(), "measured") for c in configs)
 
 
-def _db_front(db, device_model: str, problem: ConvProblem) -> tuple[KernelOption, ...]:
-    """A front from a measurement cache (`ucudnn.db.Cache`) holding this device's measurements."""
-    raise NotImplementedError  # filled in with the cache reader
-
-
 def _roofline(device: DeviceProfile, problem: ConvProblem) -> float:
     traffic = 4 * (problem.n * problem.c * problem.h * problem.w + problem.n * problem.k * problem.out_h
                    * problem.out_w + problem.k * (problem.c // problem.groups) * problem.r * problem.s)
