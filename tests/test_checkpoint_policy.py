@@ -16,10 +16,10 @@ from memory_checks import assert_resident_when_used, assert_within_limit
 def test_articulation_storages_of_a_residual_network():
     graph = from_network("resnet18", 2)
     cuts = checkpoint.articulation_storages(graph)
-    # the output of every residual block (its add and ReLU write in place into bn2's storage)
+    # the output of every residual block (its ReLU writes in place into the addition's storage)
     for stage, count in ((1, 2), (2, 2), (3, 2), (4, 2)):
         for i in range(count):
-            assert f"layer{stage}.{i}.bn2" in cuts
+            assert f"layer{stage}.{i}.add" in cuts
     # a block's inner maps are not cuts: the shortcut carries the block input across them
     assert "layer1.0.bn1" not in cuts and "layer1.0.conv1" not in cuts
     assert "input" not in cuts
