@@ -69,13 +69,18 @@ def test_plan_fits_and_keeps_the_invariants_on_every_gpu(vgg_case):
     assert not simulate(graph, device, costs, fewer, memory_limit=limit, devices=4, devices_per_link=4).fits
 
 
-def test_staggered_swapping_stalls_less_than_swapping_at_once(vgg_case):
-    graph, device, costs, limit = vgg_case
-    plan = swap_multi.plan(graph, device, limit, devices=4, devices_per_link=4)
-    swapped = sum(1 for t in plan.tensors if t.action == "offload")
-    together = swap_multi.device_actions(graph, swapped, 4, 4, stagger=False)
-    _, at_once = swap_multi.adapt_triggers(graph, device, costs, together, limit, 4)
-    assert plan.stall_ms < at_once.stall_ms
+def test_staggering_spreads_each_layer_over_fewer_gpus():
+    graph = from_network("resnet50", 1)
+    layers = swap_multi.swappable(graph)
+    b = len(layers) // 4   # x = 4: the four GPUs of a switch swap disjoint layers
+    staggered = swap_multi.device_actions(graph, b, 4, 4)
+    at_once = swap_multi.device_actions(graph, b, 4, 4, stagger=False)
+    for s in layers:
+        assert sum(acts[s] == "offload" for acts in staggered) <= 1
+        assert sum(acts[s] == "offload" for acts in at_once) in (0, 4)
+    # a larger b (x = 2): pairs of GPUs share their layers
+    staggered = swap_multi.device_actions(graph, len(layers) // 2, 4, 4)
+    assert max(sum(acts[s] == "offload" for acts in staggered) for s in layers) == 2
 
 
 def test_adaptive_trigger_never_loses_to_vdnn_trigger(vgg_case):
