@@ -32,7 +32,7 @@ from ucudnn.memory.simulate import StepCost, simulate
 from ucudnn.memory.timing import conv_fronts, fastest, step_costs
 from ucudnn.solver import checkpoint as chain
 
-__all__ = ["SEARCHES", "actions_for", "articulation_storages", "chain_of", "plan"]
+__all__ = ["SEARCHES", "actions_for", "articulation_storages", "chain_of", "forward_ms", "plan"]
 
 SEARCHES = ("auto", "sqrt", "greedy", "optimal")
 
