@@ -93,6 +93,7 @@ class DeviceResult:
     bytes_prefetched: int
     recompute_ms: float
     overflow: bool                # an allocation went past the memory limit
+    missing: tuple[str, ...]      # "step op: tensor" for every read of a tensor not resident (a bad plan)
     memory: tuple[tuple[float, int], ...]  # (time, bytes in use) at every change
 
 
@@ -150,7 +151,8 @@ def expand(graph: TrainingGraph, actions: Mapping[str, str] | None = None) -> tu
         for op in producers:
             for i in op.inputs:
                 src = graph.storage_of(i)
-                if src != storage and acts[src] == "recompute" and src not in rebuilt:
+                # a source that is not resident (recomputed or released) is rebuilt first
+                if src != storage and acts[src] in ("recompute", "release") and src not in rebuilt:
                     rebuild(src)
         rebuilt.add(storage)
         for op in producers:
@@ -239,9 +241,7 @@ def _prepare(graph: TrainingGraph, costs: Sequence[StepCost], actions: Mapping[s
         alloc_at.setdefault(k, []).append((name, nbytes[name]))
         if action == "keep" or name.startswith("grad:"):
             free_after.setdefault(last_use[name], []).append(name)
-        elif action == "release":
-            free_after.setdefault(last_fwd_use[name], []).append(name)
-        elif action == "recompute":
+        elif action in ("release", "recompute"):
             free_after.setdefault(last_fwd_use[name], []).append(name)
             if name in rebuilt_at:
                 alloc_at.setdefault(rebuilt_at[name], []).append((name, nbytes[name]))
@@ -326,6 +326,7 @@ class _Device:
         self.bytes_offloaded = 0
         self.bytes_prefetched = 0
         self.done_at = 0.0
+        self.missing: list[str] = []
 
     def set_used(self, t: float, delta: int) -> None:
         self.used += delta
@@ -406,6 +407,9 @@ def simulate(graph: TrainingGraph, device: DeviceProfile, costs: Sequence[StepCo
                 dv.set_used(t, b)
         if p.workspace[k]:
             dv.set_used(t, p.workspace[k])
+        # the invariant every plan must keep: what a step reads is on the device when it starts
+        s = p.sched[k]
+        dv.missing += [f"{k} {s.phase} {s.op}: {name}" for name in s.reads if name not in dv.resident]
         dv.running = k
         dv.ends_at = t + p.ms[k]
         return True
@@ -536,7 +540,7 @@ def simulate(graph: TrainingGraph, device: DeviceProfile, costs: Sequence[StepCo
         area += (end - mem_end) * mem[-1][1]
         average = int(area / end) if end > 0 else dv.used
         results.append(DeviceResult(dv.peak, average, end, dv.stall, dv.bytes_offloaded, dv.bytes_prefetched,
-                                    dv.recompute_ms, dv.overflow, tuple(mem)))
+                                    dv.recompute_ms, dv.overflow, tuple(dv.missing), tuple(mem)))
     return SimResult(
         peak_bytes=max(r.peak_bytes for r in results),
         average_bytes=max(r.average_bytes for r in results),
