@@ -1,0 +1,174 @@
+"""Issue 11's targets for Chen et al.'s checkpointing, Dymem (order, prefetch, GTBM) and Kim et al.'s swapping.
+
+Every figure comes from the planner's event simulator (`ucudnn.memory.simulate`) on the zoo's
+training graphs and the built-in device profiles; none is a timing of this machine, so the figures
+are deterministic and the same on any machine.
+
+1. sqrt(n) checkpointing of ResNet-152 (H100 profile): the extra step time, in forward passes
+   (target: at most 1), and the peak against keeping everything; with Algorithm 3's budget search
+   and the exact segment search beside it.
+2. GTBM against best-fit (K40 profile): the mean unusable free space U_f over the main-space
+   requests of one step's allocation trace, both pools at the same capacity (target: GTBM's U_f
+   below best-fit's on GoogLeNet and DenseNet), and each pool's smallest size. Traces: everything
+   resident, vDNN_conv's and vDNN_all's offloads, and Dymem's own plan at 40% of the resident peak.
+3. Dymem against vDNN at 40% of the resident peak (K40): the same search, vDNN's one-layer prefetch
+   against Dymem's two-conv look-ahead.
+4. Multi-GPU swapping: 4 P100s or H100s on one PCIe switch (devices_per_link = 4), 90% and 80% of
+   the resident peak: staggered (GPU i swaps layers i % x + jx) against every GPU swapping GPU 0's
+   layers, the same count b each, with vDNN's one-layer trigger and with the measured-time trigger
+   search (target: staggered stalls less); one GPU alone for reference.
+
+    python benchmarks/bench_memory_policies.py [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import table  # noqa: E402
+
+from ucudnn.devices import load_profile  # noqa: E402
+from ucudnn.memory import checkpoint, dymem, gtbm, make_plan, swap_multi  # noqa: E402
+from ucudnn.memory.graph import from_network  # noqa: E402
+from ucudnn.memory.planner import baseline  # noqa: E402
+from ucudnn.memory.simulate import simulate  # noqa: E402
+from ucudnn.memory.timing import step_costs  # noqa: E402
+from ucudnn.memory.vdnn import actions_for  # noqa: E402
+
+GIB = 2**30
+MIB = 2**20
+
+
+def checkpointing(report: dict) -> None:
+    device = load_profile("h100")
+    rows = []
+    for batch in (32, 128):
+        graph = from_network("resnet152", batch)
+        base = baseline(graph, device)
+        forward = checkpoint.forward_ms(graph, base.costs)
+        resident = simulate(graph, device, base.costs, timeline=False).peak_bytes
+        for search in ("sqrt", "greedy", "optimal"):
+            p = checkpoint.plan(graph, device, 2**62, search=search)
+            extra = (p.step_ms - p.baseline_step_ms) / forward
+            rows.append([f"resnet152 b{batch}", search, f"{resident / GIB:.2f}", f"{p.peak_bytes / GIB:.2f}",
+                         f"{1 - p.peak_bytes / resident:.0%}", f"{p.baseline_step_ms:.1f}", f"{p.step_ms:.1f}",
+                         f"{extra:.2f}", sum(t.action == "recompute" for t in p.tensors)])
+            report.setdefault("checkpoint", []).append(
+                {"batch": batch, "search": search, "resident_peak_bytes": resident, "peak_bytes": p.peak_bytes,
+                 "baseline_step_ms": p.baseline_step_ms, "step_ms": p.step_ms, "forward_ms": forward,
+                 "extra_forward_passes": extra})
+    print("1. Checkpointing ResNet-152 on the H100 profile (target: sqrt at most 1 extra forward pass)\n")
+    print(table(["graph", "search", "resident GiB", "peak GiB", "saved", "base ms", "step ms",
+                 "extra fwd passes", "recomputed"], rows))
+
+
+def pools(report: dict) -> None:
+    device = load_profile("k40")
+    rows = []
+    for net, batch in (("googlenet", 128), ("densenet40", 64), ("resnet50", 64)):
+        graph = from_network(net, batch)
+        costs = step_costs(graph, device)
+        traces = {}
+        for mode in ("none", "conv", "all"):
+            acts = actions_for(graph, mode)
+            traces[f"vdnn-{mode}" if mode != "none" else "resident"] = (graph, acts, costs)
+        resident = simulate(graph, device, costs, timeline=False).peak_bytes
+        p = dymem.plan(graph, device, int(resident * 0.4))
+        g = dymem.dfs_graph(graph)
+        acts = {t.name: t.action for t in p.tensors}
+        ws = {(c.layer, c.kind): c.bytes for c in p.conv_workspace}
+        traces["dymem@40%"] = (g, acts, step_costs(g, device, workspace=ws))
+        for name, (g, acts, c) in traces.items():
+            trace = dymem.allocation_trace(g, acts, c, dymem.prefetch_schedule(g, acts))
+            cmp = gtbm.compare(trace)
+            rows.append([f"{net} b{batch}", name, sum(isinstance(e, gtbm.Alloc) for e in trace),
+                         f"{cmp.peak_live_bytes / MIB:.0f}", f"{cmp.best_fit_bytes / MIB:.0f}",
+                         f"{cmp.gtbm_bytes / MIB:.0f}", f"{cmp.best_fit.mean_unusable:.4f}",
+                         f"{cmp.gtbm.mean_unusable:.4f}",
+                         "GTBM" if cmp.gtbm.mean_unusable < cmp.best_fit.mean_unusable else "best-fit"])
+            report.setdefault("gtbm", []).append(
+                {"network": net, "batch": batch, "trace": name, "peak_live_bytes": cmp.peak_live_bytes,
+                 "best_fit_bytes": cmp.best_fit_bytes, "gtbm_bytes": cmp.gtbm_bytes,
+                 "best_fit_mean_uf": cmp.best_fit.mean_unusable, "gtbm_mean_uf": cmp.gtbm.mean_unusable})
+    print("\n2. GTBM against best-fit on one step's allocation trace, K40 profile (target: GTBM's U_f lower "
+          "on GoogLeNet and DenseNet)\n")
+    print(table(["graph", "trace", "requests", "live peak MiB", "best-fit pool MiB", "GTBM pool MiB",
+                 "best-fit mean U_f", "GTBM mean U_f", "lower U_f"], rows))
+
+
+def dymem_vs_vdnn(report: dict) -> None:
+    device = load_profile("k40")
+    rows = []
+    for net, batch in (("googlenet", 128), ("densenet40", 64), ("resnet50", 64), ("vgg16", 64)):
+        graph = from_network(net, batch)
+        resident = simulate(graph, device, baseline(graph, device).costs, timeline=False).peak_bytes
+        limit = int(resident * 0.4)
+        for policy in ("vdnn-dyn", "dymem"):
+            p = make_plan(graph, device, limit, policy)
+            rows.append([f"{net} b{batch}", policy, f"{limit / GIB:.2f}", "yes" if p.fits else "NO",
+                         f"{p.peak_bytes / GIB:.2f}", f"{p.step_ms:.1f}", f"{p.overhead:+.1%}", f"{p.stall_ms:.1f}"])
+            report.setdefault("dymem", []).append(
+                {"network": net, "batch": batch, "policy": policy, "limit": limit, "fits": p.fits,
+                 "step_ms": p.step_ms, "overhead": p.overhead, "stall_ms": p.stall_ms})
+    print("\n3. Dymem against vDNN_dyn at 40% of the resident peak, K40 profile\n")
+    print(table(["graph", "policy", "limit GiB", "fits", "peak GiB", "step ms", "overhead", "stall ms"], rows))
+
+
+def multi_gpu(report: dict) -> None:
+    rows = []
+    wins = {"layer": 0, "kim": 0}
+    for dev in ("p100", "h100"):
+        device = load_profile(dev)
+        for net, batch in (("vgg16", 64), ("resnet50", 64), ("googlenet", 128)):
+            graph = from_network(net, batch)
+            costs = baseline(graph, device).costs
+            resident = simulate(graph, device, costs, timeline=False).peak_bytes
+            for fraction in (0.9, 0.8):
+                limit = int(resident * fraction)
+                plan = swap_multi.plan(graph, device, limit, devices=4, devices_per_link=4)
+                b = sum(t.action == "offload" for t in plan.tensors)
+                stall = {}
+                for name, actions, n in (("staggered", swap_multi.device_actions(graph, b, 4, 4), 4),
+                                         ("at once", swap_multi.device_actions(graph, b, 4, 4, stagger=False), 4),
+                                         ("1 GPU", swap_multi.device_actions(graph, b, 1, 1), 1)):
+                    layer = simulate(graph, device, costs, actions, memory_limit=limit, devices=n,
+                                     devices_per_link=n, timeline=False)
+                    _, kim = swap_multi.adapt_triggers(graph, device, costs, actions, limit, n)
+                    stall[name] = {"layer": layer.stall_ms, "kim": kim.stall_ms, "fits": layer.fits and kim.fits}
+                for trigger in wins:
+                    wins[trigger] += stall["staggered"][trigger] < stall["at once"][trigger]
+                rows.append([dev, f"{net} b{batch}", f"{fraction:.0%}", b, "yes" if plan.fits else "NO",
+                             f"{stall['staggered']['layer']:.1f}", f"{stall['at once']['layer']:.1f}",
+                             f"{stall['staggered']['kim']:.1f}", f"{stall['at once']['kim']:.1f}",
+                             f"{stall['1 GPU']['kim']:.1f}"])
+                report.setdefault("swap_multi", []).append(
+                    {"device": dev, "network": net, "batch": batch, "limit_fraction": fraction,
+                     "swapped_per_gpu": b, "fits": plan.fits, "stall_ms": stall})
+    print("\n4. Swapping on 4 GPUs behind one PCIe switch (target: staggered stalls less than all at once);\n"
+          "   stall ms of the slowest GPU, with vDNN's one-layer trigger and with Kim et al.'s measured trigger\n")
+    print(table(["device", "graph", "limit", "swapped/GPU", "fits", "layer: staggered", "layer: at once",
+                 "Kim: staggered", "Kim: at once", "Kim: 1 GPU"], rows))
+    print(f"\nstaggered stalls less in {wins['layer']}/{len(rows)} cases with the one-layer trigger, "
+          f"{wins['kim']}/{len(rows)} with Kim's trigger")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", type=Path, help="also write the figures to this JSON file")
+    args = parser.parse_args()
+    report: dict = {}
+    checkpointing(report)
+    pools(report)
+    dymem_vs_vdnn(report)
+    multi_gpu(report)
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()

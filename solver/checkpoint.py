@@ -1,0 +1,195 @@
+"""Sublinear-memory checkpointing on a chain (Chen et al. 2016): which stage outputs to keep.
+
+The chain has stages 0..n-1; stage i's output, of `sizes[i]` bytes, is what the backward pass of the
+stages after it needs, and recomputing it costs `costs[i]` (its forward time). A checkpoint set K
+keeps the outputs of its stages for the whole step; every other output is dropped after the
+forward pass and recomputed, segment by segment, from the nearest kept output before it (Alg. 1).
+The last stage's output starts the backward pass and is always kept.
+
+The memory model is the paper's equation (1): the kept outputs, plus the largest segment rebuilt
+during the backward pass,
+
+    peak(K) = sum_{k in K} s_k + max_j sum_{i in segment j, i not in K} s_i
+
+and the extra work is one forward computation of every dropped output: sum_{i not in K} f_i, at most
+one forward pass. Three ways to choose K:
+
+- `sqrt_n(n)`: every ceil(sqrt n)-th stage (section 4.3), for stages of equal size;
+- `greedy(sizes, budget)`: Algorithm 3, with `budget_search(sizes)`, Appendix A's search over B;
+- `optimal(sizes)`: the exact minimum of peak(K), for checking how far the paper's search is.
+
+Pure NumPy-free math; no graph and no I/O.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ucudnn.errors import InvalidInput
+
+__all__ = ["Segmentation", "budget_search", "evaluate", "greedy", "optimal", "sqrt_n"]
+
+# Appendix A: "a size 6 grid on [B/sqrt 2, sqrt 2 B] can already give good memory plans".
+GRID_POINTS = 6
+
+
+@dataclass(frozen=True, slots=True)
+class Segmentation:
+    """A checkpoint set and what it costs: the peak of equation (1) and the recomputed forward work."""
+
+    checkpoints: tuple[int, ...]   # kept stage indices, ascending; always holds n - 1
+    peak_bytes: int
+    recompute_cost: float          # sum of the dropped stages' forward costs
+
+
+def _check_sizes(sizes: Sequence[int]) -> list[int]:
+    if len(sizes) == 0:
+        raise InvalidInput("sizes must name at least one stage, got an empty sequence")
+    out = []
+    for i, s in enumerate(sizes):
+        if isinstance(s, bool) or not isinstance(s, int) or s < 0:
+            raise InvalidInput(f"sizes[{i}] must be a non-negative integer number of bytes, got {s!r}")
+        out.append(s)
+    return out
+
+
+def _check_costs(costs: Sequence[float] | None, n: int) -> list[float]:
+    if costs is None:
+        return [0.0] * n
+    if len(costs) != n:
+        raise InvalidInput(f"costs must have one entry per stage ({n}), got {len(costs)}")
+    for i, c in enumerate(costs):
+        if not (isinstance(c, (int, float)) and c >= 0 and math.isfinite(c)):
+            raise InvalidInput(f"costs[{i}] must be a non-negative finite time, got {c!r}")
+    return [float(c) for c in costs]
+
+
+def evaluate(sizes: Sequence[int], checkpoints: Sequence[int], costs: Sequence[float] | None = None) -> Segmentation:
+    """peak(K) of equation (1) and the recompute cost of keeping `checkpoints` (the last stage is added)."""
+    s = _check_sizes(sizes)
+    f = _check_costs(costs, len(s))
+    n = len(s)
+    kept = set()
+    for k in checkpoints:
+        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k < n:
+            raise InvalidInput(f"checkpoint {k!r} is not a stage index in 0..{n - 1}")
+        kept.add(k)
+    kept.add(n - 1)
+    largest_segment = segment = 0
+    for i in range(n):
+        if i in kept:
+            largest_segment = max(largest_segment, segment)
+            segment = 0
+        else:
+            segment += s[i]
+    peak = sum(s[k] for k in kept) + largest_segment
+    recompute = sum(f[i] for i in range(n) if i not in kept)
+    return Segmentation(tuple(sorted(kept)), peak, recompute)
+
+
+def sqrt_n(n: int) -> tuple[int, ...]:
+    """Section 4.3: k = ceil(sqrt n) segments of equal length; keep each segment's last stage."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise InvalidInput(f"n must be a positive number of stages, got {n!r}")
+    step = math.ceil(math.sqrt(n))
+    return tuple(sorted({*range(step - 1, n, step), n - 1}))
+
+
+def greedy(sizes: Sequence[int], budget: float, candidates: Sequence[int] | None = None) -> tuple[tuple[int, ...], int, int]:
+    """Algorithm 3 (memory planning with budget B): walk the chain summing output sizes into `temp`;
+    at a candidate stage where temp exceeds B, keep that stage and start a new segment.
+
+    Returns (checkpoints, x, y): x approximates the bytes of the kept outputs, y the largest segment.
+    """
+    s = _check_sizes(sizes)
+    if not (isinstance(budget, (int, float)) and budget >= 0 and math.isfinite(budget)):
+        raise InvalidInput(f"budget must be a non-negative finite number of bytes, got {budget!r}")
+    allowed = set(range(len(s))) if candidates is None else set(candidates)
+    temp = x = y = 0
+    kept = []
+    for v, size in enumerate(s):
+        temp += size
+        if v in allowed and temp > budget:
+            x += size
+            y = max(y, temp)
+            kept.append(v)
+            temp = 0
+    if not kept or kept[-1] != len(s) - 1:
+        kept.append(len(s) - 1)
+    return tuple(kept), x, y
+
+
+def budget_search(sizes: Sequence[int], costs: Sequence[float] | None = None, *,
+                  candidates: Sequence[int] | None = None, grid_points: int = GRID_POINTS) -> Segmentation:
+    """Appendix A: run Algorithm 3 with B = 0 to get x and y, then B = sqrt(xy) and a grid of
+    `grid_points` budgets on [B / sqrt 2, sqrt 2 B]; keep the plan with the smallest exact peak
+    (ties: the smaller recompute cost)."""
+    s = _check_sizes(sizes)
+    if isinstance(grid_points, bool) or not isinstance(grid_points, int) or grid_points < 1:
+        raise InvalidInput(f"grid_points must be a positive integer, got {grid_points!r}")
+    _, x, y = greedy(s, 0, candidates)
+    b = math.sqrt(x * y)
+    lo, hi = b / math.sqrt(2), b * math.sqrt(2)
+    budgets = [0.0, b] + [lo + (hi - lo) * i / max(grid_points - 1, 1) for i in range(grid_points)]
+    plans = [evaluate(s, greedy(s, budget, candidates)[0], costs) for budget in budgets]
+    return min(plans, key=lambda p: (p.peak_bytes, p.recompute_cost))
+
+
+def optimal(sizes: Sequence[int], costs: Sequence[float] | None = None, *,
+            candidates: Sequence[int] | None = None) -> Segmentation:
+    """The checkpoint set with the smallest peak(K) (ties: the smaller recompute cost).
+
+    For a fixed bound M on a segment's dropped bytes, the cheapest kept set is a shortest path over
+    the stages, g(j) = s_j + min{g(i) : i < j, sum_{i<l<j} s_l <= M}, solved with a sliding-window
+    minimum in O(n); peak(K) = g(n-1) + M. Only M equal to the dropped bytes between two candidate
+    stages matters, so trying each of those (O(c^2) for c candidates) gives the exact optimum in
+    O(c^2 n). No library solves
+    this small min-max path directly; a MILP would need the same n^2 bounds as constraints.
+    """
+    s = _check_sizes(sizes)
+    f = _check_costs(costs, len(s))
+    n = len(s)
+    allowed = set(range(n)) if candidates is None else {c for c in candidates if 0 <= c < n}
+    allowed.add(n - 1)
+    prefix = [0]
+    for size in s:
+        prefix.append(prefix[-1] + size)
+
+    def dropped(i: int, j: int) -> int:  # bytes strictly between stages i and j (i = -1: chain start)
+        return prefix[j] - prefix[i + 1]
+
+    # Keeping stage j adds s_j bytes and saves its recompute cost f_j: both objectives are additive
+    # over the kept stages, so the pair (bytes, -saved cost) is minimised lexicographically.
+    # the largest segment always lies between two kept stages, so only those gaps are candidate bounds
+    ends = sorted(allowed)
+    bounds = sorted({dropped(i, j) for j in ends for i in [-1, *ends] if i < j})
+    best: Segmentation | None = None
+    for bound in bounds:
+        g: dict[int, tuple[int, float]] = {-1: (0, 0.0)}  # -1: the chain start, kept for free
+        parent: dict[int, int] = {}
+        window: deque[int] = deque([-1])  # kept-able predecessors by index, g increasing
+        for j in range(n):
+            while window and dropped(window[0], j) > bound:
+                window.popleft()
+            if j not in allowed or not window:
+                continue
+            i = window[0]
+            g[j] = (g[i][0] + s[j], g[i][1] - f[j])
+            parent[j] = i
+            while window and g[window[-1]] >= g[j]:
+                window.pop()
+            window.append(j)
+        if n - 1 not in g:
+            continue
+        kept, j = [], n - 1
+        while j >= 0:
+            kept.append(j)
+            j = parent[j]
+        plan = evaluate(s, kept, f)
+        if best is None or (plan.peak_bytes, plan.recompute_cost) < (best.peak_bytes, best.recompute_cost):
+            best = plan
+    assert best is not None  # the largest bound admits K = {n - 1}
+    return best

@@ -1,0 +1,138 @@
+"""Chen et al. (2016), sublinear memory: keep some feature maps, recompute the rest before backward use.
+
+The graph's storages, in forward order, form the chain of `ucudnn.solver.checkpoint`: a storage's
+size is its bytes when the backward pass reads it (0 otherwise: it is released anyway) and its
+cost is the forward time of the ops that write it. Only *articulation* storages can be checkpoints:
+those the forward pass alone carries across a cut (nothing produced before them is read after
+them), such as a residual block's output or an inception block's concatenation. Keeping one there
+splits the graph into segments that recompute from it alone (Alg. 1 on a fork/join graph).
+
+A kept storage stays resident; every other storage that the backward pass reads, or that a
+recomputed op reads, is `recompute`: the simulator rebuilds it, segment by segment, from the nearest
+kept storage before its first backward use, each op once (one extra forward pass at most). What no
+one reads after the forward pass is released.
+
+`search` picks the checkpoints: ``sqrt`` (every ceil(sqrt m)-th of the m candidates, section 4.3),
+``greedy`` (Algorithm 3 with Appendix A's budget grid), ``optimal`` (the exact minimum of equation 1)
+or ``auto`` (default): keeping everything when that fits, else the fastest of the three that fits,
+else the one with the smallest simulated peak. Convs run their fastest algorithms.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from ucudnn.devices import DeviceProfile
+from ucudnn.errors import InvalidInput
+from ucudnn.memory.graph import TrainingGraph
+from ucudnn.memory.plan import MemoryPlan
+from ucudnn.memory.planner import baseline, to_plan
+from ucudnn.memory.simulate import StepCost, simulate
+from ucudnn.memory.timing import conv_fronts, fastest, step_costs
+from ucudnn.solver import checkpoint as chain
+
+__all__ = ["SEARCHES", "actions_for", "articulation_storages", "chain_of", "forward_ms", "plan"]
+
+SEARCHES = ("auto", "sqrt", "greedy", "optimal")
+
+
+def articulation_storages(graph: TrainingGraph) -> tuple[str, ...]:
+    """Storages that alone carry the forward pass across the cut after their last forward writer."""
+    storages = graph.storages
+    order = {s: k for k, s in enumerate(storages)}
+    last_write: dict[str, int] = {}
+    last_read: dict[str, int] = {}
+    for step in graph.steps[:graph.forward_steps]:
+        for w in step.writes:
+            last_write[w] = step.index
+        for r in step.reads:
+            last_read[r] = step.index
+    out = []
+    for s in storages:
+        cut = last_write[s]
+        crossing = [t for t in storages[:order[s]] if last_read.get(t, -1) > cut]
+        if not crossing and graph.op(s).type not in ("input", "loss"):
+            out.append(s)
+    return tuple(out)
+
+
+def chain_of(graph: TrainingGraph, costs: Sequence[StepCost]) -> tuple[list[int], list[float], list[int]]:
+    """The storages as Chen's chain: (sizes, forward costs, candidate indices) in `graph.storages` order."""
+    backward = {r for s in graph.steps if s.phase == "bwd" for r in s.reads}
+    fwd_ms = {graph.steps[k].op: costs[k].ms for k in range(graph.forward_steps)}
+    storages = graph.storages
+    sizes = [graph.bytes_of(s) if s in backward else 0 for s in storages]
+    forward_costs = [sum(fwd_ms[op.name] for op in graph.producers(s)) for s in storages]
+    articulation = set(articulation_storages(graph))
+    candidates = [k for k, s in enumerate(storages) if s in articulation]
+    return sizes, forward_costs, candidates
+
+
+def actions_for(graph: TrainingGraph, kept: Sequence[str]) -> dict[str, str]:
+    """Keep `kept` and the input; recompute what backward, or a recomputed op, reads; release the rest."""
+    backward = {r for s in graph.steps if s.phase == "bwd" for r in s.reads}
+    keep = set(kept) | {op.name for op in graph.ops if op.type == "input"}
+    loss_inputs = {graph.storage_of(i) for op in graph.ops if op.type == "loss" for i in op.inputs}
+    keep |= loss_inputs  # the backward pass starts there at once
+    recompute = {s for s in graph.storages if s in backward and s not in keep}
+    # walk back from what is recomputed: the storages its producers read must be rebuilt too
+    pending = list(recompute)
+    while pending:
+        s = pending.pop()
+        for op in graph.producers(s):
+            for i in op.inputs:
+                src = graph.storage_of(i)
+                if src != s and src not in keep and src not in recompute:
+                    recompute.add(src)
+                    pending.append(src)
+    return {s: "keep" if s in keep else "recompute" if s in recompute else "release" for s in graph.storages}
+
+
+def _segmentations(sizes: list[int], forward_costs: list[float], candidates: list[int],
+                   search: str) -> dict[str, chain.Segmentation]:
+    out = {}
+    if search in ("sqrt", "auto"):
+        picks = chain.sqrt_n(len(candidates)) if candidates else ()
+        out["sqrt"] = chain.evaluate(sizes, [candidates[k] for k in picks], forward_costs)
+    if search in ("greedy", "auto"):
+        out["greedy"] = chain.budget_search(sizes, forward_costs, candidates=candidates)
+    if search in ("optimal", "auto"):
+        out["optimal"] = chain.optimal(sizes, forward_costs, candidates=candidates)
+    return out
+
+
+def plan(graph: TrainingGraph, device: DeviceProfile, memory_limit: int, *, devices: int = 1, db=None,
+         search: str = "auto") -> MemoryPlan:
+    """Chen et al.'s checkpointing plan for `graph` within `memory_limit`; see the module docstring."""
+    if search not in SEARCHES:
+        raise InvalidInput(f"checkpoint search must be one of {', '.join(SEARCHES)}, got {search!r}")
+    fronts = conv_fronts(graph, device)
+    workspace = {k: fastest(opts).workspace for k, opts in fronts.items()}
+    costs = step_costs(graph, device, workspace=workspace, fronts=fronts)
+    base = baseline(graph, device)
+    storages = graph.storages
+    sizes, forward_costs, candidates = chain_of(graph, costs)
+
+    def run(actions):
+        return simulate(graph, device, costs, actions, memory_limit=memory_limit, devices=devices)
+
+    tried = []
+    if search == "auto":
+        keep_all = actions_for(graph, storages)
+        tried.append((keep_all, run(keep_all)))
+        if tried[0][1].fits:
+            return to_plan(graph, device, memory_limit, "checkpoint", keep_all, workspace, tried[0][1],
+                           devices=devices, base=base)
+    for seg in _segmentations(sizes, forward_costs, candidates, search).values():
+        actions = actions_for(graph, [storages[k] for k in seg.checkpoints])
+        tried.append((actions, run(actions)))
+    fitting = [t for t in tried if t[1].fits]
+    actions, result = (min(fitting, key=lambda t: t[1].step_ms) if fitting
+                       else min(tried, key=lambda t: t[1].peak_bytes))
+    return to_plan(graph, device, memory_limit, "checkpoint", actions, workspace, result, devices=devices, base=base)
+
+
+def forward_ms(graph: TrainingGraph, costs: Sequence[StepCost]) -> float:
+    """One forward pass: what sqrt(n) checkpointing may add at most."""
+    return math.fsum(costs[k].ms for k in range(graph.forward_steps))

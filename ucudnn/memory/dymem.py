@@ -1,0 +1,163 @@
+"""Dymem (Yang & Cheng, HPDC 2020): dependency-aware offload and prefetch for fork/join networks.
+
+Against vDNN, on the same simulator:
+
+- **Execution order** (Algorithm 1): the ops run in `dymem_order.dfs_order`, each branch of a fork
+  followed to its join (a traced model's fx order may interleave branches). The zoo's graphs are
+  already in that order.
+- **No barrier** in the forward pass: a step does not wait for the offload of its input (the
+  simulator only waits for an offload when memory is short, as Dymem does).
+- **Prefetch look-ahead** (Algorithm 2): at each backward step the offloaded maps that the coming
+  steps read are prefetched, up to the second convolution ahead, instead of one layer ahead.
+- **What to offload**, as vDNN_dyn orders it: nothing when everything fits; else the inputs of
+  convolutions; else every map the backward pass reads (the loss's input excepted); with the
+  fastest algorithms first, then the memory-optimal ones; look-ahead 2, then 1 when the
+  prefetched maps do not fit. The fastest plan that fits wins.
+
+`allocation_trace` turns a plan into the allocator's requests in step order, each with its GTBM
+mobility, for `ucudnn.memory.gtbm` to replay on a best-fit and a GTBM pool.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from ucudnn.devices import DeviceProfile
+from ucudnn.errors import InvalidInput
+from ucudnn.memory import dymem_order
+from ucudnn.memory.gtbm import Alloc, Event, Free
+from ucudnn.memory.graph import TrainingGraph
+from ucudnn.memory.plan import MemoryPlan
+from ucudnn.memory.planner import baseline, to_plan
+from ucudnn.memory.simulate import StepCost, simulate
+from ucudnn.memory.timing import conv_fronts, fastest, step_costs
+from ucudnn.memory.vdnn import actions_for
+
+__all__ = ["allocation_trace", "dfs_graph", "plan", "prefetch_schedule"]
+
+
+def dfs_graph(graph: TrainingGraph) -> TrainingGraph:
+    """`graph` with its ops in Algorithm 1's order; unchanged when that order would move a reader
+    of a map after an op that overwrites the map in place (the original order is then kept)."""
+    successors: dict[str, list[str]] = {op.name: [] for op in graph.ops}
+    for op in graph.ops:
+        for i in dict.fromkeys(op.inputs):
+            successors[i].append(op.name)
+    order = dymem_order.dfs_order(successors)
+    position = {name: k for k, name in enumerate(order)}
+    for op in graph.ops:
+        if op.inplace:
+            target = op.inputs[0]
+            if any(position[r] > position[op.name] for r in successors[target] if r != op.name):
+                return graph
+    if order == [op.name for op in graph.ops]:
+        return graph
+    return TrainingGraph(graph.network, graph.batch, tuple(graph.op(name) for name in order))
+
+
+def prefetch_schedule(graph: TrainingGraph, actions: Mapping[str, str], *,
+                      conv_lookahead: int = dymem_order.CONV_LOOKAHEAD) -> dict[str, int]:
+    """Algorithm 2's prefetch trigger of each offloaded storage, as a step index of the simulator's
+    schedule (no recomputation: the graph's own steps)."""
+    nf = graph.forward_steps
+    backward = [(graph.op(s.op).type, s.reads) for s in graph.steps[nf:]]
+    offloaded = {s for s, a in actions.items() if a == "offload"}
+    starts = dymem_order.prefetch_starts(backward, offloaded, conv_lookahead=conv_lookahead)
+    return {s: nf + k for s, k in starts.items()}
+
+
+def plan(graph: TrainingGraph, device: DeviceProfile, memory_limit: int, *, devices: int = 1, db=None,
+         conv_lookahead: int = dymem_order.CONV_LOOKAHEAD) -> MemoryPlan:
+    """Dymem's plan for `graph` within `memory_limit`; see the module docstring."""
+    graph = dfs_graph(graph)
+    fronts = conv_fronts(graph, device)
+    fast = {k: fastest(opts).workspace for k, opts in fronts.items()}
+    small = {k: opts[0].workspace for k, opts in fronts.items()}
+    base = baseline(graph, device)
+    tried = []
+    for workspace in (fast, small):
+        costs = step_costs(graph, device, workspace=workspace, fronts=fronts)
+        for mode in ("none", "conv", "all"):
+            actions = actions_for(graph, mode)
+            for lookahead in sorted({conv_lookahead, 1}, reverse=True):
+                prefetch = prefetch_schedule(graph, actions, conv_lookahead=lookahead)
+                result = simulate(graph, device, costs, actions, memory_limit=memory_limit, prefetch=prefetch,
+                                  devices=devices)
+                tried.append((actions, workspace, result))
+                if mode == "none":
+                    break  # nothing offloaded: the look-ahead changes nothing
+        if any(r.fits for _, _, r in tried):
+            break  # the memory-optimal algorithms are only for when the fastest cannot fit
+    fitting = [t for t in tried if t[2].fits]
+    actions, workspace, result = (min(fitting, key=lambda t: t[2].step_ms) if fitting
+                                  else min(tried, key=lambda t: t[2].peak_bytes))
+    return to_plan(graph, device, memory_limit, "dymem", actions, workspace, result, devices=devices, base=base)
+
+
+def allocation_trace(graph: TrainingGraph, actions: Mapping[str, str], costs: tuple[StepCost, ...],
+                     prefetch: Mapping[str, int] | None = None) -> list[Event]:
+    """The allocator's requests over one step of `graph` under `actions` (keep, offload, release),
+    in step order: what a step writes is allocated at its start, with its workspace; a tensor is
+    freed after its last reader (an offloaded map after its last forward reader, as if its copy
+    were done) and an offloaded map is allocated again at its prefetch trigger (`prefetch`, as
+    `prefetch_schedule` gives it). Weights live through the step and are left out.
+
+    Mobility (Algorithm 3, stated by lifetime): a request freed by the end of the step after its
+    last writer is *movable*; one that lives longer (a fork's input, a branch output waiting for its join,
+    a map kept for the backward pass) is *temporary*; classifier and loss outputs and their
+    gradients are *reclaimed*.
+    """
+    steps = graph.steps
+    nf = graph.forward_steps
+    acts = {s: actions.get(s, "keep") for s in graph.storages}
+    if any(a == "recompute" for a in acts.values()):
+        raise InvalidInput("allocation_trace: actions must be keep, offload or release (no recompute)")
+    prefetch = dict(prefetch or {})
+    lives: list[tuple[str, int, int, int]] = []   # (name, bytes, alloc step, free-after step)
+    first_write: dict[str, int] = {}
+    last_write: dict[str, int] = {}
+    last_use: dict[str, int] = {}
+    last_fwd_use: dict[str, int] = {}
+    first_bwd_use: dict[str, int] = {}
+    for s in steps:
+        for name in s.writes:
+            first_write.setdefault(name, s.index)
+            last_write[name] = s.index
+        for name in (*s.reads, *s.writes):
+            last_use[name] = s.index
+            if s.index < nf:
+                last_fwd_use[name] = s.index
+        if s.index >= nf:
+            for name in s.reads:
+                first_bwd_use.setdefault(name, s.index)
+    for name, k in first_write.items():
+        if name.startswith("wgrad:"):
+            continue
+        nbytes = graph.bytes_of(name)
+        action = acts.get(name, "keep")
+        if action == "keep" or name.startswith("grad:"):
+            lives.append((name, nbytes, k, last_use[name]))
+        else:
+            lives.append((name, nbytes, k, last_fwd_use[name]))
+            if action == "offload" and name in first_bwd_use:
+                use = first_bwd_use[name]
+                lives.append((f"{name}@prefetch", nbytes, min(prefetch.get(name, use - 1), use), last_use[name]))
+    for s, c in zip(steps, costs):
+        if c.workspace:
+            lives.append((f"workspace:{s.index}", c.workspace, s.index, s.index))
+    reclaimed = {op.name for op in graph.ops if op.type in dymem_order.RECLAIMED_KINDS}
+
+    def mobility(name: str, start: int, end: int) -> str:
+        base_name = name.split("@")[0].removeprefix("grad:")
+        if base_name in reclaimed or (acts.get(name) == "keep" and end >= nf):
+            return "reclaimed"
+        # in-place writers (a ReLU after its conv) extend the write, not the wait for a reader
+        written = max(start, last_write.get(name, start))
+        return "movable" if end <= written + 1 else "temporary"
+
+    events: list[tuple[int, int, Event]] = []
+    for name, nbytes, start, end in lives:
+        events.append((start, 0, Alloc(name, nbytes, mobility(name, start, end))))
+        events.append((end, 1, Free(name)))
+    events.sort(key=lambda e: (e[0], e[1]))
+    return [e for _, _, e in events]
