@@ -24,6 +24,8 @@ first, the largest allowed batch that leaves a reachable rest; `milp` returns wh
 from __future__ import annotations
 
 import bisect
+import functools
+import itertools
 import math
 from collections.abc import Mapping
 
@@ -69,16 +71,29 @@ def _check(times, batch, method) -> dict[str, dict[int, float]]:
     for g, row in times.items():
         if not isinstance(row, Mapping):
             raise InvalidInput(f"times[{g!r}] must map batch sizes to times, got {type(row).__name__}")
-        clean: dict[int, float] = {}
-        for b, t in row.items():
-            if not isinstance(b, int) or isinstance(b, bool) or b < 1:
-                raise InvalidInput(f"times[{g!r}]: batch sizes must be positive integers, got {b!r}")
-            if isinstance(t, bool) or not isinstance(t, (int, float)) or math.isnan(t) or t < 0:
-                raise InvalidInput(f"times[{g!r}][{b}] must be a non-negative number of ms, got {t!r}")
-            if b <= batch and math.isfinite(t):  # a size above B or one that cannot run is never chosen
-                clean[b] = float(t)
+        if not _plain_row(row):
+            _name_bad_entry(g, row)
+        # A size above B or one that cannot run (infinite time) is never chosen.
+        clean = {b: float(t) for b, t in row.items() if b <= batch and t != math.inf}
         table[g] = clean
     return table
+
+
+def _plain_row(row: Mapping) -> bool:
+    """The fast check of a well-formed row (a 64x64 table is validated in well under a millisecond)."""
+    try:
+        return (all(type(b) is int for b in row) and min(row, default=1) >= 1
+                and all(type(t) is not bool and t >= 0 for t in row.values()))  # NaN >= 0 is False
+    except TypeError:
+        return False
+
+
+def _name_bad_entry(g: str, row: Mapping) -> None:
+    for b, t in row.items():
+        if not isinstance(b, int) or isinstance(b, bool) or b < 1:
+            raise InvalidInput(f"times[{g!r}]: batch sizes must be positive integers, got {b!r}")
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or math.isnan(t) or t < 0:
+            raise InvalidInput(f"times[{g!r}][{b}] must be a non-negative number of ms, got {t!r}")
 
 
 def _infeasible(table: dict[str, dict[int, float]], batch: int) -> Infeasible:
@@ -94,6 +109,8 @@ def _infeasible(table: dict[str, dict[int, float]], batch: int) -> Infeasible:
 
 def _runs(sizes: list[int]) -> list[tuple[int, int, int]]:
     """Sorted sizes as maximal arithmetic runs (first, step, count): [1,2,3,4,8,12] -> (1,1,4), (8,4,2)."""
+    if sizes and sizes[-1] - sizes[0] == len(sizes) - 1:  # the common case: 1..k, or a contiguous band
+        return [(sizes[0], 1, len(sizes))]
     runs: list[tuple[int, int, int]] = []
     i = 0
     while i < len(sizes):
@@ -133,6 +150,7 @@ def _solve_search(table: dict[str, dict[int, float]], batch: int) -> dict[str, i
     def allowed(g: str, limit: float) -> list[int]:
         return sorted(by_time[g][:bisect.bisect_right(sorted_times[g], limit)])
 
+    @functools.cache  # the walk back re-asks the optimum's layers
     def layers(limit: float) -> list[int] | None:
         """reach[i] = sums reachable by the first i devices under `limit`; None when B is not reachable."""
         reach = [1]
@@ -143,8 +161,22 @@ def _solve_search(table: dict[str, dict[int, float]], batch: int) -> dict[str, i
     candidates = sorted({t for row in table.values() for t in row.values()})
     if not candidates or layers(candidates[-1]) is None:
         raise _infeasible(table, batch)
-    lo, hi = 0, len(candidates) - 1  # invariant: feasible at candidates[hi]
-    while lo < hi:
+    # A cheap necessary condition first: under T the devices' largest allowed sizes must add up to B.
+    # The optimum is usually at or just above that bound, so the bitset checks gallop up from it.
+    largest = {g: list(itertools.accumulate(by_time[g], max)) for g in devices}
+
+    def capacity(limit: float) -> int:
+        total = 0
+        for g in devices:
+            k = bisect.bisect_right(sorted_times[g], limit)
+            total += largest[g][k - 1] if k else 0
+        return total
+
+    lo = bisect.bisect_left(range(len(candidates)), batch, key=lambda i: capacity(candidates[i]))
+    hi, step = lo, 1  # find a feasible hi by galloping; everything below lo is infeasible
+    while hi < len(candidates) - 1 and layers(candidates[hi]) is None:
+        lo, hi, step = hi + 1, min(hi + step, len(candidates) - 1), step * 2
+    while lo < hi:  # invariant: feasible at candidates[hi], infeasible below lo
         mid = (lo + hi) // 2
         if layers(candidates[mid]) is None:
             lo = mid + 1
