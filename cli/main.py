@@ -30,11 +30,12 @@ def cli(verbose: int) -> None:
 
 def _register_commands() -> None:
     from ucudnn.cli.bench import bench
+    from ucudnn.cli.cluster_cmd import cluster
     from ucudnn.cli.db_cmd import db
     from ucudnn.cli.networks_cmd import networks
     from ucudnn.cli.selftest_cmd import selftest
 
-    for command in (bench, db, networks, selftest):
+    for command in (bench, cluster, db, networks, selftest):
         cli.add_command(command)
 
 
