@@ -183,6 +183,9 @@ def _open_models(names: Iterable[str], net_kernels, db, policy: Policy,
 
 
 def _missing_sqlite_file(url: str) -> bool:
+    """A default cache that is a SQLite file not created yet (a URL or, as $UCUDNN_DB may be, a path)."""
+    if "://" not in url:
+        return not Path(url).expanduser().exists()
     return url.startswith("sqlite:///") and not Path(url.removeprefix("sqlite:///")).exists()
 
 
