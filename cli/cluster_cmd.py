@@ -15,7 +15,8 @@ from ucudnn.sizes import parse_size
 @click.option("--network", required=True, metavar="NAME", help="A network of the zoo (see `ucudnn networks`).")
 @click.option("--batch", required=True, type=click.IntRange(min=1), help="The global mini-batch B.")
 @click.option("--devices", "devices_text", required=True, metavar="A,B,C",
-              help="Device models as stored in the cache, or profiles (`ucudnn devices`); names may repeat.")
+              help="Device models as stored in the cache, or profiles (k40, p100, v100, h100, t4, gk210, "
+                   "k20xm, gtx750ti, a JSON file); names may repeat.")
 @click.option("--db", "db_url", metavar="URL", help="Measurement cache; default $UCUDNN_DB or the user cache.")
 @click.option("--policy", default="powerOfTwo", show_default=True,
               help="Micro-batch sizes WR may use from cached measurements (as in `ucudnn bench`).")
@@ -33,7 +34,8 @@ def cluster(network, batch, devices_text, db_url, policy, workspace, as_json, pl
 
     devices = [d.strip() for d in devices_text.split(",")]
     if not all(devices):
-        raise InvalidInput(f"--devices must be comma-separated device names without empty entries, got {devices_text!r}")
+        raise InvalidInput(f"--devices must be comma-separated device names without empty entries, "
+                           f"got {devices_text!r}")
     plan = plan_cluster(batch, devices, network=network, db=db_url, policy=policy,
                         workspace_limit=parse_size(workspace))
     if plot_path:
@@ -48,7 +50,8 @@ def format_plan(plan) -> str:
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
 
     def line(row):
-        return "  ".join(c.rjust(w) if i in (1, 2) else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))).rstrip()
+        cells = [c.rjust(w) if i in (1, 2) else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))]
+        return "  ".join(cells).rstrip()
 
     single = (f"{plan.best_single.device} alone at batch {plan.batch}: {plan.best_single.time_ms:.2f} ms, "
               f"speedup {_ratio(plan.speedup_vs_best_single)}" if plan.best_single
