@@ -144,8 +144,9 @@ def _solve_search(table: dict[str, dict[int, float]], batch: int) -> dict[str, i
     devices = list(table)
     mask = (1 << (batch + 1)) - 1
     # Per device: its sizes ordered by time, so the sizes allowed under T are a prefix.
-    by_time = {g: sorted(table[g], key=lambda b: (table[g][b], b)) for g in devices}
-    sorted_times = {g: [table[g][b] for b in by_time[g]] for g in devices}
+    pairs = {g: sorted(zip(table[g].values(), table[g])) for g in devices}  # (t, b), ascending
+    by_time = {g: [b for _, b in pairs[g]] for g in devices}
+    sorted_times = {g: [t for t, _ in pairs[g]] for g in devices}
 
     def allowed(g: str, limit: float) -> list[int]:
         return sorted(by_time[g][:bisect.bisect_right(sorted_times[g], limit)])
