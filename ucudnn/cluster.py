@@ -25,7 +25,7 @@ from pathlib import Path
 from ucudnn.benchmark import Policy, batch_sizes, parse_policy
 from ucudnn.devices import PROFILES, DeviceProfile, load_profile
 from ucudnn.errors import InvalidInput
-from ucudnn.networks import kernels
+from ucudnn.networks import canonical_name, kernels
 from ucudnn.problem import ConvProblem
 from ucudnn.solver import cluster, wr
 from ucudnn.solver.types import Infeasible, MicroConfig
@@ -128,6 +128,7 @@ def plan_cluster(mb: int, gpus: Sequence[str], *, network: str, db=None, policy:
     if isinstance(policy, str):
         policy = parse_policy(policy)
     candidates = _check_sizes(sizes, mb) if sizes is not None else candidate_sizes(mb)
+    network = canonical_name(network)
     net_kernels = kernels(network, 1, skip_first_bwd_data=True)
 
     models = _open_models(dict.fromkeys(gpus), net_kernels, db, policy, workspace_limit)
