@@ -47,9 +47,15 @@ def _size_option(ctx, param, value):
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
 @click.option("--verbose", is_flag=True, help="After the table, list every noisy timing and every excluded (wrong) algorithm.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@click.option("--workers", default=1, show_default=True, type=click.IntRange(min=1),
+              help="Measure in N processes (one GPU each on cudnn, N CPU workers on cpu) into the one cache.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="WD mode: draw the Pareto front and the workspace division to this PNG.")
 def bench(layer_specs, network, batch, workspace, total_workspace, policy, backend_name, kinds, algos,
+<<<<<<< HEAD
           db_url, reps, as_json, verbose, quiet, plot_path):
+=======
+          db_url, reps, as_json, quiet, workers, plot_path):
+>>>>>>> issue-13
     """Benchmark every algorithm at several micro-batch sizes and pick the fastest division.
 
     WR (--workspace, or no limit) optimises each kernel within its own limit, so --layer specs
@@ -60,6 +66,10 @@ def bench(layer_specs, network, batch, workspace, total_workspace, policy, backe
     from ucudnn.benchmark import batch_sizes, parse_policy
     from ucudnn.db import Cache
     from ucudnn.optimize import expand_kernels, optimize
+
+    if workers > 1:  # the same optimize, after N worker processes have filled the cache
+        from ucudnn.parallel_bench import parallel_optimize
+        optimize = parallel_optimize(workers, db_url)
 
     if bool(layer_specs) == bool(network):
         raise InvalidInput("give --layer SPEC (repeatable) or --network NAME, one of the two")

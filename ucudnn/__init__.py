@@ -5,6 +5,7 @@ chooses the division optimally (WR per kernel, WD per network), and caches every
 """
 
 from ucudnn.backends import get_backend
+from ucudnn.cluster import best_batch_size
 from ucudnn.errors import BackendUnavailable, InvalidInput, UcudnnError, UnsupportedProblem
 from ucudnn.execute import run_configuration
 from ucudnn.handle import Handle, KernelChoice, LateRegistrationWarning
@@ -13,4 +14,4 @@ from ucudnn.solver.types import Configuration, Infeasible, MicroConfig
 
 __all__ = ["BackendUnavailable", "Configuration", "ConvProblem", "Handle", "Infeasible", "InvalidInput",
            "KernelChoice", "LateRegistrationWarning", "MicroConfig", "UcudnnError", "UnsupportedProblem",
-           "get_backend", "run_configuration"]
+           "best_batch_size", "get_backend", "run_configuration"]

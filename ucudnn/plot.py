@@ -64,3 +64,35 @@ def plot_wd(report, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def plot_cluster(plan, path: str) -> None:
+    """The paper's Fig. 13: a bar per device (its time, its batch on it), the makespan dashed; the
+    even split beside the optimised one, and the best single device as a reference."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = [("optimised", plan.devices, plan.makespan_ms), ("even split", plan.even, plan.even_makespan_ms)]
+    if plan.best_single is not None:
+        groups.append(("best single", (plan.best_single,), plan.best_single.time_ms))
+    fig, ax = plt.subplots(figsize=(2 + 0.6 * sum(len(g[1]) + 1 for g in groups), 4.5))
+    colours = {name: f"C{i}" for i, name in enumerate(dict.fromkeys(d.device for d in plan.devices))}
+    x, ticks = 0, []
+    for title, steps, span in groups:
+        start = x
+        for d in steps:
+            ax.bar(x, d.time_ms, color=colours[d.device], width=0.8)
+            ax.text(x, d.time_ms, str(d.batch), ha="center", va="bottom", fontsize=9)
+            x += 1
+        ax.hlines(span, start - 0.45, x - 0.55, colors="k", linestyles="dashed")
+        ticks.append(((start + x - 1) / 2, f"{title}\n{span:.1f} ms"))
+        x += 1
+    ax.set_xticks([t for t, _ in ticks], [label for _, label in ticks])
+    ax.set(ylabel="estimated forward+backward time (ms)",
+           title=f"{plan.network}, batch {plan.batch}: numbers are batch sizes, dashes the makespan")
+    ax.legend([plt.Rectangle((0, 0), 1, 1, color=c) for c in colours.values()], list(colours), fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
