@@ -100,10 +100,17 @@ def _trace_graph(model: nn.Module, example_input: torch.Tensor) -> TrainingGraph
     if not isinstance(example_input, torch.Tensor) or example_input.dim() < 1:
         raise InvalidInput(f"example_input must be a batched tensor, got {type(example_input).__name__}")
     flags = {m: m.training for m in model.modules()}
+    # The planner's tracer steps into modules that are not torch.nn's own, and ucudnn's Conv2d has
+    # Python branches that fx cannot trace; for the trace it is the nn.Conv2d it derives from.
+    converted = [m for m in model.modules() if type(m) is Conv2d]
     try:
         model.eval()
+        for m in converted:
+            m.__class__ = nn.Conv2d
         return trace(model, example_input)
     finally:
+        for m in converted:
+            m.__class__ = Conv2d
         for module, flag in flags.items():
             module.training = flag
 
@@ -340,7 +347,7 @@ class _Executor:
             raise InvalidInput(f"prefetch_ahead must be a non-negative integer, got {prefetch_ahead!r}")
         self.model, self.plan, self.prefetch_ahead = model, plan, prefetch_ahead
         try:
-            self.gm = fx.symbolic_trace(model)
+            self.gm = fx.GraphModule(model, _Tracer().trace(model))
         except Exception as exc:  # fx raises many kinds (TraceError, TypeError on data-dependent control flow)
             raise UnsupportedProblem(f"torch.fx cannot trace {type(model).__name__}: {exc}") from None
         self.nodes = list(self.gm.graph.nodes)
@@ -602,6 +609,13 @@ class _Executor:
         finally:
             for conv, handle in saved:
                 conv.handle = handle
+
+
+class _Tracer(fx.Tracer):
+    """fx's tracer, with ucudnn's Conv2d a leaf like torch.nn's own layers (the plan names it as one)."""
+
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        return isinstance(m, Conv2d) or super().is_leaf_module(m, qualname)
 
 
 class _PrefetchHook:
