@@ -31,10 +31,12 @@ def cli(verbose: int) -> None:
 def _register_commands() -> None:
     from ucudnn.cli.bench import bench
     from ucudnn.cli.db_cmd import db
+    from ucudnn.cli.devices_cmd import devices
     from ucudnn.cli.networks_cmd import networks
+    from ucudnn.cli.plan_cmd import plan
     from ucudnn.cli.selftest_cmd import selftest
 
-    for command in (bench, db, networks, selftest):
+    for command in (bench, db, devices, networks, plan, selftest):
         cli.add_command(command)
 
 

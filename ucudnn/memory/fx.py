@@ -29,6 +29,7 @@ def trace_model(model, example_input) -> list:
     """The ops of `model` run on `example_input`, in fx node order (see `ucudnn.memory.graph.trace`)."""
     import torch
     from torch import fx, nn
+    from torch.nn import functional as F
     from torch.fx.passes.shape_prop import ShapeProp
 
     from ucudnn.memory.graph import _builder_for_fx
@@ -104,12 +105,18 @@ def trace_model(model, example_input) -> list:
         elif target in (torch.flatten, torch.reshape) or target in ("view", "flatten", "reshape", "contiguous",
                                                                      "squeeze", "unsqueeze"):
             names[name] = b._add(_view(b, name, x, shape))
-        elif target in (torch.relu, torch.nn.functional.relu, "relu", "relu_", torch.relu_):
+        elif target in (torch.relu, F.relu, "relu", "relu_", torch.relu_):
             inplace = target in ("relu_", torch.relu_) or bool(node.kwargs.get("inplace", False))
             names[name] = b.relu(name, x, inplace=inplace)
         elif target in (operator.add, torch.add, "add", operator.iadd, "add_") and len(inputs) == 2 \
                 and b.shapes[inputs[0]] == b.shapes[inputs[1]]:
             names[name] = b.add(name, inputs[0], inputs[1], inplace=target in (operator.iadd, "add_"))
+        elif target in (F.max_pool2d, F.avg_pool2d, F.adaptive_avg_pool2d, F.adaptive_max_pool2d):
+            kind = "max" if target in (F.max_pool2d, F.adaptive_max_pool2d) else "avg"
+            k = node.args[1] if len(node.args) > 1 else node.kwargs.get("kernel_size", 1)
+            names[name] = b.pool(name, x, shape, k if isinstance(k, int) else k[0], kind)
+        elif target is F.batch_norm:
+            names[name] = b.batchnorm(name, x)
         elif target in (torch.cat, torch.concat):
             names[name] = b.concat(name, inputs)
         else:

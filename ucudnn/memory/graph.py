@@ -232,6 +232,11 @@ class TrainingGraph:
         return tuple(steps)
 
     @cached_property
+    def op_index(self) -> dict[str, int]:
+        """Each op's position in `ops`, which is also the index of its forward step."""
+        return {op.name: i for i, op in enumerate(self.ops)}
+
+    @cached_property
     def forward_steps(self) -> int:
         """How many steps the forward pass has (the backward steps follow)."""
         return len(self.ops)
@@ -383,7 +388,8 @@ def _resnet(b: _Builder, blocks: Sequence[int], bottleneck: bool) -> None:
                     out = b.relu(f"{p}.relu{j}", out)
             if f"{p}.downsample" in b.zoo:
                 identity = b.batchnorm(f"{p}.downsample.bn", b.conv(f"{p}.downsample", x))
-            x = b.relu(f"{p}.relu", b.add(f"{p}.add", out, identity))
+            # a new tensor, as torch.fx sees `out += identity` (a Proxy has no __iadd__)
+            x = b.relu(f"{p}.relu", b.add(f"{p}.add", out, identity, inplace=False))
     x = b.flatten("flatten", b.global_pool("avgpool", x))
     b.loss(b.linear("fc", x, 1000))
 
@@ -443,8 +449,8 @@ _ZOO = {
 def from_network(name: str, batch: int) -> TrainingGraph:
     """The training graph of zoo network `name` at `batch`: its convolutions (`ucudnn.networks`) and
     the layers between them. Max-pools after ReLUs, classifiers (AlexNet/VGG fc6-fc8, the ResNets' and
-    GoogLeNet's global average pool and fc), and a softmax cross-entropy loss. ReLUs and residual
-    additions write in place, as in Caffe and torchvision; dropout and LRN are left out (they change
+    GoogLeNet's global average pool and fc), and a softmax cross-entropy loss. ReLUs write in place,
+    as in Caffe and torchvision; dropout and LRN are left out (they change
     no shape, and vDNN's memory model counts them in place).
     """
     canonical = canonical_name(name)

@@ -7,7 +7,8 @@ layer. Conv workspaces are named by the conv layer and the kernel (`fwd`, `bwd_d
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 from ucudnn.errors import InvalidInput
 
@@ -58,6 +59,9 @@ class MemoryPlan:
     bytes_offloaded: int
     tensors: tuple[TensorAction, ...]
     conv_workspace: tuple[ConvWorkspace, ...]
+    # The planner's simulation of this plan (`ucudnn.memory.simulate.SimResult`: timeline, memory over
+    # the step), for plots; not part of the plan's JSON or of equality.
+    simulation: Any = field(default=None, compare=False, repr=False)
 
     @property
     def overhead(self) -> float:
@@ -72,18 +76,18 @@ class MemoryPlan:
         return "keep"
 
     def to_json(self) -> dict:
-        data = asdict(self)
+        data = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "simulation"}
         data["overhead"] = self.overhead
-        data["tensors"] = [asdict(t) for t in self.tensors]
-        data["conv_workspace"] = [asdict(c) for c in self.conv_workspace]
+        data["tensors"] = [{"name": t.name, "bytes": t.bytes, "action": t.action} for t in self.tensors]
+        data["conv_workspace"] = [{"layer": c.layer, "kind": c.kind, "bytes": c.bytes} for c in self.conv_workspace]
         return data
 
     @classmethod
     def from_json(cls, data: dict) -> MemoryPlan:
         try:
-            fields = {k: v for k, v in data.items() if k != "overhead"}
-            fields["tensors"] = tuple(TensorAction(**t) for t in data["tensors"])
-            fields["conv_workspace"] = tuple(ConvWorkspace(**c) for c in data["conv_workspace"])
-            return cls(**fields)
+            values = {k: v for k, v in data.items() if k not in ("overhead", "simulation")}
+            values["tensors"] = tuple(TensorAction(**t) for t in data["tensors"])
+            values["conv_workspace"] = tuple(ConvWorkspace(**c) for c in data["conv_workspace"])
+            return cls(**values)
         except (KeyError, TypeError, AttributeError) as exc:
             raise InvalidInput(f"not a memory plan: {exc}") from None

@@ -17,7 +17,7 @@ from ucudnn.memory.graph import TrainingGraph
 from ucudnn.memory.plan import ConvWorkspace, MemoryPlan, TensorAction
 from ucudnn.memory.simulate import SimResult, StepCost, network_wide_bytes, simulate
 
-__all__ = ["POLICIES", "Baseline", "available_policies", "baseline", "make_plan", "to_plan"]
+__all__ = ["POLICIES", "Baseline", "available_policies", "baseline", "make_plan", "smallest_fitting_limit", "to_plan"]
 
 # name -> (module, function, keyword options)
 POLICIES: dict[str, tuple[str, str, dict]] = {
@@ -81,10 +81,12 @@ class Baseline:
     costs: tuple[StepCost, ...]
 
 
-def baseline(graph: TrainingGraph, device: DeviceProfile) -> Baseline:
+def baseline(graph: TrainingGraph, device: DeviceProfile, fronts=None) -> Baseline:
+    """Everything resident with the fastest option of each conv kernel (`fronts`: its options, as
+    `ucudnn.memory.timing.conv_fronts` gives them; computed when not given)."""
     from ucudnn.memory.timing import step_costs
 
-    costs = step_costs(graph, device)
+    costs = step_costs(graph, device, fronts=fronts)
     result = simulate(graph, device, costs, timeline=False)
     return Baseline(network_wide_bytes(graph, max(c.workspace for c in costs)), result.step_ms, costs)
 
@@ -95,11 +97,34 @@ def to_plan(graph: TrainingGraph, device: DeviceProfile, memory_limit: int, poli
     """The `MemoryPlan` of one simulated decision: `actions` per storage (keep where absent) and each
     conv kernel's workspace in bytes (what `result`'s costs used)."""
     base = base or baseline(graph, device)
-    tensors = tuple(TensorAction(s, graph.bytes_of(s), actions.get(s, "keep")) for s in graph.storages)
+    # a storage the policy left out is kept, or released when the backward pass never reads it
+    backward = {r for st in graph.steps if st.phase == "bwd" for r in st.reads}
+    tensors = tuple(TensorAction(s, graph.bytes_of(s), actions.get(s, "keep" if s in backward else "release"))
+                    for s in graph.storages)
     conv_ws = tuple(ConvWorkspace(layer, kind, int(b)) for (layer, kind), b in workspace.items())
     return MemoryPlan(network=graph.network, batch=graph.batch, device=device.name, devices=devices,
                       memory_limit=memory_limit, policy=policy, fits=result.fits and result.peak_bytes <= memory_limit,
                       peak_bytes=result.peak_bytes, average_bytes=result.average_bytes,
                       baseline_peak_bytes=base.peak_bytes, step_ms=result.step_ms, baseline_step_ms=base.step_ms,
                       stall_ms=result.stall_ms, bytes_offloaded=result.bytes_offloaded, tensors=tensors,
-                      conv_workspace=conv_ws)
+                      conv_workspace=conv_ws, simulation=result)
+
+
+def smallest_fitting_limit(graph: TrainingGraph, device: DeviceProfile, policy: str, *, devices: int = 1,
+                           above: int = 0) -> int:
+    """The smallest memory limit at which `policy`'s plan fits, to within 1/256 of it (at least 1 MiB).
+
+    Bisection between `above` (known not to fit) and the peak of the policy's plan without a limit
+    (which fits at its own peak), assuming a larger limit never makes a plan stop fitting.
+    """
+    hi = make_plan(graph, device, 2**62, policy, devices=devices).peak_bytes
+    while not make_plan(graph, device, hi, policy, devices=devices).fits:
+        hi *= 2  # a policy's own unconstrained peak may still block on copies: give it room
+    lo = min(above, hi)
+    while hi - lo > max(2**20, hi // 256):
+        mid = (lo + hi) // 2
+        if make_plan(graph, device, mid, policy, devices=devices).fits:
+            hi = mid
+        else:
+            lo = mid
+    return hi

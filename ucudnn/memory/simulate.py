@@ -93,7 +93,11 @@ class DeviceResult:
     bytes_prefetched: int
     recompute_ms: float
     overflow: bool                # an allocation went past the memory limit
+    missing: tuple[str, ...]      # "step op: tensor" for every read of a tensor not resident (a bad plan)
     memory: tuple[tuple[float, int], ...]  # (time, bytes in use) at every change
+    # the allocation trace: (time, tensor, +bytes allocated or -bytes freed), in order; conv
+    # workspaces are named "workspace:<op>"; weights and their gradients (always resident) are not in it
+    allocations: tuple[tuple[float, str, int], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,11 +154,12 @@ def expand(graph: TrainingGraph, actions: Mapping[str, str] | None = None) -> tu
         for op in producers:
             for i in op.inputs:
                 src = graph.storage_of(i)
-                if src != storage and acts[src] == "recompute" and src not in rebuilt:
+                # a source that is not resident (recomputed or released) is rebuilt first
+                if src != storage and acts[src] in ("recompute", "release") and src not in rebuilt:
                     rebuild(src)
         rebuilt.add(storage)
         for op in producers:
-            fwd = steps[_op_index(graph)[op.name]]
+            fwd = steps[graph.op_index[op.name]]
             out.append(SimStep(fwd.index, fwd.op, "recompute", fwd.reads, fwd.writes))
 
     for s in steps[nf:]:
@@ -163,14 +168,6 @@ def expand(graph: TrainingGraph, actions: Mapping[str, str] | None = None) -> tu
                 rebuild(r)
         out.append(SimStep(s.index, s.op, "bwd", s.reads, s.writes))
     return tuple(out)
-
-
-def _op_index(graph: TrainingGraph) -> dict[str, int]:
-    cache = graph.__dict__.get("_sim_op_index")
-    if cache is None:
-        cache = {op.name: i for i, op in enumerate(graph.ops)}
-        graph.__dict__["_sim_op_index"] = cache
-    return cache
 
 
 def network_wide_bytes(graph: TrainingGraph, workspace: int = 0) -> int:
@@ -239,9 +236,7 @@ def _prepare(graph: TrainingGraph, costs: Sequence[StepCost], actions: Mapping[s
         alloc_at.setdefault(k, []).append((name, nbytes[name]))
         if action == "keep" or name.startswith("grad:"):
             free_after.setdefault(last_use[name], []).append(name)
-        elif action == "release":
-            free_after.setdefault(last_fwd_use[name], []).append(name)
-        elif action == "recompute":
+        elif action in ("release", "recompute"):
             free_after.setdefault(last_fwd_use[name], []).append(name)
             if name in rebuilt_at:
                 alloc_at.setdefault(rebuilt_at[name], []).append((name, nbytes[name]))
@@ -325,9 +320,13 @@ class _Device:
         self.trigger_pos = 0                      # next prefetch (plan.prefetches) to issue
         self.bytes_offloaded = 0
         self.bytes_prefetched = 0
+        self.done_at = 0.0
+        self.missing: list[str] = []
+        self.events: list[tuple[float, str, int]] = []
 
-    def set_used(self, t: float, delta: int) -> None:
+    def set_used(self, t: float, delta: int, name: str) -> None:
         self.used += delta
+        self.events.append((t, name, delta))
         self.peak = max(self.peak, self.used)
         if self.limit is not None and self.used > self.limit:
             self.overflow = True
@@ -402,9 +401,12 @@ def simulate(graph: TrainingGraph, device: DeviceProfile, costs: Sequence[StepCo
         for name, b in p.alloc_at.get(k, ()):
             if name not in dv.resident:
                 dv.resident[name] = b
-                dv.set_used(t, b)
+                dv.set_used(t, b, name)
         if p.workspace[k]:
-            dv.set_used(t, p.workspace[k])
+            dv.set_used(t, p.workspace[k], f"workspace:{p.sched[k].op}")
+        # the invariant every plan must keep: what a step reads is on the device when it starts
+        s = p.sched[k]
+        dv.missing += [f"{k} {s.phase} {s.op}: {name}" for name in s.reads if name not in dv.resident]
         dv.running = k
         dv.ends_at = t + p.ms[k]
         return True
@@ -418,21 +420,22 @@ def simulate(graph: TrainingGraph, device: DeviceProfile, costs: Sequence[StepCo
         if s.phase == "recompute":
             dv.recompute_ms += p.ms[k]
         if p.workspace[k]:
-            dv.set_used(t, -p.workspace[k])
+            dv.set_used(t, -p.workspace[k], f"workspace:{s.op}")
         for name in p.offload_after.get(k, ()):
             dv.d2h_queue.append(name)
         for name in p.free_after.get(k, ()):
             if name in dv.resident:
-                dv.set_used(t, -dv.resident.pop(name))
+                dv.set_used(t, -dv.resident.pop(name), name)
         for name, last in p.offload_free_after.items():
             if last == k and name in dv.resident:
                 if name in dv.offloaded:
-                    dv.set_used(t, -dv.resident.pop(name))
+                    dv.set_used(t, -dv.resident.pop(name), name)
                 else:
                     dv.pending_free.add(name)
         dv.running = None
         dv.next = k + 1
         dv.idle_since = t
+        dv.done_at = t
 
     def try_start_copies(dv: _Device, force: bool = False) -> bool:
         started = False
@@ -443,10 +446,15 @@ def simulate(graph: TrainingGraph, device: DeviceProfile, costs: Sequence[StepCo
         if dv.h2d is None and dv.h2d_queue:
             name = dv.h2d_queue[0]
             b = dv.p.nbytes[name]
-            if name in dv.offloaded and (dv.fits(b) or force):
+            # a prefetch leaves room for the next step's own allocations unless that step waits for it
+            k = dv.next
+            reserve = 0
+            if dv.running is None and k < len(dv.p.sched) and name not in dv.p.waits_for.get(k, ()):
+                reserve = dv.step_needs(k)
+            if name in dv.offloaded and (dv.fits(b + reserve) or force):
                 dv.h2d_queue.pop(0)
                 dv.resident[name] = b
-                dv.set_used(t, b)
+                dv.set_used(t, b, name)
                 dv.h2d = _Copy(dv.index, "h2d", name, b, b, t)
                 started = True
         return started
@@ -476,7 +484,7 @@ def simulate(graph: TrainingGraph, device: DeviceProfile, costs: Sequence[StepCo
             dv.bytes_offloaded += dv.p.nbytes[c.name]
             if c.name in dv.pending_free:
                 dv.pending_free.discard(c.name)
-                dv.set_used(t, -dv.resident.pop(c.name))
+                dv.set_used(t, -dv.resident.pop(c.name), c.name)
         else:
             dv.h2d = None
             dv.h2d_done.add(c.name)
@@ -486,9 +494,9 @@ def simulate(graph: TrainingGraph, device: DeviceProfile, costs: Sequence[StepCo
         progress = True
         while progress:
             progress = False
-            for dv in devs:
-                progress |= try_start_copies(dv)
+            for dv in devs:  # the compute stream allocates first: a prefetch must not starve it
                 progress |= try_start_compute(dv)
+                progress |= try_start_copies(dv)
         if all(dv.next >= len(dv.p.sched) and dv.running is None and dv.d2h is None and dv.h2d is None
                and not dv.d2h_queue for dv in devs):
             break
@@ -523,13 +531,14 @@ def simulate(graph: TrainingGraph, device: DeviceProfile, costs: Sequence[StepCo
 
     results = []
     for dv in devs:
-        step_ms = max(t, _EPS_MS)
+        end = max(dv.done_at, mem_end := dv.memory[-1][0])
         mem = dv.memory
         area = sum((mem[i + 1][0] - mem[i][0]) * mem[i][1] for i in range(len(mem) - 1))
-        area += (t - mem[-1][0]) * mem[-1][1]
-        average = int(area / step_ms) if t > 0 else dv.used
-        results.append(DeviceResult(dv.peak, average, t, dv.stall, dv.bytes_offloaded, dv.bytes_prefetched,
-                                    dv.recompute_ms, dv.overflow, tuple(mem)))
+        area += (end - mem_end) * mem[-1][1]
+        average = int(area / end) if end > 0 else dv.used
+        results.append(DeviceResult(dv.peak, average, end, dv.stall, dv.bytes_offloaded, dv.bytes_prefetched,
+                                    dv.recompute_ms, dv.overflow, tuple(dv.missing), tuple(mem),
+                                    tuple(dv.events)))
     return SimResult(
         peak_bytes=max(r.peak_bytes for r in results),
         average_bytes=max(r.average_bytes for r in results),

@@ -4,8 +4,8 @@ A conv kernel (``fwd``, ``bwd_data``, ``bwd_filter``) has a front of options, ti
 (`KernelOption`, ascending workspace and strictly descending time), as the WD solver sees it:
 
 - **measured** (``source="measured"``): the device has measurements of the kernel's problem (the
-  H100's are shipped in ``ucudnn/memory/data/h100_convs.json``, or a measurement cache given as
-  `db`); the front is `ucudnn.solver.pareto.front` over the measured micro-batch sizes, so a batch
+  H100's are shipped in ``ucudnn/memory/data/h100_convs.json``; a measurement cache given as `db`
+  comes first); the front is `ucudnn.solver.pareto.front` over the measured micro-batch sizes, so a batch
   larger than any measured one runs as micro-batches.
 - **scaled** (``source="scaled"``): another device, a problem the H100 measured. The H100's front
   keeps its workspaces and its times are multiplied by the ratio of the two devices' roofline
@@ -31,9 +31,10 @@ from ucudnn.errors import InvalidInput
 from ucudnn.memory.graph import TrainingGraph
 from ucudnn.memory.simulate import StepCost
 from ucudnn.problem import ConvProblem
-from ucudnn.solver.types import Infeasible, MicroConfig
+from ucudnn.solver.types import MicroConfig
 
-__all__ = ["KernelOption", "conv_fronts", "fastest", "measured_devices", "step_costs"]
+__all__ = ["KernelOption", "conv_fronts", "fastest", "kernel_front", "measured_devices", "measurements_from_db",
+           "step_costs"]
 
 _DATA_FILES = {"h100": "h100_convs.json"}
 
@@ -74,23 +75,47 @@ def _problem_key(problem: ConvProblem) -> str:
     return problem.with_kind("fwd").key.split(",", 1)[1]
 
 
-@lru_cache(maxsize=4096)
-def _measured_front(device: str, key: str, kind: str, batch: int) -> tuple[KernelOption, ...]:
-    from ucudnn.solver.pareto import front
-
-    bench = _shipped(device).get((key, kind))
+def _equal_micro_front(bench: dict[int, tuple[MicroConfig, ...]] | None, batch: int) -> tuple[KernelOption, ...]:
+    """Equal micro-batches of a measured size s dividing `batch` (batch/s runs of one algorithm), on
+    their Pareto front. A subset of what the WD solver's DP can mix (unequal sizes, mixed algorithms),
+    so a little pessimistic; but one pass instead of a DP over every size up to the batch, which for
+    ResNet-152 at batch 256 took seconds."""
     if not bench:
         return ()
+    candidates = [(m.time * (batch // size), m.workspace, f"{batch // size}x{size}:{m.algo}")
+                  for size, micros in bench.items() if size <= batch and batch % size == 0 for m in micros]
+    front: list[KernelOption] = []
+    for ms, ws, config in sorted(candidates, key=lambda c: (c[1], c[0])):
+        if not front or ms < front[-1].time_ms:
+            front.append(KernelOption(ms, ws, config, "measured"))
+    return tuple(front)
+
+
+@lru_cache(maxsize=4096)
+def _measured_front(device: str, key: str, kind: str, batch: int) -> tuple[KernelOption, ...]:
+    return _equal_micro_front(_shipped(device).get((key, kind)), batch)
+
+
+Measurements = dict[tuple[str, str], dict[int, tuple[MicroConfig, ...]]]
+
+
+def measurements_from_db(db, device: DeviceProfile) -> Measurements:
+    """The usable measurements in a measurement cache (a `ucudnn.db` URL or SQLite path) taken on a
+    device whose model name starts with the profile's (``NVIDIA H100 80GB HBM3 (sm_90)`` for h100)."""
+    from ucudnn.db import Cache
+
+    cache = Cache(db, readonly=True, create=False)
+    found: dict[tuple[str, str], dict[int, list[MicroConfig]]] = {}
     try:
-        configs = front(bench, batch, None)
-    except Infeasible:
-        return ()
-    return tuple(KernelOption(c.time, c.workspace, c.describe(), "measured") for c in configs)
-
-
-def _db_front(db, device_model: str, problem: ConvProblem) -> tuple[KernelOption, ...]:
-    """A front from a measurement cache (`ucudnn.db.Cache`) holding this device's measurements."""
-    raise NotImplementedError  # filled in with the cache reader
+        for r in cache.measurement_records():
+            if r.time_ms is None or not r.device.startswith(device.model):
+                continue
+            kind, key = r.problem_key.split(",", 1)
+            found.setdefault((key, kind.removeprefix("kind=")), {}).setdefault(r.batch, []).append(
+                MicroConfig(r.algo, r.batch, r.time_ms, r.workspace_bytes))
+    finally:
+        cache.close()
+    return {k: {b: tuple(v) for b, v in bench.items()} for k, bench in found.items()}
 
 
 def _roofline(device: DeviceProfile, problem: ConvProblem) -> float:
@@ -99,9 +124,15 @@ def _roofline(device: DeviceProfile, problem: ConvProblem) -> float:
     return device.roofline_ms(problem.flops, traffic)
 
 
-def kernel_front(device: DeviceProfile, problem: ConvProblem) -> tuple[KernelOption, ...]:
-    """The options of one conv kernel (`problem.kind`) on `device`; see the module docstring."""
+def kernel_front(device: DeviceProfile, problem: ConvProblem,
+                 measured: Measurements | None = None) -> tuple[KernelOption, ...]:
+    """The options of one conv kernel (`problem.kind`) on `device`; see the module docstring.
+    `measured` (from `measurements_from_db`) comes first."""
     key = _problem_key(problem)
+    if measured:
+        front = _equal_micro_front(measured.get((key, problem.kind)), problem.n)
+        if front:
+            return front
     if device.name in _DATA_FILES and PROFILES.get(device.name) == device:
         measured = _measured_front(device.name, key, problem.kind, problem.n)
         if measured:
@@ -114,15 +145,18 @@ def kernel_front(device: DeviceProfile, problem: ConvProblem) -> tuple[KernelOpt
     return (KernelOption(_roofline(device, problem), 0, "", "roofline"),)
 
 
-def conv_fronts(graph: TrainingGraph, device: DeviceProfile) -> dict[tuple[str, str], tuple[KernelOption, ...]]:
-    """Every conv kernel of `graph` that a step runs: (layer, kind) -> its options."""
+def conv_fronts(graph: TrainingGraph, device: DeviceProfile, *,
+                db=None) -> dict[tuple[str, str], tuple[KernelOption, ...]]:
+    """Every conv kernel of `graph` that a step runs: (layer, kind) -> its options. With `db` (a
+    measurement cache), its measurements of this device come before the shipped ones."""
+    measured = measurements_from_db(db, device) if db is not None else None
     out: dict[tuple[str, str], tuple[KernelOption, ...]] = {}
     for step in graph.steps:
         if step.kernels:
             problem = graph.op(step.op).conv
             assert problem is not None
             for kind in step.kernels:
-                out[(step.op, kind)] = kernel_front(device, problem.with_kind(kind))
+                out[(step.op, kind)] = kernel_front(device, problem.with_kind(kind), measured)
     return out
 
 

@@ -55,10 +55,10 @@ def plan(graph: TrainingGraph, device: DeviceProfile, memory_limit: int, *, devi
         raise InvalidInput(f"vDNN mode must be one of {', '.join(MODES)}, got {mode!r}")
     if algorithms not in ("fastest", "memory"):
         raise InvalidInput(f"algorithms must be 'fastest' or 'memory', got {algorithms!r}")
-    fronts = conv_fronts(graph, device)
+    fronts = conv_fronts(graph, device, db=db)
     fast = {k: fastest(opts).workspace for k, opts in fronts.items()}
     small = {k: opts[0].workspace for k, opts in fronts.items()}
-    base = baseline(graph, device)
+    base = baseline(graph, device, fronts)
     policy = f"vdnn-{mode}"
 
     def run(actions: dict[str, str], workspace: dict[tuple[str, str], int]):

@@ -1,0 +1,93 @@
+"""`ucudnn plan`: a memory plan for a zoo network on a device profile; `--compare` for every policy."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from ucudnn.devices import load_profile
+from ucudnn.errors import InvalidInput
+from ucudnn.sizes import format_size, parse_size
+
+_EXIT_NOTHING_FITS = 1
+
+
+def _table(plans) -> str:
+    header = ("policy", "fits", "peak", "average", "step ms", "overhead", "stall ms", "offloaded", "recompute")
+    rows = [header]
+    for p in plans:
+        recompute = sum(1 for t in p.tensors if t.action == "recompute")
+        rows.append((p.policy, "yes" if p.fits else "NO", format_size(p.peak_bytes), format_size(p.average_bytes),
+                     f"{p.step_ms:.1f}", f"{100 * p.overhead:+.1f}%", f"{p.stall_ms:.1f}",
+                     format_size(p.bytes_offloaded), str(recompute)))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    return "\n".join("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
+                     for r in rows)
+
+
+def _describe(plan) -> str:
+    return (f"{plan.network} batch {plan.batch} on {plan.devices}x {plan.device}, limit "
+            f"{format_size(plan.memory_limit)}; everything resident: {format_size(plan.baseline_peak_bytes)}, "
+            f"{plan.baseline_step_ms:.1f} ms")
+
+
+@click.command("plan")
+@click.option("--network", required=True, help="Zoo network (ucudnn networks lists them).")
+@click.option("--batch", type=int, default=None, help="Mini-batch size (default: the network's training batch).")
+@click.option("--device", "device_name", default="h100", show_default=True,
+              help="Device profile name (ucudnn devices) or a profile's JSON file.")
+@click.option("--memory", "memory", default=None, help="Device memory limit, e.g. 12GiB (default: the device's).")
+@click.option("--policy", default="optimal", show_default=True,
+              help="vdnn-all, vdnn-conv, vdnn-dyn, swap-multi, dymem, checkpoint or optimal.")
+@click.option("--devices", type=int, default=1, show_default=True, help="Devices training data-parallel.")
+@click.option("--db", "db_url", default=None,
+              help="A measurement cache (URL or SQLite file) whose measurements of this device come first.")
+@click.option("--compare", is_flag=True, help="Plan with every available policy, side by side.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON (one plan, or {\"policies\": [...]}).")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False),
+              help="Draw memory over the step and the streams' activity to this PNG (the first plan's).")
+def plan(network, batch, device_name, memory, policy, devices, db_url, compare, as_json, plot_path):
+    """Plan where each feature map lives (kept, offloaded, recomputed) so NETWORK trains within --memory.
+
+    Exit 0 when the plan fits (with --compare: some plan fits), 1 when nothing fits (the message names
+    the smallest limit that would), 2 on bad input.
+    """
+    from ucudnn.memory import available_policies, make_plan
+    from ucudnn.memory.graph import from_network
+    from ucudnn.memory.planner import smallest_fitting_limit
+    from ucudnn.networks import DEFAULT_BATCH, canonical_name
+
+    canonical = canonical_name(network)
+    if batch is None:
+        batch = DEFAULT_BATCH.get(canonical) or 0
+    if not isinstance(batch, int) or batch < 1:
+        raise InvalidInput(f"--batch must be a positive integer, got {batch}")
+    if devices < 1:
+        raise InvalidInput(f"--devices must be a positive integer, got {devices}")
+    profile = load_profile(device_name)
+    limit = parse_size(memory) if memory is not None else profile.memory_bytes
+    if limit <= 0:
+        raise InvalidInput(f"--memory must be positive, got {memory!r}")
+    policies = available_policies() if compare else [policy]
+    if not compare and policy not in available_policies():
+        raise InvalidInput(f"unknown or unavailable policy {policy!r}; available: {', '.join(available_policies())}")
+    graph = from_network(canonical, batch)
+    plans = [make_plan(graph, profile, limit, p, devices=devices, db=db_url) for p in policies]
+
+    if plot_path:
+        from ucudnn.memory.plot import plot_plan
+        plot_plan(plans[0], plot_path)
+    if as_json:
+        body = {"policies": [p.to_json() for p in plans]} if compare else plans[0].to_json()
+        click.echo(json.dumps(body))
+    else:
+        click.echo(_describe(plans[0]))
+        click.echo(_table(plans))
+    if any(p.fits for p in plans):
+        return 0
+    needed = min((smallest_fitting_limit(graph, profile, p.policy, devices=devices, above=limit), p.policy)
+                 for p in plans)
+    click.echo(f"ucudnn: failed: nothing fits {format_size(limit)}; the smallest limit that fits is "
+               f"{format_size(needed[0])} ({needed[0]} bytes, {needed[1]})", err=True)
+    return _EXIT_NOTHING_FITS

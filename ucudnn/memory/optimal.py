@@ -1,0 +1,235 @@
+"""`optimal`: per feature map keep / offload / recompute and per conv kernel a workspace, least simulated time.
+
+The graph is turned into the tables of `ucudnn.solver.memplan` (one row per step of the training
+iteration; each storage's resident rows under each action; each conv kernel's options, thinned to
+at most `MAX_OPTIONS` along its front) and solved with HiGHS. The program models memory exactly at
+step granularity but time only as compute plus recomputation, with copies bounded by the compute
+they hide behind; so its answer is simulated, and when the simulation overflows the limit (a copy
+or prefetch ran later than the program assumed) or stalls, the program is solved again with the
+limit lowered by the overflow, or the copy budget cut, and the best simulated plan that fits wins.
+
+vDNN's static plans (nothing, conv inputs or everything offloaded, fastest or smallest workspaces)
+are simulated too, and win where they fit and run faster (the program's copy queue is conservative).
+
+Each kernel's chosen workspace is its budget for the WD solver (the plan's `conv_workspace`).
+`search` returns the plan with the program's figures: its objective (a model of the step time, a
+bound for the decisions it weighs), HiGHS's own MIP gap, and the simulated step's distance to it.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from ucudnn.devices import DeviceProfile
+from ucudnn.memory.graph import TrainingGraph
+from ucudnn.memory.plan import MemoryPlan
+from ucudnn.memory.planner import baseline, to_plan
+from ucudnn.memory.simulate import simulate
+from ucudnn.memory.timing import KernelOption, conv_fronts, fastest, step_costs
+from ucudnn.solver import memplan
+from ucudnn.solver.types import Infeasible
+
+__all__ = ["OptimalResult", "plan", "search"]
+
+log = logging.getLogger("ucudnn.memory.optimal")
+
+QUEUE_FACTOR = 1.2       # copies back queue on their stream: one is assumed to take this times its time alone
+QUEUE_BLOCKS = 24        # the copy-out queue is modelled per block of forward steps (see memplan)
+MAX_OPTIONS = 4          # options kept per kernel front: the program stays small, the extremes stay in
+MIP_REL_GAP = 0.005      # HiGHS stops within 0.5% of its bound: the time model is not finer than that
+ROUNDS = 6               # solve-simulate rounds at most
+STALL_TOLERANCE = 0.01   # a plan stalling more than this share of its step is solved again with fewer copies
+_PREFER_KEEP_MS = 1e-6   # per MB offloaded: among equally fast plans, copy less
+
+
+@dataclass(frozen=True, slots=True)
+class OptimalResult:
+    plan: MemoryPlan
+    objective_ms: float           # the program's model of the step time for its answer
+    mip_gap: float                # HiGHS: relative distance between its answer and its proved bound
+    model_gap: float              # simulated step / objective - 1: what the program's time model missed
+    solve_time_s: float
+    rounds: int
+    chosen: str = "program"       # program, or vdnn when a static vDNN plan simulated faster
+
+
+def _thin(options: tuple[KernelOption, ...]) -> tuple[KernelOption, ...]:
+    if len(options) <= MAX_OPTIONS:
+        return options
+    picks = {round(i * (len(options) - 1) / (MAX_OPTIONS - 1)) for i in range(MAX_OPTIONS)}
+    return tuple(options[i] for i in sorted(picks))
+
+
+def _tables(graph: TrainingGraph, device: DeviceProfile, costs, fronts):
+    steps = graph.steps
+    T = len(steps)
+    nf = graph.forward_steps
+    first_write: dict[str, int] = {}
+    last_fwd: dict[str, int] = {}
+    bwd_uses: dict[str, list[int]] = {}
+    for s in steps:
+        for name in s.writes:
+            first_write.setdefault(name, s.index)
+        for name in (*s.reads, *s.writes):
+            if s.phase == "fwd":
+                last_fwd[name] = s.index
+            elif name in s.reads:
+                bwd_uses.setdefault(name, []).append(s.index)
+    fixed = [2 * graph.weight_bytes] * T
+    loss_inputs = {graph.storage_of(i) for op in graph.ops if op.type == "loss" for i in op.inputs}
+    ms = [c.ms for c in costs]
+
+    def add_fixed(lo: int, hi: int, b: int) -> None:
+        for r in range(lo, hi + 1):
+            fixed[r] += b
+
+    for name, t in graph.tensors.items():
+        if t.kind == "gradient":
+            uses = [s.index for s in steps if name in s.reads or name in s.writes]
+            add_fixed(min(uses), max(uses), t.bytes)
+    tensors = []
+    prefetch_at: dict[str, int] = {}
+    for s in graph.storages:
+        b = graph.bytes_of(s)
+        p, f = first_write[s], last_fwd[s]
+        uses = bwd_uses.get(s)
+        if not uses:
+            add_fixed(p, f, b)          # released after its last forward use
+            continue
+        u, e = uses[0], uses[-1]
+        if s in loss_inputs:
+            add_fixed(p, e, b)
+            continue
+        rows = {"keep": tuple(range(p, e + 1))}
+        cost = {"keep": 0.0}
+        # offload: resident through its forward life (the copy-out queue Q_t holds what waits longer),
+        # and again from the latest step whose compute before the use covers its copy back
+        need = QUEUE_FACTOR * device.copy_ms(b, "h2d")
+        q, left = u, 0.0
+        while q > f + 1 and left < need:
+            q -= 1
+            left += ms[q]
+        prefetch_at[s] = q
+        rows["offload"] = tuple(sorted(set(range(p, f + 1)) | set(range(q, e + 1))))
+        cost["offload"] = _PREFER_KEEP_MS * b / 1e6
+        producers = graph.producers(s)
+        sources = tuple(dict.fromkeys(graph.storage_of(i) for op in producers for i in op.inputs
+                                      if graph.storage_of(i) != s))
+        # rebuilt from resident sources only: a released source would have to be rebuilt too
+        if producers[0].type != "input" and all(src in bwd_uses for src in sources):
+            rows["recompute"] = tuple(sorted(set(range(p, f + 1)) | set(range(u, e + 1))))
+            cost["recompute"] = sum(ms[graph.op_index[op.name]] for op in producers)
+        last_write = max(st.index for st in steps[:nf] if s in st.writes)
+        tensors.append(memplan.Tensor(s, b, rows, cost, sources, copy_row=last_write))
+    kernels = []
+    thinned = {}
+    for (layer, kind), options in fronts.items():
+        opts = _thin(options)
+        thinned[(layer, kind)] = opts
+        row = next(st.index for st in steps if st.op == layer and kind in st.kernels)
+        kernels.append(memplan.Kernel(f"{layer}\t{kind}", row, tuple(o.time_ms for o in opts),
+                                      tuple(o.workspace for o in opts)))
+    fwd_ms = sum(ms[:nf])
+    bwd_ms = sum(ms[nf:])
+    budget = min(fwd_ms * device.d2h_gbps, bwd_ms * device.h2d_gbps) * 1e6  # bytes (GB/s x ms = MB)
+    # the steps that run no conv kernel take the same time whatever is chosen
+    constant_ms = sum(c.ms for c, st in zip(costs, steps) if not st.kernels)
+    # the copy-out queue in blocks of forward rows: what the stream drains while each block runs (bytes)
+    size = max(1, -(-nf // QUEUE_BLOCKS))
+    block = [r // size for r in range(nf)]
+    drain = [0.0] * (block[-1] + 1)
+    for r in range(nf):
+        drain[block[r]] += ms[r] * device.d2h_gbps * 1e6
+    return tensors, kernels, fixed, thinned, budget, constant_ms, prefetch_at, (drain, block)
+
+
+def _triggers(graph: TrainingGraph, actions: dict[str, str], prefetch_at: dict[str, int]) -> dict[str, int]:
+    """The program's prefetch rows as positions in the simulator's expanded schedule (recomputation
+    inserts steps)."""
+    from ucudnn.memory.simulate import expand
+
+    position = {}
+    for i, st in enumerate(expand(graph, actions)):
+        if st.phase != "recompute":
+            position.setdefault(st.step, i)
+    return {s: position[prefetch_at[s]] for s, a in actions.items() if a == "offload"}
+
+
+def search(graph: TrainingGraph, device: DeviceProfile, memory_limit: int, *, devices: int = 1, db=None,
+           time_limit_s: float = 4.0) -> OptimalResult:
+    """The optimal policy's plan and the program's figures (see the module docstring)."""
+    fronts = conv_fronts(graph, device, db=db)
+    base = baseline(graph, device, fronts)
+    tensors, kernels, fixed, thinned, budget, constant_ms, prefetch_at, drain = _tables(graph, device, base.costs, fronts)
+    target = memory_limit
+    best = None
+    last = None
+    solve_s = 0.0
+    rounds = 0
+    for rounds in range(1, ROUNDS + 1):
+        try:
+            sol = memplan.solve(tensors, kernels, fixed, target, copy_budget_bytes=budget, drain_bytes=drain[0],
+                                queue_block=drain[1],
+                                time_limit_s=max(1.0, time_limit_s - solve_s), mip_rel_gap=MIP_REL_GAP)
+        except Infeasible as exc:  # proved infeasible, or HiGHS found no answer in its time
+            log.info("optimal: round %d: %s", rounds, exc)
+            break
+        solve_s += sol.solve_time_s
+        workspace = {}
+        for k in kernels:
+            layer, kind = k.name.split("\t")
+            workspace[(layer, kind)] = thinned[(layer, kind)][sol.options[k.name]].workspace
+        costs = step_costs(graph, device, workspace=workspace, fronts=fronts)
+        result = simulate(graph, device, costs, sol.actions, memory_limit=memory_limit,
+                          prefetch=_triggers(graph, sol.actions, prefetch_at), devices=devices)
+        sol = memplan.Solution(sol.actions, sol.options, sol.objective_ms + constant_ms, sol.mip_gap,
+                               sol.solve_time_s, sol.status)
+        last = (sol, workspace, result)
+        log.info("optimal: round %d at %d bytes: peak %d, step %.1f ms (model %.1f), stall %.1f, fits %s",
+                 rounds, target, result.peak_bytes, result.step_ms, sol.objective_ms, result.stall_ms, result.fits)
+        if result.fits and (best is None or result.step_ms < best[2].step_ms):
+            best = last
+        overflow = result.peak_bytes - memory_limit
+        stalled = result.stall_ms > STALL_TOLERANCE * result.step_ms
+        if result.fits and not stalled:
+            break
+        if not result.fits:
+            target -= max(overflow, memory_limit // 100)
+        if stalled:
+            budget *= 0.7
+        if target <= 0:
+            break
+    # vDNN's static plans are candidates too: the program's memory model is conservative (whole-block
+    # copy queues), so where a plain plan fits and runs faster in simulation, it is the better answer
+    from ucudnn.memory.vdnn import actions_for
+
+    fast = {k: fastest(v).workspace for k, v in fronts.items()}
+    small = {k: v[0].workspace for k, v in fronts.items()}
+    fast_costs = step_costs(graph, device, workspace=fast, fronts=fronts)
+    static = None
+    for mode, workspace, costs in (("none", fast, fast_costs), ("conv", fast, fast_costs), ("all", fast, fast_costs),
+                                   ("all", small, None)):
+        actions = actions_for(graph, mode)
+        if costs is None:
+            costs = step_costs(graph, device, workspace=workspace, fronts=fronts)
+        result = simulate(graph, device, costs, actions, memory_limit=memory_limit, prefetch="adaptive",
+                          devices=devices)
+        if static is None or (result.fits and (not static[2].fits or result.step_ms < static[2].step_ms)):
+            static = (actions, workspace, result)
+    if best is None or (static[2].fits and static[2].step_ms < best[2].step_ms):
+        actions, workspace, result = static
+        p = to_plan(graph, device, memory_limit, "optimal", actions, workspace, result, devices=devices, base=base)
+        objective = last[0].objective_ms if last else float("nan")
+        return OptimalResult(p, objective, last[0].mip_gap if last else float("nan"),
+                             result.step_ms / objective - 1 if last else float("nan"), solve_s, rounds, "vdnn")
+    sol, workspace, result = best
+    p = to_plan(graph, device, memory_limit, "optimal", sol.actions, workspace, result, devices=devices, base=base)
+    return OptimalResult(p, sol.objective_ms, sol.mip_gap, result.step_ms / sol.objective_ms - 1, solve_s, rounds,
+                         "program")
+
+
+def plan(graph: TrainingGraph, device: DeviceProfile, memory_limit: int, *, devices: int = 1, db=None,
+         time_limit_s: float = 4.0) -> MemoryPlan:
+    """The `optimal` policy (see the module docstring)."""
+    return search(graph, device, memory_limit, devices=devices, db=db, time_limit_s=time_limit_s).plan
