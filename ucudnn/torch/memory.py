@@ -483,8 +483,10 @@ class _Executor:
             local = dict(zip(inputs, values))
             recomputing = calls[0] > 0
             calls[0] += 1
-            for node in inside:
+            for i, node in enumerate(inside, first):
                 local[node] = self._run_node(node, local, recomputing)
+                for dead in self.last_use.get(i, ()):  # free as the main loop does: the segment may be long
+                    local.pop(dead, None)
             return tuple(local[n] for n in outputs)
 
         self.current = last  # the segment's inputs are needed when its last node's backward recomputes it
