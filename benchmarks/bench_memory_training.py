@@ -129,16 +129,16 @@ def run_variant(spec: dict) -> dict:
         model = chain(spec["layers"], spec["channels"])
     else:
         model = {"vgg16": vgg16, "resnet50": resnet50}[spec["model"]](100)
-    if variant == "checkpoint_sequential":  # an in-place ReLU at a segment boundary would modify a saved input
-        for m in model.modules():
-            if isinstance(m, nn.ReLU):
-                m.inplace = False
     model = model.to(dev)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(spec["batch"], 3, spec["size"], spec["size"], generator=g).to(dev)
     y = torch.randint(0, 10, (spec["batch"],), generator=g).to(dev)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     variant = spec["variant"]
+    if variant == "checkpoint_sequential":  # an in-place ReLU at a segment boundary would modify a saved input
+        for m in model.modules():
+            if isinstance(m, nn.ReLU):
+                m.inplace = False
     plan = None
     if variant == "recompute":
         plan = _recompute_plan(model, x, spec["every"])
