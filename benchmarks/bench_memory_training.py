@@ -30,6 +30,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import table  # noqa: E402
 
+from ucudnn.sizes import parse_size  # noqa: E402
+
 # ---- the models -------------------------------------------------------------------------------------
 
 
@@ -249,7 +251,7 @@ def main() -> None:
                 "segments": args.segments, "profile": args.profile}
         plain = spawn({**base, "variant": "plain"})
         measure = "peak_bytes" if args.device.startswith("cuda") else "added_bytes"
-        limit = args.memory_limit or int(plain.get(measure, 2**30) // 2)
+        limit = parse_size(args.memory_limit) if args.memory_limit else int(plain.get(measure, 2**30) // 2)
         runs = [plain] + [spawn({**base, "variant": v, "memory_limit": limit}) for v in
                           ["save_on_cpu", "checkpoint_sequential"] + [f"ucudnn:{p}" for p in args.policies.split(",")]]
         rows = []
