@@ -3,7 +3,7 @@
 Part 1, ``--chain`` (CPU): a deep conv chain (conv + ReLU, ``--layers``, ``--channels``, batch
 ``--batch``, ``--size``^2 images). Each variant runs in a fresh subprocess: one no-grad forward
 (inference peak RSS), then ``--steps`` SGD steps; reported is the peak RSS the training adds above
-inference (resource.getrusage maxrss), and the parameters after training against plain PyTorch's.
+inference (VmHWM, the process's peak RSS), and the parameters after training against plain PyTorch's.
 Variants: plain PyTorch; ``checkpoint_sequential`` with ``--segments`` segments; a ucudnn
 recomputing plan (the planner's ``checkpoint`` policy where it exists, else a plan keeping every
 k-th ReLU output, k = layers / segments, and recomputing the rest) run by ``execute_plan``.
@@ -150,7 +150,13 @@ def run_variant(spec: dict) -> dict:
                            device=spec.get("profile"))
 
     def rss() -> int:
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        # VmHWM, the peak RSS of this process image (getrusage's maxrss would start at the parent's
+        # size, which Linux carries across fork and exec); maxrss where there is no /proc
+        try:
+            with open("/proc/self/status") as f:
+                return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+        except (OSError, StopIteration):
+            return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
     def sync() -> None:
         if dev.type == "cuda":
