@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import click
+from tqdm import tqdm
 
 from ucudnn.devices import load_profile
 from ucudnn.errors import InvalidInput
@@ -73,7 +75,9 @@ def plan(network, batch, device_name, memory, policy, devices, db_url, compare, 
     if not compare and policy not in available_policies():
         raise InvalidInput(f"unknown or unavailable policy {policy!r}; available: {', '.join(available_policies())}")
     graph = from_network(canonical, batch)
-    plans = [make_plan(graph, profile, limit, p, devices=devices, db=db_url) for p in policies]
+    # progress on stderr, shown only on a terminal (disable=None), so --json stays clean
+    plans = [make_plan(graph, profile, limit, p, devices=devices, db=db_url)
+             for p in tqdm(policies, desc="planning", unit="policy", disable=None, leave=False, file=sys.stderr)]
 
     if plot_path:
         from ucudnn.memory.plot import plot_plan

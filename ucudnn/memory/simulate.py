@@ -102,20 +102,28 @@ class DeviceResult:
 
 @dataclass(frozen=True, slots=True)
 class SimResult:
-    """Figures of the slowest / largest device (they are equal on one device), and each device's own."""
+    """Each device's result; the figures below are the slowest / largest device's (one device: its own)."""
 
-    peak_bytes: int
-    average_bytes: int
-    step_ms: float
-    stall_ms: float
-    bytes_offloaded: int
-    bytes_prefetched: int
-    recompute_ms: float
     memory_limit: int | None
-    fits: bool                    # every device stayed within memory_limit
     timeline: tuple[Interval, ...]
     devices: tuple[DeviceResult, ...]
     schedule: tuple[tuple[SimStep, ...], ...]  # each device's expanded schedule
+
+    def _max(self, name: str):
+        return max(getattr(d, name) for d in self.devices)
+
+    peak_bytes = property(lambda self: self._max("peak_bytes"))
+    average_bytes = property(lambda self: self._max("average_bytes"))
+    step_ms = property(lambda self: self._max("step_ms"))
+    stall_ms = property(lambda self: self._max("stall_ms"))
+    bytes_offloaded = property(lambda self: self._max("bytes_offloaded"))
+    bytes_prefetched = property(lambda self: self._max("bytes_prefetched"))
+    recompute_ms = property(lambda self: self._max("recompute_ms"))
+
+    @property
+    def fits(self) -> bool:
+        """Every device stayed within memory_limit."""
+        return self.memory_limit is None or not any(d.overflow for d in self.devices)
 
     @property
     def memory(self) -> tuple[tuple[float, int], ...]:
@@ -540,15 +548,7 @@ def simulate(graph: TrainingGraph, device: DeviceProfile, costs: Sequence[StepCo
                                     dv.recompute_ms, dv.overflow, tuple(dv.missing), tuple(mem),
                                     tuple(dv.events)))
     return SimResult(
-        peak_bytes=max(r.peak_bytes for r in results),
-        average_bytes=max(r.average_bytes for r in results),
-        step_ms=max(r.step_ms for r in results),
-        stall_ms=max(r.stall_ms for r in results),
-        bytes_offloaded=max(r.bytes_offloaded for r in results),
-        bytes_prefetched=max(r.bytes_prefetched for r in results),
-        recompute_ms=max(r.recompute_ms for r in results),
         memory_limit=memory_limit,
-        fits=memory_limit is None or all(not r.overflow for r in results),
         timeline=tuple(sorted(intervals, key=lambda i: (i.device, i.start_ms))),
         devices=tuple(results),
         schedule=tuple(dv.p.sched for dv in devs),
