@@ -1,0 +1,280 @@
+"""Memory plans in training: what training adds above inference, and peak memory and step time per variant.
+
+Part 1, ``--chain`` (CPU): a deep conv chain (conv + ReLU, ``--layers``, ``--channels``, batch
+``--batch``, ``--size``^2 images). Each variant runs in a fresh subprocess: one no-grad forward
+(inference peak RSS), then ``--steps`` SGD steps; reported is the peak RSS the training adds above
+inference (VmHWM, the process's peak RSS), and the parameters after training against plain PyTorch's.
+Variants: plain PyTorch; ``checkpoint_sequential`` with ``--segments`` segments; a ucudnn
+recomputing plan (the planner's ``checkpoint`` policy where it exists, else a plan keeping every
+k-th ReLU output, k = layers / segments, and recomputing the rest) run by ``execute_plan``.
+
+Part 2, ``--models vgg16,resnet50`` (VGG-16 / ResNet-50 shaped models built here, no torchvision):
+plain, ``torch.autograd.graph.save_on_cpu``, ``checkpoint_sequential`` and ucudnn plans
+(``--policies``), each in a fresh subprocess: peak memory (CUDA: max_memory_allocated above the
+weights; CPU: peak RSS above inference) and the median step time, in one run. ``--device cuda``
+where a GPU is at hand.
+
+    OMP_NUM_THREADS=2 python benchmarks/bench_memory_training.py --chain
+    python benchmarks/bench_memory_training.py --models vgg16,resnet50 --batch 8 --size 64 --device cpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import table  # noqa: E402
+
+from ucudnn.sizes import parse_size  # noqa: E402
+
+# ---- the models -------------------------------------------------------------------------------------
+
+
+def chain(layers: int, channels: int):
+    from torch import nn
+
+    return nn.Sequential(nn.Conv2d(3, channels, 3, padding=1), nn.ReLU(),
+                         *[m for _ in range(layers - 1) for m in (nn.Conv2d(channels, channels, 3, padding=1), nn.ReLU())],
+                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(channels, 10))
+
+
+def vgg16(num_classes: int = 1000):
+    """torchvision's VGG-16 layout (conv 3x3 + ReLU, max-pools, a 4096-4096 classifier)."""
+    from torch import nn
+
+    cfg = [64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "M", 512, 512, 512, "M"]
+    layers, c = [], 3
+    for v in cfg:
+        if v == "M":
+            layers.append(nn.MaxPool2d(2))
+        else:
+            layers += [nn.Conv2d(c, v, 3, padding=1), nn.ReLU(inplace=True)]
+            c = v
+    return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(7), nn.Flatten(), nn.Linear(512 * 49, 4096),
+                         nn.ReLU(inplace=True), nn.Linear(4096, 4096), nn.ReLU(inplace=True), nn.Linear(4096, num_classes))
+
+
+def resnet50(num_classes: int = 1000):
+    """torchvision's ResNet-50 layout (bottlenecks 3-4-6-3, batch-norm, in-place ReLUs), as a Sequential
+    of blocks so that checkpoint_sequential can cut it."""
+    import torch
+    from torch import nn
+
+    class Bottleneck(nn.Module):
+        def __init__(self, c_in: int, width: int, stride: int) -> None:
+            super().__init__()
+            c_out = 4 * width
+            self.conv1, self.bn1 = nn.Conv2d(c_in, width, 1, bias=False), nn.BatchNorm2d(width)
+            self.conv2, self.bn2 = nn.Conv2d(width, width, 3, stride, 1, bias=False), nn.BatchNorm2d(width)
+            self.conv3, self.bn3 = nn.Conv2d(width, c_out, 1, bias=False), nn.BatchNorm2d(c_out)
+            self.relu = nn.ReLU(inplace=True)
+            self.downsample = None
+            if stride != 1 or c_in != c_out:
+                self.downsample = nn.Sequential(nn.Conv2d(c_in, c_out, 1, stride, bias=False), nn.BatchNorm2d(c_out))
+
+        def forward(self, x):
+            identity = x if self.downsample is None else self.downsample(x)
+            out = self.relu(self.bn1(self.conv1(x)))
+            out = self.relu(self.bn2(self.conv2(out)))
+            out = self.bn3(self.conv3(out))
+            out += identity
+            return self.relu(out)
+
+    blocks, c = [], 64
+    for width, count, stride in ((64, 3, 1), (128, 4, 2), (256, 6, 2), (512, 3, 2)):
+        for i in range(count):
+            blocks.append(Bottleneck(c, width, stride if i == 0 else 1))
+            c = 4 * width
+    del torch
+    return nn.Sequential(nn.Conv2d(3, 64, 7, 2, 3, bias=False), nn.BatchNorm2d(64), nn.ReLU(inplace=True),
+                         nn.MaxPool2d(3, 2, 1), *blocks, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(c, num_classes))
+
+
+# ---- one variant, in a fresh process ------------------------------------------------------------------
+
+
+def _recompute_plan(model, x, every: int):
+    """The planner's checkpoint policy where it exists; else keep every `every`-th ReLU output."""
+    from ucudnn.memory import available_policies
+    from ucudnn.memory.plan import MemoryPlan, TensorAction
+    from ucudnn.torch.memory import _trace_graph, plan_memory
+
+    if "checkpoint" in available_policies():
+        graph = _trace_graph(model, x)
+        return plan_memory(model, x, memory_limit=graph.feature_map_bytes // 3, policy="checkpoint")
+    graph = _trace_graph(model, x)
+    relus = [op.name for op in graph.ops if op.type == "relu" and not op.inplace]
+    keep = set(relus[every - 1::every])
+    actions = {s: ("keep" if s in keep or s in (graph.storages[0], graph.storages[-1]) else "recompute")
+               for s in graph.storages}
+    return MemoryPlan(graph.network, graph.batch, "host", 1, 2**62, "every-k", True, 0, 0, 0, 1.0, 1.0, 0.0, 0,
+                      tuple(TensorAction(s, graph.bytes_of(s), a) for s, a in actions.items()), ())
+
+
+def run_variant(spec: dict) -> dict:
+    import resource
+
+    import torch
+    from torch import nn
+    from torch.utils.checkpoint import checkpoint_sequential
+
+    from ucudnn.torch.memory import execute_plan, plan_memory
+
+    torch.manual_seed(0)
+    dev = torch.device(spec["device"])
+    if spec["model"] == "chain":
+        model = chain(spec["layers"], spec["channels"])
+    else:
+        model = {"vgg16": vgg16, "resnet50": resnet50}[spec["model"]](100)
+    model = model.to(dev)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(spec["batch"], 3, spec["size"], spec["size"], generator=g).to(dev)
+    y = torch.randint(0, 10, (spec["batch"],), generator=g).to(dev)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    variant = spec["variant"]
+    if variant == "checkpoint_sequential":  # an in-place ReLU at a segment boundary would modify a saved input
+        for m in model.modules():
+            if isinstance(m, nn.ReLU):
+                m.inplace = False
+    plan = None
+    if variant == "recompute":
+        plan = _recompute_plan(model, x, spec["every"])
+    elif variant.startswith("ucudnn:"):
+        limit = spec["memory_limit"]
+        plan = plan_memory(model, x, memory_limit=limit, policy=variant.split(":", 1)[1],
+                           device=spec.get("profile"))
+
+    def rss() -> int:
+        # VmHWM, the peak RSS of this process image (getrusage's maxrss would start at the parent's
+        # size, which Linux carries across fork and exec); maxrss where there is no /proc
+        try:
+            with open("/proc/self/status") as f:
+                return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+        except (OSError, StopIteration):
+            return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+    def sync() -> None:
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+
+    with torch.no_grad():
+        model(x)
+    sync()
+    inference = rss()
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    times = []
+    for _ in range(spec["steps"]):
+        start = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        if variant == "save_on_cpu":
+            with torch.autograd.graph.save_on_cpu(pin_memory=dev.type == "cuda"):
+                loss = nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+        elif variant == "checkpoint_sequential":
+            loss = nn.functional.cross_entropy(checkpoint_sequential(model, spec["segments"], x, use_reentrant=False), y)
+            loss.backward()
+        elif plan is not None:
+            with execute_plan(model, plan):
+                loss = nn.functional.cross_entropy(model(x), y)
+                loss.backward()
+        else:
+            loss = nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+        opt.step()
+        sync()
+        times.append((time.perf_counter() - start) * 1e3)
+    out = {"variant": variant, "added_bytes": rss() - inference, "step_ms": sorted(times)[len(times) // 2],
+           "params": [p.detach().cpu().double().sum().item() for p in model.parameters()]}
+    if dev.type == "cuda":
+        out["peak_bytes"] = torch.cuda.max_memory_allocated() - base
+    if plan is not None:
+        out["plan_peak_bytes"] = plan.peak_bytes
+        out["plan"] = plan.policy
+    return out
+
+
+def spawn(spec: dict) -> dict:
+    env = dict(os.environ)
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", json.dumps(spec)],
+                          capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        return {"variant": spec["variant"], "error": proc.stderr.strip().splitlines()[-1] if proc.stderr else "failed"}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _mib(b: float) -> str:
+    return f"{b / 2**20:.1f}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--chain", action="store_true", help="the CPU conv-chain experiment")
+    ap.add_argument("--layers", type=int, default=49)
+    ap.add_argument("--channels", type=int, default=32)
+    ap.add_argument("--segments", type=int, default=7)
+    ap.add_argument("--models", default="", help="comma-separated: vgg16, resnet50")
+    ap.add_argument("--policies", default="vdnn-all,vdnn-conv", help="ucudnn policies for --models")
+    ap.add_argument("--memory-limit", default=None, help="planner limit for --models (default: half of plain's)")
+    ap.add_argument("--profile", default=None, help="device profile for the planner (default: the device's)")
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--size", type=int, default=48)
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        print(json.dumps(run_variant(json.loads(args.child))))
+        return
+    results = {}
+    if args.chain:
+        base = {"model": "chain", "layers": args.layers, "channels": args.channels, "batch": args.batch,
+                "size": args.size, "steps": args.steps, "device": args.device, "segments": args.segments,
+                "every": max(1, round(args.layers / args.segments))}
+        rows, runs = [], [spawn({**base, "variant": v}) for v in ("plain", "checkpoint_sequential", "recompute")]
+        plain = runs[0]
+        for r in runs:
+            if "error" in r:
+                rows.append([r["variant"], "error: " + r["error"], "", "", ""])
+                continue
+            cut = 1 - r["added_bytes"] / plain["added_bytes"]
+            same = max(abs(a - b) / max(1.0, abs(b)) for a, b in zip(r["params"], plain["params"]))
+            rows.append([r["variant"] + (f" ({r['plan']})" if "plan" in r else ""), _mib(r["added_bytes"]),
+                         f"{-cut:+.0%}" if r is not plain else "", f"{r['step_ms']:.0f}", f"{same:.1e}"])
+        print(f"conv chain: {args.layers} layers, {args.channels} channels, batch {args.batch}, "
+              f"{args.size}x{args.size}, {args.steps} SGD steps, {args.device}")
+        print(table(["variant", "training adds (MiB RSS)", "vs plain", "ms/step", "params rel. diff"], rows))
+        results["chain"] = runs
+    for name in [m for m in args.models.split(",") if m]:
+        base = {"model": name, "batch": args.batch, "size": args.size, "steps": args.steps, "device": args.device,
+                "segments": args.segments, "profile": args.profile}
+        plain = spawn({**base, "variant": "plain"})
+        measure = "peak_bytes" if args.device.startswith("cuda") else "added_bytes"
+        limit = parse_size(args.memory_limit) if args.memory_limit else int(plain.get(measure, 2**30) // 2)
+        runs = [plain] + [spawn({**base, "variant": v, "memory_limit": limit}) for v in
+                          ["save_on_cpu", "checkpoint_sequential"] + [f"ucudnn:{p}" for p in args.policies.split(",")]]
+        rows = []
+        for r in runs:
+            if "error" in r:
+                rows.append([r["variant"], "error: " + r["error"][:80], "", "", "", ""])
+                continue
+            rows.append([r["variant"], _mib(r[measure]), f"{r[measure] / plain[measure]:.2f}", f"{r['step_ms']:.0f}",
+                         f"{r['step_ms'] / plain['step_ms']:.2f}",
+                         _mib(r["plan_peak_bytes"]) if "plan_peak_bytes" in r else ""])
+        what = "peak above weights (MiB)" if measure == "peak_bytes" else "training adds (MiB RSS)"
+        print(f"\n{name}: batch {args.batch}, {args.size}x{args.size}, {args.device}, planner limit {_mib(int(limit))} MiB")
+        print(table(["variant", what, "vs plain", "ms/step", "vs plain", "plan peak (MiB)"], rows))
+        results[name] = runs
+    if args.json:
+        print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()

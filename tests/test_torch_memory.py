@@ -1,0 +1,416 @@
+"""ucudnn.torch.memory: memory plans run in PyTorch training (offload, prefetch, recompute, workspaces)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+torch = pytest.importorskip("torch")
+from torch import nn  # noqa: E402
+
+from ucudnn import InvalidInput  # noqa: E402
+from ucudnn.memory import available_policies  # noqa: E402
+from ucudnn.memory.graph import trace  # noqa: E402
+from ucudnn.memory.plan import ConvWorkspace, MemoryPlan, TensorAction  # noqa: E402
+from ucudnn.torch import convert  # noqa: E402
+from ucudnn.torch import memory as tm  # noqa: E402
+from ucudnn.torch.memory import execute_plan, plan_memory  # noqa: E402
+
+RTOL, ATOL = 1e-5, 1e-6
+STEPS = 3
+
+
+class Block(nn.Module):
+    """A residual block as torchvision writes it: in-place ReLUs and an in-place add."""
+
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(c, c, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(c)
+        self.relu = nn.ReLU(inplace=True)
+        self.conv2 = nn.Conv2d(c, c, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(c)
+
+    def forward(self, x):
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        out += x
+        return self.relu(out)
+
+
+class SmallNet(nn.Module):
+    """A stem, a max-pool, two residual blocks, a non-in-place ReLU, flatten and a classifier."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn1 = nn.BatchNorm2d(8)
+        self.pool = nn.MaxPool2d(2)
+        self.layer1 = nn.Sequential(Block(8), Block(8))
+        self.conv2 = nn.Conv2d(8, 8, 3, padding=1)
+        self.fc = nn.Linear(8 * 4 * 4, 10)
+
+    def forward(self, x):
+        x = self.pool(torch.relu(self.bn1(self.conv1(x))))
+        x = torch.relu(self.conv2(self.layer1(x)))
+        return self.fc(torch.flatten(x, 1))
+
+
+def _data(n=4, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 3, 8, 8, generator=g), torch.randint(0, 10, (n,), generator=g)
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    return SmallNet()
+
+
+def _hand_plan(model, x, actions, conv_workspace=()):
+    """A plan naming every storage of the traced graph, `actions` where given, keep elsewhere."""
+    graph = tm._trace_graph(model, x)  # eval mode: its shape pass leaves batch-norm statistics alone
+    tensors = tuple(TensorAction(s, graph.bytes_of(s), actions(s) if callable(actions) else actions.get(s, "keep"))
+                    for s in graph.storages)
+    return MemoryPlan(network=graph.network, batch=graph.batch, device="host", devices=1, memory_limit=2**30,
+                      policy="hand", fits=True, peak_bytes=0, average_bytes=0, baseline_peak_bytes=0, step_ms=1.0,
+                      baseline_step_ms=1.0, stall_ms=0.0, bytes_offloaded=0, tensors=tensors,
+                      conv_workspace=tuple(conv_workspace))
+
+
+def _train(model, plan=None, steps=STEPS, **options):
+    """Parameters and buffers after `steps` SGD steps (with momentum), and the last step's stats."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    stats = None
+    for step in range(steps):
+        x, y = _data(seed=step)
+        opt.zero_grad()
+        if plan is None:
+            nn.functional.cross_entropy(model(x), y).backward()
+        else:
+            with execute_plan(model, plan, **options) as stats:
+                nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    return model.state_dict(), stats
+
+
+def _assert_same_state(ref, got):
+    assert ref.keys() == got.keys()
+    for name in ref:
+        torch.testing.assert_close(got[name], ref[name], rtol=RTOL, atol=ATOL, msg=lambda m: f"{name}: {m}")
+
+
+# Hand-made plans: every action on every kind of op the model holds.
+HAND_PLANS = {
+    "keep": lambda s: "keep",
+    "offload-all": lambda s: "offload" if s not in ("x", "loss") else "keep",
+    "recompute-all": lambda s: "recompute" if s not in ("x", "loss", "fc") else "keep",
+    "release-all": lambda s: "release",
+    "mixed": lambda s: MIXED.get(s, "keep"),
+}
+MIXED = {"conv1": "offload", "bn1": "recompute", "pool": "offload", "layer1_0_conv1": "recompute",
+         "layer1_0_bn1": "recompute", "layer1_0_conv2": "release", "add": "offload", "layer1_1_conv2": "recompute",
+         "relu_1": "offload", "fc": "release"}
+
+
+@pytest.mark.parametrize("name", list(HAND_PLANS))
+def test_hand_made_plans_train_like_plain_pytorch(name):
+    ref_state, _ = _train(_model())
+    model = _model()
+    plan = _hand_plan(model, _data()[0], HAND_PLANS[name])
+    state, stats = _train(model, plan)
+    _assert_same_state(ref_state, state)
+    actions = {t.action for t in plan.tensors}
+    if "offload" in actions:
+        assert stats.offloaded > 0 and stats.prefetched == stats.offloaded
+    else:
+        assert stats.offloaded == 0
+    assert (stats.segments > 0) == ("recompute" in actions)
+    if name == "release-all":  # autograd saves some of them anyway: they are kept, and named
+        assert "layer1_0_conv1" in stats.kept_released
+    assert "forward" not in model.__dict__  # the model's own forward is back
+
+
+@pytest.mark.parametrize("policy", available_policies())
+def test_every_policy_trains_like_plain_pytorch(policy):
+    ref_state, _ = _train(_model())
+    model = _model()
+    x = _data()[0]
+    graph = trace(copy.deepcopy(model), x)
+    limit = graph.feature_map_bytes // 2  # tight enough that policies offload or recompute
+    plan = plan_memory(model, x, memory_limit=limit, policy=policy, device="k40")
+    assert plan.policy == policy and plan.batch == 4
+    assert {t.name for t in plan.tensors} == set(graph.storages)
+    state, stats = _train(model, plan)
+    _assert_same_state(ref_state, state)
+    offloaded = {t.name for t in plan.tensors if t.action == "offload"}
+    assert (stats.offloaded > 0) == bool(offloaded - {"loss"})
+    assert stats.late_prefetches == 0
+
+
+def test_prefetch_is_issued_before_every_unpack_and_ahead_of_use():
+    model = _model()
+    plan = _hand_plan(model, _data()[0], HAND_PLANS["offload-all"])
+    _, stats = _train(model, plan, steps=1)
+    assert stats.late_prefetches == 0
+    issued: dict[str, int] = {}
+    unpacked: dict[str, int] = {}
+    for kind, name in stats.events:
+        if kind == "prefetch":
+            issued[name] = issued.get(name, 0) + 1
+        elif kind == "unpack":
+            unpacked[name] = unpacked.get(name, 0) + 1
+            assert issued.get(name, 0) >= 1, f"{name} unpacked before its prefetch was issued"
+    assert set(unpacked) == set(issued)
+    # Ahead of use: when a tensor is first unpacked, the next one the backward pass needs is in flight.
+    events = stats.events
+    first_unpack = [i for i, e in enumerate(events) if e[0] == "unpack"][0]
+    assert sum(1 for e in events[:first_unpack] if e[0] == "prefetch") >= 2
+    # Without prefetching ahead, each prefetch comes at the latest from the hook of the node that needs it.
+    _, stats0 = _train(_model(), plan, steps=1, prefetch_ahead=0)
+    assert stats0.late_prefetches == 0
+
+
+class _FakeEvent:
+    """A CUDA event stand-in: not done until the test says so; waiting on it from the host is an error."""
+
+    def __init__(self, log):
+        self.log, self.finished = log, False
+
+    def query(self):
+        self.log.append("query")
+        return self.finished
+
+    def synchronize(self):
+        raise AssertionError("host synchronisation on a copy event")
+
+
+class _FakeStreamCopier:
+    """The executor's copier interface with asynchronous copies: what `_CudaCopier` does, on the CPU."""
+
+    def __init__(self):
+        self.log, self.events = [], []
+
+    def _event(self):
+        e = _FakeEvent(self.log)
+        self.events.append(e)
+        return e
+
+    def to_host(self, t):
+        self.log.append("d2h")
+        return t.detach().clone(), self._event()
+
+    def done(self, event):
+        return event.query()
+
+    def to_device(self, host, device, after):
+        self.log.append("h2d")
+        return host.clone(), self._event()
+
+    def wait(self, event):
+        self.log.append("wait")  # a stream wait on the event, not a host wait
+
+
+def test_pack_frees_device_copies_on_events_without_host_synchronisation(monkeypatch):
+    copier = _FakeStreamCopier()
+    monkeypatch.setattr(tm, "_copier_for", lambda device: copier)
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("host synchronisation")
+
+    monkeypatch.setattr(torch.cuda, "synchronize", forbidden)
+    monkeypatch.setattr(torch.cuda.Event, "synchronize", forbidden, raising=False)
+    monkeypatch.setattr(torch.cuda.Stream, "synchronize", forbidden, raising=False)
+    model = _model()
+    ref_state, _ = _train(_model(), steps=1)
+    plan = _hand_plan(model, _data()[0], HAND_PLANS["offload-all"])
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    x, y = _data(seed=0)
+    with execute_plan(model, plan) as stats:
+        loss = nn.functional.cross_entropy(model(x), y)
+        executor = model.forward.__self__
+        # Copies not done yet: the executor still holds every offloaded device tensor.
+        assert len(executor.pending) == stats.offloaded > 0
+        for e in copier.events:
+            e.finished = True
+        loss.backward()
+        assert executor.pending == []  # dropped once the events said so, at the first backward step
+    opt.step()
+    _assert_same_state(ref_state, model.state_dict())
+    assert copier.log.count("d2h") == stats.offloaded and copier.log.count("h2d") == stats.prefetched
+    assert copier.log.count("wait") == sum(1 for e in stats.events if e[0] == "unpack")
+
+
+def test_batch_norm_statistics_move_once_per_step_under_recomputation():
+    ref_state, _ = _train(_model())
+    model = _model()
+    plan = _hand_plan(model, _data()[0], {"conv1": "recompute", "bn1": "recompute", "layer1_0_bn1": "recompute"})
+    state, stats = _train(model, plan)
+    assert stats.segments >= 1
+    assert int(state["bn1.num_batches_tracked"]) == STEPS
+    _assert_same_state(ref_state, state)
+
+
+def test_converted_convs_take_their_workspace_budgets_from_the_plan():
+    ref_state, _ = _train(_model())
+    model = convert(_model(), backend="cpu", policy="undivided", reps=1, db="sqlite://")
+    own = model.conv1.handle
+    x = _data()[0]
+    budgets = [ConvWorkspace("conv1", "fwd", 2**20), ConvWorkspace("conv1", "bwd_filter", 2**18),
+               ConvWorkspace("layer1_0_conv1", "fwd", 2**17)]
+    plan = _hand_plan(model, x, {}, budgets)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    handles = {}
+    for step in range(STEPS):
+        xs, y = _data(seed=step)
+        opt.zero_grad()
+        with execute_plan(model, plan):
+            handles = {"conv1": model.conv1.handle, "layer1_0_conv1": model.layer1[0].conv1.handle}
+            nn.functional.cross_entropy(model(xs), y).backward()
+        opt.step()
+    _assert_same_state(ref_state, model.state_dict())
+    assert handles["conv1"].workspace_limit == 2**18  # the tightest of the layer's kernels
+    assert handles["layer1_0_conv1"].workspace_limit == 2**17
+    for handle, limit in ((handles["conv1"], 2**18), (handles["layer1_0_conv1"], 2**17)):
+        choices = handle.choices()
+        assert choices and all(c.config.workspace <= limit for c in choices)
+    assert model.conv1.handle is own and model.conv2.handle is own  # restored; unplanned layers untouched
+
+
+def test_plan_for_another_batch_is_refused():
+    model = _model()
+    plan = _hand_plan(model, torch.randn(8, 3, 8, 8), {})
+    x, _ = _data()
+    with pytest.raises(InvalidInput, match="batch 8, the input has batch 4"):
+        with execute_plan(model, plan):
+            model(x)
+    assert "forward" not in model.__dict__
+
+
+def test_plan_for_another_input_size_is_refused():
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten())
+    plan = _hand_plan(model, torch.randn(4, 3, 16, 16), {})
+    with pytest.raises(InvalidInput, match="has .* bytes in the plan"):
+        with execute_plan(model, plan):
+            model(torch.randn(4, 3, 8, 8))
+
+
+def test_plan_for_another_model_is_refused():
+    other = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.LazyLinear(2))
+    x = torch.randn(4, 3, 8, 8)
+    other(x)
+    plan = _hand_plan(other, x, {})
+    model = _model()
+    with pytest.raises(InvalidInput, match="does not produce; a plan made for another model"):
+        with execute_plan(model, plan):
+            model(x)
+    bad_ws = _hand_plan(model, x, {}, [ConvWorkspace("nonexistent_conv", "fwd", 0)])
+    with pytest.raises(InvalidInput, match="nonexistent_conv"):
+        with execute_plan(model, bad_ws):
+            pass
+    with pytest.raises(InvalidInput, match="MemoryPlan"):
+        with execute_plan(model, plan.to_json()):
+            pass
+
+
+def test_plan_memory_validates_its_arguments():
+    model = _model()
+    x = _data()[0]
+    with pytest.raises(InvalidInput, match="policy"):
+        plan_memory(model, x, memory_limit="1GiB", policy="no-such-policy", device="k40")
+    with pytest.raises(InvalidInput, match="model"):
+        plan_memory("not a model", x)
+    profile = tm.measure_profile("cpu")  # device=None on the CPU: this host, measured
+    assert profile.name == "host" and profile.memory_bytes > 2**30 and profile.fp32_tflops > 0
+
+
+_RSS_CHILD = textwrap.dedent("""
+    import json, sys, torch
+    from torch import nn
+    torch.set_num_threads(1)
+    from ucudnn.memory.graph import trace
+    from ucudnn.memory.plan import MemoryPlan, TensorAction
+    from ucudnn.torch.memory import execute_plan
+    layers, segment = 36, 6
+    torch.manual_seed(0)
+    model = nn.Sequential(*[m for _ in range(layers) for m in (nn.Conv2d(32, 32, 3, padding=1), nn.ReLU())])
+    x = torch.randn(16, 32, 40, 40)
+    def rss():
+        # VmHWM, the peak RSS of this process image: getrusage's maxrss would start at the parent's
+        # size, which Linux carries across fork and exec
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    graph = trace(model, x)
+    with torch.no_grad():
+        model(x)
+    inference = rss()
+    # storages: input, then conv and relu outputs in turn; keep every segment-th relu output (the
+    # next conv's input), recompute the others
+    actions = {s: ("keep" if i % (2 * segment) == 2 * segment - 1 else "recompute")
+               for i, s in enumerate(graph.storages[1:-2])}
+    plan = MemoryPlan("chain", 16, "host", 1, 2**40, "hand", True, 0, 0, 0, 1.0, 1.0, 0.0, 0,
+                      tuple(TensorAction(s, graph.bytes_of(s), actions.get(s, "keep")) for s in graph.storages), ())
+    if sys.argv[1] == "plan":
+        with execute_plan(model, plan):
+            model(x).square().mean().backward()
+    else:
+        model(x).square().mean().backward()
+    print(json.dumps({"added": rss() - inference}))
+""")
+
+
+def _training_added_rss(variant: str) -> int:
+    out = subprocess.run([sys.executable, "-c", _RSS_CHILD, variant], capture_output=True, text=True, check=True,
+                         env={"OMP_NUM_THREADS": "1", "PATH": "",
+                              # a fixed mmap threshold: freed feature maps go back to the system, so
+                              # that the peak RSS follows the live tensors
+                              "MALLOC_MMAP_THRESHOLD_": "65536"})
+    return json.loads(out.stdout.strip().splitlines()[-1])["added"]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads the peak RSS from /proc/self/status (Linux)")
+def test_recomputing_plan_cuts_the_memory_training_adds_above_inference():
+    plain = _training_added_rss("plain")
+    planned = _training_added_rss("plan")
+    # plain training saves 36 maps of 3.3 MB (each ReLU's output, the next conv's input); the plan
+    # keeps 6 and the input and recomputes one segment of 6 at a time (measured: 120 -> 77 MiB)
+    assert plain > 80 * 2**20, (plain, planned)
+    assert planned < 0.8 * plain, (plain, planned)
+
+
+gpu = pytest.mark.gpu
+
+
+@gpu
+def test_gpu_peak_memory_follows_the_plan():  # pragma: no cover - needs a GPU
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device: torch.cuda.is_available() is False")
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    model = nn.Sequential(*[m for _ in range(16) for m in (nn.Conv2d(64, 64, 3, padding=1), nn.ReLU())],
+                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, 10)).to(dev)
+    x = torch.randn(64, 64, 56, 56, device=dev)
+    y = torch.randint(0, 10, (64,), device=dev)
+
+    def step(plan=None):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        context = execute_plan(model, plan) if plan is not None else torch.enable_grad()
+        with context:
+            nn.functional.cross_entropy(model(x), y).backward()
+        torch.cuda.synchronize()
+        model.zero_grad(set_to_none=True)
+        return torch.cuda.max_memory_allocated() - base
+
+    plain = step()
+    graph = trace(copy.deepcopy(model), x)
+    plan = plan_memory(model, x, memory_limit=graph.feature_map_bytes // 3, policy="vdnn-all")
+    achieved = step(plan)
+    assert achieved < plain
+    # the plan's peak counts feature maps, gradients and weights; allow 10% and the allocator's rounding
+    assert achieved <= 1.1 * plan.peak_bytes + 64 * 2**20, (achieved, plan.peak_bytes)

@@ -1,0 +1,662 @@
+"""Memory plans in PyTorch training: offload saved feature maps to the host, prefetch them ahead of the
+backward pass, recompute checkpoint segments, and give converted convolutions their planned workspace.
+
+    plan = ucudnn.torch.plan_memory(model, example_input, memory_limit="2GiB", policy="optimal")
+    with ucudnn.torch.execute_plan(model, plan) as run:
+        loss = criterion(model(x), y)
+        loss.backward()
+    optimizer.step()
+
+**Running the model.** Inside the block, `model.forward` is replaced by a loop over the model's
+`torch.fx` graph (the same trace the planner named its tensors after), so that the executor knows
+which fx node is running. fx's own `Interpreter` runs a whole graph in one call; the loop here is
+hand-written because recompute segments must run a range of nodes inside one checkpoint call. It
+frees each value after its last use, as the Interpreter does.
+
+**Which plan tensor a saved tensor is.** `saved_tensors_hooks` see tensors, not names. A plan's
+tensors are *storages* (an in-place op or a view writes into its input's memory: the planner names
+that memory after the node that first made it). So every node's output is tagged by its storage:
+the storage's address maps to the plan name and a weak reference to the storage object (the
+reference dies with the storage, so an address that the allocator hands out again is not mistaken
+for the old tensor). A node whose output lives in an already tagged, live storage (``relu_``,
+``flatten``) leaves the tag as it is. A saved tensor is then attributed, in `pack`, to: nothing
+(parameters and buffers: never moved); the tagged storage it lives in; else the node running at
+that moment (its own result, saved before the node returns, and internals such as max-pool
+indices follow that node's action).
+
+**Offload.** `pack` copies the tensor to pinned host memory on a dedicated device-to-host stream,
+records an event, and keeps the device tensor referenced only until the event reports the copy done
+(polled with `Event.query()` at later packs and backward steps; nothing waits on the host). One
+storage saved by several ops (a ReLU's output, saved by the ReLU and by the next conv) is copied once.
+Each offloaded tensor's *use* is the last node (in forward order) that saved it: the first to need it
+in the backward pass. **Prefetch.** A backward hook on every node's output fires just before that
+node's backward step; at node i it issues the host-to-device copies of every offloaded tensor used at
+i or later that is not issued yet, and of the `prefetch_ahead` tensors needed next. `unpack` makes
+the compute stream wait for its copy's event (no host synchronisation); a tensor whose prefetch was
+not issued yet is fetched on the spot and counted in `ExecutionStats.late_prefetches`. On the CPU
+the same code runs with plain copies (no streams or events), so that the order can be tested.
+
+**Recompute.** A storage planned ``recompute`` makes a segment of the nodes from its producer to its
+last forward reader; overlapping segments merge; each segment runs under non-reentrant
+`torch.utils.checkpoint.checkpoint`, which keeps only the segment's inputs (kept or offloaded as the
+plan says) and reruns the segment when its backward needs what it saved. A tensor planned ``keep``
+whose every use lies inside such a segment is recomputed too (a checkpoint keeps only its inputs).
+While recomputing, batch-norm layers normalise with the batch statistics without updating their
+running statistics a second time, so the buffers equal those of plain training.
+
+**Release** needs no action: PyTorch frees what the backward pass does not save. A tensor planned
+``release`` that autograd does save is kept (it must be) and named in `ExecutionStats.kept_released`.
+
+**Workspaces.** Each `ucudnn.torch.Conv2d` whose layer has ``conv_workspace`` entries in the plan
+runs, inside the block, through a WR handle (the same options as its own handle) whose per-kernel
+limit is the smallest of its kernels' budgets: a handle has one limit for its kernels, so a layer
+never exceeds any of its planned budgets. Handles are shared by layers with equal limits.
+
+**Checks.** The plan must come from this model at this batch: at the first forward call for an
+input shape, the model is traced (`ucudnn.memory.graph.trace`, in eval mode so that no running
+statistics move) and the plan's tensors must be the traced graph's storages with the same bytes,
+and its batch the input's; conv workspace layers must be convs of the model. Anything else is
+`InvalidInput` saying what differs.
+
+`plan_memory(model, example_input, ...)` traces the model and calls the planner
+(`ucudnn.memory.make_plan`). With ``device=None`` the device is the example input's: a built-in
+profile when a CUDA device's name matches one (an H100 is ``h100``), else a profile measured on the
+spot (`measure_profile`: the host's memory and its copy and matmul throughput on the CPU; the
+GPU's memory, pinned copy bandwidth and matmul throughput on CUDA).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import platform
+import time
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any
+
+import torch
+from torch import fx, nn
+from torch.utils.checkpoint import checkpoint
+
+from ucudnn.devices import PROFILES, DeviceProfile, load_profile
+from ucudnn.errors import InvalidInput, UnsupportedProblem
+from ucudnn.handle import Handle
+from ucudnn.memory.graph import TrainingGraph, trace
+from ucudnn.memory.plan import MemoryPlan
+from ucudnn.sizes import parse_size
+from ucudnn.torch.conv import Conv2d
+
+__all__ = ["ExecutionStats", "execute_plan", "measure_profile", "plan_memory"]
+
+
+# ---- planning ------------------------------------------------------------------------------------
+def _trace_graph(model: nn.Module, example_input: torch.Tensor) -> TrainingGraph:
+    """The planner's graph of `model` at `example_input`, traced in eval mode (its shape pass must not
+    move batch-norm running statistics); every module's training flag is restored."""
+    if not isinstance(example_input, torch.Tensor) or example_input.dim() < 1:
+        raise InvalidInput(f"example_input must be a batched tensor, got {type(example_input).__name__}")
+    flags = {m: m.training for m in model.modules()}
+    # The planner's tracer steps into modules that are not torch.nn's own, and ucudnn's Conv2d has
+    # Python branches that fx cannot trace; for the trace it is the nn.Conv2d it derives from.
+    converted = [m for m in model.modules() if type(m) is Conv2d]
+    try:
+        model.eval()
+        for m in converted:
+            m.__class__ = nn.Conv2d
+        return trace(model, example_input)
+    finally:
+        for m in converted:
+            m.__class__ = Conv2d
+        for module, flag in flags.items():
+            module.training = flag
+
+
+def _best_ms(fn, reps: int = 3) -> float:
+    best = math.inf
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best * 1e3
+
+
+@lru_cache(maxsize=None)
+def measure_profile(device: str = "cpu") -> DeviceProfile:
+    """A `DeviceProfile` of this machine's `device` ("cpu" or "cuda[:i]"), measured once per process.
+
+    CPU: the host's physical memory; "host link" and memory bandwidth are a 64 MiB copy's (the
+    offloaded copies of a CPU run are such copies); throughput is a 1024^3 float32 matmul's. CUDA:
+    the device's memory, pinned 64 MiB copies each way and both at once, a device-to-device copy
+    and a 4096^3 matmul. Best of three runs each.
+    """
+    dev = torch.device(device)
+    nbytes = 64 * 2**20
+    if dev.type == "cpu":
+        a, b = torch.empty(nbytes // 4), torch.empty(nbytes // 4)
+        copy_ms = _best_ms(lambda: b.copy_(a))
+        m = torch.randn(1024, 1024)
+        mm_ms = _best_ms(lambda: m @ m)
+        gbps = nbytes / copy_ms / 1e6
+        model = platform.processor() or platform.machine()
+        return DeviceProfile("host", f"host CPU ({model}, {os.cpu_count()} threads)",
+                             os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), h2d_gbps=gbps, d2h_gbps=gbps,
+                             duplex_gbps=gbps, devices_per_link=1, fp32_tflops=2 * 1024**3 / mm_ms / 1e9,
+                             memory_gbps=2 * gbps, source="measured by ucudnn.torch.measure_profile")
+    if dev.type != "cuda":
+        raise InvalidInput(f"device must be 'cpu' or a CUDA device, got {device!r}")
+    return _measure_cuda(dev)  # pragma: no cover - needs a GPU
+
+
+def _measure_cuda(dev: torch.device) -> DeviceProfile:  # pragma: no cover - needs a GPU
+    nbytes = 64 * 2**20
+    props = torch.cuda.get_device_properties(dev)
+    host = torch.empty(nbytes // 4, pin_memory=True)
+    host2 = torch.empty(nbytes // 4, pin_memory=True)
+    d, d2 = torch.empty(nbytes // 4, device=dev), torch.empty(nbytes // 4, device=dev)
+    side = torch.cuda.Stream(dev)
+
+    def timed(fn) -> float:
+        torch.cuda.synchronize(dev)  # measuring, not training: waiting on the host is the point
+        return _best_ms(lambda: (fn(), torch.cuda.synchronize(dev)))
+
+    def both() -> None:
+        d.copy_(host, non_blocking=True)
+        with torch.cuda.stream(side):
+            host2.copy_(d2, non_blocking=True)
+
+    h2d = nbytes / timed(lambda: d.copy_(host, non_blocking=True)) / 1e6
+    d2h = nbytes / timed(lambda: host.copy_(d, non_blocking=True)) / 1e6
+    duplex = 2 * nbytes / timed(both) / 1e6
+    mem = 2 * nbytes / timed(lambda: d2.copy_(d)) / 1e6
+    m = torch.randn(4096, 4096, device=dev)
+    tflops = 2 * 4096**3 / timed(lambda: m @ m) / 1e9
+    return DeviceProfile(f"cuda{dev.index or 0}", props.name, int(props.total_memory), h2d_gbps=h2d, d2h_gbps=d2h,
+                         duplex_gbps=duplex, devices_per_link=1, fp32_tflops=tflops, memory_gbps=mem,
+                         source="measured by ucudnn.torch.measure_profile")
+
+
+def _profile_for(device: DeviceProfile | str | None, example_input: torch.Tensor) -> DeviceProfile:
+    if isinstance(device, DeviceProfile):
+        return device
+    if device is not None:
+        return load_profile(device)
+    if example_input.device.type == "cuda":  # pragma: no cover - needs a GPU
+        words = torch.cuda.get_device_name(example_input.device).lower().replace("-", " ").split()
+        for profile in PROFILES.values():
+            if profile.name in words:  # "NVIDIA H100 80GB HBM3" -> h100
+                return profile
+        return measure_profile(str(example_input.device))
+    return measure_profile("cpu")
+
+
+def plan_memory(model: nn.Module, example_input: torch.Tensor, memory_limit: int | str | None = None,
+                policy: str = "optimal", device: DeviceProfile | str | None = None, *, devices: int = 1,
+                db: Any = None) -> MemoryPlan:
+    """The planner's `MemoryPlan` for training `model` on batches shaped like `example_input`.
+
+    The model is traced with torch.fx (feature maps named after their fx nodes). `device` is a
+    profile name (``"h100"``), a profile JSON path, a `DeviceProfile`, or None for the example
+    input's device (see the module docstring). `memory_limit` (bytes or ``"2GiB"``) defaults to
+    the device's memory. Operation times come from the measurement cache `db` and the measurements
+    shipped for the profile where they exist, else from the profile's roofline
+    (`ucudnn.memory.timing`). Unknown policies raise `InvalidInput` naming the available ones.
+    """
+    if not isinstance(model, nn.Module):
+        raise InvalidInput(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    graph = _trace_graph(model, example_input)
+    profile = _profile_for(device, example_input)
+    limit = profile.memory_bytes if memory_limit is None else parse_size(memory_limit)
+    from ucudnn.memory.planner import make_plan
+
+    return make_plan(graph, profile, limit, policy, devices=devices, db=db)
+
+
+# ---- copies ---------------------------------------------------------------------------------------
+class _HostCopier:
+    """Offload on the CPU: the "device" is the host, the copy is a plain copy and is done when it returns."""
+
+    def to_host(self, t: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return t.detach().clone(), None
+
+    def done(self, event: Any) -> bool:
+        return True
+
+    def to_device(self, host: torch.Tensor, device: torch.device, after: Any) -> tuple[torch.Tensor, None]:
+        return host, None
+
+    def wait(self, event: Any) -> None:
+        pass
+
+
+class _CudaCopier:  # pragma: no cover - needs a GPU
+    """Copies on two dedicated streams (device-to-host, host-to-device) ordered by events; no host waits."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.d2h = torch.cuda.Stream(device)
+        self.h2d = torch.cuda.Stream(device)
+
+    def to_host(self, t: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        host = torch.empty_like(t, device="cpu", pin_memory=True)
+        self.d2h.wait_stream(torch.cuda.current_stream(t.device))  # t is computed
+        with torch.cuda.stream(self.d2h):
+            host.copy_(t, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.d2h)
+        return host, event
+
+    def done(self, event: Any) -> bool:
+        return event.query()
+
+    def to_device(self, host: torch.Tensor, device: torch.device, after: Any) -> tuple[torch.Tensor, Any]:
+        # Allocated on the compute stream, which reads it after waiting for the copy's event, so the
+        # caching allocator cannot hand the block to anyone before the compute stream is done with it.
+        dev = torch.empty_like(host, device=device)
+        self.h2d.wait_stream(torch.cuda.current_stream(device))
+        if after is not None:
+            self.h2d.wait_event(after)  # the device-to-host copy has landed
+        with torch.cuda.stream(self.h2d):
+            dev.copy_(host, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.h2d)
+        return dev, event
+
+    def wait(self, event: Any) -> None:
+        if event is not None:
+            torch.cuda.current_stream().wait_event(event)
+
+
+def _copier_for(device: torch.device):
+    return _CudaCopier(device) if device.type == "cuda" else _HostCopier()
+
+
+# ---- what a run did ------------------------------------------------------------------------------
+@dataclass
+class ExecutionStats:
+    """What `execute_plan` did, summed over the forward and backward passes run in its block.
+
+    `events` is the order of copies and uses: ``("offload", name)``, ``("prefetch", name)`` and
+    ``("unpack", name)``.
+    """
+
+    offloaded: int = 0
+    bytes_offloaded: int = 0
+    prefetched: int = 0
+    late_prefetches: int = 0
+    segments: int = 0
+    kept_released: set[str] = field(default_factory=set)
+    events: list[tuple[str, str]] = field(default_factory=list)
+
+
+class _Offloaded:
+    """One storage view copied to the host: shared by every save of it in one forward pass."""
+
+    __slots__ = ("name", "host", "d2h", "device", "use", "saves", "dev", "ready", "issued", "storage")
+
+    def __init__(self, name: str, host: torch.Tensor, d2h: Any, device: torch.device, use: int, storage) -> None:
+        self.name, self.host, self.d2h, self.device, self.use = name, host, d2h, device, use
+        self.storage = storage    # weak reference: the dedup key is valid while the storage lives
+        self.saves = 0            # packed handles not yet unpacked
+        self.dev: torch.Tensor | None = None
+        self.ready: Any = None
+        self.issued = False
+
+
+class _Pass:
+    """Book-keeping of one forward pass and its backward: offloaded tensors and the prefetch cursor."""
+
+    def __init__(self) -> None:
+        self.entries: list[_Offloaded] = []
+        self.by_key: dict[tuple, _Offloaded] = {}
+        self.order: list[_Offloaded] | None = None  # entries by descending use, built at the first backward hook
+        self.cursor = 0
+
+
+# ---- the executor --------------------------------------------------------------------------------
+def _segments(graph: TrainingGraph, plan: MemoryPlan, index: dict[str, int]) -> list[tuple[int, int]]:
+    """Node ranges [first, last] (fx node indices) to run as checkpoint segments."""
+    ranges = []
+    for t in plan.tensors:
+        if t.action != "recompute":
+            continue
+        producers = [op.name for op in graph.producers(t.name)]
+        readers = [op.name for op in graph.ops
+                   if op.type != "loss" and any(graph.storage_of(i) == t.name for i in op.inputs)]
+        nodes = [index[n] for n in producers + readers if n in index]
+        if producers and graph.op(producers[0]).type != "input" and nodes:
+            ranges.append((min(nodes), max(nodes)))
+    merged: list[tuple[int, int]] = []
+    for a, b in sorted(ranges):
+        if merged and a <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(b, merged[-1][1]))
+        else:
+            merged.append((a, b))
+    return merged
+
+
+class _Executor:
+    def __init__(self, model: nn.Module, plan: MemoryPlan, prefetch_ahead: int) -> None:
+        if not isinstance(model, nn.Module):
+            raise InvalidInput(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if not isinstance(plan, MemoryPlan):
+            raise InvalidInput(f"plan must be a ucudnn.memory.MemoryPlan, got {type(plan).__name__}")
+        if isinstance(prefetch_ahead, bool) or not isinstance(prefetch_ahead, int) or prefetch_ahead < 0:
+            raise InvalidInput(f"prefetch_ahead must be a non-negative integer, got {prefetch_ahead!r}")
+        self.model, self.plan, self.prefetch_ahead = model, plan, prefetch_ahead
+        try:
+            self.gm = fx.GraphModule(model, _Tracer().trace(model))
+        except Exception as exc:  # fx raises many kinds (TraceError, TypeError on data-dependent control flow)
+            raise UnsupportedProblem(f"torch.fx cannot trace {type(model).__name__}: {exc}") from None
+        self.nodes = list(self.gm.graph.nodes)
+        self.index = {n.name: i for i, n in enumerate(self.nodes)}
+        self.modules = dict(self.gm.named_modules())
+        self.actions = {t.name: t.action for t in plan.tensors}
+        self._check_workspace_layers()
+        self.stats = ExecutionStats()
+        self.shapes_checked: dict[tuple, list[tuple[int, int]]] = {}  # input shape -> its segments
+        # last use of each value, as fx.Interpreter computes it: free a value after its last reader
+        self.last_use: dict[int, list[fx.Node]] = {}
+        seen: set[fx.Node] = set()
+        for i in range(len(self.nodes) - 1, -1, -1):
+            for arg in self.nodes[i].all_input_nodes:
+                if arg not in seen:
+                    seen.add(arg)
+                    self.last_use.setdefault(i, []).append(arg)
+        self.params = {p.untyped_storage().data_ptr() for p in list(model.parameters()) + list(model.buffers())}
+        self.tags: dict[int, tuple[str, weakref.ref]] = {}
+        self.current: int | None = None  # the node (or segment's last node) running in the forward pass
+        self.forward_running = False
+        self.copier: Any = None
+        self.pending: list[tuple[Any, torch.Tensor]] = []  # device tensors whose host copy is in flight
+        self.pass_: _Pass | None = None
+
+    # -- checks ---------------------------------------------------------------------------------
+    def _check_workspace_layers(self) -> None:
+        convs = {n.name: self.modules[n.target] for n in self.nodes
+                 if n.op == "call_module" and isinstance(self.modules[n.target], nn.Conv2d)}
+        unknown = sorted({c.layer for c in self.plan.conv_workspace} - set(convs))
+        if unknown:
+            raise InvalidInput(f"plan for {self.plan.network!r} gives workspace to conv layer(s) "
+                               f"{', '.join(unknown[:5])} that {type(self.model).__name__} does not have; "
+                               "a plan made for another model?")
+        self.conv_budgets: dict[str, int] = {}
+        for c in self.plan.conv_workspace:
+            self.conv_budgets[c.layer] = min(c.bytes, self.conv_budgets.get(c.layer, c.bytes))
+        self.convs = convs
+
+    def _check_input(self, x: Any) -> list[tuple[int, int]]:
+        if not isinstance(x, torch.Tensor):
+            raise InvalidInput(f"execute_plan runs models whose first input is a tensor, got {type(x).__name__}")
+        key = (tuple(x.shape), x.dtype)
+        if key in self.shapes_checked:
+            return self.shapes_checked[key]
+        name = type(self.model).__name__
+        if x.shape[0] != self.plan.batch:
+            raise InvalidInput(f"the plan was made for batch {self.plan.batch}, the input has batch {x.shape[0]}; "
+                               "make a plan for this batch (plan_memory)")
+        graph = _trace_graph(self.model, x)
+        storages = {s: graph.bytes_of(s) for s in graph.storages}
+        unknown = sorted(set(self.actions) - set(storages))
+        if unknown:
+            raise InvalidInput(f"plan for {self.plan.network!r} names tensor(s) {', '.join(unknown[:5])} that "
+                               f"{name} does not produce; a plan made for another model?")
+        wrong = [(t.name, t.bytes, storages[t.name]) for t in self.plan.tensors if storages[t.name] != t.bytes]
+        if wrong:
+            t, planned, actual = wrong[0]
+            raise InvalidInput(f"plan for {self.plan.network!r}: tensor {t} has {planned} bytes in the plan but "
+                               f"{actual} with input shape {tuple(x.shape)}; a plan made for another input size?")
+        segments = _segments(graph, self.plan, self.index)
+        self.shapes_checked[key] = segments
+        return segments
+
+    # -- the forward pass ---------------------------------------------------------------------------
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if kwargs:
+            raise UnsupportedProblem("execute_plan runs models called with positional inputs only")
+        segments = self._check_input(args[0] if args else None)
+        starts = {a: b for a, b in segments}
+        self.pass_ = _Pass()
+        self.forward_running = True
+        try:
+            env: dict[fx.Node, Any] = {}
+            inputs = iter(args)
+            i = 0
+            while i < len(self.nodes):
+                node = self.nodes[i]
+                if node.op == "placeholder":
+                    env[node] = next(inputs, node.args[0] if node.args else None)
+                    self._tag(node, env[node], i)
+                elif node.op == "output":
+                    return fx.node.map_arg(node.args[0], env.__getitem__)
+                elif i in starts:
+                    self._run_segment(i, starts[i], env)
+                    i = starts[i]
+                else:
+                    self.current = i
+                    env[node] = self._run_node(node, env, recomputing=False)
+                    self._tag(node, env[node], i)
+                for dead in self.last_use.get(i, ()):
+                    env.pop(dead, None)
+                self._poll()
+                i += 1
+            return None
+        finally:
+            self.forward_running = False
+            self.current = None
+
+    def _run_node(self, node: fx.Node, env: dict, recomputing: bool) -> Any:
+        args = fx.node.map_arg(node.args, env.__getitem__)
+        kwargs = fx.node.map_arg(node.kwargs, env.__getitem__)
+        if node.op == "call_module":
+            module = self.modules[node.target]
+            if recomputing and isinstance(module, nn.modules.batchnorm._BatchNorm) and module.training:
+                # The forward pass has updated the running statistics: run the layer as it ran then (the
+                # checkpoint compares what it saves) and put the statistics back afterwards, also when
+                # the checkpoint stops the recomputation early by raising from inside the layer.
+                before = [b.clone() for b in module.buffers(recurse=False)]
+                try:
+                    return module(*args, **kwargs)
+                finally:
+                    with torch.no_grad():
+                        for b, old in zip(module.buffers(recurse=False), before):
+                            b.copy_(old)
+            return module(*args, **kwargs)
+        if node.op == "call_function":
+            return node.target(*args, **kwargs)
+        if node.op == "call_method":
+            return getattr(args[0], node.target)(*args[1:], **kwargs)
+        if node.op == "get_attr":
+            return _fetch_attr(self.gm, node.target)
+        raise UnsupportedProblem(f"fx node {node.name}: op {node.op!r} is not supported")
+
+    def _run_segment(self, first: int, last: int, env: dict) -> None:
+        inside = self.nodes[first:last + 1]
+        members = set(inside)
+        inputs = list(dict.fromkeys(a for n in inside for a in n.all_input_nodes if a not in members))
+        outputs = [n for n in inside if any(u not in members for u in n.users)]
+        calls = [0]
+
+        def run(*values: Any) -> tuple:
+            local = dict(zip(inputs, values))
+            recomputing = calls[0] > 0
+            calls[0] += 1
+            for i, node in enumerate(inside, first):
+                local[node] = self._run_node(node, local, recomputing)
+                for dead in self.last_use.get(i, ()):  # free as the main loop does: the segment may be long
+                    local.pop(dead, None)
+            return tuple(local[n] for n in outputs)
+
+        self.current = last  # the segment's inputs are needed when its last node's backward recomputes it
+        results = checkpoint(run, *(env[a] for a in inputs), use_reentrant=False)
+        self.stats.segments += 1
+        for node, value in zip(outputs, results):
+            env[node] = value
+            self._tag(node, value, self.index[node.name])
+
+    # -- naming saved tensors ------------------------------------------------------------------------
+    def _tag(self, node: fx.Node, value: Any, i: int) -> None:
+        if not isinstance(value, torch.Tensor):
+            return
+        storage = value.untyped_storage()
+        ptr = storage.data_ptr()
+        known = self.tags.get(ptr)
+        if known is None or known[1]() is not storage:  # a new storage (not an in-place result or a view)
+            self.tags[ptr] = (node.name, weakref.ref(storage))
+        if value.requires_grad:
+            value.register_hook(_PrefetchHook(self, self.pass_, i))
+
+    def _name_of(self, t: torch.Tensor) -> str | None:
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr in self.params:
+            return None
+        known = self.tags.get(ptr)
+        if known is not None and known[1]() is storage:
+            return known[0]
+        if self.forward_running and self.current is not None:
+            return self.nodes[self.current].name
+        return None
+
+    # -- saved-tensor hooks ---------------------------------------------------------------------------
+    def pack(self, t: torch.Tensor) -> Any:
+        if not self.forward_running or t.numel() == 0:
+            return t
+        self._poll()
+        name = self._name_of(t)
+        action = self.actions.get(name, "keep") if name is not None else "keep"
+        if action == "release":
+            self.stats.kept_released.add(name)
+        if action != "offload":
+            return t
+        p = self.pass_
+        storage = t.untyped_storage()
+        key = (storage.data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+        entry = p.by_key.get(key)
+        if entry is None or entry.storage() is not storage:
+            if self.copier is None:
+                self.copier = _copier_for(t.device)
+            host, event = self.copier.to_host(t)
+            entry = _Offloaded(name, host, event, t.device, self.current, weakref.ref(storage))
+            if event is not None:
+                self.pending.append((event, t))  # keep the device tensor until its copy is done
+            p.by_key[key] = entry
+            p.entries.append(entry)
+            self.stats.offloaded += 1
+            self.stats.bytes_offloaded += t.numel() * t.element_size()
+            self.stats.events.append(("offload", name))
+        entry.use = max(entry.use, self.current)
+        entry.saves += 1
+        return entry
+
+    def unpack(self, saved: Any) -> torch.Tensor:
+        if not isinstance(saved, _Offloaded):
+            return saved
+        if not saved.issued:
+            self.stats.late_prefetches += 1
+            self._prefetch(saved)
+        self.copier.wait(saved.ready)
+        self.stats.events.append(("unpack", saved.name))
+        t = saved.dev
+        saved.saves -= 1
+        if saved.saves == 0:
+            saved.dev = saved.host = None  # the last save is unpacked: autograd holds the tensor now
+        return t
+
+    def _prefetch(self, entry: _Offloaded) -> None:
+        entry.dev, entry.ready = self.copier.to_device(entry.host, entry.device, entry.d2h)
+        entry.issued = True
+        self.stats.prefetched += 1
+        self.stats.events.append(("prefetch", entry.name))
+
+    def reached(self, p: _Pass, i: int) -> None:
+        """Backward is about to run node `i`: prefetch what it and the next nodes need."""
+        self._poll()
+        if p.order is None:
+            p.order = sorted(p.entries, key=lambda e: -e.use)
+        ahead = 0
+        while p.cursor < len(p.order):
+            entry = p.order[p.cursor]
+            if entry.use < i:
+                if ahead >= self.prefetch_ahead:
+                    break
+                ahead += 1
+            if not entry.issued:
+                self._prefetch(entry)
+            p.cursor += 1
+
+    def _poll(self) -> None:
+        """Drop the device tensors whose host copies are done (events queried, never waited on)."""
+        if self.pending:
+            self.pending = [(e, t) for e, t in self.pending if not self.copier.done(e)]
+
+    # -- workspaces ---------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def workspaces(self) -> Iterator[None]:
+        saved: list[tuple[Conv2d, Handle]] = []
+        handles: dict[int, Handle] = {}
+        try:
+            for layer, limit in self.conv_budgets.items():
+                conv = self.convs[layer]
+                if not isinstance(conv, Conv2d):
+                    continue  # torch's own conv: its workspace is torch's business
+                if limit not in handles:
+                    _, (options,) = conv.handle.__reduce__()  # a handle's options, as its copies get them
+                    handles[limit] = Handle(**{**options, "workspace_limit": limit, "total_workspace": None})
+                saved.append((conv, conv.handle))
+                conv.handle = handles[limit]
+            yield
+        finally:
+            for conv, handle in saved:
+                conv.handle = handle
+
+
+class _Tracer(fx.Tracer):
+    """fx's tracer, with ucudnn's Conv2d a leaf like torch.nn's own layers (the plan names it as one)."""
+
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        return isinstance(m, Conv2d) or super().is_leaf_module(m, qualname)
+
+
+class _PrefetchHook:
+    """A gradient hook on a node's output: fires just before that node's backward step."""
+
+    __slots__ = ("executor", "pass_", "index")
+
+    def __init__(self, executor: _Executor, pass_: _Pass, index: int) -> None:
+        self.executor, self.pass_, self.index = executor, pass_, index
+
+    def __call__(self, grad: torch.Tensor) -> None:
+        self.executor.reached(self.pass_, self.index)
+
+
+def _fetch_attr(module: nn.Module, target: str) -> Any:
+    value: Any = module
+    for part in target.split("."):
+        value = getattr(value, part)
+    return value
+
+
+@contextlib.contextmanager
+def execute_plan(model: nn.Module, plan: MemoryPlan, *, prefetch_ahead: int = 1) -> Iterator[ExecutionStats]:
+    """Run the forward and backward passes in this block under `plan`; yields the `ExecutionStats`.
+
+    Call the model and `backward()` inside the block (see the module docstring for what happens).
+    `prefetch_ahead`: how many offloaded tensors beyond those the current backward step needs are
+    fetched ahead. A plan made for another model, batch or input size raises `InvalidInput` (the
+    model at enter, the batch and sizes at the first forward call).
+    """
+    executor = _Executor(model, plan, prefetch_ahead)
+    had_forward = "forward" in model.__dict__
+    previous = model.__dict__.get("forward")
+    model.forward = executor.forward
+    try:
+        with executor.workspaces(), torch.autograd.graph.saved_tensors_hooks(executor.pack, executor.unpack):
+            yield executor.stats
+    finally:
+        if had_forward:
+            model.forward = previous
+        else:
+            del model.forward
