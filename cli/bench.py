@@ -51,11 +51,7 @@ def _size_option(ctx, param, value):
               help="Measure in N processes (one GPU each on cudnn, N CPU workers on cpu) into the one cache.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="WD mode: draw the Pareto front and the workspace division to this PNG.")
 def bench(layer_specs, network, batch, workspace, total_workspace, policy, backend_name, kinds, algos,
-<<<<<<< HEAD
-          db_url, reps, as_json, verbose, quiet, plot_path):
-=======
-          db_url, reps, as_json, quiet, workers, plot_path):
->>>>>>> issue-13
+          db_url, reps, as_json, verbose, quiet, workers, plot_path):
     """Benchmark every algorithm at several micro-batch sizes and pick the fastest division.
 
     WR (--workspace, or no limit) optimises each kernel within its own limit, so --layer specs

@@ -39,11 +39,7 @@ def _register_commands() -> None:
     from ucudnn.cli.plan_cmd import plan
     from ucudnn.cli.selftest_cmd import selftest
 
-<<<<<<< HEAD
-    for command in (bench, db, devices, networks, plan, selftest):
-=======
-    for command in (bench, cluster, db, networks, selftest):
->>>>>>> issue-13
+    for command in (bench, cluster, db, devices, networks, plan, selftest):
         cli.add_command(command)
 
 
