@@ -793,6 +793,22 @@ class CpuBackend(Backend):
                     reps: int) -> list[float]:
         return wall_clock_samples_ms(lambda: self.run(problem, algo, workspace=workspace, **operands), reps)
 
+    def prepare_run(self, problem: ConvProblem, algo: str):
+        """`run` without its per-call work: the workspace layout is computed once and no operand is
+        checked (the caller's first, checked `run` vouched for their kind)."""
+        reason = self.unsupported_reason(problem, algo)
+        if reason is not None:
+            raise UnsupportedProblem(reason)
+        if algo == NATIVE:
+            def launch_native(x, w, dy, out, workspace, alpha, beta):
+                _run_native(problem, x, w, dy, out, alpha, beta)
+            return launch_native
+        carve, compute = _LAYOUTS[algo](problem).carve, _RUNS[algo]
+
+        def launch(x, w, dy, out, workspace, alpha, beta):
+            compute(problem, carve(workspace), x, w, dy, out, alpha, beta)
+        return launch
+
     def run(self, problem: ConvProblem, algo: str, *, x: Any = None, w: Any = None, dy: Any = None,
             out: Any, workspace: Any, alpha: float = 1.0, beta: float = 0.0) -> None:
         reason = self.unsupported_reason(problem, algo)
