@@ -45,9 +45,10 @@ def _operands(kind: str, seed: int) -> dict[str, np.ndarray]:
     return {name: ops[name] for name in ("x", "w", "dy") if name in ops}
 
 
+@pytest.mark.parametrize("scale", [(0.5, 2.0), (1.0, 0.0)], ids=["alpha-beta", "plain"])
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("algo", ALGORITHMS)
-def test_prepared_sequence_equals_the_checked_run_every_time(kind, algo):
+@pytest.mark.parametrize("algo", [*ALGORITHMS, "native"])
+def test_prepared_sequence_equals_the_checked_run_every_time(kind, algo, scale):
     problem = PROBLEM.with_kind(kind)
     if BACKEND.unsupported_reason(problem, algo):
         pytest.skip(BACKEND.unsupported_reason(problem, algo))
@@ -61,11 +62,12 @@ def test_prepared_sequence_equals_the_checked_run_every_time(kind, algo):
         ops = _operands(kind, seed=call)
         before = np.random.default_rng(call).standard_normal(problem.out_shape, dtype=np.float32)
         out = before.copy()
-        prepared.run(out=out, alpha=0.5, beta=2.0, workspace=workspace, **ops)
-        assert_close(out, 0.5 * reference(problem, **ops) + 2.0 * before, "float32", f"call {call}")
+        alpha, beta = scale
+        prepared.run(out=out, alpha=alpha, beta=beta, workspace=workspace, **ops)
+        assert_close(out, alpha * reference(problem, **ops) + beta * before, "float32", f"call {call}")
         checked = np.full(problem.out_shape, np.nan, np.float32)
         run_configuration(BACKEND, problem, config, out=checked, **ops)
-        assert_close(out, 0.5 * checked + 2.0 * before, "float32", f"prepared vs checked, call {call}")
+        assert_close(out, alpha * checked + beta * before, "float32", f"prepared vs checked, call {call}")
     assert backend.runs == len(split)  # the checked path ran once per micro-batch, on the first call
     assert backend.prepared == len(split)
 

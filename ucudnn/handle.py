@@ -110,6 +110,7 @@ class _Prepared:
     config: Configuration
     offset: int | None  # WD segment offset; None in WR (the shared buffer)
     kernels: PreparedConfiguration  # micro-batch problems, rows and launchers, made once
+    out_shape: tuple[int, int, int, int]  # problem.out_shape, which is derived per access
 
 
 class Kernel:
@@ -170,6 +171,17 @@ def _shape4(name: str, array_or_shape: Any) -> tuple[int, int, int, int]:
         pass
     raise InvalidInput(f"{name} must be a 4-D NCHW array or a shape of 4 integers, got "
                        f"{getattr(array_or_shape, 'shape', array_or_shape)!r}")
+
+
+_DTYPE_NAMES: dict[Any, str] = {}
+
+
+def _dtype_name(dtype: Any) -> str:
+    """str(dtype), memoised: NumPy builds a dtype's name in Python, a few microseconds per call."""
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype)
+    return name
 
 
 def _same_dtype(a: Any, b: Any) -> None:
@@ -480,8 +492,8 @@ class Handle:
         """
         xs, ws = _shape4("x", x), _shape4("w", w)
         _same_dtype(x, w)
-        prep = self._lookup("fwd", layer, xs, ws, stride, padding, dilation, groups, str(x.dtype))
-        out = self._output(out, prep.problem, beta, x, x=x, w=w)
+        prep = self._lookup("fwd", layer, xs, ws, stride, padding, dilation, groups, _dtype_name(x.dtype))
+        out = self._output(out, prep, beta, x, x=x, w=w)
         self._run(prep, x=_contiguous(x), w=_contiguous(w), out=out, alpha=alpha, beta=beta)
         return out
 
@@ -498,11 +510,11 @@ class Handle:
         if x_shape is None:
             x_shape = out.shape if out is not None else _infer_x_shape(dys, ws, stride, padding, dilation, groups)
         prep = self._lookup("bwd_data", layer, _shape4("x_shape", x_shape), ws, stride, padding, dilation, groups,
-                            str(dy.dtype))
+                            _dtype_name(dy.dtype))
         if dys != prep.problem.y_shape:
             raise InvalidInput(f"dy has shape {dys}, but the convolution of an input {prep.problem.x_shape} with "
                                f"w {ws} writes {prep.problem.y_shape}")
-        out = self._output(out, prep.problem, beta, dy, dy=dy, w=w)
+        out = self._output(out, prep, beta, dy, dy=dy, w=w)
         self._run(prep, dy=_contiguous(dy), w=_contiguous(w), out=out, alpha=alpha, beta=beta)
         return out
 
@@ -520,11 +532,11 @@ class Handle:
         if w_shape is None:
             w_shape = out.shape if out is not None else _infer_w_shape(xs, dys, stride, padding, dilation, groups)
         prep = self._lookup("bwd_filter", layer, xs, _shape4("w_shape", w_shape), stride, padding, dilation, groups,
-                            str(x.dtype))
+                            _dtype_name(x.dtype))
         if dys != prep.problem.y_shape:
             raise InvalidInput(f"dy has shape {dys}, but the convolution of x {xs} with a filter "
                                f"{prep.problem.w_shape} writes {prep.problem.y_shape}")
-        out = self._output(out, prep.problem, beta, x, x=x, dy=dy)
+        out = self._output(out, prep, beta, x, x=x, dy=dy)
         self._run(prep, x=_contiguous(x), dy=_contiguous(dy), out=out, alpha=alpha, beta=beta)
         return out
 
@@ -588,13 +600,14 @@ class Handle:
         return prep
 
     # ---- outputs --------------------------------------------------------------------------
-    def _output(self, out: Any, problem: ConvProblem, beta: float, like: Any, **inputs: Any) -> Any:
+    def _output(self, out: Any, prep: _Prepared, beta: float, like: Any, **inputs: Any) -> Any:
+        problem = prep.problem
         if out is None:
             if beta != 0:
                 raise InvalidInput(f"beta={beta} blends the result into an existing output; give out")
             # Zeros, not empty: with beta = 0 a backend may still read out (0 * NaN is NaN).
-            return _array_module(like).zeros(problem.out_shape, dtype=like.dtype)
-        if tuple(out.shape) != problem.out_shape:
+            return _array_module(like).zeros(prep.out_shape, dtype=like.dtype)
+        if tuple(out.shape) != prep.out_shape:
             raise InvalidInput(f"out has shape {tuple(out.shape)}, the {problem.kind} kernel writes {problem.out_shape}")
         if out.dtype != like.dtype:
             raise InvalidInput(f"out has dtype {out.dtype}, the operands {like.dtype}")
@@ -613,7 +626,8 @@ class Handle:
         if self.mode == "WR":
             plan = self._plan_wr(problem)
             self._wr_seen.setdefault((name, problem.kind, problem.n), problem)
-            prep = _Prepared(problem, plan.config, None, prepare_configuration(self._backend, problem, plan.config))
+            prep = _Prepared(problem, plan.config, None, prepare_configuration(self._backend, problem, plan.config),
+                             problem.out_shape)
         else:
             self._register(name, problem.with_kind("fwd"), frozenset({problem.kind}), stacklevel=5)
             plans = self._wd_plans.get(problem.n)
@@ -621,7 +635,7 @@ class Handle:
                 plans = self._solve_wd(problem.n)
             _, plan = plans[name, problem.kind]
             prep = _Prepared(problem, plan.config, plan.offset,
-                             prepare_configuration(self._backend, problem, plan.config))
+                             prepare_configuration(self._backend, problem, plan.config), problem.out_shape)
         return prep
 
     def _candidates(self, problem: ConvProblem) -> list[str]:

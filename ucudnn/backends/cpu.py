@@ -690,6 +690,43 @@ def _run_native(p: ConvProblem, x, w, dy, out, alpha: float, beta: float) -> Non
     _blend(out, result.contiguous().numpy(), alpha, beta)
 
 
+def _native_launcher(p: ConvProblem):
+    """`_run_native` with the torch call fixed once: aten's convolution and convolution_backward
+    directly (torch.nn.grad's wrappers re-derive their arguments per call), and the result copied
+    into `out` by torch when no scaling is asked for. Operands from NumPy need no gradient, so no
+    autograd graph is built."""
+    import torch
+
+    stride, padding, dilation = [p.stride_h, p.stride_w], [p.pad_h, p.pad_w], [p.dilation_h, p.dilation_w]
+    mask = [p.kind == "bwd_data", p.kind == "bwd_filter", False]
+    backward = torch.ops.aten.convolution_backward
+    x_shape, w_shape = list(p.x_shape), list(p.w_shape)
+
+    def launch(x, w, dy, out, workspace, alpha, beta):
+        if p.kind == "fwd":
+            result = torch.conv2d(torch.from_numpy(x), torch.from_numpy(w), None, stride, padding, dilation, p.groups)
+        elif p.kind == "bwd_data":
+            tdy = torch.from_numpy(dy)
+            result = backward(tdy, _shaped(tdy, x_shape), torch.from_numpy(w), None, stride, padding, dilation, False,
+                              [0, 0], p.groups, mask)[0]
+        else:
+            tdy = torch.from_numpy(dy)
+            result = backward(tdy, torch.from_numpy(x), _shaped(tdy, w_shape), None, stride, padding, dilation, False,
+                              [0, 0], p.groups, mask)[1]
+        if alpha == 1.0 and beta == 0.0:
+            torch.from_numpy(out).copy_(result)
+        else:
+            _blend(out, result.contiguous().numpy(), alpha, beta)
+
+    return launch
+
+
+def _shaped(like, shape):
+    """A tensor of `shape` holding one element (a stride-0 view), as torch.nn.grad passes the operand
+    whose gradient is not asked for: convolution_backward reads only its shape."""
+    return like.new_empty(1).expand(shape)
+
+
 # ---- the backend -----------------------------------------------------------------------------
 
 _LAYOUTS = {IM2COL_GEMM: _im2col_layout, SHIFT_GEMM: _shift_layout, FFT: _fft_layout, WINOGRAD: _winograd_layout}
@@ -800,9 +837,7 @@ class CpuBackend(Backend):
         if reason is not None:
             raise UnsupportedProblem(reason)
         if algo == NATIVE:
-            def launch_native(x, w, dy, out, workspace, alpha, beta):
-                _run_native(problem, x, w, dy, out, alpha, beta)
-            return launch_native
+            return _native_launcher(problem)
         carve, compute = _LAYOUTS[algo](problem).carve, _RUNS[algo]
 
         def launch(x, w, dy, out, workspace, alpha, beta):
