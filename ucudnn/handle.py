@@ -289,7 +289,10 @@ class Handle:
         user cache folder), a SQLAlchemy URL or SQLite file path, ":memory:" / "sqlite://" for a
         database that lives as long as the handle, or False for no database at all.
     reps : timed runs per measurement (the median is kept).
-    algos : restrict the candidate algorithms (default: every algorithm of the backend).
+    algos : restrict the candidate algorithms (default: every algorithm of the backend). On the
+        cpu backend, `fft` spreads a non-finite input value over the whole sample (over every
+        filter tap in bwd_filter) and `winograd` over its 2x2 output tiles; leave them out where
+        NaN or Inf must stay where the convolution puts it.
     """
 
     def __init__(self, *, backend: str | Backend = "auto", policy: Policy = "powerOfTwo",

@@ -4,19 +4,32 @@
 
 swaps every `torch.nn.Conv2d` of `model` for a `ucudnn.torch.Conv2d` that shares its parameters
 (the same `Parameter` objects, so an optimizer built before the swap keeps working) and runs all
-three kernels through one shared `ucudnn.Handle`: the forward pass with `conv_forward`, and the
-backward pass with `conv_backward_data` (only when the input needs a gradient) and
-`conv_backward_filter`; the bias gradient is ``dy.sum((0, 2, 3))``. Layer ids are the modules'
+three kernels through one shared `ucudnn.Handle`: the forward pass with its `fwd` kernel, and the
+backward pass with `bwd_data` (only when the input needs a gradient) and `bwd_filter`; the bias
+gradient is ``dy.sum((0, 2, 3))``. Layer ids are the modules'
 qualified names (``layer1.0.conv1``); a `Conv2d` built by hand uses ``conv@<id(self) in hex>``.
 
+Each layer keeps a route per input signature (shape, dtype, device, layout, which gradients are
+needed): the handle's prepared `Kernel` of each kind, planned together at the first call. Later
+calls only launch: no lookup, operand check, planning or workspace allocation. Where every
+needed kernel's plan is `native` on the whole batch, the layer is plain `F.conv2d` (PyTorch's own
+autograd, no Python Function in between).
+
 WD (``total_workspace=...``) divides one workspace among all kernels of the network, so the
-handle must know the layers before the first convolution: call ``announce(model, example)`` once
-after `convert`. It runs one forward pass that only records (torch's own convolution computes,
-nothing is benchmarked; eval mode, so batch-norm statistics are untouched).
+handle must know the layers before it solves. `convert` arranges that: the model's first forward
+pass registers every layer (PyTorch's convolution computes it) and a forward hook ends the
+learning; the next convolution solves once. ``announce(model, example)`` does the same
+explicitly with one recording forward pass in eval mode (batch-norm statistics untouched); use it
+when the first forward pass runs under ``torch.no_grad()`` (it would register no backward kernels).
 
 CPU tensors of float32 (or float64) go through ``.numpy()`` views without copies; CUDA tensors go
-to a cudnn-backend handle through ``__cuda_array_interface__`` (``cupy.asarray``), on torch's
-current stream. Double backward (gradients of gradients) is not supported.
+to a cudnn-backend handle through ``__cuda_array_interface__`` (``cupy.asarray``; bfloat16 as its
+16-bit words), on torch's current stream, with CuPy's allocations taken from PyTorch's caching
+allocator, so ``torch.cuda.max_memory_allocated`` sees every workspace and no CuPy pool holds
+memory. Channels-last CUDA tensors run as NHWC problems. Under ``torch.autocast`` the convolution
+is cast as autocast casts ``F.conv2d``; a dtype the backend cannot run (bfloat16 on the cpu
+backend) is refused with `UnsupportedProblem` naming dtype and backend. An empty batch returns
+what nn.Conv2d returns. Double backward (gradients of gradients) is not supported.
 
 This module imports torch; ``import ucudnn`` does not import this module.
 """
@@ -105,14 +118,18 @@ def _torch_allocator(device_index: int):  # pragma: no cover - needs a GPU
 _ALLOCATORS: dict[int, Any] = {}
 
 
-@contextlib.contextmanager
-def _on_device(t: torch.Tensor) -> Iterator[None]:
+_NOTHING = contextlib.nullcontext()
+
+
+def _on_device(t: torch.Tensor):
     """CUDA: CuPy work on torch's current stream (so that it orders with torch's kernels) and
     CuPy allocations from torch's caching allocator. CPU: nothing."""
-    if t.device.type != "cuda":
-        yield
-        return
-    import cupy  # pragma: no cover - needs a GPU
+    return _NOTHING if t.device.type != "cuda" else _on_cuda(t)
+
+
+@contextlib.contextmanager
+def _on_cuda(t: torch.Tensor) -> Iterator[None]:  # pragma: no cover - needs a GPU
+    import cupy
 
     index = t.device.index if t.device.index is not None else torch.cuda.current_device()  # pragma: no cover
     allocator = _ALLOCATORS.get(index) or _ALLOCATORS.setdefault(index, _torch_allocator(index))  # pragma: no cover
