@@ -131,11 +131,11 @@ def _on_device(t: torch.Tensor):
 def _on_cuda(t: torch.Tensor) -> Iterator[None]:  # pragma: no cover - needs a GPU
     import cupy
 
-    index = t.device.index if t.device.index is not None else torch.cuda.current_device()  # pragma: no cover
-    allocator = _ALLOCATORS.get(index) or _ALLOCATORS.setdefault(index, _torch_allocator(index))  # pragma: no cover
-    stream = torch.cuda.current_stream(t.device)  # pragma: no cover
+    index = t.device.index if t.device.index is not None else torch.cuda.current_device()
+    allocator = _ALLOCATORS.get(index) or _ALLOCATORS.setdefault(index, _torch_allocator(index))
+    stream = torch.cuda.current_stream(t.device)
     with cupy.cuda.Device(index), cupy.cuda.ExternalStream(stream.cuda_stream, index), \
-            cupy.cuda.using_allocator(allocator):  # pragma: no cover
+            cupy.cuda.using_allocator(allocator):
         yield
 
 
