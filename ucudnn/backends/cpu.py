@@ -676,10 +676,10 @@ def _torch_version() -> str | None:
 
 
 def _native_launcher(p: ConvProblem):
-    """`_run_native` with the torch call fixed once: aten's convolution and convolution_backward
-    directly (torch.nn.grad's wrappers re-derive their arguments per call), and the result copied
-    into `out` by torch when no scaling is asked for. Operands from NumPy need no gradient, so no
-    autograd graph is built."""
+    """`native` as a launcher, its torch call fixed once: aten's convolution and
+    convolution_backward directly (torch.nn.grad's wrappers re-derive their arguments per call),
+    and the result copied into `out` by torch when no scaling is asked for. Operands from NumPy
+    need no gradient, so no autograd graph is built."""
     import torch
 
     stride, padding, dilation = [p.stride_h, p.stride_w], [p.pad_h, p.pad_w], [p.dilation_h, p.dilation_w]
