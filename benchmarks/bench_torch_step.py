@@ -20,6 +20,7 @@ everything); on the CPU, ucudnn's peak workspace (torch's own CPU allocations ar
 
     OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 python benchmarks/bench_torch_step.py \\
         [--models tiny,resnet50,vgg16] [--batch N] [--resolution R] [--device cpu|cuda] [--reps 20]
+        [--policy powerOfTwo] [--algos native,...] [--wd-total SIZE]
 """
 
 from __future__ import annotations
@@ -154,7 +155,8 @@ def bench(name: str, args) -> dict:
     device = torch.device(args.device)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     backend = "cudnn" if cuda else "cpu"
-    options = {"backend": backend, "policy": args.policy, "db": args.db, "reps": args.measure_reps}
+    options = {"backend": backend, "policy": args.policy, "db": args.db, "reps": args.measure_reps,
+               "algos": args.algos.split(",") if args.algos else None}
     torch.manual_seed(0)
     reference = cls().to(device)
     g = torch.Generator().manual_seed(1)
@@ -218,6 +220,7 @@ def main() -> int:
     parser.add_argument("--workspace", type=parse_size, default=64 * 2**20, help="WR limit per kernel (64MiB)")
     parser.add_argument("--wd-total", type=parse_size, help="WD total (default: WR's peak workspace)")
     parser.add_argument("--policy", default="powerOfTwo")
+    parser.add_argument("--algos", help="restrict ucudnn's candidate algorithms (comma-separated; default: all)")
     parser.add_argument("--measure-reps", type=int, default=3)
     parser.add_argument("--db", default="sqlite://", help="measurement cache (default: a fresh in-memory one)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads on the CPU (1)")
