@@ -10,8 +10,9 @@ shapes, so the script runs wherever torch does):
 
 Contenders, all from one state_dict: torch (nn.Conv2d); ucudnn WR (`convert(model,
 workspace_limit=64MiB)`); ucudnn WD (`convert(model, total_workspace=W)`, no `announce`: the first
-forward pass registers the layers and the next one solves). W is `--wd-total`, by default the
-WR contender's peak workspace after its first step (the same memory, divided per network).
+forward pass registers the layers and the next one solves). W is `--wd-total`, by default the sum
+of the WR plans' workspaces (so that WD can at least give every kernel its WR configuration; WR
+itself holds only its largest one, reusing one buffer).
 The first steps of the ucudnn contenders measure and solve their plans and are reported
 separately; then, after warm-up, the step functions run alternately (order swapped every
 repetition) and medians are compared. Peak memory: on CUDA, torch.cuda.max_memory_allocated over
@@ -42,6 +43,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import table  # noqa: E402
 
+from ucudnn.handle import SEGMENT_ALIGN_BYTES  # noqa: E402
 from ucudnn.sizes import format_size, parse_size  # noqa: E402
 from ucudnn.torch import convert  # noqa: E402
 
@@ -169,7 +171,8 @@ def bench(name: str, args) -> dict:
           flush=True)
     first = {"WR": timed_ms(steps["WR"])}
     wr_handle = next(m.handle for m in wr.modules() if hasattr(m, "handle"))
-    total = args.wd_total or max(wr_handle.peak_workspace, 1)
+    # WD can at least give every kernel its WR configuration (segments start 256-byte aligned)
+    total = args.wd_total or sum(c.config.workspace + SEGMENT_ALIGN_BYTES for c in wr_handle.choices())
     wd = convert(copy.deepcopy(reference), total_workspace=total, **options)
     steps["WD"] = make_step(wd, x, y, sync)
     wd_handle = next(m.handle for m in wd.modules() if hasattr(m, "handle"))
@@ -218,7 +221,7 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--workspace", type=parse_size, default=64 * 2**20, help="WR limit per kernel (64MiB)")
-    parser.add_argument("--wd-total", type=parse_size, help="WD total (default: WR's peak workspace)")
+    parser.add_argument("--wd-total", type=parse_size, help="WD total (default: sum of the WR plans' workspaces)")
     parser.add_argument("--policy", default="powerOfTwo")
     parser.add_argument("--algos", help="restrict ucudnn's candidate algorithms (comma-separated; default: all)")
     parser.add_argument("--measure-reps", type=int, default=3)
