@@ -16,7 +16,7 @@ from torch.nn import functional as F  # noqa: E402
 import ucudnn  # noqa: E402
 from ucudnn import Handle, LateRegistrationWarning, UnsupportedProblem  # noqa: E402
 from ucudnn.backends.cpu import CpuBackend  # noqa: E402
-from ucudnn.torch import Conv2d, convert  # noqa: E402
+from ucudnn.torch import convert  # noqa: E402
 
 NUMPY_ALGOS = ["im2col_gemm", "shift_gemm", "fft", "winograd"]
 
