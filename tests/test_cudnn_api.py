@@ -730,3 +730,31 @@ def test_bwd_filter_accumulation_is_one_fused_kernel_and_is_timed(fake_gpu):
     # every run after the verified one accumulates: one blend kernel each
     assert blends == executes - 1 and blends > 0
     assert ("kernel", "ucudnn_scale") not in TRACE
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_prepared_launches_check_operands_once(fake_gpu, kind, monkeypatch):
+    # A micro-batched configuration run three times: the first run checks every operand through
+    # `run`, later ones go through `prepare_run`'s launchers (unaligned slices and bwd_filter's
+    # accumulation still take the copying / blending path) and give the same results.
+    from ucudnn.execute import PreparedConfiguration
+    from ucudnn.solver.types import Configuration, MicroConfig
+
+    backend = cudnn_backend.CudnnBackend()
+    checks = []
+    real_check = backend._check_operand
+    monkeypatch.setattr(backend, "_check_operand", lambda *a: checks.append(a[1]) or real_check(*a))
+    problem = SMALL.with_kind(kind)
+    algo = "eng1:TILE_SIZE=2"
+    micros = tuple(MicroConfig(algo, b, 0.0, backend.workspace_size(problem.with_batch(b), algo)) for b in (2, 1))
+    prepared = PreparedConfiguration(backend, problem, Configuration(micros))
+    workspace = backend.empty_workspace(max(m.workspace for m in micros))
+    for seed in range(3):
+        operands = backend.random_operands(problem, seed=seed)
+        inputs = {name: array for name, array in operands.items() if name != "out"}
+        expected = selftest.reference(problem, **{n: np.asarray(a, dtype=np.float64) for n, a in inputs.items()})
+        prepared.run(out=operands["out"], workspace=workspace, **inputs)
+        assert selftest.relative_error(np.asarray(operands["out"], dtype=np.float64), expected) < 1e-6
+        if seed == 0:
+            first = len(checks)
+    assert first == 3 * len(micros) and len(checks) == first  # checked on the first run only

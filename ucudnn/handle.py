@@ -46,7 +46,7 @@ from ucudnn.backends.base import Backend, one_line
 from ucudnn.benchmark import (BenchStats, Policy, batch_sizes, confirm_faster, device_key, measure_table,
                               parse_policy, policy_name)
 from ucudnn.errors import InvalidInput, UnsupportedProblem
-from ucudnn.execute import run_configuration
+from ucudnn.execute import PreparedConfiguration, prepare_configuration
 from ucudnn.optimize import micro_from_json, micro_to_json, pareto_fronts, plan_key, undivided_baseline
 from ucudnn.problem import KINDS, ConvProblem
 from ucudnn.resources import check_can_run
@@ -54,7 +54,7 @@ from ucudnn.sizes import parse_size
 from ucudnn.solver import wr
 from ucudnn.solver.types import Configuration, Infeasible, MicroConfig
 
-__all__ = ["Handle", "KernelChoice", "LateRegistrationWarning", "PlanFailureWarning", "SEGMENT_ALIGN_BYTES"]
+__all__ = ["Handle", "Kernel", "KernelChoice", "LateRegistrationWarning", "PlanFailureWarning", "SEGMENT_ALIGN_BYTES"]
 
 # WD segments start at multiples of this: cuDNN wants aligned workspace pointers, and on the CPU an
 # aligned start keeps float views of a segment on cache-line (and SIMD) boundaries.
@@ -119,6 +119,39 @@ class _Prepared:
     problem: ConvProblem
     config: Configuration
     offset: int | None  # WD segment offset; None in WR (the shared buffer)
+    kernels: PreparedConfiguration  # micro-batch problems, rows and launchers, made once
+    out_shape: tuple[int, int, int, int]  # problem.out_shape, which is derived per access
+
+
+def _prepared(backend: Backend, problem: ConvProblem, config: Configuration, offset: int | None) -> _Prepared:
+    return _Prepared(problem, config, offset, prepare_configuration(backend, problem, config), problem.out_shape)
+
+
+class Kernel:
+    """One planned kernel, prepared to run again and again without a lookup (`Handle.kernel`).
+
+    `run` takes operands of exactly the shapes, dtype and layout it was made for (the first run
+    checks them in the backend; later runs only launch). It is valid while `handle.generation`
+    equals `generation`: a WD re-solve moves segments and makes older kernels stale.
+    """
+
+    __slots__ = ("_handle", "_prep", "generation")
+
+    def __init__(self, handle: Handle, prep: _Prepared, generation: int) -> None:
+        self._handle, self._prep, self.generation = handle, prep, generation
+
+    @property
+    def problem(self) -> ConvProblem:
+        return self._prep.problem
+
+    @property
+    def config(self) -> Configuration:
+        return self._prep.config
+
+    def run(self, *, x: Any = None, w: Any = None, dy: Any = None, out: Any, alpha: float = 1.0,
+            beta: float = 0.0) -> None:
+        """out = alpha * kernel(...) + beta * out, with the handle's workspace."""
+        self._handle._run(self._prep, x=x, w=w, dy=dy, out=out, alpha=alpha, beta=beta)
 
 
 def _pair(name: str, value: _Pair, minimum: int) -> tuple[int, int]:
@@ -141,6 +174,9 @@ def _pair(name: str, value: _Pair, minimum: int) -> tuple[int, int]:
 def _shape4(name: str, array_or_shape: Any) -> tuple[int, int, int, int]:
     """The shape of a 4-D array, or a 4-entry shape itself, as a tuple of ints."""
     shape = getattr(array_or_shape, "shape", array_or_shape)
+    if type(shape) is tuple and len(shape) == 4 and type(shape[0]) is type(shape[1]) is type(shape[2]) \
+            is type(shape[3]) is int:  # the hot path: an array's own shape
+        return shape
     try:
         shape = tuple(operator.index(v) for v in shape if not isinstance(v, bool))
         if len(shape) == 4:
@@ -151,9 +187,30 @@ def _shape4(name: str, array_or_shape: Any) -> tuple[int, int, int, int]:
                        f"{getattr(array_or_shape, 'shape', array_or_shape)!r}")
 
 
+_DTYPE_NAMES: dict[Any, str] = {}
+
+
+def _dtype_name(dtype: Any) -> str:
+    """str(dtype), memoised: NumPy builds a dtype's name in Python, a few microseconds per call."""
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype)
+    return name
+
+
 def _same_dtype(a: Any, b: Any) -> None:
     if a.dtype != b.dtype:
         raise InvalidInput(f"the two operands must share a dtype, got {a.dtype} and {b.dtype}")
+
+
+def _check_no_overlap(out: Any, **inputs: Any) -> None:
+    """Refuse an output that shares memory with an input: kernels write `out` while still reading
+    their inputs (shift_gemm, for one, accumulates into out sample by sample)."""
+    module = _array_module(out)
+    for name, array in inputs.items():
+        if module.may_share_memory(out, array):
+            raise InvalidInput(f"out overlaps {name}: a kernel cannot write its result over an operand it "
+                               f"reads; give a separate out")
 
 
 def _check_groups(groups: Any, c: int, w_shape: Sequence[int]) -> None:
@@ -246,7 +303,10 @@ class Handle:
         user cache folder), a SQLAlchemy URL or SQLite file path, ":memory:" / "sqlite://" for a
         database that lives as long as the handle, or False for no database at all.
     reps : timed runs per measurement (the median is kept).
-    algos : restrict the candidate algorithms (default: every algorithm of the backend).
+    algos : restrict the candidate algorithms (default: every algorithm of the backend). On the
+        cpu backend, `fft` spreads a non-finite input value over the whole sample (over every
+        filter tap in bwd_filter) and `winograd` over its 2x2 output tiles; leave them out where
+        NaN or Inf must stay where the convolution puts it.
     """
 
     def __init__(self, *, backend: str | Backend = "auto", policy: Policy = "powerOfTwo",
@@ -286,6 +346,7 @@ class Handle:
         self._stats = BenchStats()
         # call signature -> what to run; WD re-solves clear it
         self._prepared: dict[tuple, _Prepared] = {}
+        self._generation = 0  # bumped whenever _prepared is dropped: Kernel objects made before are stale
         # WR: (problem.key, batch) -> plan; one workspace buffer shared by every kernel
         self._wr_plans: dict[tuple[str, int], _Plan] = {}
         self._wr_seen: dict[tuple[str, str, int], ConvProblem] = {}
@@ -335,6 +396,16 @@ class Handle:
     def arena(self) -> Any:
         """The WD arena (one buffer of `total_workspace` bytes, allocated at the first solve), else None."""
         return self._arena
+
+    @property
+    def generation(self) -> int:
+        """Changes whenever prepared kernels become stale (a WD re-solve); see `Kernel`."""
+        return self._generation
+
+    @property
+    def wd_solved(self) -> bool:
+        """WD: whether the workspace division has been solved (layers announced later re-solve it)."""
+        return self._wd_solved
 
     @property
     def stats(self) -> BenchStats:
@@ -429,6 +500,7 @@ class Handle:
                 "convolution (Handle.register, or ucudnn.torch.announce)."), stacklevel=stacklevel)
             self._wd_plans.clear()
             self._prepared.clear()
+            self._generation += 1
 
     # ---- the three kernels --------------------------------------------------------------
     def conv_forward(self, x: Any, w: Any, *, stride: _Pair = 1, padding: _Pair = 0, dilation: _Pair = 1,
@@ -443,8 +515,8 @@ class Handle:
         """
         xs, ws = _shape4("x", x), _shape4("w", w)
         _same_dtype(x, w)
-        prep = self._lookup("fwd", layer, xs, ws, stride, padding, dilation, groups, str(x.dtype))
-        out = self._output(out, prep.problem, beta, x)
+        prep = self._lookup("fwd", layer, xs, ws, stride, padding, dilation, groups, _dtype_name(x.dtype))
+        out = self._output(out, prep, beta, x, x=x, w=w)
         self._run(prep, x=_contiguous(x), w=_contiguous(w), out=out, alpha=alpha, beta=beta)
         return out
 
@@ -461,11 +533,11 @@ class Handle:
         if x_shape is None:
             x_shape = out.shape if out is not None else _infer_x_shape(dys, ws, stride, padding, dilation, groups)
         prep = self._lookup("bwd_data", layer, _shape4("x_shape", x_shape), ws, stride, padding, dilation, groups,
-                            str(dy.dtype))
+                            _dtype_name(dy.dtype))
         if dys != prep.problem.y_shape:
             raise InvalidInput(f"dy has shape {dys}, but the convolution of an input {prep.problem.x_shape} with "
                                f"w {ws} writes {prep.problem.y_shape}")
-        out = self._output(out, prep.problem, beta, dy)
+        out = self._output(out, prep, beta, dy, dy=dy, w=w)
         self._run(prep, dy=_contiguous(dy), w=_contiguous(w), out=out, alpha=alpha, beta=beta)
         return out
 
@@ -483,11 +555,11 @@ class Handle:
         if w_shape is None:
             w_shape = out.shape if out is not None else _infer_w_shape(xs, dys, stride, padding, dilation, groups)
         prep = self._lookup("bwd_filter", layer, xs, _shape4("w_shape", w_shape), stride, padding, dilation, groups,
-                            str(x.dtype))
+                            _dtype_name(x.dtype))
         if dys != prep.problem.y_shape:
             raise InvalidInput(f"dy has shape {dys}, but the convolution of x {xs} with a filter "
                                f"{prep.problem.w_shape} writes {prep.problem.y_shape}")
-        out = self._output(out, prep.problem, beta, x)
+        out = self._output(out, prep, beta, x, x=x, dy=dy)
         self._run(prep, x=_contiguous(x), dy=_contiguous(dy), out=out, alpha=alpha, beta=beta)
         return out
 
@@ -507,10 +579,26 @@ class Handle:
         return self._lookup(kind, layer, _shape4("x_shape", x_shape), _shape4("w_shape", w_shape), stride, padding,
                             dilation, groups, str(dtype)).config
 
+    def kernel(self, kind: str, x_shape: Sequence[int], w_shape: Sequence[int], *, stride: _Pair = 1,
+               padding: _Pair = 0, dilation: _Pair = 1, groups: int = 1, dtype: str = "float32",
+               layout: str = "NCHW", layer: str | None = None) -> Kernel:
+        """`prepare`, returning the planned kernel itself, ready to run without a lookup.
+
+        For frameworks that call one layer's kernels many times (``ucudnn.torch`` holds one per
+        layer and shape): `Kernel.run` skips the per-call lookup and checks, and `layout`
+        ("NHWC": channels-last operands, logical NCHW shapes) and `dtype` (say "bfloat16", whose
+        arrays hold raw 16-bit words) describe operands whose array dtype does not say it.
+        """
+        if kind not in KINDS:
+            raise InvalidInput(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
+        prep = self._lookup(kind, layer, _shape4("x_shape", x_shape), _shape4("w_shape", w_shape), stride, padding,
+                            dilation, groups, str(dtype), layout)
+        return Kernel(self, prep, self._generation)
+
     def _lookup(self, kind: str, layer: str | None, x_shape: tuple[int, ...], w_shape: tuple[int, ...], stride: _Pair,
-                padding: _Pair, dilation: _Pair, groups: int, dtype: str) -> _Prepared:
+                padding: _Pair, dilation: _Pair, groups: int, dtype: str, layout: str = "NCHW") -> _Prepared:
         """What to run for this call: a dict hit on repeated calls, else the problem is built and planned."""
-        signature = (kind, layer, x_shape, w_shape, stride, padding, dilation, groups, dtype)
+        signature = (kind, layer, x_shape, w_shape, stride, padding, dilation, groups, dtype, layout)
         try:
             prep = self._prepared.get(signature)
         except TypeError:  # an unhashable argument (a list for stride, ...): normalised below
@@ -523,24 +611,26 @@ class Handle:
         n, c, h, w = x_shape
         problem = ConvProblem(kind=kind, n=n, c=c, h=h, w=w, k=w_shape[0], r=w_shape[2], s=w_shape[3],
                               pad_h=padding[0], pad_w=padding[1], stride_h=stride[0], stride_w=stride[1],
-                              dilation_h=dilation[0], dilation_w=dilation[1], groups=groups, dtype=dtype)
+                              dilation_h=dilation[0], dilation_w=dilation[1], groups=groups, dtype=dtype,
+                              layout=layout)
         prep = self._prepare(layer, problem)
         try:
             self._prepared[signature] = prep
         except TypeError:
             pass
         # the normalised spelling too, so that equal calls spelled differently hit the same entry
-        self._prepared[(kind, layer, x_shape, w_shape, stride, padding, dilation, groups, dtype)] = prep
+        self._prepared[(kind, layer, x_shape, w_shape, stride, padding, dilation, groups, dtype, layout)] = prep
         return prep
 
     # ---- outputs --------------------------------------------------------------------------
-    def _output(self, out: Any, problem: ConvProblem, beta: float, like: Any) -> Any:
+    def _output(self, out: Any, prep: _Prepared, beta: float, like: Any, **inputs: Any) -> Any:
+        problem = prep.problem
         if out is None:
             if beta != 0:
                 raise InvalidInput(f"beta={beta} blends the result into an existing output; give out")
             # Zeros, not empty: with beta = 0 a backend may still read out (0 * NaN is NaN).
-            return _array_module(like).zeros(problem.out_shape, dtype=like.dtype)
-        if tuple(out.shape) != problem.out_shape:
+            return _array_module(like).zeros(prep.out_shape, dtype=like.dtype)
+        if tuple(out.shape) != prep.out_shape:
             raise InvalidInput(f"out has shape {tuple(out.shape)}, the {problem.kind} kernel writes {problem.out_shape}")
         if out.dtype != like.dtype:
             raise InvalidInput(f"out has dtype {out.dtype}, the operands {like.dtype}")
@@ -548,6 +638,7 @@ class Handle:
             raise InvalidInput("out must be C-contiguous (NCHW); the kernel writes into it in place")
         if _array_module(out) is not _array_module(like):
             raise InvalidInput("out and the operands must live on the same device (NumPy or CuPy arrays alike)")
+        _check_no_overlap(out, **inputs)
         return out
 
     # ---- planning -----------------------------------------------------------------------
@@ -558,14 +649,14 @@ class Handle:
         if self.mode == "WR":
             plan = self._plan_wr(problem)
             self._wr_seen.setdefault((name, problem.kind, problem.n), problem)
-            prep = _Prepared(problem, plan.config, None)
+            prep = _prepared(self._backend, problem, plan.config, None)
         else:
             self._register(name, problem.with_kind("fwd"), frozenset({problem.kind}), stacklevel=5)
             plans = self._wd_plans.get(problem.n)
             if plans is None:
                 plans = self._solve_wd(problem.n)
             _, plan = plans[name, problem.kind]
-            prep = _Prepared(problem, plan.config, plan.offset)
+            prep = _prepared(self._backend, problem, plan.config, plan.offset)
         return prep
 
     def _candidates(self, problem: ConvProblem) -> list[str]:
@@ -710,8 +801,7 @@ class Handle:
             self._run_first(prep, x=x, w=w, dy=dy, out=out, alpha=alpha, beta=beta)
             return
         try:
-            run_configuration(self._backend, prep.problem, prep.config, x=x, w=w, dy=dy, out=out,
-                              alpha=alpha, beta=beta, workspace=self._workspace(prep))
+            prep.kernels.run(x=x, w=w, dy=dy, out=out, alpha=alpha, beta=beta, workspace=self._workspace(prep))
         except self._candidate_failures() as exc:
             if beta != 0:  # out already holds part of the blend: no way back to the caller's values
                 raise
@@ -736,8 +826,7 @@ class Handle:
                 continue
             saved = out.copy() if beta != 0 else None
             try:
-                run_configuration(self._backend, prep.problem, prep.config, out=out, beta=beta,
-                                  workspace=self._workspace(prep), **operands)
+                prep.kernels.run(out=out, beta=beta, workspace=self._workspace(prep), **operands)
             except self._candidate_failures() as exc:
                 if saved is not None:
                     out[...] = saved
@@ -771,13 +860,14 @@ class Handle:
                 f"{failures[0].reason}; recorded as unusable and re-planned (later failures are not warned)"),
                 stacklevel=5)
         self._prepared.clear()
+        self._generation += 1  # Kernel objects holding the failed plan are stale
         if self.mode == "WR":
             self._wr_plans.pop((problem.key, problem.n), None)
-            return _Prepared(problem, self._plan_wr(problem, fresh=True).config, None)
+            return _prepared(self._backend, problem, self._plan_wr(problem, fresh=True).config, None)
         self._wd_plans.pop(problem.n, None)
         plans = self._solve_wd(problem.n, fresh=True)
         plan = next(plan for p, plan in plans.values() if p == problem)
-        return _Prepared(problem, plan.config, plan.offset)
+        return _prepared(self._backend, problem, plan.config, plan.offset)
 
 
 def _rebuild_handle(options: dict) -> Handle:

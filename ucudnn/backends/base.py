@@ -113,6 +113,22 @@ class Backend(abc.ABC):
             out: Any, workspace: Any, alpha: float = 1.0, beta: float = 0.0) -> None:
         """One kernel: out = alpha * result + beta * out, temporaries taken from `workspace`."""
 
+    def prepare_run(self, problem: ConvProblem, algo: str):
+        """A launcher for repeated runs of `algo` on `problem`: ``launch(x, w, dy, out, workspace,
+        alpha, beta)`` (positional; operands the kind does not read may be None).
+
+        It may skip every check `run` makes: call it only with operands of the shapes, dtype,
+        layout and array type that a checked `run` of the same problem accepted. Backends override
+        it to do once what `run` does per call (workspace layouts, built plans, operand checks);
+        this default is `run` itself.
+        """
+        run = self.run
+
+        def launch(x: Any, w: Any, dy: Any, out: Any, workspace: Any, alpha: float, beta: float) -> None:
+            run(problem, algo, x=x, w=w, dy=dy, out=out, workspace=workspace, alpha=alpha, beta=beta)
+
+        return launch
+
     def synchronize(self) -> None:
         """Wait until every kernel launched so far has finished (asynchronous devices override this)."""
 

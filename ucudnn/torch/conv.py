@@ -4,19 +4,32 @@
 
 swaps every `torch.nn.Conv2d` of `model` for a `ucudnn.torch.Conv2d` that shares its parameters
 (the same `Parameter` objects, so an optimizer built before the swap keeps working) and runs all
-three kernels through one shared `ucudnn.Handle`: the forward pass with `conv_forward`, and the
-backward pass with `conv_backward_data` (only when the input needs a gradient) and
-`conv_backward_filter`; the bias gradient is ``dy.sum((0, 2, 3))``. Layer ids are the modules'
+three kernels through one shared `ucudnn.Handle`: the forward pass with its `fwd` kernel, and the
+backward pass with `bwd_data` (only when the input needs a gradient) and `bwd_filter`; the bias
+gradient is ``dy.sum((0, 2, 3))``. Layer ids are the modules'
 qualified names (``layer1.0.conv1``); a `Conv2d` built by hand uses ``conv@<id(self) in hex>``.
 
+Each layer keeps a route per input signature (shape, dtype, device, layout, which gradients are
+needed): the handle's prepared `Kernel` of each kind, planned together at the first call. Later
+calls only launch: no lookup, operand check, planning or workspace allocation. Where every
+needed kernel's plan is `native` on the whole batch, the layer is plain `F.conv2d` (PyTorch's own
+autograd, no Python Function in between).
+
 WD (``total_workspace=...``) divides one workspace among all kernels of the network, so the
-handle must know the layers before the first convolution: call ``announce(model, example)`` once
-after `convert`. It runs one forward pass that only records (torch's own convolution computes,
-nothing is benchmarked; eval mode, so batch-norm statistics are untouched).
+handle must know the layers before it solves. `convert` arranges that: the model's first forward
+pass registers every layer (PyTorch's convolution computes it) and a forward hook ends the
+learning; the next convolution solves once. ``announce(model, example)`` does the same
+explicitly with one recording forward pass in eval mode (batch-norm statistics untouched); use it
+when the first forward pass runs under ``torch.no_grad()`` (it would register no backward kernels).
 
 CPU tensors of float32 (or float64) go through ``.numpy()`` views without copies; CUDA tensors go
-to a cudnn-backend handle through ``__cuda_array_interface__`` (``cupy.asarray``), on torch's
-current stream. Double backward (gradients of gradients) is not supported.
+to a cudnn-backend handle through ``__cuda_array_interface__`` (``cupy.asarray``; bfloat16 as its
+16-bit words), on torch's current stream, with CuPy's allocations taken from PyTorch's caching
+allocator, so ``torch.cuda.max_memory_allocated`` sees every workspace and no CuPy pool holds
+memory. Channels-last CUDA tensors run as NHWC problems. Under ``torch.autocast`` the convolution
+is cast as autocast casts ``F.conv2d``; a dtype the backend cannot run (bfloat16 on the cpu
+backend) is refused with `UnsupportedProblem` naming dtype and backend. An empty batch returns
+what nn.Conv2d returns. Double backward (gradients of gradients) is not supported.
 
 This module imports torch; ``import ucudnn`` does not import this module.
 """
@@ -26,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -35,31 +49,37 @@ from torch.autograd.function import once_differentiable
 
 from ucudnn.backends.cpu import NATIVE
 from ucudnn.errors import BackendUnavailable, InvalidInput, UnsupportedProblem
-from ucudnn.handle import Handle
+from ucudnn.handle import Handle, Kernel
 from ucudnn.problem import ConvProblem
 
 __all__ = ["Conv2d", "announce", "convert"]
 
-# dtypes that reach the handle, by device; others are refused with a message (the cpu backend
-# computes in float32 and float64; NumPy and CuPy have no bfloat16).
+# dtypes that reach the handle, by device; others are refused with a message naming the dtype and
+# the backend (the cpu backend computes in float32 and float64; on CUDA, bfloat16 tensors reach
+# CuPy, which has no bfloat16, as their raw 16-bit words).
 _DTYPES = {"cpu": {torch.float32: "float32", torch.float64: "float64"},
-           "cuda": {torch.float32: "float32", torch.float64: "float64", torch.float16: "float16"}}
+           "cuda": {torch.float32: "float32", torch.float64: "float64", torch.float16: "float16",
+                    torch.bfloat16: "bfloat16"}}
 
 
-def _dtype_name(t: torch.Tensor) -> str:
+def _dtype_name(t: torch.Tensor, backend_name: str) -> str:
     names = _DTYPES.get(t.device.type)
     if names is None:
         raise UnsupportedProblem(f"ucudnn.torch.Conv2d runs CPU or CUDA tensors, got a tensor on {t.device}")
     name = names.get(t.dtype)
     if name is None:
         allowed = ", ".join(str(d).removeprefix("torch.") for d in names)
-        raise UnsupportedProblem(f"ucudnn.torch.Conv2d runs {allowed} tensors on {t.device.type}, got {t.dtype}; "
-                                 "convert the model with .float() or keep this layer a torch.nn.Conv2d")
+        autocast = (" (torch.autocast casts convolutions to it; disable autocast around this model)"
+                    if t.dtype in (torch.float16, torch.bfloat16) else "")
+        raise UnsupportedProblem(f"ucudnn.torch.Conv2d: the {backend_name} backend cannot run "
+                                 f"{str(t.dtype).removeprefix('torch.')} tensors on {t.device.type}{autocast}; it "
+                                 f"runs {allowed} there. Convert the model with .float() or keep this layer a "
+                                 "torch.nn.Conv2d")
     return name
 
 
 def _as_array(t: torch.Tensor, backend_name: str) -> Any:
-    """A view of a contiguous tensor as the handle's array type (NumPy on the CPU, CuPy on CUDA)."""
+    """A view of a tensor as the handle's array type (NumPy on the CPU, CuPy on CUDA), no copy."""
     t = t.detach()
     if t.device.type == "cpu":
         if backend_name != "cpu":
@@ -74,17 +94,57 @@ def _as_array(t: torch.Tensor, backend_name: str) -> Any:
             import cupy
         except ImportError as exc:
             raise BackendUnavailable("CUDA tensors need CuPy: pip install 'ucudnn[cuda]'") from exc
+        if t.dtype == torch.bfloat16:  # the backend stores bfloat16 as uint16 words
+            return cupy.asarray(t.view(torch.int16)).view(cupy.uint16)
         return cupy.asarray(t)  # zero-copy through __cuda_array_interface__
     raise UnsupportedProblem(f"ucudnn.torch.Conv2d runs CPU or CUDA tensors, got a tensor on {t.device}")
 
 
-def _stream(t: torch.Tensor):
-    """CuPy work on torch's current CUDA stream, so that it orders with torch's own kernels."""
-    if t.device.type != "cuda":
-        return contextlib.nullcontext()
-    import cupy  # pragma: no cover - needs a GPU
-    stream = torch.cuda.current_stream(t.device)  # pragma: no cover
-    return cupy.cuda.ExternalStream(stream.cuda_stream, t.device.index)  # pragma: no cover
+def _torch_allocator(device_index: int):  # pragma: no cover - needs a GPU
+    """A CuPy allocator that takes its memory from PyTorch's caching allocator: workspaces and
+    temporaries then show in torch.cuda.max_memory_allocated, and no second pool holds memory.
+    A CuPy pointer owns the torch tensor it views, so the block returns to torch with it."""
+    import cupy
+
+    device = torch.device("cuda", device_index)
+
+    def allocate(nbytes: int):
+        block = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        return cupy.cuda.MemoryPointer(cupy.cuda.UnownedMemory(block.data_ptr(), nbytes, block, device_index), 0)
+
+    return allocate
+
+
+_ALLOCATORS: dict[int, Any] = {}
+
+
+_NOTHING = contextlib.nullcontext()
+
+
+def _on_device(t: torch.Tensor):
+    """CUDA: CuPy work on torch's current stream (so that it orders with torch's kernels) and
+    CuPy allocations from torch's caching allocator. CPU: nothing."""
+    return _NOTHING if t.device.type != "cuda" else _on_cuda(t)
+
+
+@contextlib.contextmanager
+def _on_cuda(t: torch.Tensor) -> Iterator[None]:  # pragma: no cover - needs a GPU
+    import cupy
+
+    index = t.device.index if t.device.index is not None else torch.cuda.current_device()
+    allocator = _ALLOCATORS.get(index) or _ALLOCATORS.setdefault(index, _torch_allocator(index))
+    stream = torch.cuda.current_stream(t.device)
+    with cupy.cuda.Device(index), cupy.cuda.ExternalStream(stream.cuda_stream, index), \
+            cupy.cuda.using_allocator(allocator):
+        yield
+
+
+def _layout(t: torch.Tensor) -> tuple[torch.Tensor, str]:
+    """The tensor as the kernels read it: channels-last CUDA tensors stay NHWC (the cudnn backend
+    runs that layout), everything else is made NCHW-contiguous."""
+    if t.device.type == "cuda" and not t.is_contiguous() and t.is_contiguous(memory_format=torch.channels_last):
+        return t, "NHWC"
+    return t.contiguous(), "NCHW"
 
 
 def _out_size(size: int, r: int, stride: int, pad: int, dilation: int) -> int:
@@ -96,35 +156,76 @@ def _native_undivided(config) -> bool:
     return len(config.micros) == 1 and config.micros[0].algo == NATIVE
 
 
-class _Conv2dFunction(torch.autograd.Function):
-    """conv2d whose three kernels run through a `Handle`.
+@dataclass(frozen=True, slots=True)
+class _Route:
+    """How one layer runs at one input: the handle's prepared kernel of each kind, or None where
+    torch runs the kernel itself (the plan is `native` on the whole batch, or the kind is not
+    needed). `direct`: every needed kind is torch's own, so the layer is plain F.conv2d."""
 
-    When the handle's plan for a kernel is `native` on the whole batch (PyTorch's own convolution,
-    undivided), the kernel is that torch call itself, made here on the tensors: going through
-    the handle would compute the same thing into a temporary and copy it into the output.
-    """
+    handle: Handle  # the route belongs to this handle (a plan's executor may swap a layer's handle)
+    generation: int
+    backend: str
+    layout: str
+    fwd: Kernel | None
+    bwd_data: Kernel | None
+    bwd_filter: Kernel | None
+    direct: bool
+
+
+class _Routes(dict):
+    """A layer's routes by input signature. Copies and pickles start empty: the kernels belong to
+    the handle, and a copied model gets a fresh handle."""
+
+    def __reduce__(self):
+        return (_Routes, ())
+
+    def __deepcopy__(self, memo):
+        return _Routes()
+
+
+class _Learning:
+    """WD without `announce`: while active, converted layers register themselves with the handle
+    and compute with torch's own convolution; the model's first forward pass ends it."""
+
+    __slots__ = ("active",)
+
+    def __init__(self) -> None:
+        self.active = True
+
+
+class _EndLearning:
+    """Forward hook on the converted model: its first forward pass has registered every layer."""
+
+    def __init__(self, state: _Learning) -> None:
+        self.state = state
+
+    def __call__(self, module, args, output) -> None:
+        self.state.active = False
+
+
+class _Conv2dFunction(torch.autograd.Function):
+    """conv2d whose three kernels run as `route` says: through the handle's prepared kernels, or,
+    where the plan is `native` on the whole batch, as that torch call itself made on the tensors
+    (going through the handle would compute the same thing into a temporary and copy it)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, handle: Handle, layer: str, stride, padding, dilation, groups):
-        x = x.contiguous()
-        weight = weight.contiguous()
-        dtype = _dtype_name(x)
-        backend = handle.backend.name
-        conv = {"stride": stride, "padding": padding, "dilation": dilation, "groups": groups, "layer": layer}
+    def forward(ctx, x, weight, bias, route: _Route, stride, padding, dilation, groups):
+        # x comes in the route's layout; the filter is made to match it
+        weight = weight.contiguous(memory_format=torch.channels_last if route.layout == "NHWC"
+                                   else torch.contiguous_format)
         ctx.save_for_backward(x, weight)
-        ctx.handle, ctx.conv, ctx.dtype, ctx.has_bias = handle, conv, dtype, bias is not None
+        ctx.route, ctx.conv, ctx.has_bias = route, (stride, padding, dilation, groups), bias is not None
+        if route.fwd is None:
+            return F.conv2d(x, weight, bias, stride, padding, dilation, groups)
         n, _, h, w = x.shape
         k, _, r, s = weight.shape
-        oh = _out_size(h, r, stride[0], padding[0], dilation[0])
-        ow = _out_size(w, s, stride[1], padding[1], dilation[1])
-        with _stream(x):
-            if oh < 1 or ow < 1:  # let the handle say what is wrong with the shapes
-                handle.conv_forward(_as_array(x, backend), _as_array(weight, backend), **conv)
-            if x.device.type == "cpu" and backend == "cpu" and _native_undivided(
-                    handle.prepare("fwd", x.shape, weight.shape, dtype=dtype, **conv)):
-                return F.conv2d(x, weight, bias, stride, padding, dilation, groups)
-            y = torch.empty((n, k, oh, ow), dtype=x.dtype, device=x.device)
-            handle.conv_forward(_as_array(x, backend), _as_array(weight, backend), out=_as_array(y, backend), **conv)
+        shape = (n, k, _out_size(h, r, stride[0], padding[0], dilation[0]),
+                 _out_size(w, s, stride[1], padding[1], dilation[1]))
+        fmt = torch.channels_last if route.layout == "NHWC" else torch.contiguous_format
+        y = torch.empty(shape, dtype=x.dtype, device=x.device, memory_format=fmt)
+        with _on_device(x):
+            route.fwd.run(x=_as_array(x, route.backend), w=_as_array(weight, route.backend),
+                          out=_as_array(y, route.backend))
         if bias is not None:
             y.add_(bias.view(1, -1, 1, 1))
         return y
@@ -133,33 +234,30 @@ class _Conv2dFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
-        handle, conv = ctx.handle, ctx.conv
-        backend = handle.backend.name
-        dy = dy.contiguous()
+        route = ctx.route
+        stride, padding, dilation, groups = ctx.conv
+        dy = dy.contiguous(memory_format=torch.channels_last if route.layout == "NHWC" else torch.contiguous_format)
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         dx = dw = db = None
-        native_dx = native_dw = False
-        if dy.device.type == "cpu" and backend == "cpu":
-            native_dx = need_dx and _native_undivided(
-                handle.prepare("bwd_data", x.shape, weight.shape, dtype=ctx.dtype, **conv))
-            native_dw = need_dw and _native_undivided(
-                handle.prepare("bwd_filter", x.shape, weight.shape, dtype=ctx.dtype, **conv))
+        native_dx = need_dx and route.bwd_data is None
+        native_dw = need_dw and route.bwd_filter is None
         if native_dx or native_dw:
             dx, dw, _ = torch.ops.aten.convolution_backward(
-                dy, x, weight, None, list(conv["stride"]), list(conv["padding"]), list(conv["dilation"]), False,
-                [0, 0], conv["groups"], [native_dx, native_dw, False])
-        with _stream(dy):
+                dy, x, weight, None, list(stride), list(padding), list(dilation), False, [0, 0], groups,
+                [native_dx, native_dw, False])
+        fmt = torch.channels_last if route.layout == "NHWC" else torch.contiguous_format
+        with _on_device(dy):
             if need_dx and not native_dx:
-                dx = torch.empty_like(x, memory_format=torch.contiguous_format)
-                handle.conv_backward_data(_as_array(dy, backend), _as_array(weight, backend),
-                                          out=_as_array(dx, backend), **conv)
+                dx = torch.empty_like(x, memory_format=fmt)
+                route.bwd_data.run(dy=_as_array(dy, route.backend), w=_as_array(weight, route.backend),
+                                   out=_as_array(dx, route.backend))
             if need_dw and not native_dw:
-                dw = torch.empty_like(weight, memory_format=torch.contiguous_format)
-                handle.conv_backward_filter(_as_array(x, backend), _as_array(dy, backend),
-                                            out=_as_array(dw, backend), **conv)
+                dw = torch.empty_like(weight, memory_format=fmt)
+                route.bwd_filter.run(x=_as_array(x, route.backend), dy=_as_array(dy, route.backend),
+                                     out=_as_array(dw, route.backend))
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy.sum((0, 2, 3))
-        return dx, dw, db, None, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None
 
 
 class Conv2d(nn.Conv2d):
@@ -188,6 +286,8 @@ class Conv2d(nn.Conv2d):
         self.handle = handle
         self.layer = layer
         self._recording = False
+        self._learning: _Learning | None = None  # set by convert for WD without announce
+        self._routes = _Routes()
 
     @classmethod
     def from_conv(cls, conv: nn.Conv2d, *, handle: Handle, layer: str | None = None) -> Conv2d:
@@ -227,20 +327,63 @@ class Conv2d(nn.Conv2d):
             raise InvalidInput(f"Conv2d expects a 3-D (C, H, W) or 4-D (N, C, H, W) input, got shape "
                                f"{tuple(input.shape)}")
         input, padding = self._explicit_padding(input)
-        if self._recording:
-            out = self._record(input, weight, bias, padding)
+        device = input.device.type
+        if torch.is_autocast_enabled(device):
+            # What autocast does to F.conv2d: compute in its lower precision (the backend may refuse it).
+            low = torch.get_autocast_dtype(device)
+            input, weight = input.to(low), weight.to(low)
+            bias = bias.to(low) if bias is not None else None
+            with torch.autocast(device, enabled=False):
+                out = self._convolve(input, weight, bias, padding)
         else:
-            out = _Conv2dFunction.apply(input, weight, bias, self.handle, self.layer_id, tuple(self.stride),
-                                        padding, tuple(self.dilation), self.groups)
+            out = self._convolve(input, weight, bias, padding)
         return out.squeeze(0) if unbatched else out
+
+    def _convolve(self, input, weight, bias, padding) -> torch.Tensor:
+        stride, dilation = tuple(self.stride), tuple(self.dilation)
+        if self._recording or (self._learning is not None and self._learning.active):
+            return self._record(input, weight, bias, padding)
+        if input.shape[0] == 0:  # an empty batch: nothing to plan; torch returns the empty result
+            return F.conv2d(input, weight, bias, stride, padding, dilation, self.groups)
+        input, layout = _layout(input)
+        grad = torch.is_grad_enabled()
+        key = (input.shape, weight.shape, input.dtype, weight.dtype, input.device, weight.device, layout, padding,
+               grad and input.requires_grad, grad and weight.requires_grad)
+        route = self._routes.get(key)
+        handle = self.handle
+        if route is None or route.handle is not handle or route.generation != handle.generation:
+            route = self._routes[key] = self._route(input, weight, padding, layout, key[-2], key[-1])
+        if route.direct:
+            return F.conv2d(input, weight, bias, stride, padding, dilation, self.groups)
+        return _Conv2dFunction.apply(input, weight, bias, route, stride, padding, dilation, self.groups)
+
+    def _problem(self, input, weight, padding, dtype: str, layout: str = "NCHW") -> ConvProblem:
+        n, c, h, w = input.shape
+        k, _, r, s = weight.shape
+        return ConvProblem(n=n, c=c, h=h, w=w, k=k, r=r, s=s, pad_h=padding[0], pad_w=padding[1],
+                           stride_h=self.stride[0], stride_w=self.stride[1], dilation_h=self.dilation[0],
+                           dilation_w=self.dilation[1], groups=self.groups, dtype=dtype, layout=layout)
+
+    def _route(self, input, weight, padding, layout: str, need_dx: bool, need_dw: bool) -> _Route:
+        """Plan the kernels this layer needs at this input (all at once, so that a WD handle learns
+        the layer's kinds together) and prepare them."""
+        handle, backend = self.handle, self.handle.backend.name
+        dtype = _dtype_name(input, backend)
+        kinds = ("fwd",) + (("bwd_data",) if need_dx else ()) + (("bwd_filter",) if need_dw else ())
+        conv = {"stride": tuple(self.stride), "padding": padding, "dilation": tuple(self.dilation),
+                "groups": self.groups, "dtype": dtype, "layout": layout, "layer": self.layer_id}
+        with _on_device(input):  # a WD solve allocates the arena: from torch's allocator on CUDA
+            handle.register(self.layer_id, self._problem(input, weight, padding, dtype, layout), kinds=kinds)
+            kernels = {kind: handle.kernel(kind, tuple(input.shape), tuple(weight.shape), **conv) for kind in kinds}
+        # torch runs a native undivided plan itself (on CPU tensors; the cudnn backend has no native)
+        torch_runs = {kind: input.device.type == "cpu" and _native_undivided(k.config) for kind, k in kernels.items()}
+        routed = {kind: None if torch_runs[kind] else k for kind, k in kernels.items()}
+        return _Route(handle, handle.generation, backend, layout, routed["fwd"], routed.get("bwd_data"),
+                      routed.get("bwd_filter"), direct=all(torch_runs.values()))
 
     def _record(self, input, weight, bias, padding) -> torch.Tensor:
         """Announce this layer to the handle and compute with torch's own convolution."""
-        n, c, h, w = input.shape
-        k, _, r, s = weight.shape
-        problem = ConvProblem(n=n, c=c, h=h, w=w, k=k, r=r, s=s, pad_h=padding[0], pad_w=padding[1],
-                              stride_h=self.stride[0], stride_w=self.stride[1], dilation_h=self.dilation[0],
-                              dilation_w=self.dilation[1], groups=self.groups, dtype=_dtype_name(input))
+        problem = self._problem(input, weight, padding, _dtype_name(input, self.handle.backend.name))
         kinds = {"fwd"} | ({"bwd_data"} if input.requires_grad else set()) \
             | ({"bwd_filter"} if weight.requires_grad else set())
         self.handle.register(self.layer_id, problem, kinds=kinds)
@@ -269,11 +412,11 @@ def convert(model: nn.Module, *, handle: Handle | None = None, **handle_options)
     elif handle_options:
         raise InvalidInput(f"give a handle or handle options, not both (got handle and {', '.join(handle_options)})")
     if type(model) is nn.Conv2d:
-        return Conv2d.from_conv(model, handle=handle, layer="conv")
+        return _learn_first_forward(Conv2d.from_conv(model, handle=handle, layer="conv"), handle)
     names = {id(m): name for name, m in model.named_modules()}  # the first qualified name of each module
     if isinstance(model, Conv2d):
         model._init_ucudnn(handle, model.layer or "conv")
-        return model
+        return _learn_first_forward(model, handle)
     converted: dict[int, Conv2d] = {}
     for parent in list(model.modules()):
         for child_name, child in list(parent._modules.items()):
@@ -289,6 +432,18 @@ def convert(model: nn.Module, *, handle: Handle | None = None, **handle_options)
                 warnings.warn(f"ucudnn.torch.convert: {names.get(id(child), child_name)} is a "
                               f"{type(child).__qualname__}, a subclass of nn.Conv2d that may override forward; "
                               "left unchanged", stacklevel=2)
+    return _learn_first_forward(model, handle)
+
+
+def _learn_first_forward(model: nn.Module, handle: Handle) -> nn.Module:
+    """WD, nothing announced yet: the model's first forward pass registers every layer (computing
+    with torch's own convolution) and ends with a hook; the next convolution solves once."""
+    if handle.mode != "WD" or handle.layers or handle.wd_solved:
+        return model
+    state = _Learning()
+    for conv in _ucudnn_convs(model):
+        conv._learning = state
+    model.register_forward_hook(_EndLearning(state))
     return model
 
 
@@ -316,5 +471,7 @@ def announce(model: nn.Module, *inputs: Any, **kwargs: Any) -> None:
     finally:
         for conv in convs:
             conv._recording = False
+            if conv._learning is not None:  # announced: the first real forward pass runs through the handle
+                conv._learning.active = False
         for module, flag in training.items():
             module.training = flag

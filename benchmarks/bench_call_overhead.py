@@ -1,0 +1,81 @@
+"""Host time per call of `Handle.conv_forward` on a tiny convolution, against the work it wraps.
+
+The convolution is 1x8x8x8 with a 8x8x3x3 filter (pad 1), so that nearly all the time is call
+overhead. Contenders, each timed as the best of `--rounds` loops of `--calls` calls:
+
+  torch     F.conv2d on torch tensors (what nn.Conv2d runs)
+  backend   CpuBackend.run(problem, "native") on NumPy views (the backend's checked entry)
+  handle    Handle.conv_forward(x, w, out=..., layer=...) planned "native", undivided
+  handle-4  the same with the batch of 4 split into 4 micro-batches of 1 (policy (1,))
+
+`handle - backend` is what the handle adds per call (lookup, checks, micro-batch sequencing).
+It only uses APIs that predate the prepared path, so that the same script measures an older
+checkout (PYTHONPATH=that checkout) for a before/after comparison.
+
+    OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 python benchmarks/bench_call_overhead.py [--calls 5000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+import ucudnn
+from ucudnn import Handle
+from ucudnn.problem import ConvProblem
+
+
+def per_call_us(fn, calls: int, rounds: int) -> float:
+    best = float("inf")
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - start) / calls * 1e6)
+    return best
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--calls", type=int, default=5000)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--json", help="also write the results here")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    rng = np.random.default_rng(0)
+    results = {}
+    for n, policy in ((1, "undivided"), (4, (1,))):
+        x = rng.standard_normal((n, 8, 8, 8), dtype=np.float32)
+        w = rng.standard_normal((8, 8, 3, 3), dtype=np.float32)
+        out = np.zeros((n, 8, 8, 8), np.float32)
+        handle = Handle(backend="cpu", policy=policy, algos=["native"], reps=1, db=False)
+        handle.conv_forward(x, w, padding=1, out=out, layer="l")  # plan, check and prepare
+        name = "handle" if n == 1 else f"handle-{n}"
+        results[name] = per_call_us(lambda: handle.conv_forward(x, w, padding=1, out=out, layer="l"),
+                                    args.calls, args.rounds)
+        if n == 1:
+            tx, tw = torch.from_numpy(x), torch.from_numpy(w)
+            results["torch"] = per_call_us(lambda: F.conv2d(tx, tw, padding=1), args.calls, args.rounds)
+            problem = ConvProblem(n=1, c=8, h=8, w=8, k=8, r=3, s=3, pad_h=1, pad_w=1)
+            backend, workspace = handle.backend, handle.backend.empty_workspace(0)
+            results["backend"] = per_call_us(
+                lambda: backend.run(problem, "native", x=x, w=w, out=out, workspace=workspace),
+                args.calls, args.rounds)
+    results["handle - backend"] = results["handle"] - results["backend"]
+    print(f"# host time per call, tiny convolution, 1 thread; ucudnn from {ucudnn.__file__}")
+    for name, us in results.items():
+        print(f"{name:>17}  {us:8.1f} us")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

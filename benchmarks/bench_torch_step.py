@@ -1,0 +1,262 @@
+"""One training step (forward, backward, SGD) of plain PyTorch against ucudnn WR and WD, in one run.
+
+Models (torchvision is not required: the two real ones are defined here with torchvision's layer
+shapes, so the script runs wherever torch does):
+  - tiny: two 3x3 convolutions (3->8->8) and a linear head, batch 2 on 8x8 (host overhead dominates).
+  - resnet50: ResNet-50 v1.5 as torchvision builds it (7x7/2 stem, bottlenecks [3, 4, 6, 3] with the
+    stride on the 3x3 convolution, 1x1 projections, batch norm, 1000-way FC).
+  - vgg16: VGG-16 (configuration D: 13 3x3 convolutions, 5 max-pools), with torchvision's
+    adaptive 7x7 pool and a reduced classifier (512*7*7 -> 256 -> 1000) to keep CPU runs short.
+
+Contenders, all from one state_dict: torch (nn.Conv2d); ucudnn WR (`convert(model,
+workspace_limit=64MiB)`); ucudnn WD (`convert(model, total_workspace=W)`, no `announce`: the first
+forward pass registers the layers and the next one solves). W is `--wd-total`, by default the sum
+of the WR plans' workspaces (so that WD can at least give every kernel its WR configuration; WR
+itself holds only its largest one, reusing one buffer).
+The first steps of the ucudnn contenders measure and solve their plans and are reported
+separately; then, after warm-up, the step functions run alternately (order swapped every
+repetition) and medians are compared. Peak memory: on CUDA, torch.cuda.max_memory_allocated over
+two steps of each contender alone (ucudnn's workspaces come from torch's allocator, so it sees
+everything); on the CPU, ucudnn's peak workspace (torch's own CPU allocations are not counted).
+
+    OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 python benchmarks/bench_torch_step.py \\
+        [--models tiny,resnet50,vgg16] [--batch N] [--resolution R] [--device cpu|cuda] [--reps 20]
+        [--policy powerOfTwo] [--algos native,...] [--wd-total SIZE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import table  # noqa: E402
+
+from ucudnn.handle import SEGMENT_ALIGN_BYTES  # noqa: E402
+from ucudnn.sizes import format_size, parse_size  # noqa: E402
+from ucudnn.torch import convert  # noqa: E402
+
+
+class Tiny(nn.Module):
+    def __init__(self, num_classes: int = 4) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.conv2 = nn.Conv2d(8, 8, 3, padding=1)
+        self.fc = nn.Linear(8, num_classes)
+
+    def forward(self, x):
+        return self.fc(F.relu(self.conv2(F.relu(self.conv1(x)))).mean((2, 3)))
+
+
+class Bottleneck(nn.Module):
+    expansion = 4
+
+    def __init__(self, c_in: int, width: int, stride: int) -> None:
+        super().__init__()
+        c_out = width * self.expansion
+        self.conv1 = nn.Conv2d(c_in, width, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(width)
+        self.conv2 = nn.Conv2d(width, width, 3, stride=stride, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(width)
+        self.conv3 = nn.Conv2d(width, c_out, 1, bias=False)
+        self.bn3 = nn.BatchNorm2d(c_out)
+        self.downsample = None
+        if stride != 1 or c_in != c_out:
+            self.downsample = nn.Sequential(nn.Conv2d(c_in, c_out, 1, stride=stride, bias=False), nn.BatchNorm2d(c_out))
+
+    def forward(self, x):
+        out = F.relu(self.bn1(self.conv1(x)))
+        out = F.relu(self.bn2(self.conv2(out)))
+        out = self.bn3(self.conv3(out))
+        return F.relu(out + (x if self.downsample is None else self.downsample(x)))
+
+
+class ResNet50(nn.Module):
+    def __init__(self, num_classes: int = 1000) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 64, 7, stride=2, padding=3, bias=False)
+        self.bn1 = nn.BatchNorm2d(64)
+        stages, c_in = [], 64
+        for width, blocks, stride in ((64, 3, 1), (128, 4, 2), (256, 6, 2), (512, 3, 2)):
+            layers = []
+            for b in range(blocks):
+                layers.append(Bottleneck(c_in, width, stride if b == 0 else 1))
+                c_in = width * Bottleneck.expansion
+            stages.append(nn.Sequential(*layers))
+        self.layer1, self.layer2, self.layer3, self.layer4 = stages
+        self.fc = nn.Linear(2048, num_classes)
+
+    def forward(self, x):
+        x = F.max_pool2d(F.relu(self.bn1(self.conv1(x))), 3, 2, 1)
+        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
+        return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
+
+
+class VGG16(nn.Module):
+    CONFIG = (64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "M", 512, 512, 512, "M")
+
+    def __init__(self, num_classes: int = 1000) -> None:
+        super().__init__()
+        layers, c_in = [], 3
+        for v in self.CONFIG:
+            if v == "M":
+                layers.append(nn.MaxPool2d(2, 2))
+            else:
+                layers += [nn.Conv2d(c_in, v, 3, padding=1), nn.ReLU(inplace=True)]
+                c_in = v
+        self.features = nn.Sequential(*layers)
+        self.classifier = nn.Sequential(nn.Linear(512 * 7 * 7, 256), nn.ReLU(inplace=True), nn.Linear(256, num_classes))
+
+    def forward(self, x):
+        return self.classifier(torch.flatten(F.adaptive_avg_pool2d(self.features(x), 7), 1))
+
+
+MODELS = {"tiny": (Tiny, 2, 8, 4), "resnet50": (ResNet50, 2, 64, 1000), "vgg16": (VGG16, 2, 32, 1000)}
+# (class, CPU batch, CPU resolution, classes); on CUDA the defaults are batch 64 at 224x224.
+
+
+def make_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, sync):
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+        sync()
+
+    return step
+
+
+def timed_ms(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return (time.perf_counter() - start) * 1e3
+
+
+def iqr(values: list[float]) -> float:
+    q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive") if len(values) > 1 else (0, 0, 0)
+    return q3 - q1
+
+
+def bench(name: str, args) -> dict:
+    cls, batch, resolution, classes = MODELS[name]
+    cuda = args.device == "cuda"
+    batch = args.batch or (64 if cuda and name != "tiny" else batch)
+    resolution = args.resolution or (224 if cuda and name != "tiny" else resolution)
+    device = torch.device(args.device)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    backend = "cudnn" if cuda else "cpu"
+    options = {"backend": backend, "policy": args.policy, "db": args.db, "reps": args.measure_reps,
+               "algos": args.algos.split(",") if args.algos else None}
+    torch.manual_seed(0)
+    reference = cls().to(device)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(batch, 3, resolution, resolution, generator=g).to(device)
+    y = torch.randint(0, classes, (batch,), generator=g).to(device)
+
+    wr = convert(copy.deepcopy(reference), workspace_limit=args.workspace, **options)
+    steps = {"torch": make_step(reference, x, y, sync), "WR": make_step(wr, x, y, sync)}
+    print(f"[{name}] b{batch} {resolution}x{resolution}: first WR step (plans every kernel) ...", file=sys.stderr,
+          flush=True)
+    first = {"WR": timed_ms(steps["WR"])}
+    wr_handle = next(m.handle for m in wr.modules() if hasattr(m, "handle"))
+    # WD can at least give every kernel its WR configuration (segments start 256-byte aligned)
+    total = args.wd_total or sum(c.config.workspace + SEGMENT_ALIGN_BYTES for c in wr_handle.choices())
+    wd = convert(copy.deepcopy(reference), total_workspace=total, **options)
+    steps["WD"] = make_step(wd, x, y, sync)
+    wd_handle = next(m.handle for m in wd.modules() if hasattr(m, "handle"))
+    print(f"[{name}] first WD steps (learn the layers, then solve) ...", file=sys.stderr, flush=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first["WD"] = timed_ms(steps["WD"]) + timed_ms(steps["WD"])
+    late = sum("LateRegistration" in type(w.message).__name__ for w in caught)
+
+    peaks = {}
+    if cuda:
+        for key, step in steps.items():
+            torch.cuda.reset_peak_memory_stats()
+            step()
+            step()
+            peaks[key] = torch.cuda.max_memory_allocated()
+    for _ in range(args.warmup):
+        for step in steps.values():
+            step()
+    samples = {key: [] for key in steps}
+    names = list(steps)
+    print(f"[{name}] timing {args.reps} alternating steps ...", file=sys.stderr, flush=True)
+    for rep in range(args.reps):
+        for key in (names if rep % 2 == 0 else names[::-1]):
+            samples[key].append(timed_ms(steps[key]))
+    med = {key: statistics.median(v) for key, v in samples.items()}
+    plans = {key: h.choices() for key, h in (("WR", wr_handle), ("WD", wd_handle))}
+    return {"model": name, "batch": batch, "resolution": resolution, "device": args.device,
+            "ms": med, "iqr_ms": {k: iqr(v) for k, v in samples.items()},
+            "ratio": {k: med[k] / med["torch"] for k in ("WR", "WD")},
+            "first_step_ms": first, "wd_total": total, "wd_late_warnings": late,
+            "peak_workspace": {"WR": wr_handle.peak_workspace, "WD": wd_handle.peak_workspace},
+            "peak_memory": peaks,
+            "native_kernels": {k: sum(all(m.algo == "native" for m in c.config.micros) for c in v)
+                               for k, v in plans.items()},
+            "kernels": {k: len(v) for k, v in plans.items()},
+            "micro_batched": {k: sum(c.micro_batched for c in v) for k, v in plans.items()}}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="tiny,resnet50,vgg16", help="comma-separated: " + ", ".join(MODELS))
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--batch", type=int, help="mini-batch (default: 2 on the CPU, 64 on CUDA; tiny: 2)")
+    parser.add_argument("--resolution", type=int, help="input size (default: per model on the CPU, 224 on CUDA)")
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--workspace", type=parse_size, default=64 * 2**20, help="WR limit per kernel (64MiB)")
+    parser.add_argument("--wd-total", type=parse_size, help="WD total (default: sum of the WR plans' workspaces)")
+    parser.add_argument("--policy", default="powerOfTwo")
+    parser.add_argument("--algos", help="restrict ucudnn's candidate algorithms (comma-separated; default: all)")
+    parser.add_argument("--measure-reps", type=int, default=3)
+    parser.add_argument("--db", default="sqlite://", help="measurement cache (default: a fresh in-memory one)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads on the CPU (1)")
+    parser.add_argument("--json", help="also write the results to this JSON file")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    names = [m.strip() for m in args.models.split(",") if m.strip()]
+    unknown = [m for m in names if m not in MODELS]
+    if unknown:
+        parser.error(f"unknown model(s) {', '.join(unknown)}; choose from {', '.join(MODELS)}")
+    load = os.getloadavg()[0]
+    results = [bench(name, args) for name in names]
+    print(f"# one training step, torch vs ucudnn WR ({format_size(args.workspace)}/kernel) and WD, {args.device}, "
+          f"{torch.get_num_threads()} torch thread(s); 1-min load {load:.1f} -> {os.getloadavg()[0]:.1f}")
+    print("command: python benchmarks/bench_torch_step.py " + " ".join(sys.argv[1:]))
+    rows = []
+    for r in results:
+        mem = r["peak_memory"]
+        rows.append([r["model"], f"{r['batch']}x{r['resolution']}", f"{r['ms']['torch']:.2f}",
+                     f"{r['ms']['WR']:.2f}", f"{r['ms']['WD']:.2f}", f"{r['ratio']['WR']:.2f}", f"{r['ratio']['WD']:.2f}",
+                     format_size(r["peak_workspace"]["WR"]), f"{format_size(r['peak_workspace']['WD'])} of "
+                     f"{format_size(r['wd_total'])}",
+                     " / ".join(format_size(mem[k]) for k in ("torch", "WR", "WD")) if mem else "-",
+                     f"{r['native_kernels']['WR']}/{r['kernels']['WR']}, {r['native_kernels']['WD']}/{r['kernels']['WD']}",
+                     r["wd_late_warnings"]])
+    print(table(["model", "batch", "torch ms", "WR ms", "WD ms", "WR/torch", "WD/torch", "WR workspace",
+                 "WD workspace", "peak torch/WR/WD", "native kernels WR, WD", "WD late warnings"], rows))
+    print("(ms: median of alternating steps; a ratio below 1 means ucudnn is faster; native kernels: those whose "
+          "plan is torch's own convolution)")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
