@@ -15,8 +15,8 @@ from ucudnn.sizes import parse_size
 @click.option("--network", required=True, metavar="NAME", help="A network of the zoo (see `ucudnn networks`).")
 @click.option("--batch", required=True, type=click.IntRange(min=1), help="The global mini-batch B.")
 @click.option("--devices", "devices_text", required=True, metavar="A,B,C",
-              help="Device models as stored in the cache, or profiles (k40, p100, v100, h100, t4, gk210, "
-                   "k20xm, gtx750ti, a JSON file); names may repeat.")
+              help="Device models as stored in the cache (`ucudnn db info`), or profiles (`ucudnn devices` "
+                   "lists them; or a JSON file); names may repeat.")
 @click.option("--db", "db_url", metavar="URL", help="Measurement cache; default $UCUDNN_DB or the user cache.")
 @click.option("--policy", default="powerOfTwo", show_default=True,
               help="Micro-batch sizes WR may use from cached measurements (as in `ucudnn bench`).")
