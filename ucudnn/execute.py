@@ -1,8 +1,8 @@
 """Running a configuration: the mini-batch as a sequence of micro-batches, one algorithm each.
 
-`prepare_configuration` does once what depends only on the problem and the configuration (the
+`PreparedConfiguration` does once what depends only on the problem and the configuration (the
 problem of each micro-batch, its rows, and the backend's launcher with its built plan or
-workspace layout); `PreparedConfiguration.run` then only launches. `run_configuration` is the
+workspace layout); its `run` then only launches. `run_configuration` is the
 one-shot form.
 """
 
@@ -16,7 +16,7 @@ from ucudnn.errors import InvalidInput
 from ucudnn.problem import ConvProblem
 from ucudnn.solver.types import Configuration
 
-__all__ = ["PreparedConfiguration", "prepare_configuration", "run_configuration"]
+__all__ = ["PreparedConfiguration", "run_configuration"]
 
 
 class PreparedConfiguration:
@@ -42,6 +42,11 @@ class PreparedConfiguration:
         self._steps: tuple[tuple[ConvProblem, str, slice], ...] = tuple(steps)
         self._launches: tuple[Callable, ...] | None = None  # built after the checked first run
         self._checked = False
+
+    @property
+    def checked(self) -> bool:
+        """Whether a first, checked run has completed (later runs only launch)."""
+        return self._checked
 
     def run(self, *, x: Any = None, w: Any = None, dy: Any = None, out: Any, alpha: float = 1.0,
             beta: float = 0.0, workspace: Any = None) -> None:
@@ -79,11 +84,6 @@ class PreparedConfiguration:
                 launch(None, w, dy[rows], out[rows], workspace, alpha, beta)
             else:
                 launch(x[rows], None, dy[rows], out, workspace, alpha, beta if i == 0 else 1.0)
-
-
-def prepare_configuration(backend: Backend, problem: ConvProblem, configuration: Configuration) -> PreparedConfiguration:
-    """`configuration` of `problem` prepared to run repeatedly (see `PreparedConfiguration`)."""
-    return PreparedConfiguration(backend, problem, configuration)
 
 
 def run_configuration(backend: Backend, problem: ConvProblem, configuration: Configuration, *,

@@ -46,7 +46,7 @@ from ucudnn.backends.base import Backend, one_line
 from ucudnn.benchmark import (BenchStats, Policy, batch_sizes, confirm_faster, device_key, measure_table,
                               parse_policy, policy_name)
 from ucudnn.errors import InvalidInput, UnsupportedProblem
-from ucudnn.execute import PreparedConfiguration, prepare_configuration
+from ucudnn.execute import PreparedConfiguration
 from ucudnn.optimize import micro_from_json, micro_to_json, pareto_fronts, plan_key, undivided_baseline
 from ucudnn.problem import KINDS, ConvProblem
 from ucudnn.resources import check_can_run
@@ -124,7 +124,7 @@ class _Prepared:
 
 
 def _prepared(backend: Backend, problem: ConvProblem, config: Configuration, offset: int | None) -> _Prepared:
-    return _Prepared(problem, config, offset, prepare_configuration(backend, problem, config), problem.out_shape)
+    return _Prepared(problem, config, offset, PreparedConfiguration(backend, problem, config), problem.out_shape)
 
 
 class Kernel:
@@ -358,10 +358,9 @@ class Handle:
         self._wd_solved = False
         self._arena: Any = None
         self._peak_bytes = 0
-        # Recovery from planned algorithms that cannot run (see _run): configurations that ran
-        # once, failures recorded this session ((problem key, algo, batch) -> unusable MicroConfig),
-        # and whether the one warning was given.
-        self._proven: dict[int, _Prepared] = {}  # by id; holding the value keeps the id unique
+        # Recovery from planned algorithms that cannot run (see _run): failures recorded this
+        # session ((problem key, algo, batch) -> unusable MicroConfig), and whether the one warning
+        # was given.
         self._failed: dict[tuple[str, str, int], MicroConfig] = {}
         self._warned_failure = False
 
@@ -797,7 +796,7 @@ class Handle:
 
     def _run(self, prep: _Prepared, *, x: Any = None, w: Any = None, dy: Any = None, out: Any,
              alpha: float, beta: float) -> None:
-        if id(prep) not in self._proven:
+        if not prep.kernels.checked:  # its first run: a configuration that cannot run is re-planned
             self._run_first(prep, x=x, w=w, dy=dy, out=out, alpha=alpha, beta=beta)
             return
         try:
@@ -832,7 +831,6 @@ class Handle:
                     out[...] = saved
                 prep = self._replan(prep, exc)
                 continue
-            self._proven[id(prep)] = prep
             return
         raise UnsupportedProblem(f"{prep.problem.spec} ({prep.problem.kind}): no runnable configuration after "
                                  f"{_MAX_REPLANS} re-plans")
