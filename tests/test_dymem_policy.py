@@ -97,7 +97,6 @@ def test_allocation_trace_mobility():
         dymem.allocation_trace(graph, {"pool2": "recompute"}, costs)
 
 
-
 def _vdnn_all_mobility(net):
     graph = from_network(net, 2)
     costs = baseline(graph, load_profile("k40")).costs

@@ -17,9 +17,9 @@ LATE = ("layer4.1.conv2", "fwd")    # runs when vDNN_conv still holds every conv
 EARLY = ("layer1.0.conv1", "fwd")   # runs when little is held
 
 
-def peak(actions_mode: str, workspace, fronts=None, limit=None):
+def peak(mode: str, workspace, fronts=None, limit=None):
     costs = step_costs(GRAPH, DEVICE, workspace=workspace, fronts=fronts)
-    return simulate(GRAPH, DEVICE, costs, vdnn.actions_for(GRAPH, actions_mode), memory_limit=limit,
+    return simulate(GRAPH, DEVICE, costs, vdnn.actions_for(GRAPH, mode), memory_limit=limit,
                     timeline=False)
 
 
@@ -104,7 +104,7 @@ def test_when_both_greedy_passes_fail_pass_one_is_the_answer(synthetic, monkeypa
     failed = []
 
     def stuck(graph, fronts_, fast, run):   # a greedy pass that cannot fit
-        costs, result = run(fast)
+        _, result = run(fast)
         failed.append(result.fits)
         return fast, result
 
