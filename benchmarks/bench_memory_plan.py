@@ -4,7 +4,8 @@
    for the whole step, weights and their gradients, the largest workspace) against the vDNN paper's
    15 GB (batch 128) and 28 GB (batch 256).
 2. vDNN on the K40 profile: VGG-16 (256) within 12 GiB with vdnn-dyn; vdnn-all's peak against the
-   baseline (target: at least 60% lower).
+   baseline (target: at least 60% lower). Then vdnn-dyn's profiling passes on AlexNet (256): which pass
+   gives the plan as the limit falls toward pass (1)'s floor (vDNN_all, memory-optimal algorithms).
 3. optimal: VGG-16 (256) in 12 GiB on the K40 at <= 10% simulated overhead; ResNet-50 (128) on the
    H100 at half the peak of keeping everything (simulated, freed after last use: what PyTorch holds)
    at <= 15% overhead.
@@ -30,6 +31,8 @@ from ucudnn.memory.graph import from_network  # noqa: E402
 from ucudnn.memory.optimal import search  # noqa: E402
 from ucudnn.memory.planner import baseline  # noqa: E402
 from ucudnn.memory.simulate import simulate  # noqa: E402
+from ucudnn.memory.timing import conv_fronts, step_costs  # noqa: E402
+from ucudnn.memory.vdnn import actions_for  # noqa: E402
 
 GB, GIB = 10**9, 2**30
 
@@ -63,9 +66,23 @@ def main() -> None:
         p = make_plan(g, k40, 12 * GIB, policy)
         rows.append([policy, "yes" if p.fits else "NO", f"{p.peak_bytes / GIB:.2f}",
                      f"{1 - p.peak_bytes / p.baseline_peak_bytes:.1%}", f"{p.overhead:+.1%}", f"{p.stall_ms:.0f}",
-                     f"{p.bytes_offloaded / GIB:.1f}", f"{time.perf_counter() - start:.2f}"])
+                     f"{p.bytes_offloaded / GIB:.1f}", f"{time.perf_counter() - start:.2f}", p.search])
     print(table(["policy", "fits", "peak GiB", "cut vs baseline", "overhead", "stall ms", "offloaded GiB",
-                 "plan s"], rows))
+                 "plan s", "vdnn-dyn pass"], rows))
+
+    print("\n2b. vdnn-dyn's passes, AlexNet (256) on the K40 profile, limits relative to pass (1)'s peak")
+    g = from_network("alexnet", 256)
+    fronts = conv_fronts(g, k40)
+    smallest = {k: o[0].workspace for k, o in fronts.items()}
+    floor = simulate(g, k40, step_costs(g, k40, workspace=smallest, fronts=fronts), actions_for(g, "all"),
+                     timeline=False).peak_bytes
+    rows = []
+    for fraction in (1.3, 1.1, 1.05, 1.03, 1.01, 1.0, 0.98):
+        p = make_plan(g, k40, int(floor * fraction), "vdnn-dyn")
+        downgraded = sum(c.bytes < max(o.workspace for o in fronts[(c.layer, c.kind)]) for c in p.conv_workspace)
+        rows.append([f"{fraction:.2f}", f"{floor * fraction / GIB:.2f}", p.search, "yes" if p.fits else "NO",
+                     f"{p.peak_bytes / GIB:.2f}", f"{p.overhead:+.1%}", f"{downgraded}/{len(fronts)}"])
+    print(table(["x floor", "limit GiB", "pass", "fits", "peak GiB", "overhead", "kernels below fastest"], rows))
 
     print("\n3. ResNet-50 (128) on the H100 profile at half the peak of keeping everything")
     g = from_network("resnet50", 128)
@@ -78,12 +95,13 @@ def main() -> None:
             found = search(g, h100, limit)
             p, extra = found.plan, f"MIP gap {found.mip_gap:.2%}, simulated vs program {found.model_gap:+.1%}"
         else:
-            p, extra = make_plan(g, h100, limit, policy), ""
+            p = make_plan(g, h100, limit, policy)
+            extra = f"pass {p.search}" if p.search else ""
         rows.append([policy, "yes" if p.fits else "NO", f"{p.peak_bytes / GIB:.2f}", f"{1 - p.peak_bytes / keep:.1%}",
                      f"{p.overhead:+.1%}", f"{p.stall_ms:.1f}", f"{time.perf_counter() - start:.2f}", extra])
     print(f"keeping everything: peak {keep / GIB:.2f} GiB (network-wide {baseline(g, h100).peak_bytes / GIB:.2f}"
           f" GiB); limit {limit / GIB:.2f} GiB; baseline step {baseline(g, h100).step_ms:.1f} ms")
-    print(table(["policy", "fits", "peak GiB", "cut vs keep", "overhead", "stall ms", "plan s", "program"], rows))
+    print(table(["policy", "fits", "peak GiB", "cut vs keep", "overhead", "stall ms", "plan s", "search"], rows))
 
     print("\n4. Planning ResNet-152 (256) with optimal on the H100 profile, half the peak of keeping everything")
     start = time.perf_counter()

@@ -95,3 +95,27 @@ def test_allocation_trace_mobility():
     assert any(name.endswith("@prefetch") for name in mobility)
     with pytest.raises(InvalidInput, match="no recompute"):
         dymem.allocation_trace(graph, {"pool2": "recompute"}, costs)
+
+
+def _vdnn_all_mobility(net):
+    graph = from_network(net, 2)
+    costs = baseline(graph, load_profile("k40")).costs
+    actions = actions_for(graph, "all")
+    trace = dymem.allocation_trace(graph, actions, costs, dymem.prefetch_schedule(graph, actions))
+    return graph, {e.name: e.mobility for e in trace if isinstance(e, gtbm.Alloc)}
+
+
+@pytest.mark.parametrize("net, summed, continued", [
+    ("resnet50", "grad:maxpool", "grad:layer1.0.bn1"),        # block input; bn1 then ReLU in place
+    ("densenet40", "grad:dense1.7.cat", "grad:dense1.7.bn"),  # a concatenation read by two layers
+])
+def test_a_gradient_summed_from_branches_is_temporary(net, summed, continued):
+    # Algorithm 3: a tensor waiting for a join is temporary. In the backward pass a fork's gradient
+    # waits for each branch to add to it; an in-place ReLU's backward only continues a write.
+    graph, mobility = _vdnn_all_mobility(net)
+    writers = [s.op for s in graph.steps if summed in s.writes]
+    assert len(writers) == 2 and not any(graph.op(w).inplace for w in writers)
+    assert mobility[summed] == "temporary"
+    assert mobility[continued] == "movable"
+    writers = [graph.op(s.op) for s in graph.steps if continued in s.writes]
+    assert all(op.inplace for op in writers[1:])

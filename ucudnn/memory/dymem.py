@@ -105,7 +105,9 @@ def allocation_trace(graph: TrainingGraph, actions: Mapping[str, str], costs: tu
     Mobility (Algorithm 3, stated by lifetime): a request freed by the end of the step after its
     last writer is *movable*; one that lives longer (a fork's input, a branch output waiting for its join,
     a map kept for the backward pass) is *temporary*; classifier and loss outputs and their
-    gradients are *reclaimed*.
+    gradients are *reclaimed*. Only in-place writers (a ReLU after its conv, in either pass) continue
+    a tensor's write: a gradient summed from several branches (a fork's, in the backward pass) waits
+    for its last branch, the backward pass's join, so it is temporary from its first write.
     """
     steps = graph.steps
     nf = graph.forward_steps
@@ -115,14 +117,21 @@ def allocation_trace(graph: TrainingGraph, actions: Mapping[str, str], costs: tu
     prefetch = dict(prefetch or {})
     lives: list[tuple[str, int, int, int]] = []   # (name, bytes, alloc step, free-after step)
     first_write: dict[str, int] = {}
-    last_write: dict[str, int] = {}
+    last_write: dict[str, int] = {}   # the last of the first write and the in-place writes after it
+    summed: set[str] = set()          # written again by an op that does not write it in place
     last_use: dict[str, int] = {}
     last_fwd_use: dict[str, int] = {}
     first_bwd_use: dict[str, int] = {}
     for s in steps:
+        op = graph.op(s.op)
+        inplace = graph.storage_of(op.inputs[0]) if op.inplace else None
         for name in s.writes:
-            first_write.setdefault(name, s.index)
-            last_write[name] = s.index
+            if name not in first_write:
+                first_write[name] = last_write[name] = s.index
+            elif name in (inplace, f"grad:{inplace}"):
+                last_write[name] = s.index
+            else:
+                summed.add(name)
         for name in (*s.reads, *s.writes):
             last_use[name] = s.index
             if s.index < nf:
@@ -151,6 +160,8 @@ def allocation_trace(graph: TrainingGraph, actions: Mapping[str, str], costs: tu
         base_name = name.split("@")[0].removeprefix("grad:")
         if base_name in reclaimed or (acts.get(name) == "keep" and end >= nf):
             return "reclaimed"
+        if name in summed:
+            return "temporary"
         # in-place writers (a ReLU after its conv) extend the write, not the wait for a reader
         written = max(start, last_write.get(name, start))
         return "movable" if end <= written + 1 else "temporary"

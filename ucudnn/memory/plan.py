@@ -59,6 +59,9 @@ class MemoryPlan:
     bytes_offloaded: int
     tensors: tuple[TensorAction, ...]
     conv_workspace: tuple[ConvWorkspace, ...]
+    # Which step of the policy's search gave the plan (vdnn-dyn: its pass, `vdnn.SEARCH_PASSES`); in
+    # the JSON only when set.
+    search: str = ""
     # The planner's simulation of this plan (`ucudnn.memory.simulate.SimResult`: timeline, memory over
     # the step), for plots; not part of the plan's JSON or of equality.
     simulation: Any = field(default=None, compare=False, repr=False)
@@ -77,6 +80,8 @@ class MemoryPlan:
 
     def to_json(self) -> dict:
         data = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "simulation"}
+        if not self.search:
+            del data["search"]
         data["overhead"] = self.overhead
         data["tensors"] = [{"name": t.name, "bytes": t.bytes, "action": t.action} for t in self.tensors]
         data["conv_workspace"] = [{"layer": c.layer, "kind": c.kind, "bytes": c.bytes} for c in self.conv_workspace]

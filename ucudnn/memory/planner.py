@@ -93,9 +93,9 @@ def baseline(graph: TrainingGraph, device: DeviceProfile, fronts=None) -> Baseli
 
 def to_plan(graph: TrainingGraph, device: DeviceProfile, memory_limit: int, policy: str,
             actions: Mapping[str, str], workspace: Mapping[tuple[str, str], int], result: SimResult, *,
-            devices: int = 1, base: Baseline | None = None) -> MemoryPlan:
+            devices: int = 1, base: Baseline | None = None, search: str = "") -> MemoryPlan:
     """The `MemoryPlan` of one simulated decision: `actions` per storage (keep where absent) and each
-    conv kernel's workspace in bytes (what `result`'s costs used)."""
+    conv kernel's workspace in bytes (what `result`'s costs used); `search`: how the policy found it."""
     base = base or baseline(graph, device)
     # a storage the policy left out is kept, or released when the backward pass never reads it
     backward = {r for st in graph.steps if st.phase == "bwd" for r in st.reads}
@@ -107,7 +107,7 @@ def to_plan(graph: TrainingGraph, device: DeviceProfile, memory_limit: int, poli
                       peak_bytes=result.peak_bytes, average_bytes=result.average_bytes,
                       baseline_peak_bytes=base.peak_bytes, step_ms=result.step_ms, baseline_step_ms=base.step_ms,
                       stall_ms=result.stall_ms, bytes_offloaded=result.bytes_offloaded, tensors=tensors,
-                      conv_workspace=conv_ws, simulation=result)
+                      conv_workspace=conv_ws, search=search, simulation=result)
 
 
 def smallest_fitting_limit(graph: TrainingGraph, device: DeviceProfile, policy: str, *, devices: int = 1,

@@ -3,11 +3,15 @@
 - ``all``: every feature map the backward pass reads is offloaded after its last forward use
   (vDNN_all), except the loss's input (the backward pass starts there at once).
 - ``conv``: only the inputs of convolutions are offloaded (vDNN_conv); the rest stay resident.
-- ``dyn``: vDNN_dyn's search. Everything resident with the fastest algorithms when that fits; else,
-  when even offloading everything with memory-optimal algorithms (the smallest workspace) does not
-  fit, that plan (it fails); else vDNN_conv then vDNN_all with the fastest algorithms; else,
-  offloading everything, conv kernels are moved to their memory-optimal algorithm one layer at a
-  time, the largest workspace first, until the step fits.
+- ``dyn``: vDNN_dyn's profiling passes (the paper's section 3.3), each pass one simulated step:
+  (1) vDNN_all with every conv kernel at its memory-optimal option (the smallest workspace): when
+  that does not fit, nothing will, and that plan is the answer (it fails); (2) the fastest options
+  with nothing offloaded, then vDNN_conv, then vDNN_all; (3) a greedy pass, with vDNN_conv then with
+  vDNN_all: every conv layer whose workspace overflows the limit where it runs is downgraded, one
+  option of its front at a time, toward the memory-optimal one, until it fits there (the others
+  keep their fastest option), and the step is simulated again until it fits or no overflowing
+  layer can give up more workspace; (4) when both greedy passes fail, pass (1)'s plan. The plan's
+  `search` names the pass it came from (`SEARCH_PASSES`).
 
 A feature map the backward pass does not read is released after its last forward use in every mode.
 Prefetches follow vDNN: a feature map comes back when the backward step of the conv or linear layer
@@ -25,9 +29,11 @@ from ucudnn.memory.planner import baseline, to_plan
 from ucudnn.memory.simulate import simulate
 from ucudnn.memory.timing import conv_fronts, fastest, step_costs
 
-__all__ = ["actions_for", "plan"]
+__all__ = ["SEARCH_PASSES", "actions_for", "overflowing_kernels", "plan"]
 
 MODES = ("all", "conv", "dyn")
+# vDNN_dyn's passes, as a plan's `search` names them: pass (1) (also the fallback), (2), (3)
+SEARCH_PASSES = ("all-memory-optimal", "none", "conv", "all", "greedy-conv", "greedy-all")
 
 
 def actions_for(graph: TrainingGraph, mode: str) -> dict[str, str]:
@@ -63,37 +69,76 @@ def plan(graph: TrainingGraph, device: DeviceProfile, memory_limit: int, *, devi
 
     def run(actions: dict[str, str], workspace: dict[tuple[str, str], int]):
         costs = step_costs(graph, device, workspace=workspace, fronts=fronts)
-        result = simulate(graph, device, costs, actions, memory_limit=memory_limit, devices=devices)
-        return result
+        return costs, simulate(graph, device, costs, actions, memory_limit=memory_limit, devices=devices)
 
-    def done(actions, workspace, result) -> MemoryPlan:
-        return to_plan(graph, device, memory_limit, policy, actions, workspace, result, devices=devices, base=base)
+    def done(actions, workspace, result, search: str = "") -> MemoryPlan:
+        return to_plan(graph, device, memory_limit, policy, actions, workspace, result, devices=devices, base=base,
+                       search=search)
 
     if mode != "dyn":
         workspace = fast if algorithms == "fastest" else small
         actions = actions_for(graph, mode)
-        return done(actions, workspace, run(actions, workspace))
+        return done(actions, workspace, run(actions, workspace)[1])
 
-    # vDNN_dyn: the cheapest static plans first, then trade algorithms for memory layer by layer
-    for m in ("none", "conv", "all"):
+    floor = (actions_for(graph, "all"), small)                                   # pass (1)
+    _, floor_result = run(*floor)
+    if not floor_result.fits:
+        return done(*floor, floor_result, "all-memory-optimal")
+    for m in ("none", "conv", "all"):                                            # pass (2)
         actions = actions_for(graph, m)
-        result = run(actions, fast)
+        _, result = run(actions, fast)
         if result.fits:
-            return done(actions, fast, result)
-        if m == "none":
-            floor = actions_for(graph, "all")
-            floor_result = run(floor, small)
-            if not floor_result.fits:
-                return done(floor, small, floor_result)
-    actions = actions_for(graph, "all")
+            return done(actions, fast, result, m)
+    for m in ("conv", "all"):                                                    # pass (3)
+        actions = actions_for(graph, m)
+        workspace, result = _greedy(graph, fronts, fast, lambda ws: run(actions, ws))
+        if result.fits:
+            return done(actions, workspace, result, f"greedy-{m}")
+    return done(*floor, floor_result, "all-memory-optimal")                      # (4): back to pass (1)
+
+
+def overflowing_kernels(graph: TrainingGraph, costs, result) -> dict[int, int]:
+    """The conv steps (index into `graph.steps`) that held their workspace while device 0's memory
+    was over the limit, each with the most workspace it could have held there within the limit
+    (negative when the step's other tensors alone overflow)."""
+    limit = result.memory_limit
+    events = result.devices[0].allocations
+    used = result.devices[0].memory[-1][1] - sum(delta for _, _, delta in events)   # weights, always held
+    # the k-th workspace allocation of op X belongs to the k-th step of X in the schedule that has one
+    pending: dict[str, list[int]] = {}
+    for s in result.schedule[0]:
+        if costs[s.step].workspace:
+            pending.setdefault(s.op, []).append(s.step)
+    held: tuple[int, int] | None = None      # (step, its workspace): one conv step runs at a time
+    room: dict[int, int] = {}
+    for _, name, delta in events:
+        used += delta
+        if name.startswith("workspace:"):
+            held = (pending[name.removeprefix("workspace:")].pop(0), delta) if delta > 0 else None
+        if held is not None and used > limit:
+            step, workspace = held
+            room[step] = min(room.get(step, workspace), workspace - (used - limit))
+    return room
+
+
+def _greedy(graph: TrainingGraph, fronts, fast, run):
+    """Pass (3): from the fastest options, downgrade each overflowing conv layer one option at a time
+    until its workspace fits where it runs; simulate (`run`) again until the step fits or nothing changes."""
     workspace = dict(fast)
-    layers = sorted({layer for layer, _ in fronts},
-                    key=lambda layer: -max(fast[k] for k in fronts if k[0] == layer))
-    for layer in layers:
-        for key in fronts:
-            if key[0] == layer:
-                workspace[key] = small[key]
-        result = run(actions, workspace)
+    while True:
+        costs, result = run(workspace)
         if result.fits:
-            return done(actions, workspace, result)
-    return done(actions, workspace, run(actions, workspace))
+            return workspace, result
+        changed = False
+        for step, room in overflowing_kernels(graph, costs, result).items():
+            for kind in graph.steps[step].kernels:
+                key = (graph.steps[step].op, kind)
+                options = fronts[key]
+                i = max(k for k, o in enumerate(options) if o.workspace <= workspace[key])
+                while i > 0 and options[i].workspace > room:
+                    i -= 1                    # one option down: slower, less workspace
+                if options[i].workspace < workspace[key]:
+                    workspace[key] = options[i].workspace
+                    changed = True
+        if not changed:
+            return workspace, result
