@@ -6,6 +6,7 @@ from ucudnn.devices import load_profile
 from ucudnn.errors import InvalidInput
 from ucudnn.memory import make_plan, swap_multi
 from ucudnn.memory.graph import from_network
+from ucudnn.memory.plan import MemoryPlan
 from ucudnn.memory.planner import baseline
 from ucudnn.memory.simulate import simulate
 
@@ -67,6 +68,28 @@ def test_plan_fits_and_keeps_the_invariants_on_every_gpu(vgg_case):
     # one fewer swapped layer per GPU does not fit (b is the smallest)
     fewer = swap_multi.device_actions(graph, swapped - 1, 4, 4)
     assert not simulate(graph, device, costs, fewer, memory_limit=limit, devices=4, devices_per_link=4).fits
+
+
+def test_plan_lists_every_gpus_actions_and_its_json_reads_back(vgg_case):
+    graph, device, costs, limit = vgg_case
+    plan = swap_multi.plan(graph, device, limit, devices=4, devices_per_link=2)
+    b = sum(t.action == "offload" for t in plan.tensors)
+    expected = swap_multi.device_actions(graph, b, 4, 2)
+    per_device = plan.device_actions()
+    assert len(per_device) == 4 and per_device[0] == plan.tensors
+    assert [{t.name: t.action for t in ts} for ts in per_device] == expected
+    assert per_device[1] != per_device[0] and per_device[2] == per_device[0]  # GPU 2 leads the second switch
+    data = plan.to_json()
+    assert len(data["device_tensors"]) == 4
+    assert MemoryPlan.from_json(data) == plan
+    # a plan written before device_tensors existed: every device does what `tensors` says
+    del data["device_tensors"]
+    old = MemoryPlan.from_json(data)
+    assert old.device_tensors == () and old.device_actions() == (plan.tensors,) * 4
+    with pytest.raises(InvalidInput, match="device_tensors"):
+        MemoryPlan.from_json(plan.to_json() | {"devices": 3})
+    with pytest.raises(InvalidInput, match="first list"):
+        MemoryPlan.from_json(plan.to_json() | {"tensors": plan.to_json()["device_tensors"][1]})
 
 
 def test_staggering_spreads_each_layer_over_fewer_gpus():

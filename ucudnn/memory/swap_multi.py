@@ -168,4 +168,4 @@ def plan(graph: TrainingGraph, device: DeviceProfile, memory_limit: int, *, devi
     actions, _ = attempt(hi)
     _, result = adapt_triggers(graph, device, costs, actions, memory_limit, per_link)
     return to_plan(graph, device, memory_limit, "swap-multi", actions[0], workspace, result, devices=devices,
-                   base=base)
+                   base=base, device_actions=actions)
