@@ -114,8 +114,25 @@ def test_adaptive_trigger_never_loses_to_vdnn_trigger(vgg_case):
     assert result.step_ms <= layer.step_ms + 1e-9
     if triggers != "layer":
         nf = graph.forward_steps
-        for s, at in triggers.items():
-            assert nf - 1 <= at < graph.consumers(s, "bwd")[0]
+        for per_device in triggers:
+            for s, at in per_device.items():
+                assert nf - 1 <= at < graph.consumers(s, "bwd")[0]
+
+
+def test_each_gpu_sets_its_own_triggers_from_its_own_transfers(vgg_case):
+    # 3 GPUs, 2 to a switch: GPU 2 swaps GPU 0's layers (it leads the second switch) but copies alone,
+    # so its measured transfers are shorter and its prefetches need not start as early as GPU 0's
+    graph, device, costs, limit = vgg_case
+    b = sum(t.action == "offload" for t in swap_multi.plan(graph, device, limit, devices=3,
+                                                               devices_per_link=2).tensors)
+    actions = swap_multi.device_actions(graph, b, 3, 2)
+    assert actions[2] == actions[0]
+    triggers, result = swap_multi.adapt_triggers(graph, device, costs, actions, limit, 2)
+    assert triggers != "layer" and result.fits
+    assert triggers[2].keys() == triggers[0].keys()
+    assert all(triggers[2][s] >= triggers[0][s] for s in triggers[0])
+    assert triggers[2] != triggers[0]
+    assert result.devices[2].stall_ms < result.devices[0].stall_ms
 
 
 def test_make_plan_dispatches_and_checks_devices_per_link():
