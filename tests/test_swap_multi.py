@@ -101,6 +101,14 @@ def test_staggering_spreads_each_layer_over_fewer_gpus():
     for s in layers:
         assert sum(acts[s] == "offload" for acts in staggered) <= 1
         assert sum(acts[s] == "offload" for acts in at_once) in (0, 4)
+    # at once with each GPU's layer set in turn moves, over the four runs, what the staggered run moves
+    # four times over: the comparison at equal swapped bytes
+    def offloaded(acts):
+        return sum(graph.bytes_of(s) for a in acts for s, act in a.items() if act == "offload")
+    runs = [swap_multi.device_actions(graph, b, 4, 4, stagger=False, as_gpu=g) for g in range(4)]
+    assert all(run[0] == run[3] == staggered[g] for g, run in enumerate(runs))
+    assert sum(offloaded(run) for run in runs) == 4 * offloaded(staggered)
+    assert offloaded(runs[0]) != offloaded(staggered)   # GPU 0's layers alone are not equal bytes
     # a larger b (x = 2): pairs of GPUs share their layers
     staggered = swap_multi.device_actions(graph, len(layers) // 2, 4, 4)
     assert max(sum(acts[s] == "offload" for acts in staggered) for s in layers) == 2
