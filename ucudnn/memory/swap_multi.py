@@ -16,8 +16,8 @@ before its use (Step 1), and, from the compute and transfer times that GPU measu
 step (its transfers slowed by whatever else shares its link), is moved earlier until the compute
 left before the use covers the transfer (Step 3), as long as the step still fits (Step 2); vDNN's
 one-layer trigger stays when no round beats it. The paper searches from the other end (the earliest
-triggers that fit, then later while the step does not slow down); both stop at the latest trigger
-that hides its transfer.
+triggers that fit, then later while the step does not slow down): both aim at the latest trigger
+that hides its transfer, but ours stops every GPU's search at the first move that does not fit.
 
 The plan's `tensors` are GPU 0's actions and its `device_tensors` every GPU's; its figures are the
 slowest or largest GPU's (the paper measures throughput, and data-parallel GPUs wait for the slowest
