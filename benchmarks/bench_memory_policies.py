@@ -133,7 +133,7 @@ def multi_gpu(report: dict) -> None:
             graph = from_network(net, batch)
             costs = baseline(graph, device).costs
             resident = simulate(graph, device, costs, timeline=False).peak_bytes
-            x = len(swap_multi.swappable(graph))
+            a = len(swap_multi.swappable(graph))
             for fraction in (0.9, 0.8):
                 limit = int(resident * fraction)
                 plan = swap_multi.plan(graph, device, limit, devices=4, devices_per_link=4)
@@ -141,7 +141,7 @@ def multi_gpu(report: dict) -> None:
                 # at once: every GPU swaps the same layers; with each staggered GPU's layers in turn, the
                 # runs together move what the staggered run moves (equal bytes), GPU 0's alone need not
                 cases = {"staggered": (swap_multi.device_actions(graph, b, 4, 4), 4)}
-                sets = min(x // b, 4)
+                sets = min(a // b, 4)
                 for g in range(sets):
                     cases[f"at once {g}"] = (swap_multi.device_actions(graph, b, 4, 4, stagger=False, as_gpu=g), 4)
                 cases["1 GPU"] = (swap_multi.device_actions(graph, b, 1, 1), 1)
@@ -167,7 +167,7 @@ def multi_gpu(report: dict) -> None:
                     for name, other in against.items():
                         wins[(trigger, name, "step")] += mine["step_ms"] < other[trigger]["step_ms"]
                         wins[(trigger, name, "stall")] += mine["stall_ms"] < other[trigger]["stall_ms"]
-                    rows.append([dev, f"{net} b{batch}", f"{fraction:.0%}", b, x // b,
+                    rows.append([dev, f"{net} b{batch}", f"{fraction:.0%}", b, a // b,
                                  "yes" if plan.fits and figures["staggered"]["fits"] else "NO",
                                  "vDNN layer" if trigger == "layer" else "Kim",
                                  f"{figures['staggered']['bytes_offloaded'] / figures['at once 0']['bytes_offloaded']:.2f}",
@@ -176,7 +176,7 @@ def multi_gpu(report: dict) -> None:
                                  f"{figures['1 GPU'][trigger]['step_ms']:.1f}"])
                 report.setdefault("swap_multi", []).append(
                     {"device": dev, "network": net, "batch": batch, "limit_fraction": fraction,
-                     "swapped_per_gpu": b, "interval_x": x // b, "fits": plan.fits, "figures": figures})
+                     "swapped_per_gpu": b, "interval_x": a // b, "fits": plan.fits, "figures": figures})
     print("\n4. Swapping on 4 GPUs behind one PCIe switch (target: staggered stalls less than all at once);\n"
           "   step ms / stall ms of the slowest GPU, with vDNN's one-layer trigger and with Kim et al.'s measured trigger\n")
     print(table(["device", "graph", "limit", "b", "x", "fits", "trigger", "bytes vs GPU 0's", "staggered",

@@ -77,6 +77,8 @@ class MemoryPlan:
                                "(one per device, or none when every device does what tensors says)")
         if self.device_tensors and self.device_tensors[0] != self.tensors:
             raise InvalidInput("device_tensors: the first list must be tensors (device 0's actions)")
+        if all(ts == self.tensors for ts in self.device_tensors):
+            object.__setattr__(self, "device_tensors", ())   # one form for "every device the same"
 
     @property
     def overhead(self) -> float:
@@ -107,9 +109,9 @@ class MemoryPlan:
         try:
             values = {k: v for k, v in data.items() if k not in ("overhead", "simulation")}
             values["tensors"] = tuple(TensorAction(**t) for t in data["tensors"])
-            # absent in plans written before it existed; stored only where the devices differ
-            per_device = tuple(tuple(TensorAction(**t) for t in ts) for ts in data.get("device_tensors", ()))
-            values["device_tensors"] = () if all(ts == values["tensors"] for ts in per_device) else per_device
+            # absent in plans written before it existed
+            values["device_tensors"] = tuple(tuple(TensorAction(**t) for t in ts)
+                                             for ts in data.get("device_tensors", ()))
             values["conv_workspace"] = tuple(ConvWorkspace(**c) for c in data["conv_workspace"])
             return cls(**values)
         except (KeyError, TypeError, AttributeError) as exc:

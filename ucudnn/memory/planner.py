@@ -107,16 +107,14 @@ def to_plan(graph: TrainingGraph, device: DeviceProfile, memory_limit: int, poli
                      for s in graph.storages)
 
     tensors = tensors_of(actions)
-    per_device = tuple(tensors_of(acts) for acts in device_actions)
-    if all(ts == tensors for ts in per_device):
-        per_device = ()
     conv_ws = tuple(ConvWorkspace(layer, kind, int(b)) for (layer, kind), b in workspace.items())
     return MemoryPlan(network=graph.network, batch=graph.batch, device=device.name, devices=devices,
                       memory_limit=memory_limit, policy=policy, fits=result.fits and result.peak_bytes <= memory_limit,
                       peak_bytes=result.peak_bytes, average_bytes=result.average_bytes,
                       baseline_peak_bytes=base.peak_bytes, step_ms=result.step_ms, baseline_step_ms=base.step_ms,
                       stall_ms=result.stall_ms, bytes_offloaded=result.bytes_offloaded, tensors=tensors,
-                      conv_workspace=conv_ws, device_tensors=per_device, simulation=result)
+                      conv_workspace=conv_ws,
+                      device_tensors=tuple(tensors_of(acts) for acts in device_actions), simulation=result)
 
 
 def smallest_fitting_limit(graph: TrainingGraph, device: DeviceProfile, policy: str, *, devices: int = 1,
