@@ -14,9 +14,13 @@ are deterministic and the same on any machine.
 3. Dymem against vDNN at 40% of the resident peak (K40): the same search, vDNN's one-layer prefetch
    against Dymem's two-conv look-ahead.
 4. Multi-GPU swapping: 4 P100s or H100s on one PCIe switch (devices_per_link = 4), 90% and 80% of
-   the resident peak: staggered (GPU i swaps layers i % x + jx) against every GPU swapping GPU 0's
-   layers, the same count b each, with vDNN's one-layer trigger and with the measured-time trigger
-   search (target: staggered stalls less); one GPU alone for reference.
+   the resident peak: staggered (GPU i swaps layers i % x + jx) against every GPU swapping the same
+   b layers at once, with vDNN's one-layer trigger and with the measured-time trigger search (target:
+   staggered stalls less). The slowest GPU's step time (data-parallel GPUs wait for it every step:
+   the paper's throughput) and stall. "At once" twice: every GPU swaps GPU 0's layers (as the paper's
+   vDNN baseline would: the same layers everywhere, but not the staggered run's bytes), and every GPU
+   swaps GPU g's layers for each g of the group in turn, averaged (together the staggered run's
+   bytes). One GPU alone for reference.
 
     python benchmarks/bench_memory_policies.py [--json FILE]
 """
@@ -121,40 +125,67 @@ def dymem_vs_vdnn(report: dict) -> None:
 
 def multi_gpu(report: dict) -> None:
     rows = []
-    wins = {"layer": 0, "kim": 0}
+    wins = {(trigger, against, figure): 0 for trigger in ("layer", "kim") for against in ("gpu0", "equal")
+            for figure in ("step", "stall")}
     for dev in ("p100", "h100"):
         device = load_profile(dev)
         for net, batch in (("vgg16", 64), ("resnet50", 64), ("googlenet", 128)):
             graph = from_network(net, batch)
             costs = baseline(graph, device).costs
             resident = simulate(graph, device, costs, timeline=False).peak_bytes
+            a = len(swap_multi.swappable(graph))
             for fraction in (0.9, 0.8):
                 limit = int(resident * fraction)
                 plan = swap_multi.plan(graph, device, limit, devices=4, devices_per_link=4)
                 b = sum(t.action == "offload" for t in plan.tensors)
-                stall = {}
-                for name, actions, n in (("staggered", swap_multi.device_actions(graph, b, 4, 4), 4),
-                                         ("at once", swap_multi.device_actions(graph, b, 4, 4, stagger=False), 4),
-                                         ("1 GPU", swap_multi.device_actions(graph, b, 1, 1), 1)):
+                # at once: every GPU swaps the same layers; with each staggered GPU's layers in turn, the
+                # runs together move what the staggered run moves (equal bytes), GPU 0's alone need not
+                cases = {"staggered": (swap_multi.device_actions(graph, b, 4, 4), 4)}
+                sets = min(a // b, 4)
+                for g in range(sets):
+                    cases[f"at once {g}"] = (swap_multi.device_actions(graph, b, 4, 4, stagger=False, as_gpu=g), 4)
+                cases["1 GPU"] = (swap_multi.device_actions(graph, b, 1, 1), 1)
+                figures: dict[str, dict] = {}
+                for name, (actions, n) in cases.items():
                     layer = simulate(graph, device, costs, actions, memory_limit=limit, devices=n,
                                      devices_per_link=n, timeline=False)
                     _, kim = swap_multi.adapt_triggers(graph, device, costs, actions, limit, n)
-                    stall[name] = {"layer": layer.stall_ms, "kim": kim.stall_ms, "fits": layer.fits and kim.fits}
-                for trigger in wins:
-                    wins[trigger] += stall["staggered"][trigger] < stall["at once"][trigger]
-                rows.append([dev, f"{net} b{batch}", f"{fraction:.0%}", b, "yes" if plan.fits else "NO",
-                             f"{stall['staggered']['layer']:.1f}", f"{stall['at once']['layer']:.1f}",
-                             f"{stall['staggered']['kim']:.1f}", f"{stall['at once']['kim']:.1f}",
-                             f"{stall['1 GPU']['kim']:.1f}"])
+                    figures[name] = {
+                        "bytes_offloaded": sum(d.bytes_offloaded for d in layer.devices),
+                        "fits": layer.fits and kim.fits,
+                        # data-parallel GPUs wait for the slowest every step: its step time is the throughput
+                        "layer": {"step_ms": layer.step_ms, "stall_ms": layer.stall_ms},
+                        "kim": {"step_ms": kim.step_ms, "stall_ms": kim.stall_ms}}
+                at_once = [figures[f"at once {g}"] for g in range(sets)]
+                figures["at once, equal bytes"] = {
+                    "bytes_offloaded": sum(f["bytes_offloaded"] for f in at_once) / sets,
+                    **{t: {k: sum(f[t][k] for f in at_once) / sets for k in ("step_ms", "stall_ms")}
+                       for t in ("layer", "kim")}}
+                against = {"gpu0": figures["at once 0"], "equal": figures["at once, equal bytes"]}
+                for trigger in ("layer", "kim"):
+                    mine = figures["staggered"][trigger]
+                    for name, other in against.items():
+                        wins[(trigger, name, "step")] += mine["step_ms"] < other[trigger]["step_ms"]
+                        wins[(trigger, name, "stall")] += mine["stall_ms"] < other[trigger]["stall_ms"]
+                    rows.append([dev, f"{net} b{batch}", f"{fraction:.0%}", b, a // b,
+                                 "yes" if plan.fits and figures["staggered"]["fits"] else "NO",
+                                 "vDNN layer" if trigger == "layer" else "Kim",
+                                 f"{figures['staggered']['bytes_offloaded'] / figures['at once 0']['bytes_offloaded']:.2f}",
+                                 *(f"{f[trigger]['step_ms']:.1f} / {f[trigger]['stall_ms']:.1f}"
+                                   for f in (figures["staggered"], against["gpu0"], against["equal"])),
+                                 f"{figures['1 GPU'][trigger]['step_ms']:.1f}"])
                 report.setdefault("swap_multi", []).append(
                     {"device": dev, "network": net, "batch": batch, "limit_fraction": fraction,
-                     "swapped_per_gpu": b, "fits": plan.fits, "stall_ms": stall})
+                     "swapped_per_gpu": b, "interval_x": a // b, "fits": plan.fits, "figures": figures})
     print("\n4. Swapping on 4 GPUs behind one PCIe switch (target: staggered stalls less than all at once);\n"
-          "   stall ms of the slowest GPU, with vDNN's one-layer trigger and with Kim et al.'s measured trigger\n")
-    print(table(["device", "graph", "limit", "swapped/GPU", "fits", "layer: staggered", "layer: at once",
-                 "Kim: staggered", "Kim: at once", "Kim: 1 GPU"], rows))
-    print(f"\nstaggered stalls less in {wins['layer']}/{len(rows)} cases with the one-layer trigger, "
-          f"{wins['kim']}/{len(rows)} with Kim's trigger")
+          "   step ms / stall ms of the slowest GPU, with vDNN's one-layer trigger and with Kim et al.'s measured trigger\n")
+    print(table(["device", "graph", "limit", "b", "x", "fits", "trigger", "bytes vs GPU 0's", "staggered",
+                 "at once: GPU 0's layers", "at once: each GPU's (mean)", "1 GPU step ms"], rows))
+    cases = len(rows) // 2
+    for trigger, label in (("layer", "vDNN's one-layer trigger"), ("kim", "Kim's trigger")):
+        print(f"\nstaggered beats at once, {label}: "
+              + "; ".join(f"{figure} {wins[(trigger, 'gpu0', figure)]}/{cases} against GPU 0's layers, "
+                          f"{wins[(trigger, 'equal', figure)]}/{cases} at equal bytes" for figure in ("step", "stall")))
 
 
 def main() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 
@@ -28,6 +29,17 @@ def _table(plans) -> str:
                      for r in rows)
 
 
+def _per_device(plan) -> str:
+    """One line per device, for plans whose devices act differently (swap-multi's staggered layers)."""
+    lines = [f"{plan.policy}: what each device does (the figures above are the slowest or largest device's)"]
+    for d, tensors in enumerate(plan.device_actions()):
+        offloaded = [t for t in tensors if t.action == "offload"]
+        names = ", ".join(t.name for t in offloaded) or "nothing"
+        lines.append(f"  device {d}: offloads {len(offloaded)} ({format_size(sum(t.bytes for t in offloaded))}): "
+                     f"{names}")
+    return "\n".join(lines)
+
+
 def _describe(plan) -> str:
     return (f"{plan.network} batch {plan.batch} on {plan.devices}x {plan.device}, limit "
             f"{format_size(plan.memory_limit)}; everything resident: {format_size(plan.baseline_peak_bytes)}, "
@@ -43,13 +55,17 @@ def _describe(plan) -> str:
 @click.option("--policy", default="optimal", show_default=True,
               help="vdnn-all, vdnn-conv, vdnn-dyn, swap-multi, dymem, checkpoint or optimal.")
 @click.option("--devices", type=int, default=1, show_default=True, help="Devices training data-parallel.")
+@click.option("--devices-per-link", type=int, default=None,
+              help="Devices sharing one host link (a PCIe switch), whose copies share its bandwidth "
+                   "(default: the device profile's).")
 @click.option("--db", "db_url", default=None,
               help="A measurement cache (URL or SQLite file) whose measurements of this device come first.")
 @click.option("--compare", is_flag=True, help="Plan with every available policy, side by side.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON (one plan, or {\"policies\": [...]}).")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False),
               help="Draw memory over the step and the streams' activity to this PNG (the first plan's).")
-def plan(network, batch, device_name, memory, policy, devices, db_url, compare, as_json, plot_path):
+def plan(network, batch, device_name, memory, policy, devices, devices_per_link, db_url, compare, as_json,
+         plot_path):
     """Plan where each feature map lives (kept, offloaded, recomputed) so NETWORK trains within --memory.
 
     Exit 0 when the plan fits (with --compare: some plan fits), 1 when nothing fits (the message names
@@ -68,6 +84,10 @@ def plan(network, batch, device_name, memory, policy, devices, db_url, compare, 
     if devices < 1:
         raise InvalidInput(f"--devices must be a positive integer, got {devices}")
     profile = load_profile(device_name)
+    if devices_per_link is not None:
+        if devices_per_link < 1:
+            raise InvalidInput(f"--devices-per-link must be a positive integer, got {devices_per_link}")
+        profile = dataclasses.replace(profile, devices_per_link=devices_per_link)
     limit = parse_size(memory) if memory is not None else profile.memory_bytes
     if limit <= 0:
         raise InvalidInput(f"--memory must be positive, got {memory!r}")
@@ -88,6 +108,9 @@ def plan(network, batch, device_name, memory, policy, devices, db_url, compare, 
     else:
         click.echo(_describe(plans[0]))
         click.echo(_table(plans))
+        for p in plans:
+            if p.device_tensors:
+                click.echo(_per_device(p))
     if any(p.fits for p in plans):
         return 0
     needed = min((smallest_fitting_limit(graph, profile, p.policy, devices=devices, above=limit), p.policy)

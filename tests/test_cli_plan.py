@@ -9,7 +9,7 @@ from ucudnn.memory.vdnn import SEARCH_PASSES
 
 PLAN_KEYS = {"network", "batch", "device", "devices", "memory_limit", "policy", "fits", "peak_bytes",
              "average_bytes", "baseline_peak_bytes", "step_ms", "baseline_step_ms", "overhead", "stall_ms",
-             "bytes_offloaded", "tensors", "conv_workspace"}
+             "bytes_offloaded", "tensors", "device_tensors", "conv_workspace"}
 
 
 def run(capsys, *argv):
@@ -62,6 +62,37 @@ def test_nothing_fits_exits_1_naming_the_smallest_limit_that_would(capsys):
     assert code == 1  # no much smaller limit would do
 
 
+def test_swap_multi_plan_says_what_every_gpu_does(capsys):
+    from ucudnn.memory import swap_multi
+    from ucudnn.memory.graph import from_network
+
+    argv = ["plan", "--network", "resnet50", "--batch", "16", "--device", "h100", "--memory", "1200MiB",
+            "--policy", "swap-multi", "--devices", "4", "--devices-per-link", "4"]
+    code, out, err = run(capsys, *argv, "--json")
+    assert code == 0, err
+    plan = json.loads(out)
+    assert set(plan) == PLAN_KEYS and plan["devices"] == 4 and plan["fits"]
+    per_device = plan["device_tensors"]
+    assert len(per_device) == 4 and per_device[0] == plan["tensors"]   # `tensors` keeps meaning GPU 0's
+    offloaded = [[t["name"] for t in ts if t["action"] == "offload"] for ts in per_device]
+    # the four GPUs of the switch swap the layers section III.A gives each (i % x + j x), not GPU 0's
+    graph = from_network("resnet50", 16)
+    layers = swap_multi.swappable(graph)
+    b = len(offloaded[0])
+    assert 0 < b and all(len(o) == b for o in offloaded)
+    for d, names in enumerate(offloaded):
+        assert set(names) == {layers[k] for k in swap_multi.staggered_layers(d, len(layers), b)}
+    assert len({tuple(o) for o in offloaded}) > 1
+    assert plan["bytes_offloaded"] == max(sum(t["bytes"] for t in ts if t["action"] == "offload")
+                                          for ts in per_device)
+    code, out, err = run(capsys, *argv)
+    assert code == 0, err
+    lines = [line for line in out.splitlines() if line.strip().startswith("device ")]
+    assert len(lines) == 4
+    for d, names in enumerate(offloaded):
+        assert lines[d].strip().startswith(f"device {d}: offloads {b} ") and lines[d].endswith(", ".join(names))
+
+
 def test_plot_draws_a_png(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     path = tmp_path / "timeline.png"
@@ -100,6 +131,7 @@ def test_devices_lists_the_profiles(capsys):
     (["--network", "vgg16", "--device", "k99"], "unknown device"),
     (["--network", "vgg16", "--policy", "magic"], "available"),
     (["--network", "vgg16", "--devices", "0"], "devices"),
+    (["--network", "vgg16", "--devices-per-link", "0"], "devices-per-link"),
     (["--network", "vgg16", "--memory", "0"], "memory"),
 ])
 def test_bad_input_exits_2_with_one_line(argv, words, capsys):

@@ -62,6 +62,20 @@ def test_offload_one_feature_map():
     assert early.step_ms == pytest.approx(12.0) and early.stall_ms == 0
 
 
+def test_each_device_has_its_own_prefetch_triggers():
+    # two devices, each alone on its link, both offload a (out 2->3 ms). Device 0 prefetches at b's
+    # forward (step 2): back 3->4, no stall, 12 ms. Device 1 at the loss's backward (vDNN's trigger):
+    # back 4->5, b's backward waits 1 ms, 13 ms: each as on one device (test_offload_one_feature_map).
+    r = simulate(chain(), DEVICE, COSTS, {"a": "offload"}, prefetch=[{"a": 2}, "layer"], devices=2,
+                 devices_per_link=1)
+    assert [d.stall_ms for d in r.devices] == pytest.approx([0.0, 1.0])
+    assert [d.step_ms for d in r.devices] == pytest.approx([12.0, 13.0])
+    h2d = sorted((i.device, round(i.start_ms, 9), round(i.end_ms, 9)) for i in r.timeline if i.stream == "h2d")
+    assert h2d == [(0, 3.0, 4.0), (1, 4.0, 5.0)]
+    with pytest.raises(InvalidInput, match="prefetch: 1 entries for 2 devices"):
+        simulate(chain(), DEVICE, COSTS, {"a": "offload"}, prefetch=["layer"], devices=2)
+
+
 def test_memory_limit_makes_a_prefetch_wait():
     # x and a offloaded, limit 3 MB + 20 B. a comes back 4->5; b's backward (5->9) holds a, grad:b and
     # grad:a, so x's copy back waits for it: 9->10, and a's backward runs 10->14.

@@ -6,6 +6,7 @@ from ucudnn.devices import load_profile
 from ucudnn.errors import InvalidInput
 from ucudnn.memory import make_plan, swap_multi
 from ucudnn.memory.graph import from_network
+from ucudnn.memory.plan import MemoryPlan
 from ucudnn.memory.planner import baseline
 from ucudnn.memory.simulate import simulate
 
@@ -69,6 +70,28 @@ def test_plan_fits_and_keeps_the_invariants_on_every_gpu(vgg_case):
     assert not simulate(graph, device, costs, fewer, memory_limit=limit, devices=4, devices_per_link=4).fits
 
 
+def test_plan_lists_every_gpus_actions_and_its_json_reads_back(vgg_case):
+    graph, device, costs, limit = vgg_case
+    plan = swap_multi.plan(graph, device, limit, devices=4, devices_per_link=2)
+    b = sum(t.action == "offload" for t in plan.tensors)
+    expected = swap_multi.device_actions(graph, b, 4, 2)
+    per_device = plan.device_actions()
+    assert len(per_device) == 4 and per_device[0] == plan.tensors
+    assert [{t.name: t.action for t in ts} for ts in per_device] == expected
+    assert per_device[1] != per_device[0] and per_device[2] == per_device[0]  # GPU 2 leads the second switch
+    data = plan.to_json()
+    assert len(data["device_tensors"]) == 4
+    assert MemoryPlan.from_json(data) == plan
+    # a plan written before device_tensors existed: every device does what `tensors` says
+    del data["device_tensors"]
+    old = MemoryPlan.from_json(data)
+    assert old.device_tensors == () and old.device_actions() == (plan.tensors,) * 4
+    with pytest.raises(InvalidInput, match="device_tensors"):
+        MemoryPlan.from_json(plan.to_json() | {"devices": 3})
+    with pytest.raises(InvalidInput, match="first list"):
+        MemoryPlan.from_json(plan.to_json() | {"tensors": plan.to_json()["device_tensors"][1]})
+
+
 def test_staggering_spreads_each_layer_over_fewer_gpus():
     graph = from_network("resnet50", 1)
     layers = swap_multi.swappable(graph)
@@ -78,6 +101,14 @@ def test_staggering_spreads_each_layer_over_fewer_gpus():
     for s in layers:
         assert sum(acts[s] == "offload" for acts in staggered) <= 1
         assert sum(acts[s] == "offload" for acts in at_once) in (0, 4)
+    # at once with each GPU's layer set in turn moves, over the four runs, what the staggered run moves
+    # four times over: the comparison at equal swapped bytes
+    def offloaded(acts):
+        return sum(graph.bytes_of(s) for a in acts for s, act in a.items() if act == "offload")
+    runs = [swap_multi.device_actions(graph, b, 4, 4, stagger=False, as_gpu=g) for g in range(4)]
+    assert all(run[0] == run[3] == staggered[g] for g, run in enumerate(runs))
+    assert sum(offloaded(run) for run in runs) == 4 * offloaded(staggered)
+    assert offloaded(runs[0]) != offloaded(staggered)   # GPU 0's layers alone are not equal bytes
     # a larger b (x = 2): pairs of GPUs share their layers
     staggered = swap_multi.device_actions(graph, len(layers) // 2, 4, 4)
     assert max(sum(acts[s] == "offload" for acts in staggered) for s in layers) == 2
@@ -91,8 +122,25 @@ def test_adaptive_trigger_never_loses_to_vdnn_trigger(vgg_case):
     assert result.step_ms <= layer.step_ms + 1e-9
     if triggers != "layer":
         nf = graph.forward_steps
-        for s, at in triggers.items():
-            assert nf - 1 <= at < graph.consumers(s, "bwd")[0]
+        for per_device in triggers:
+            for s, at in per_device.items():
+                assert nf - 1 <= at < graph.consumers(s, "bwd")[0]
+
+
+def test_each_gpu_sets_its_own_triggers_from_its_own_transfers(vgg_case):
+    # 3 GPUs, 2 to a switch: GPU 2 swaps GPU 0's layers (it leads the second switch) but copies alone,
+    # so its measured transfers are shorter and its prefetches need not start as early as GPU 0's
+    graph, device, costs, limit = vgg_case
+    b = sum(t.action == "offload" for t in swap_multi.plan(graph, device, limit, devices=3,
+                                                               devices_per_link=2).tensors)
+    actions = swap_multi.device_actions(graph, b, 3, 2)
+    assert actions[2] == actions[0]
+    triggers, result = swap_multi.adapt_triggers(graph, device, costs, actions, limit, 2)
+    assert triggers != "layer" and result.fits
+    assert triggers[2].keys() == triggers[0].keys()
+    assert all(triggers[2][s] >= triggers[0][s] for s in triggers[0])
+    assert triggers[2] != triggers[0]
+    assert result.devices[2].stall_ms < result.devices[0].stall_ms
 
 
 def test_make_plan_dispatches_and_checks_devices_per_link():

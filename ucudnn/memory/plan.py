@@ -39,6 +39,10 @@ class ConvWorkspace:
     bytes: int
 
 
+def _tensors_json(tensors) -> list[dict]:
+    return [{"name": t.name, "bytes": t.bytes, "action": t.action} for t in tensors]
+
+
 @dataclass(frozen=True, slots=True)
 class MemoryPlan:
     """One network, batch, device profile and memory limit: each tensor's action and each conv kernel's workspace."""
@@ -62,9 +66,22 @@ class MemoryPlan:
     # Which step of the policy's search gave the plan (vdnn-dyn: its pass, `vdnn.SEARCH_PASSES`); in
     # the JSON only when set.
     search: str = ""
+    # Each device's tensors, for plans whose devices act differently (swap-multi staggers the swapped
+    # layers over the GPUs of a switch); empty when every device does what `tensors` says, which is
+    # then device 0's. `device_actions()` gives every device's either way.
+    device_tensors: tuple[tuple[TensorAction, ...], ...] = ()
     # The planner's simulation of this plan (`ucudnn.memory.simulate.SimResult`: timeline, memory over
     # the step), for plots; not part of the plan's JSON or of equality.
     simulation: Any = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.device_tensors and len(self.device_tensors) != self.devices:
+            raise InvalidInput(f"device_tensors: {len(self.device_tensors)} lists for {self.devices} devices "
+                               "(one per device, or none when every device does what tensors says)")
+        if self.device_tensors and self.device_tensors[0] != self.tensors:
+            raise InvalidInput("device_tensors: the first list must be tensors (device 0's actions)")
+        if all(ts == self.tensors for ts in self.device_tensors):
+            object.__setattr__(self, "device_tensors", ())   # one form for "every device the same"
 
     @property
     def overhead(self) -> float:
@@ -78,12 +95,17 @@ class MemoryPlan:
                 return t.action
         return "keep"
 
+    def device_actions(self) -> tuple[tuple[TensorAction, ...], ...]:
+        """Every device's tensors, device 0 first (`devices` entries)."""
+        return self.device_tensors or (self.tensors,) * self.devices
+
     def to_json(self) -> dict:
         data = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "simulation"}
         if not self.search:
             del data["search"]
         data["overhead"] = self.overhead
-        data["tensors"] = [{"name": t.name, "bytes": t.bytes, "action": t.action} for t in self.tensors]
+        data["tensors"] = _tensors_json(self.tensors)
+        data["device_tensors"] = [_tensors_json(ts) for ts in self.device_actions()]
         data["conv_workspace"] = [{"layer": c.layer, "kind": c.kind, "bytes": c.bytes} for c in self.conv_workspace]
         return data
 
@@ -92,6 +114,9 @@ class MemoryPlan:
         try:
             values = {k: v for k, v in data.items() if k not in ("overhead", "simulation")}
             values["tensors"] = tuple(TensorAction(**t) for t in data["tensors"])
+            # absent in plans written before it existed
+            values["device_tensors"] = tuple(tuple(TensorAction(**t) for t in ts)
+                                             for ts in data.get("device_tensors", ()))
             values["conv_workspace"] = tuple(ConvWorkspace(**c) for c in data["conv_workspace"])
             return cls(**values)
         except (KeyError, TypeError, AttributeError) as exc:

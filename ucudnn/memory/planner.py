@@ -8,7 +8,7 @@ returning a `MemoryPlan`; `POLICIES` maps a policy's name to its module, functio
 from __future__ import annotations
 
 import importlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from ucudnn.devices import DeviceProfile, load_profile
@@ -93,21 +93,28 @@ def baseline(graph: TrainingGraph, device: DeviceProfile, fronts=None) -> Baseli
 
 def to_plan(graph: TrainingGraph, device: DeviceProfile, memory_limit: int, policy: str,
             actions: Mapping[str, str], workspace: Mapping[tuple[str, str], int], result: SimResult, *,
-            devices: int = 1, base: Baseline | None = None, search: str = "") -> MemoryPlan:
+            devices: int = 1, base: Baseline | None = None, search: str = "",
+            device_actions: Sequence[Mapping[str, str]] = ()) -> MemoryPlan:
     """The `MemoryPlan` of one simulated decision: `actions` per storage (keep where absent) and each
-    conv kernel's workspace in bytes (what `result`'s costs used); `search`: how the policy found it."""
+    conv kernel's workspace in bytes (what `result`'s costs used); `search`: how the policy found it;
+    `device_actions`, one mapping per device with `actions` first, when the devices act differently."""
     base = base or baseline(graph, device)
     # a storage the policy left out is kept, or released when the backward pass never reads it
     backward = {r for st in graph.steps if st.phase == "bwd" for r in st.reads}
-    tensors = tuple(TensorAction(s, graph.bytes_of(s), actions.get(s, "keep" if s in backward else "release"))
-                    for s in graph.storages)
+
+    def tensors_of(acts: Mapping[str, str]) -> tuple[TensorAction, ...]:
+        return tuple(TensorAction(s, graph.bytes_of(s), acts.get(s, "keep" if s in backward else "release"))
+                     for s in graph.storages)
+
+    tensors = tensors_of(actions)
     conv_ws = tuple(ConvWorkspace(layer, kind, int(b)) for (layer, kind), b in workspace.items())
     return MemoryPlan(network=graph.network, batch=graph.batch, device=device.name, devices=devices,
                       memory_limit=memory_limit, policy=policy, fits=result.fits and result.peak_bytes <= memory_limit,
                       peak_bytes=result.peak_bytes, average_bytes=result.average_bytes,
                       baseline_peak_bytes=base.peak_bytes, step_ms=result.step_ms, baseline_step_ms=base.step_ms,
                       stall_ms=result.stall_ms, bytes_offloaded=result.bytes_offloaded, tensors=tensors,
-                      conv_workspace=conv_ws, search=search, simulation=result)
+                      conv_workspace=conv_ws, search=search,
+                      device_tensors=tuple(tensors_of(acts) for acts in device_actions), simulation=result)
 
 
 def smallest_fitting_limit(graph: TrainingGraph, device: DeviceProfile, policy: str, *, devices: int = 1,

@@ -33,7 +33,8 @@ What is simulated, per device:
 `prefetch` says when a copy back starts: ``"layer"`` (vDNN: at the start of the last conv or
 linear backward step before its first use), ``"adaptive"`` (the latest step from which the compute
 left before the use is at least the copy's time alone on the link; Kim et al.'s trigger), or a
-mapping from storage to the index, in the expanded schedule, of the step at whose start it begins.
+mapping from storage to the index, in the expanded schedule, of the step at whose start it begins;
+or a sequence of these, one per device (each device sets its own triggers from its own timings).
 """
 
 from __future__ import annotations
@@ -361,7 +362,7 @@ def simulate(graph: TrainingGraph, device: DeviceProfile, costs: Sequence[StepCo
              memory_limit: int | None = None, prefetch="layer", devices: int = 1,
              devices_per_link: int | None = None, timeline: bool = True) -> SimResult:
     """Simulate one training step of `graph` on `devices` copies of `device` (data parallel: the same
-    steps; `actions` is one mapping for all, or one per device). See the module docstring."""
+    steps; `actions` is one mapping for all, or one per device, and so is `prefetch`). See the module docstring."""
     if not isinstance(devices, int) or isinstance(devices, bool) or devices < 1:
         raise InvalidInput(f"devices must be a positive integer, got {devices!r}")
     if len(costs) != len(graph.steps):
@@ -372,15 +373,19 @@ def simulate(graph: TrainingGraph, device: DeviceProfile, costs: Sequence[StepCo
         else [actions] * devices
     if len(per_device) != devices:
         raise InvalidInput(f"actions: {len(per_device)} mappings for {devices} devices")
+    per_prefetch = list(prefetch) if isinstance(prefetch, Sequence) and not isinstance(prefetch, str) \
+        else [prefetch] * devices
+    if len(per_prefetch) != devices:
+        raise InvalidInput(f"prefetch: {len(per_prefetch)} entries for {devices} devices")
     share = devices_per_link if devices_per_link is not None else device.devices_per_link
     if not isinstance(share, int) or share < 1:
         raise InvalidInput(f"devices_per_link must be a positive integer, got {share!r}")
     plans = {}
     devs = []
-    for d, acts in enumerate(per_device):
-        key = id(acts)
+    for d, (acts, trig) in enumerate(zip(per_device, per_prefetch)):
+        key = (id(acts), id(trig))   # devices given the same objects share one preparation
         if key not in plans:
-            plans[key] = _prepare(graph, costs, acts, device, prefetch)
+            plans[key] = _prepare(graph, costs, acts, device, trig)
         devs.append(_Device(d, plans[key], memory_limit))
     intervals: list[Interval] = []
     t = 0.0

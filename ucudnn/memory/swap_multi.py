@@ -10,14 +10,19 @@ share their switch's link (each gets 1/N of it). Kim et al. (section III.A):
 
 "Layers" are the storages vDNN_all would offload (every map the backward pass reads but the loss's
 input), in forward order. b is the smallest count for which every GPU fits the limit (a bisection;
-b = a is vDNN_all on every GPU). Then the swap-in trigger (section III.C): each prefetch starts
-right before its use (Step 1), and, from the compute and transfer times measured in the simulated
-step (the transfers slowed by whatever else shares the link), is moved earlier until the compute
+b = a is vDNN_all on every GPU). Then the swap-in trigger (section III.C), each GPU its own (the
+paper tunes it while training runs, on each GPU's own swap operations): each prefetch starts right
+before its use (Step 1), and, from the compute and transfer times that GPU measured in the simulated
+step (its transfers slowed by whatever else shares its link), is moved earlier until the compute
 left before the use covers the transfer (Step 3), as long as the step still fits (Step 2); vDNN's
-one-layer trigger stays when no round beats it.
+one-layer trigger stays when no round beats it. The paper searches from the other end (the earliest
+triggers that fit, then later while the step does not slow down): both aim at the latest trigger
+that hides its transfer, but ours stops every GPU's search at the first move that does not fit.
 
-The plan lists GPU 0's actions (`device_actions` gives every GPU's); its figures are the slowest or
-largest GPU's. `stagger=False` gives the comparison: every GPU swaps GPU 0's layers.
+The plan's `tensors` are GPU 0's actions and its `device_tensors` every GPU's; its figures are the
+slowest or largest GPU's (the paper measures throughput, and data-parallel GPUs wait for the slowest
+every step). `stagger=False` gives the comparison, every GPU swapping the same layers at once (the
+layers GPU `as_gpu` swaps when staggered).
 """
 
 from __future__ import annotations
@@ -59,20 +64,22 @@ def swappable(graph: TrainingGraph) -> tuple[str, ...]:
 
 
 def device_actions(graph: TrainingGraph, swapped: int, devices: int, devices_per_link: int, *,
-                   stagger: bool = True) -> list[dict[str, str]]:
-    """Each GPU's actions when each swaps `swapped` layers (staggered within its switch group, or not)."""
+                   stagger: bool = True, as_gpu: int = 0) -> list[dict[str, str]]:
+    """Each GPU's actions when each swaps `swapped` layers: staggered within its switch group, or
+    (`stagger=False`) every GPU the layers GPU `as_gpu` of a group swaps when staggered."""
     layers = swappable(graph)
     base = actions_for(graph, "none")
     out = []
     for d in range(devices):
-        picks = staggered_layers(d % devices_per_link if stagger else 0, len(layers), swapped)
+        picks = staggered_layers(d % devices_per_link if stagger else as_gpu, len(layers), swapped)
         out.append(dict(base, **{layers[k]: "offload" for k in picks}))
     return out
 
 
-def _late_prefetches(graph: TrainingGraph, actions: Sequence[Mapping[str, str]], result: SimResult) -> dict[str, tuple[float, int]]:
-    """Prefetches that ended after the step before their use: storage -> (its longest measured
-    transfer in ms over the GPUs, its use step)."""
+def _late_prefetches(graph: TrainingGraph, actions: Sequence[Mapping[str, str]], result: SimResult,
+                     ) -> list[dict[str, tuple[float, int]]]:
+    """Per device, its prefetches that ended after the step before their use: storage -> (the
+    transfer's measured time in ms, its use step)."""
     compute: dict[tuple[int, str], float] = {}   # (device, "phase op") -> end
     h2d: dict[tuple[int, str], tuple[float, float]] = {}
     for i in result.timeline:
@@ -80,8 +87,9 @@ def _late_prefetches(graph: TrainingGraph, actions: Sequence[Mapping[str, str]],
             compute[(i.device, i.label)] = i.end_ms
         elif i.stream == "h2d":
             h2d[(i.device, i.label)] = (i.start_ms, i.end_ms)
-    out: dict[str, tuple[float, int]] = {}
+    out: list[dict[str, tuple[float, int]]] = []
     for d, acts in enumerate(actions):
+        late = {}
         for s, a in acts.items():
             if a != "offload" or (d, s) not in h2d:
                 continue
@@ -89,42 +97,46 @@ def _late_prefetches(graph: TrainingGraph, actions: Sequence[Mapping[str, str]],
             before = graph.steps[use - 1]
             start, end = h2d[(d, s)]
             if end > compute[(d, f"{before.phase} {before.op}")] + 1e-6:
-                out[s] = (max(end - start, out.get(s, (0.0, use))[0]), use)
+                late[s] = (end - start, use)
+        out.append(late)
     return out
 
 
 def adapt_triggers(graph: TrainingGraph, device: DeviceProfile, costs: Sequence[StepCost],
                    actions: Sequence[Mapping[str, str]], memory_limit: int, devices_per_link: int,
-                   ) -> tuple[dict[str, int] | str, SimResult]:
+                   ) -> tuple[list[dict[str, int]] | str, SimResult]:
     """Section III.C: prefetch triggers from measured compute and transfer times, within the limit.
 
-    Returns the triggers (storage -> schedule step, or ``"layer"`` when vDNN's one-layer trigger
-    was not beaten) and their simulation: the fastest that fits of those tried."""
-    offloaded = {s for acts in actions for s, a in acts.items() if a == "offload"}
-    triggers = {s: graph.consumers(s, "bwd")[0] - 1 for s in offloaded}   # Step 1: right before use
+    Each GPU sets its own triggers from its own measured transfers (a GPU alone on its switch is not
+    slowed by the others' copies). Returns the triggers (per device, storage -> schedule step; or
+    ``"layer"`` when vDNN's one-layer trigger was not beaten) and their simulation: the fastest that
+    fits of those tried."""
+    # Step 1: right before use
+    triggers = [{s: graph.consumers(s, "bwd")[0] - 1 for s, a in acts.items() if a == "offload"}
+                for acts in actions]
 
     def run(trig):
         return simulate(graph, device, costs, list(actions), memory_limit=memory_limit, prefetch=trig,
                         devices=len(actions), devices_per_link=devices_per_link)
 
     result = run(triggers)
-    best: tuple[dict[str, int] | str, SimResult] = ("layer", run("layer"))  # vDNN's trigger, to beat
+    best: tuple[list[dict[str, int]] | str, SimResult] = ("layer", run("layer"))  # vDNN's trigger, to beat
     if (result.fits, -result.step_ms) > (best[1].fits, -best[1].step_ms):
         best = (triggers, result)
     ms = [c.ms for c in costs]
     for _ in range(MAX_TRIGGER_ROUNDS):
-        late = _late_prefetches(graph, actions, result)
-        moved = dict(triggers)
-        for s, (transfer_ms, use) in late.items():
-            # Step 3: the latest trigger whose compute before the use covers the measured transfer,
-            # approached one layer per round (Step 2's incremental search: each move changes which
-            # copies share the link, so the measured transfer is remeasured before moving further)
-            k, covered = use - 1, 0.0
-            while k > graph.forward_steps - 1 and covered < transfer_ms:
-                covered += ms[k]
-                k -= 1
-            if k < triggers[s]:
-                moved[s] = triggers[s] - 1
+        moved = [dict(t) for t in triggers]
+        for d, late in enumerate(_late_prefetches(graph, actions, result)):
+            for s, (transfer_ms, use) in late.items():
+                # Step 3: the latest trigger whose compute before the use covers the measured transfer,
+                # approached one layer per round (Step 2's incremental search: each move changes which
+                # copies share the link, so the transfer is measured again before moving further)
+                k, covered = use - 1, 0.0
+                while k > graph.forward_steps - 1 and covered < transfer_ms:
+                    covered += ms[k]
+                    k -= 1
+                if k < triggers[d][s]:
+                    moved[d][s] = triggers[d][s] - 1
         if moved == triggers:
             break
         trial = run(moved)
@@ -168,4 +180,4 @@ def plan(graph: TrainingGraph, device: DeviceProfile, memory_limit: int, *, devi
     actions, _ = attempt(hi)
     _, result = adapt_triggers(graph, device, costs, actions, memory_limit, per_link)
     return to_plan(graph, device, memory_limit, "swap-multi", actions[0], workspace, result, devices=devices,
-                   base=base)
+                   base=base, device_actions=actions)
