@@ -37,6 +37,7 @@ This module imports torch; ``import ucudnn`` does not import this module.
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -48,6 +49,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from ucudnn.backends.cpu import NATIVE
+from ucudnn.benchmark import interleaved_medians_ms
 from ucudnn.errors import BackendUnavailable, InvalidInput, UnsupportedProblem
 from ucudnn.handle import Handle, Kernel
 from ucudnn.problem import ConvProblem
@@ -260,6 +262,52 @@ class _Conv2dFunction(torch.autograd.Function):
         return dx, dw, db, None, None, None, None, None
 
 
+@functools.cache
+def route_overhead_ms() -> float:
+    """Host time (ms) that routing one kernel of a CPU convolution through ucudnn costs beyond
+    torch running it itself, measured once per process on a tiny layer (forward and backward,
+    the three contenders alternately, medians):
+
+    - direct: plain F.conv2d;
+    - function: the layer as ucudnn's autograd Function with torch running every kernel in it;
+    - routed: the same with all three kernels `native` through the handle (NumPy views, output
+      tensors, the handle's launch, the launcher's copy).
+
+    A kernel routed through ucudnn takes its layer off F.conv2d onto the Function, so it is
+    charged the Function's whole cost plus one kernel's share of routing: (function - direct) +
+    (routed - function) / 3. That is its marginal cost where torch runs the layer's other kernels
+    (a layer with several routed kernels pays the Function once, so there it is charged more than
+    it pays: the charge errs towards torch's own convolution). Rounded to 10 us, so that plans
+    keyed by it recur across processes. Handles made by this module charge it
+    (`Handle(call_overhead=...)`)."""
+    handle = Handle(backend="cpu", policy="undivided", algos=[NATIVE], reps=1, db=False)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 4, 6, 6, generator=g, requires_grad=True)
+    w = torch.randn(4, 4, 3, 3, generator=g, requires_grad=True)
+    dy = torch.randn(1, 4, 6, 6, generator=g)
+    conv = {"stride": (1, 1), "padding": (1, 1), "dilation": (1, 1), "groups": 1, "dtype": "float32", "layer": "probe"}
+    kernels = [handle.kernel(kind, tuple(x.shape), tuple(w.shape), **conv) for kind in ("fwd", "bwd_data", "bwd_filter")]
+    routes = {"function": _Route(handle, handle.generation, "cpu", "NCHW", None, None, None, direct=False),
+              "routed": _Route(handle, handle.generation, "cpu", "NCHW", *kernels, direct=False)}
+
+    def through(route: _Route):
+        return lambda: _Conv2dFunction.apply(x, w, None, route, (1, 1), (1, 1), (1, 1), 1).backward(dy)
+
+    times = interleaved_medians_ms({"direct": lambda: F.conv2d(x, w, None, 1, 1, 1, 1).backward(dy),
+                                    **{name: through(route) for name, route in routes.items()}}, reps=51, warmup=5)
+    function = max(0.0, times["function"] - times["direct"])
+    return round(function + max(0.0, times["routed"] - times["function"]) / 3, 2)
+
+
+def _new_handle(**options: Any) -> Handle:
+    """A Handle for torch layers: on the CPU it charges the measured `route_overhead_ms` unless
+    the options give a `call_overhead` themselves."""
+    handle = Handle(**options)
+    if "call_overhead" in options or handle.backend.name != "cpu":
+        return handle
+    return Handle(**options, call_overhead=route_overhead_ms())
+
+
 class Conv2d(nn.Conv2d):
     """`torch.nn.Conv2d` whose convolutions run through a ucudnn `Handle`.
 
@@ -276,7 +324,7 @@ class Conv2d(nn.Conv2d):
                  handle: Handle | None = None, layer: str | None = None) -> None:
         super().__init__(in_channels, out_channels, kernel_size, stride=stride, padding=padding, dilation=dilation,
                          groups=groups, bias=bias, padding_mode=padding_mode, device=device, dtype=dtype)
-        self._init_ucudnn(handle if handle is not None else Handle(), layer)
+        self._init_ucudnn(handle if handle is not None else _new_handle(), layer)
 
     def _init_ucudnn(self, handle: Handle, layer: str | None) -> None:
         if not isinstance(handle, Handle):
@@ -408,7 +456,7 @@ def convert(model: nn.Module, *, handle: Handle | None = None, **handle_options)
     if not isinstance(model, nn.Module):
         raise InvalidInput(f"convert needs a torch.nn.Module, got {type(model).__name__}")
     if handle is None:
-        handle = Handle(**handle_options)
+        handle = _new_handle(**handle_options)
     elif handle_options:
         raise InvalidInput(f"give a handle or handle options, not both (got handle and {', '.join(handle_options)})")
     if type(model) is nn.Conv2d:
