@@ -13,7 +13,11 @@ Each layer keeps a route per input signature (shape, dtype, device, layout, whic
 needed): the handle's prepared `Kernel` of each kind, planned together at the first call. Later
 calls only launch: no lookup, operand check, planning or workspace allocation. Where every
 needed kernel's plan is `native` on the whole batch, the layer is plain `F.conv2d` (PyTorch's own
-autograd, no Python Function in between).
+autograd, no Python Function in between). Any other plan routes the layer through an autograd
+Function and the handle, a host cost per kernel call that kernel measurements do not see: on the
+CPU, the handles this module makes charge it when planning (`route_overhead_ms`, measured once
+per process, as ``Handle(call_overhead=...)``), so a NumPy algorithm is chosen only where it beats
+torch's own convolution by more than the route costs.
 
 WD (``total_workspace=...``) divides one workspace among all kernels of the network, so the
 handle must know the layers before it solves. `convert` arranges that: the model's first forward
@@ -313,7 +317,7 @@ class Conv2d(nn.Conv2d):
 
     Takes exactly `torch.nn.Conv2d`'s arguments (its parameters, `state_dict`, `repr` and
     initialisation are nn.Conv2d's own), plus keyword-only `handle` (default: a new
-    ``Handle()`` with the default options) and `layer` (the id under which the handle plans this
+    ``Handle()`` with the default options, charging `route_overhead_ms` on the CPU) and `layer` (the id under which the handle plans this
     layer; default ``conv@<id>``). Every `padding_mode` and string padding ("same", "valid") is
     supported: non-zero modes and asymmetric "same" padding pad the input with `F.pad` first, as
     nn.Conv2d itself does, and run the convolution unpadded.
@@ -448,7 +452,8 @@ def convert(model: nn.Module, *, handle: Handle | None = None, **handle_options)
     The new modules share the old ones' parameters (same objects: weights, bias, device, dtype
     and any optimizer state stay valid), hooks and training flag. All of them share one handle:
     `handle`, or a new ``Handle(**handle_options)`` (backend, policy, workspace_limit,
-    total_workspace, db, reps, algos). Layer ids are qualified module names. ucudnn Conv2d
+    total_workspace, db, reps, algos, call_overhead; on the CPU, call_overhead defaults to the
+    measured `route_overhead_ms`, while a given `handle` keeps its own). Layer ids are qualified module names. ucudnn Conv2d
     modules already in the model join the shared handle. Subclasses of nn.Conv2d other than
     ucudnn's are left alone with a warning (they may override `forward`). When `model` itself is
     an nn.Conv2d, the converted module is returned (there is no parent to swap it in).
