@@ -6,7 +6,10 @@ configuration it must route through ucudnn (``ucudnn.torch``: a custom autograd 
 views, an output tensor, the handle's launch), which costs host time per kernel call that no
 measurement sees. With a handle's ``call_overhead`` (ms per kernel call) the choice charges that
 cost to every configuration except native undivided, so a NumPy algorithm is chosen only where it
-wins including it. The stored plans keep their measured times: the charge only decides.
+wins including it. WR re-times its choice against native undivided, interleaved, and keeps it
+only where it wins by more than the charge (`confirm_faster(..., charge_ms=...)`); WD solves over
+fronts whose configurations carry the charge (`charged_fronts`). The stored plans keep their
+measured times: the charge only decides.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from dataclasses import replace
 from ucudnn.backends.cpu import NATIVE
 from ucudnn.solver.types import Configuration, MicroConfig
 
-__all__ = ["charged_choice", "charged_fronts", "native_undivided"]
+__all__ = ["charged_fronts", "native_undivided"]
 
 Table = Mapping[int, Sequence[MicroConfig]]
 
@@ -34,15 +37,6 @@ def _charged(config: Configuration, overhead_ms: float) -> Configuration:
     """`config` with `overhead_ms` added to its time (on its first micro-config): what its caller pays."""
     first = config.micros[0]
     return Configuration((replace(first, time=first.time + overhead_ms), *config.micros[1:]))
-
-
-def charged_choice(config: Configuration, table: Table, batch: int, limit: int | None,
-                   overhead_ms: float) -> Configuration:
-    """WR: `config`, or native undivided where that is no slower once `config` is charged `overhead_ms`."""
-    native = native_undivided(table, batch, limit)
-    if overhead_ms <= 0 or native is None or config.micros == native.micros:
-        return config
-    return native if native.time <= config.time + overhead_ms else config
 
 
 def charged_fronts(fronts: Mapping[str, Sequence[Configuration]], tables: Mapping[str, Table], batch: int,

@@ -46,7 +46,7 @@ from ucudnn.backends import get_backend
 from ucudnn.backends.base import Backend, one_line
 from ucudnn.benchmark import (BenchStats, Policy, batch_sizes, confirm_faster, device_key, measure_table,
                               parse_policy, policy_name)
-from ucudnn.call_overhead import charged_choice, charged_fronts
+from ucudnn.call_overhead import charged_fronts, native_undivided
 from ucudnn.errors import InvalidInput, UnsupportedProblem
 from ucudnn.execute import PreparedConfiguration
 from ucudnn.optimize import micro_from_json, micro_to_json, pareto_fronts, plan_key, undivided_baseline
@@ -733,7 +733,10 @@ class Handle:
                 raise Infeasible(f"{problem.spec} ({problem.kind}): {exc}") from exc
             baseline = undivided_baseline(table, problem.n, self._workspace_limit)
             config = confirm_faster(self._backend, problem, config, baseline, self._reps)
-            config = charged_choice(config, table, problem.n, self._workspace_limit, self._call_overhead)
+            native = native_undivided(table, problem.n, self._workspace_limit) if self._call_overhead else None
+            if native is not None:  # the caller runs native undivided itself: others must win by the charge
+                config = confirm_faster(self._backend, problem, config, native.micros[0], self._reps,
+                                        charge_ms=self._call_overhead)
             plan = _Plan(config, baseline)
             if cache is not None:
                 cache.put_plan(key, {"mode": "WR", "problem": problem.key, "batch": problem.n,
