@@ -9,11 +9,11 @@ overhead. Contenders, each timed as the best of `--rounds` loops of `--calls` ca
   handle-4  the same with the batch of 4 split into 4 micro-batches of 1 (policy (1,))
 
 `handle - backend` is what the handle adds per call (lookup, checks, micro-batch sequencing).
+It only uses APIs that predate the prepared path, so that the same script measures an older
+checkout (PYTHONPATH=that checkout) for a before/after comparison.
 `torch route` (when ucudnn.torch exists) is what ucudnn.torch charges per kernel call routed through
 ucudnn instead of torch's own convolution (`ucudnn.torch.conv.route_overhead_ms`, forward and
 backward of a tiny layer: the autograd Function plus one kernel's share of the handle route).
-It only uses APIs that predate the prepared path, so that the same script measures an older
-checkout (PYTHONPATH=that checkout) for a before/after comparison.
 
     OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 python benchmarks/bench_call_overhead.py [--calls 5000]
 """
