@@ -153,6 +153,17 @@ def test_torch_handles_charge_the_measured_route_cost():
     assert convert(torch.nn.Conv2d(3, 4, 3), handle=given).handle.call_overhead == 0  # a given handle is left as is
 
 
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_the_route_is_measured_whatever_grad_mode_convert_runs_in(mode):
+    from ucudnn.torch import convert
+    from ucudnn.torch.conv import route_overhead_ms
+
+    route_overhead_ms.cache_clear()  # measure again, inside the mode
+    with getattr(torch, mode)():
+        model = convert(torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3)), backend="cpu", db=False)
+    assert model[0].handle.call_overhead > 0
+
+
 @pytest.mark.parametrize("numpy_ms, routed", [(19.0, False), (8.0, True)])
 def test_a_layer_routes_through_ucudnn_only_where_numpy_wins_by_more_than_the_charge(numpy_ms, routed):
     from ucudnn.torch import convert

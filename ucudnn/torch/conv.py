@@ -284,6 +284,15 @@ def route_overhead_ms() -> float:
     it pays: the charge errs towards torch's own convolution). Rounded to 10 us, so that plans
     keyed by it recur across processes. Handles made by this module charge it
     (`Handle(call_overhead=...)`)."""
+    # the probe needs autograd in float32, whatever mode its caller is in (convert under no_grad, ...)
+    with torch.inference_mode(False), torch.enable_grad(), torch.autocast("cpu", enabled=False):
+        times = _probe_route()
+    function = max(0.0, times["function"] - times["direct"])
+    return round(function + max(0.0, times["routed"] - times["function"]) / 3, 2)
+
+
+def _probe_route() -> dict[str, float]:
+    """Median ms of `route_overhead_ms`'s three contenders (forward and backward, alternately)."""
     handle = Handle(backend="cpu", policy="undivided", algos=[NATIVE], reps=1, db=False)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(1, 4, 6, 6, generator=g, requires_grad=True)
@@ -297,10 +306,8 @@ def route_overhead_ms() -> float:
     def through(route: _Route):
         return lambda: _Conv2dFunction.apply(x, w, None, route, (1, 1), (1, 1), (1, 1), 1).backward(dy)
 
-    times = interleaved_medians_ms({"direct": lambda: F.conv2d(x, w, None, 1, 1, 1, 1).backward(dy),
-                                    **{name: through(route) for name, route in routes.items()}}, reps=51, warmup=5)
-    function = max(0.0, times["function"] - times["direct"])
-    return round(function + max(0.0, times["routed"] - times["function"]) / 3, 2)
+    return interleaved_medians_ms({"direct": lambda: F.conv2d(x, w, None, 1, 1, 1, 1).backward(dy),
+                                   **{name: through(route) for name, route in routes.items()}}, reps=51, warmup=5)
 
 
 def _new_handle(**options: Any) -> Handle:
