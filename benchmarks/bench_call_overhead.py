@@ -11,6 +11,9 @@ overhead. Contenders, each timed as the best of `--rounds` loops of `--calls` ca
 `handle - backend` is what the handle adds per call (lookup, checks, micro-batch sequencing).
 It only uses APIs that predate the prepared path, so that the same script measures an older
 checkout (PYTHONPATH=that checkout) for a before/after comparison.
+`torch route` (when ucudnn.torch exists) is what ucudnn.torch charges per kernel call routed through
+ucudnn instead of torch's own convolution (`ucudnn.torch.conv.route_overhead_ms`, forward and
+backward of a tiny layer: the autograd Function plus one kernel's share of the handle route).
 
     OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 python benchmarks/bench_call_overhead.py [--calls 5000]
 """
@@ -68,6 +71,12 @@ def main() -> int:
                 lambda: backend.run(problem, "native", x=x, w=w, out=out, workspace=workspace),
                 args.calls, args.rounds)
     results["handle - backend"] = results["handle"] - results["backend"]
+    try:
+        from ucudnn.torch.conv import route_overhead_ms
+    except ImportError:  # an older checkout: no charge to report
+        pass
+    else:
+        results["torch route"] = route_overhead_ms() * 1e3
     print(f"# host time per call, tiny convolution, 1 thread; ucudnn from {ucudnn.__file__}")
     for name, us in results.items():
         print(f"{name:>17}  {us:8.1f} us")

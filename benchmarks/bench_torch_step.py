@@ -206,8 +206,9 @@ def bench(name: str, args) -> dict:
             "first_step_ms": first, "wd_total": total, "wd_late_warnings": late,
             "peak_workspace": {"WR": wr_handle.peak_workspace, "WD": wd_handle.peak_workspace},
             "peak_memory": peaks,
-            "native_kernels": {k: sum(all(m.algo == "native" for m in c.config.micros) for c in v)
-                               for k, v in plans.items()},
+            "torch_kernels": {k: sum(len(c.config.micros) == 1 and c.config.micros[0].algo == "native"
+                                     for c in v) for k, v in plans.items()},
+            "call_overhead_ms": wr_handle.call_overhead,
             "kernels": {k: len(v) for k, v in plans.items()},
             "micro_batched": {k: sum(c.micro_batched for c in v) for k, v in plans.items()}}
 
@@ -247,12 +248,15 @@ def main() -> int:
                      format_size(r["peak_workspace"]["WR"]), f"{format_size(r['peak_workspace']['WD'])} of "
                      f"{format_size(r['wd_total'])}",
                      " / ".join(format_size(mem[k]) for k in ("torch", "WR", "WD")) if mem else "-",
-                     f"{r['native_kernels']['WR']}/{r['kernels']['WR']}, {r['native_kernels']['WD']}/{r['kernels']['WD']}",
+                     f"{r['torch_kernels']['WR']}/{r['kernels']['WR']}, {r['torch_kernels']['WD']}/{r['kernels']['WD']}",
+                     f"{r['call_overhead_ms'] * 1e3:.0f}",
                      r["wd_late_warnings"]])
     print(table(["model", "batch", "torch ms", "WR ms", "WD ms", "WR/torch", "WD/torch", "WR workspace",
-                 "WD workspace", "peak torch/WR/WD", "native kernels WR, WD", "WD late warnings"], rows))
-    print("(ms: median of alternating steps; a ratio below 1 means ucudnn is faster; native kernels: those whose "
-          "plan is torch's own convolution)")
+                 "WD workspace", "peak torch/WR/WD", "torch-run kernels WR, WD", "charge us", "WD late warnings"],
+                rows))
+    print("(ms: median of alternating steps; a ratio below 1 means ucudnn is faster; torch-run kernels: those whose "
+          "plan is torch's own convolution on the whole batch, which torch runs itself; charge: the host cost per "
+          "kernel call charged to every other plan, Handle.call_overhead)")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     return 0

@@ -128,12 +128,14 @@ def measure_table(backend: Backend, problem: ConvProblem, sizes: Sequence[int], 
 
 
 def confirm_faster(backend: Backend, problem: ConvProblem, chosen: Configuration, baseline: MicroConfig | None,
-                   reps: int = 3) -> Configuration:
+                   reps: int = 3, *, charge_ms: float = 0.0) -> Configuration:
     """`chosen` if it really runs faster than the undivided `baseline`, else the baseline.
 
     The solver adds up micro-batch times measured one size at a time; run back to back, the
     micro-batches can behave otherwise (caches, thread pools, allocation). So the two are run for
-    real with `run_configuration`, interleaved rep by rep, and the faster median wins.
+    real with `run_configuration`, interleaved rep by rep, and the faster median wins. `charge_ms`
+    is a cost per call that `chosen`'s caller pays and the baseline's does not (`Handle.call_overhead`):
+    `chosen` must win by more than it.
     """
     if baseline is None or chosen.micros == (baseline,):
         return chosen
@@ -148,7 +150,7 @@ def confirm_faster(backend: Backend, problem: ConvProblem, chosen: Configuration
         return run
 
     times = interleaved_medians_ms({"chosen": runner(chosen), "undivided": runner(undivided)}, reps)
-    return chosen if times["chosen"] < times["undivided"] else undivided
+    return chosen if times["chosen"] + charge_ms < times["undivided"] else undivided
 
 
 def interleaved_medians_ms(fns: Mapping[str, Callable[[], object]], reps: int, warmup: int = 1) -> dict[str, float]:

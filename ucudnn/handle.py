@@ -34,6 +34,7 @@ A Handle is not thread-safe (neither is a cuDNN handle): give each thread its ow
 
 from __future__ import annotations
 
+import math
 import operator
 import sys
 import warnings
@@ -45,6 +46,7 @@ from ucudnn.backends import get_backend
 from ucudnn.backends.base import Backend, one_line
 from ucudnn.benchmark import (BenchStats, Policy, batch_sizes, confirm_faster, device_key, measure_table,
                               parse_policy, policy_name)
+from ucudnn.call_overhead import charged_fronts, native_undivided
 from ucudnn.errors import InvalidInput, UnsupportedProblem
 from ucudnn.execute import PreparedConfiguration
 from ucudnn.optimize import micro_from_json, micro_to_json, pareto_fronts, plan_key, undivided_baseline
@@ -307,14 +309,20 @@ class Handle:
         cpu backend, `fft` spreads a non-finite input value over the whole sample (over every
         filter tap in bwd_filter) and `winograd` over its 2x2 output tiles; leave them out where
         NaN or Inf must stay where the convolution puts it.
+    call_overhead : host time (ms) its caller pays per kernel call for every configuration other
+        than `native` on the whole batch, which the caller runs itself (`ucudnn.call_overhead`).
+        The plans charge it, so they pick a NumPy algorithm only where it wins by more.
+        ``ucudnn.torch`` measures it once per process for the handles it makes on the CPU; 0 (the
+        default) charges nothing.
     """
 
     def __init__(self, *, backend: str | Backend = "auto", policy: Policy = "powerOfTwo",
                  workspace_limit: int | str | None = None, total_workspace: int | str | None = None,
-                 db: str | bool | None = None, reps: int = 3, algos: Sequence[str] | None = None) -> None:
+                 db: str | bool | None = None, reps: int = 3, algos: Sequence[str] | None = None,
+                 call_overhead: float = 0.0) -> None:
         self._options = {"backend": backend, "policy": policy, "workspace_limit": workspace_limit,
                          "total_workspace": total_workspace, "db": db, "reps": reps,
-                         "algos": tuple(algos) if algos is not None else None}
+                         "algos": tuple(algos) if algos is not None else None, "call_overhead": call_overhead}
         if workspace_limit is not None and total_workspace is not None:
             raise InvalidInput("give workspace_limit (WR, per kernel) or total_workspace (WD, per network), not both")
         self._workspace_limit = None if workspace_limit is None else parse_size(workspace_limit)
@@ -328,6 +336,10 @@ class Handle:
         if not isinstance(reps, int) or isinstance(reps, bool) or reps < 1:
             raise InvalidInput(f"reps must be a positive integer, got {reps!r}")
         self._reps = reps
+        if (isinstance(call_overhead, bool) or not isinstance(call_overhead, (int, float))
+                or not math.isfinite(call_overhead) or call_overhead < 0):
+            raise InvalidInput(f"call_overhead must be a finite number of milliseconds >= 0, got {call_overhead!r}")
+        self._call_overhead = float(call_overhead)
         if db is True or not (db is None or db is False or isinstance(db, str) or hasattr(db, "__fspath__")):
             raise InvalidInput(f"db must be None (default cache), a URL or path, ':memory:', or False; got {db!r}")
         self._db = db
@@ -385,6 +397,11 @@ class Handle:
     @property
     def policy(self) -> Policy:
         return self._policy
+
+    @property
+    def call_overhead(self) -> float:
+        """Host time (ms) charged per kernel call to every plan but native undivided (0: none)."""
+        return self._call_overhead
 
     @property
     def peak_workspace(self) -> int:
@@ -693,6 +710,8 @@ class Handle:
         return table
 
     def _plan_key(self, **parts) -> str:
+        if self._call_overhead:  # charged plans differ; uncharged ones keep their old keys
+            parts["call_overhead_ms"] = round(self._call_overhead, 3)
         return plan_key(self._backend, policy=policy_name(self._policy), algos=self._algos, **parts)
 
     def _plan_wr(self, problem: ConvProblem, fresh: bool = False) -> _Plan:
@@ -713,7 +732,12 @@ class Handle:
             except Infeasible as exc:
                 raise Infeasible(f"{problem.spec} ({problem.kind}): {exc}") from exc
             baseline = undivided_baseline(table, problem.n, self._workspace_limit)
-            config = confirm_faster(self._backend, problem, config, baseline, self._reps)
+            native = native_undivided(table, problem.n, self._workspace_limit) if self._call_overhead else None
+            if native is None or native.micros != (baseline,):
+                config = confirm_faster(self._backend, problem, config, baseline, self._reps)
+            if native is not None:  # the caller runs native undivided itself: others must win by the charge
+                config = confirm_faster(self._backend, problem, config, native.micros[0], self._reps,
+                                        charge_ms=self._call_overhead)
             plan = _Plan(config, baseline)
             if cache is not None:
                 cache.put_plan(key, {"mode": "WR", "problem": problem.key, "batch": problem.n,
@@ -765,6 +789,9 @@ class Handle:
             if p.key not in tables:
                 tables[p.key] = self._measure(p, total)
         fronts = pareto_fronts(problems, tables, batch, total)
+        originals: dict[int, Configuration] = {}
+        if self._call_overhead:
+            fronts, originals = charged_fronts(fronts, tables, batch, total, self._call_overhead)
         share = total // len(problems)  # the baseline: an equal share, what a framework without WD gives
         baselines = [undivided_baseline(tables[p.key], batch, share) for p in problems]
         # Aligning segment starts can push the placed span past the total by up to K * align bytes;
@@ -772,7 +799,7 @@ class Handle:
         budget = total
         while True:
             chosen = wd.solve({i: fronts[p.key] for i, p in enumerate(problems)}, budget)
-            configs = [chosen[i] for i in range(len(problems))]
+            configs = [originals.get(id(chosen[i]), chosen[i]) for i in range(len(problems))]
             offsets, end = _place_segments(configs)
             if end <= total:
                 return configs, baselines, offsets, end

@@ -13,7 +13,11 @@ Each layer keeps a route per input signature (shape, dtype, device, layout, whic
 needed): the handle's prepared `Kernel` of each kind, planned together at the first call. Later
 calls only launch: no lookup, operand check, planning or workspace allocation. Where every
 needed kernel's plan is `native` on the whole batch, the layer is plain `F.conv2d` (PyTorch's own
-autograd, no Python Function in between).
+autograd, no Python Function in between). Any other plan routes the layer through an autograd
+Function and the handle, a host cost per kernel call that kernel measurements do not see: on the
+CPU, the handles this module makes charge it when planning (`route_overhead_ms`, measured once
+per process, as ``Handle(call_overhead=...)``), so a NumPy algorithm is chosen only where it beats
+torch's own convolution by more than the route costs.
 
 WD (``total_workspace=...``) divides one workspace among all kernels of the network, so the
 handle must know the layers before it solves. `convert` arranges that: the model's first forward
@@ -37,6 +41,7 @@ This module imports torch; ``import ucudnn`` does not import this module.
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -48,6 +53,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from ucudnn.backends.cpu import NATIVE
+from ucudnn.benchmark import interleaved_medians_ms
 from ucudnn.errors import BackendUnavailable, InvalidInput, UnsupportedProblem
 from ucudnn.handle import Handle, Kernel
 from ucudnn.problem import ConvProblem
@@ -260,12 +266,65 @@ class _Conv2dFunction(torch.autograd.Function):
         return dx, dw, db, None, None, None, None, None
 
 
+@functools.cache
+def route_overhead_ms() -> float:
+    """Host time (ms) that routing one kernel of a CPU convolution through ucudnn costs beyond
+    torch running it itself, measured once per process on a tiny layer (forward and backward,
+    the three contenders alternately, medians):
+
+    - direct: plain F.conv2d;
+    - function: the layer as ucudnn's autograd Function with torch running every kernel in it;
+    - routed: the same with all three kernels `native` through the handle (NumPy views, output
+      tensors, the handle's launch, the launcher's copy).
+
+    A kernel routed through ucudnn takes its layer off F.conv2d onto the Function, so it is
+    charged the Function's whole cost plus one kernel's share of routing: (function - direct) +
+    (routed - function) / 3. That is its marginal cost where torch runs the layer's other kernels
+    (a layer with several routed kernels pays the Function once, so there it is charged more than
+    it pays: the charge errs towards torch's own convolution). Rounded to 10 us, so that plans
+    keyed by it recur across processes. Handles made by this module charge it
+    (`Handle(call_overhead=...)`)."""
+    # the probe needs autograd in float32, whatever mode its caller is in (convert under no_grad, ...)
+    with torch.inference_mode(False), torch.enable_grad(), torch.autocast("cpu", enabled=False):
+        times = _probe_route()
+    function = max(0.0, times["function"] - times["direct"])
+    return round(function + max(0.0, times["routed"] - times["function"]) / 3, 2)
+
+
+def _probe_route() -> dict[str, float]:
+    """Median ms of `route_overhead_ms`'s three contenders (forward and backward, alternately)."""
+    handle = Handle(backend="cpu", policy="undivided", algos=[NATIVE], reps=1, db=False)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 4, 6, 6, generator=g, requires_grad=True)
+    w = torch.randn(4, 4, 3, 3, generator=g, requires_grad=True)
+    dy = torch.randn(1, 4, 6, 6, generator=g)
+    conv = {"stride": (1, 1), "padding": (1, 1), "dilation": (1, 1), "groups": 1, "dtype": "float32", "layer": "probe"}
+    kernels = [handle.kernel(kind, tuple(x.shape), tuple(w.shape), **conv) for kind in ("fwd", "bwd_data", "bwd_filter")]
+    routes = {"function": _Route(handle, handle.generation, "cpu", "NCHW", None, None, None, direct=False),
+              "routed": _Route(handle, handle.generation, "cpu", "NCHW", *kernels, direct=False)}
+
+    def through(route: _Route):
+        return lambda: _Conv2dFunction.apply(x, w, None, route, (1, 1), (1, 1), (1, 1), 1).backward(dy)
+
+    return interleaved_medians_ms({"direct": lambda: F.conv2d(x, w, None, 1, 1, 1, 1).backward(dy),
+                                   **{name: through(route) for name, route in routes.items()}}, reps=51, warmup=5)
+
+
+def _new_handle(**options: Any) -> Handle:
+    """A Handle for torch layers: on the CPU it charges the measured `route_overhead_ms` unless
+    the options give a `call_overhead` themselves."""
+    handle = Handle(**options)
+    if "call_overhead" in options or handle.backend.name != "cpu":
+        return handle
+    return Handle(**options, call_overhead=route_overhead_ms())
+
+
 class Conv2d(nn.Conv2d):
     """`torch.nn.Conv2d` whose convolutions run through a ucudnn `Handle`.
 
     Takes exactly `torch.nn.Conv2d`'s arguments (its parameters, `state_dict`, `repr` and
     initialisation are nn.Conv2d's own), plus keyword-only `handle` (default: a new
-    ``Handle()`` with the default options) and `layer` (the id under which the handle plans this
+    ``Handle()`` with the default options, charging `route_overhead_ms` on the CPU) and `layer` (the id under which the handle plans this
     layer; default ``conv@<id>``). Every `padding_mode` and string padding ("same", "valid") is
     supported: non-zero modes and asymmetric "same" padding pad the input with `F.pad` first, as
     nn.Conv2d itself does, and run the convolution unpadded.
@@ -276,7 +335,7 @@ class Conv2d(nn.Conv2d):
                  handle: Handle | None = None, layer: str | None = None) -> None:
         super().__init__(in_channels, out_channels, kernel_size, stride=stride, padding=padding, dilation=dilation,
                          groups=groups, bias=bias, padding_mode=padding_mode, device=device, dtype=dtype)
-        self._init_ucudnn(handle if handle is not None else Handle(), layer)
+        self._init_ucudnn(handle if handle is not None else _new_handle(), layer)
 
     def _init_ucudnn(self, handle: Handle, layer: str | None) -> None:
         if not isinstance(handle, Handle):
@@ -400,7 +459,8 @@ def convert(model: nn.Module, *, handle: Handle | None = None, **handle_options)
     The new modules share the old ones' parameters (same objects: weights, bias, device, dtype
     and any optimizer state stay valid), hooks and training flag. All of them share one handle:
     `handle`, or a new ``Handle(**handle_options)`` (backend, policy, workspace_limit,
-    total_workspace, db, reps, algos). Layer ids are qualified module names. ucudnn Conv2d
+    total_workspace, db, reps, algos, call_overhead; on the CPU, call_overhead defaults to the
+    measured `route_overhead_ms`, while a given `handle` keeps its own). Layer ids are qualified module names. ucudnn Conv2d
     modules already in the model join the shared handle. Subclasses of nn.Conv2d other than
     ucudnn's are left alone with a warning (they may override `forward`). When `model` itself is
     an nn.Conv2d, the converted module is returned (there is no parent to swap it in).
@@ -408,7 +468,7 @@ def convert(model: nn.Module, *, handle: Handle | None = None, **handle_options)
     if not isinstance(model, nn.Module):
         raise InvalidInput(f"convert needs a torch.nn.Module, got {type(model).__name__}")
     if handle is None:
-        handle = Handle(**handle_options)
+        handle = _new_handle(**handle_options)
     elif handle_options:
         raise InvalidInput(f"give a handle or handle options, not both (got handle and {', '.join(handle_options)})")
     if type(model) is nn.Conv2d:
