@@ -11,7 +11,14 @@ backward pass, recompute checkpoint segments, and give converted convolutions th
 `torch.fx` graph (the same trace the planner named its tensors after), so that the executor knows
 which fx node is running. fx's own `Interpreter` runs a whole graph in one call; the loop here is
 hand-written because recompute segments must run a range of nodes inside one checkpoint call. It
-frees each value after its last use, as the Interpreter does.
+frees each value after its last use, as the Interpreter does. Inputs bind to the graph's placeholders
+as Python binds a call's arguments: by position, by keyword, else the parameter's default.
+
+**Prepared once.** The fx graph, each value's last use, the plan's check per input shape (a traced,
+shape-propagating forward pass) and the host buffers belong to the (model, plan) pair: they are made
+at its first `execute_plan` and reused by later blocks (kept weakly with the model, for its latest
+plans), so a training step under a plan does only the step's work. A model whose modules changed
+since (a layer replaced) is prepared and checked again.
 
 **Which plan tensor a saved tensor is.** `saved_tensors_hooks` see tensors, not names. A plan's
 tensors are *storages* (an in-place op or a view writes into its input's memory: the planner names
@@ -24,8 +31,8 @@ for the old tensor). A node whose output lives in an already tagged, live storag
 that moment (its own result, saved before the node returns, and internals such as max-pool
 indices follow that node's action).
 
-**Offload.** `pack` copies the tensor to pinned host memory on a dedicated device-to-host stream,
-records an event, and keeps the device tensor referenced only until the event reports the copy done
+**Offload.** `pack` copies the tensor into a pooled host buffer (pinned memory on CUDA; reused from
+step to step, see `_HostBuffers`) on a dedicated device-to-host stream, records an event, and keeps the device tensor referenced only until the event reports the copy done
 (polled with `Event.query()` at later packs and backward steps; nothing waits on the host). One
 storage saved by several ops (a ReLU's output, saved by the ReLU and by the next conv) is copied once.
 Each offloaded tensor's *use* is the last node (in forward order) that saved it: the first to need it
@@ -53,7 +60,7 @@ limit is the smallest of its kernels' budgets: a handle has one limit for its ke
 never exceeds any of its planned budgets. Handles are shared by layers with equal limits.
 
 **Checks.** The plan must come from this model at this batch: at the first forward call for an
-input shape, the model is traced (`ucudnn.memory.graph.trace`, in eval mode so that no running
+input shape, the model is traced with its first input (the others at their defaults) (`ucudnn.memory.graph.trace`, in eval mode so that no running
 statistics move) and the plan's tensors must be the traced graph's storages with the same bytes,
 and its batch the input's; conv workspace layers must be convs of the model. Anything else is
 `InvalidInput` saying what differs.
@@ -630,7 +637,9 @@ class _Executor:
         if action == "release":
             self.stats.kept_released.add(name)
         if action != "offload":
-            return t
+            # detached: autograd would hold the tensor object, and through its grad_fn (an op saving its
+            # own output) itself, a cycle the garbage collector cannot see into when no backward frees it
+            return t.detach()
         p = self.pass_
         storage = t.untyped_storage()
         key = (storage.data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
@@ -747,8 +756,9 @@ def _fetch_attr(module: nn.Module, target: str) -> Any:
 def execute_plan(model: nn.Module, plan: MemoryPlan, *, prefetch_ahead: int = 1) -> Iterator[ExecutionStats]:
     """Run the forward and backward passes in this block under `plan`; yields the `ExecutionStats`.
 
-    Call the model and `backward()` inside the block (see the module docstring for what happens).
-    `prefetch_ahead`: how many offloaded tensors beyond those the current backward step needs are
+    Call the model (positional and keyword inputs) and `backward()` inside the block (see the module
+    docstring for what happens); a training loop enters one block per step, and only the first block
+    of a (model, plan) pair traces and checks the model. `prefetch_ahead`: how many offloaded tensors beyond those the current backward step needs are
     fetched ahead. A plan made for another model, batch or input size raises `InvalidInput` (the
     model at enter, the batch and sizes at the first forward call).
     """
