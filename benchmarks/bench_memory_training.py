@@ -201,7 +201,7 @@ def run_variant(spec: dict) -> dict:
         opt.step()
         sync()
         times.append((time.perf_counter() - start) * 1e3)
-    steady = times[1:] or times  # the first step does one-time work: first touches of memory, execute_plan's checks
+    steady = times[1:] or times  # the first step does one-time work (first touches of memory, plan checks)
     out = {"variant": variant, "added_bytes": rss() - inference, "step_ms": statistics.median(steady),
            "step_times": times, "conv_runs": conv_runs[0],
            "params": [p.detach().cpu().double().sum().item() for p in model.parameters()]}
@@ -224,7 +224,8 @@ def spawn(spec: dict) -> dict:
 
 def spawn_rounds(specs: list[dict], rounds: int) -> list[dict]:
     """Each spec run in `rounds` fresh processes, the order rotated per round so that a changing load
-    falls on every variant; steady step times pooled (each process's first step left out), memory the median."""
+    falls on every variant; steady step times pooled (each process's first step left out), memory the
+    median."""
     runs: list[list[dict]] = [[] for _ in specs]
     for r in range(rounds):
         for k in range(len(specs)):

@@ -32,9 +32,10 @@ that moment (its own result, saved before the node returns, and internals such a
 indices follow that node's action).
 
 **Offload.** `pack` copies the tensor into a pooled host buffer (pinned memory on CUDA; reused from
-step to step, see `_HostBuffers`) on a dedicated device-to-host stream, records an event, and keeps the device tensor referenced only until the event reports the copy done
-(polled with `Event.query()` at later packs and backward steps; nothing waits on the host). One
-storage saved by several ops (a ReLU's output, saved by the ReLU and by the next conv) is copied once.
+step to step, see `_HostBuffers`) on a dedicated device-to-host stream, records an event, and keeps
+the device tensor referenced only until the event reports the copy done (polled with
+`Event.query()` at later packs and backward steps; nothing waits on the host). One storage saved by
+several ops (a ReLU's output, saved by the ReLU and by the next conv) is copied once.
 Each offloaded tensor's *use* is the last node (in forward order) that saved it: the first to need it
 in the backward pass. **Prefetch.** A backward hook on every node's output fires just before that
 node's backward step; at node i it issues the host-to-device copies of every offloaded tensor used at
@@ -60,10 +61,10 @@ limit is the smallest of its kernels' budgets: a handle has one limit for its ke
 never exceeds any of its planned budgets. Handles are shared by layers with equal limits.
 
 **Checks.** The plan must come from this model at this batch: at the first forward call for an
-input shape, the model is traced with its first input (the others at their defaults) (`ucudnn.memory.graph.trace`, in eval mode so that no running
-statistics move) and the plan's tensors must be the traced graph's storages with the same bytes,
-and its batch the input's; conv workspace layers must be convs of the model. Anything else is
-`InvalidInput` saying what differs.
+input shape, the model is traced with its first input, the others at their defaults
+(`ucudnn.memory.graph.trace`, in eval mode so that no running statistics move), and the plan's
+tensors must be the traced graph's storages with the same bytes, and its batch the input's; conv
+workspace layers must be convs of the model. Anything else is `InvalidInput` saying what differs.
 
 `plan_memory(model, example_input, ...)` traces the model and calls the planner
 (`ucudnn.memory.make_plan`). With ``device=None`` the device is the example input's: a built-in
@@ -758,9 +759,10 @@ def execute_plan(model: nn.Module, plan: MemoryPlan, *, prefetch_ahead: int = 1)
 
     Call the model (positional and keyword inputs) and `backward()` inside the block (see the module
     docstring for what happens); a training loop enters one block per step, and only the first block
-    of a (model, plan) pair traces and checks the model. `prefetch_ahead`: how many offloaded tensors beyond those the current backward step needs are
-    fetched ahead. A plan made for another model, batch or input size raises `InvalidInput` (the
-    model at enter, the batch and sizes at the first forward call).
+    of a (model, plan) pair traces and checks the model. `prefetch_ahead`: how many offloaded tensors
+    beyond those the current backward step needs are fetched ahead. A plan made for another model,
+    batch or input size raises `InvalidInput` (the model at enter, the batch and sizes at the first
+    forward call).
     """
     if not isinstance(model, nn.Module):
         raise InvalidInput(f"model must be a torch.nn.Module, got {type(model).__name__}")
