@@ -17,7 +17,7 @@ plain, ``torch.autograd.graph.save_on_cpu``, ``checkpoint_sequential`` and ucudn
 weights; CPU: peak RSS above inference) and the median step time, in one run. ``--device cuda``
 where a GPU is at hand.
 
-    OMP_NUM_THREADS=2 python benchmarks/bench_memory_training.py --chain --rounds 2
+    OMP_NUM_THREADS=2 python benchmarks/bench_memory_training.py --chain --rounds 2 --interleaved 4
     python benchmarks/bench_memory_training.py --models vgg16,resnet50 --batch 8 --size 64 --device cpu
 """
 
@@ -213,6 +213,38 @@ def run_variant(spec: dict) -> dict:
     return out
 
 
+def interleaved(spec: dict, steps: int) -> dict:
+    """checkpoint_sequential and the same layout under execute_plan, steps alternating in one process
+    (after a warm-up step each): step times without a fresh process's page faults and start-up."""
+    import torch
+    from torch import nn
+    from torch.utils.checkpoint import checkpoint_sequential
+
+    from ucudnn.torch.memory import execute_plan
+
+    torch.manual_seed(0)
+    model = chain(spec["layers"], spec["channels"])
+    x = torch.randn(spec["batch"], 3, spec["size"], spec["size"])
+    y = torch.randint(0, 10, (spec["batch"],))
+    plan = _sequential_plan(model, x, spec["segments"])
+
+    def sequential() -> None:
+        nn.functional.cross_entropy(checkpoint_sequential(model, spec["segments"], x, use_reentrant=False), y).backward()
+
+    def planned() -> None:
+        with execute_plan(model, plan):
+            nn.functional.cross_entropy(model(x), y).backward()
+
+    times: dict[str, list[float]] = {"checkpoint_sequential": [], "ucudnn:sequential": []}
+    for step in range(steps + 1):
+        for name, fn in zip(times, (sequential, planned)):
+            start = time.perf_counter()
+            fn()
+            if step:  # the first is the warm-up
+                times[name].append((time.perf_counter() - start) * 1e3)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 def spawn(spec: dict) -> dict:
     env = dict(os.environ)
     proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", json.dumps(spec)],
@@ -263,6 +295,8 @@ def main() -> None:
     ap.add_argument("--size", type=int, default=48)
     ap.add_argument("--steps", type=int, default=3, help="SGD steps per process; the first is left out of ms/step")
     ap.add_argument("--rounds", type=int, default=1, help="--chain: fresh processes per variant, interleaved")
+    ap.add_argument("--interleaved", type=int, default=0, metavar="STEPS",
+                    help="--chain: also time checkpoint_sequential and ucudnn:sequential alternating in one process")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--child", help=argparse.SUPPRESS)
@@ -291,6 +325,12 @@ def main() -> None:
         print(table(["variant", "training adds (MiB RSS)", "vs plain", "conv runs/step", "ms/step", "vs plain",
                      "params rel. diff"], rows))
         results["chain"] = runs
+        if args.interleaved:
+            ms = interleaved(base, args.interleaved)
+            cs, ours = ms["checkpoint_sequential"], ms["ucudnn:sequential"]
+            print(f"in one process, {args.interleaved} steps each, interleaved: checkpoint_sequential {cs:.0f} ms, "
+                  f"ucudnn:sequential {ours:.0f} ms ({ours / cs:.2f}x)")
+            results["interleaved"] = ms
     for name in [m for m in args.models.split(",") if m]:
         base = {"model": name, "batch": args.batch, "size": args.size, "steps": args.steps, "device": args.device,
                 "segments": args.segments, "profile": args.profile}
