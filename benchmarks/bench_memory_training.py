@@ -1,12 +1,15 @@
 """Memory plans in training: what training adds above inference, and peak memory and step time per variant.
 
 Part 1, ``--chain`` (CPU): a deep conv chain (conv + ReLU, ``--layers``, ``--channels``, batch
-``--batch``, ``--size``^2 images). Each variant runs in a fresh subprocess: one no-grad forward
-(inference peak RSS), then ``--steps`` SGD steps; reported is the peak RSS the training adds above
-inference (VmHWM, the process's peak RSS), and the parameters after training against plain PyTorch's.
-Variants: plain PyTorch; ``checkpoint_sequential`` with ``--segments`` segments; a ucudnn
-recomputing plan (the planner's ``checkpoint`` policy where it exists, else a plan keeping every
-k-th ReLU output, k = layers / segments, and recomputing the rest) run by ``execute_plan``.
+``--batch``, ``--size``^2 images). Each variant runs in a fresh subprocess (``--rounds`` of them,
+interleaved): one no-grad forward (inference peak RSS), then ``--steps`` SGD steps; reported are the
+peak RSS the training adds above inference (VmHWM, the process's peak RSS), the conv layers run in a
+step (the forward's and the recomputed ones), the median step time (each process's first step left
+out: it does one-time work), and the parameters after training against plain PyTorch's. Variants:
+plain PyTorch; ``checkpoint_sequential`` with ``--segments`` segments; ``ucudnn:sequential``, the
+same layout as a ucudnn plan (the same recomputation, so its step time is the executor's cost
+beside PyTorch's); ``ucudnn:checkpoint``, the planner's checkpoint policy (limit a third of the
+feature maps); both run by ``execute_plan``.
 
 Part 2, ``--models vgg16,resnet50`` (VGG-16 / ResNet-50 shaped models built here, no torchvision):
 plain, ``torch.autograd.graph.save_on_cpu``, ``checkpoint_sequential`` and ucudnn plans
@@ -14,7 +17,7 @@ plain, ``torch.autograd.graph.save_on_cpu``, ``checkpoint_sequential`` and ucudn
 weights; CPU: peak RSS above inference) and the median step time, in one run. ``--device cuda``
 where a GPU is at hand.
 
-    OMP_NUM_THREADS=2 python benchmarks/bench_memory_training.py --chain
+    OMP_NUM_THREADS=2 python benchmarks/bench_memory_training.py --chain --rounds 2 --interleaved 4
     python benchmarks/bench_memory_training.py --models vgg16,resnet50 --batch 8 --size 64 --device cpu
 """
 
@@ -23,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -98,22 +102,23 @@ def resnet50(num_classes: int = 1000):
 # ---- one variant, in a fresh process ------------------------------------------------------------------
 
 
-def _recompute_plan(model, x, every: int):
-    """The planner's checkpoint policy where it exists; else keep every `every`-th ReLU output."""
-    from ucudnn.memory import available_policies
+def _sequential_plan(model, x, segments: int):
+    """checkpoint_sequential's layout as a ucudnn plan, for a Sequential whose modules make one storage
+    each (the chain): keep each segment's output, recompute the rest, run the last segment plainly."""
     from ucudnn.memory.plan import MemoryPlan, TensorAction
-    from ucudnn.torch.memory import _trace_graph, plan_memory
+    from ucudnn.torch.memory import _trace_graph
 
-    if "checkpoint" in available_policies():
-        graph = _trace_graph(model, x)
-        return plan_memory(model, x, memory_limit=graph.feature_map_bytes // 3, policy="checkpoint")
     graph = _trace_graph(model, x)
-    relus = [op.name for op in graph.ops if op.type == "relu" and not op.inplace]
-    keep = set(relus[every - 1::every])
-    actions = {s: ("keep" if s in keep or s in (graph.storages[0], graph.storages[-1]) else "recompute")
-               for s in graph.storages}
-    return MemoryPlan(graph.network, graph.batch, "host", 1, 2**62, "every-k", True, 0, 0, 0, 1.0, 1.0, 0.0, 0,
-                      tuple(TensorAction(s, graph.bytes_of(s), a) for s, a in actions.items()), ())
+    size = len(model) // segments  # checkpoint_sequential's segment length
+    boundaries = {(i + 1) * size - 1 for i in range(segments - 1)}
+
+    def keep(storage: str) -> bool:  # a module's output is named after it: "_12" is module 12's
+        index = int(storage[1:]) if storage.startswith("_") else None
+        return index is None or index in boundaries or index >= (segments - 1) * size
+
+    tensors = tuple(TensorAction(s, graph.bytes_of(s), "keep" if keep(s) else "recompute") for s in graph.storages)
+    return MemoryPlan(graph.network, graph.batch, "host", 1, 2**62, "sequential", True, 0, 0, 0, 1.0, 1.0, 0.0, 0,
+                      tensors, ())
 
 
 def run_variant(spec: dict) -> dict:
@@ -123,7 +128,7 @@ def run_variant(spec: dict) -> dict:
     from torch import nn
     from torch.utils.checkpoint import checkpoint_sequential
 
-    from ucudnn.torch.memory import execute_plan, plan_memory
+    from ucudnn.torch.memory import _trace_graph, execute_plan, plan_memory
 
     torch.manual_seed(0)
     dev = torch.device(spec["device"])
@@ -142,10 +147,10 @@ def run_variant(spec: dict) -> dict:
             if isinstance(m, nn.ReLU):
                 m.inplace = False
     plan = None
-    if variant == "recompute":
-        plan = _recompute_plan(model, x, spec["every"])
-    elif variant.startswith("ucudnn:"):
-        limit = spec["memory_limit"]
+    if variant == "ucudnn:sequential":
+        plan = _sequential_plan(model, x, spec["segments"])
+    elif variant.startswith("ucudnn:"):  # --chain: limit a third of the feature maps
+        limit = spec.get("memory_limit") or _trace_graph(model, x).feature_map_bytes // 3
         plan = plan_memory(model, x, memory_limit=limit, policy=variant.split(":", 1)[1],
                            device=spec.get("profile"))
 
@@ -169,8 +174,14 @@ def run_variant(spec: dict) -> dict:
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
+    # conv layers run in the last step: the forward pass's, plus those a recomputing variant runs again
+    conv_runs = [0]
+    for m in model.modules():
+        if isinstance(m, nn.Conv2d):
+            m.register_forward_pre_hook(lambda *_: conv_runs.__setitem__(0, conv_runs[0] + 1))
     times = []
     for _ in range(spec["steps"]):
+        conv_runs[0] = 0
         start = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         if variant == "save_on_cpu":
@@ -190,7 +201,9 @@ def run_variant(spec: dict) -> dict:
         opt.step()
         sync()
         times.append((time.perf_counter() - start) * 1e3)
-    out = {"variant": variant, "added_bytes": rss() - inference, "step_ms": sorted(times)[len(times) // 2],
+    steady = times[1:] or times  # the first step does one-time work (first touches of memory, plan checks)
+    out = {"variant": variant, "added_bytes": rss() - inference, "step_ms": statistics.median(steady),
+           "step_times": times, "conv_runs": conv_runs[0],
            "params": [p.detach().cpu().double().sum().item() for p in model.parameters()]}
     if dev.type == "cuda":
         out["peak_bytes"] = torch.cuda.max_memory_allocated() - base
@@ -200,6 +213,38 @@ def run_variant(spec: dict) -> dict:
     return out
 
 
+def interleaved(spec: dict, steps: int) -> dict:
+    """checkpoint_sequential and the same layout under execute_plan, steps alternating in one process
+    (after a warm-up step each): step times without a fresh process's page faults and start-up."""
+    import torch
+    from torch import nn
+    from torch.utils.checkpoint import checkpoint_sequential
+
+    from ucudnn.torch.memory import execute_plan
+
+    torch.manual_seed(0)
+    model = chain(spec["layers"], spec["channels"])
+    x = torch.randn(spec["batch"], 3, spec["size"], spec["size"])
+    y = torch.randint(0, 10, (spec["batch"],))
+    plan = _sequential_plan(model, x, spec["segments"])
+
+    def sequential() -> None:
+        nn.functional.cross_entropy(checkpoint_sequential(model, spec["segments"], x, use_reentrant=False), y).backward()
+
+    def planned() -> None:
+        with execute_plan(model, plan):
+            nn.functional.cross_entropy(model(x), y).backward()
+
+    times: dict[str, list[float]] = {"checkpoint_sequential": [], "ucudnn:sequential": []}
+    for step in range(steps + 1):
+        for name, fn in zip(times, (sequential, planned)):
+            start = time.perf_counter()
+            fn()
+            if step:  # the first is the warm-up
+                times[name].append((time.perf_counter() - start) * 1e3)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 def spawn(spec: dict) -> dict:
     env = dict(os.environ)
     proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", json.dumps(spec)],
@@ -207,6 +252,29 @@ def spawn(spec: dict) -> dict:
     if proc.returncode != 0:
         return {"variant": spec["variant"], "error": proc.stderr.strip().splitlines()[-1] if proc.stderr else "failed"}
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def spawn_rounds(specs: list[dict], rounds: int) -> list[dict]:
+    """Each spec run in `rounds` fresh processes, the order rotated per round so that a changing load
+    falls on every variant; steady step times pooled (each process's first step left out), memory the
+    median."""
+    runs: list[list[dict]] = [[] for _ in specs]
+    for r in range(rounds):
+        for k in range(len(specs)):
+            i = (k + r) % len(specs)
+            runs[i].append(spawn(specs[i]))
+    merged = []
+    for results in runs:
+        ok = [x for x in results if "error" not in x]
+        if not ok:
+            merged.append(results[0])
+            continue
+        out = dict(ok[0])
+        out["step_times"] = [x["step_times"] for x in ok]  # per round
+        out["step_ms"] = statistics.median(t for times in out["step_times"] for t in times[1:] or times)
+        out["added_bytes"] = statistics.median(x["added_bytes"] for x in ok)
+        merged.append(out)
+    return merged
 
 
 def _mib(b: float) -> str:
@@ -225,7 +293,10 @@ def main() -> None:
     ap.add_argument("--profile", default=None, help="device profile for the planner (default: the device's)")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--size", type=int, default=48)
-    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=3, help="SGD steps per process; the first is left out of ms/step")
+    ap.add_argument("--rounds", type=int, default=1, help="--chain: fresh processes per variant, interleaved")
+    ap.add_argument("--interleaved", type=int, default=0, metavar="STEPS",
+                    help="--chain: also time checkpoint_sequential and ucudnn:sequential alternating in one process")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--child", help=argparse.SUPPRESS)
@@ -236,22 +307,30 @@ def main() -> None:
     results = {}
     if args.chain:
         base = {"model": "chain", "layers": args.layers, "channels": args.channels, "batch": args.batch,
-                "size": args.size, "steps": args.steps, "device": args.device, "segments": args.segments,
-                "every": max(1, round(args.layers / args.segments))}
-        rows, runs = [], [spawn({**base, "variant": v}) for v in ("plain", "checkpoint_sequential", "recompute")]
+                "size": args.size, "steps": args.steps, "device": args.device, "segments": args.segments}
+        variants = ("plain", "checkpoint_sequential", "ucudnn:sequential", "ucudnn:checkpoint")
+        rows, runs = [], spawn_rounds([{**base, "variant": v} for v in variants], args.rounds)
         plain = runs[0]
         for r in runs:
             if "error" in r:
-                rows.append([r["variant"], "error: " + r["error"], "", "", ""])
+                rows.append([r["variant"], "error: " + r["error"], "", "", "", "", ""])
                 continue
             cut = 1 - r["added_bytes"] / plain["added_bytes"]
             same = max(abs(a - b) / max(1.0, abs(b)) for a, b in zip(r["params"], plain["params"]))
-            rows.append([r["variant"] + (f" ({r['plan']})" if "plan" in r else ""), _mib(r["added_bytes"]),
-                         f"{-cut:+.0%}" if r is not plain else "", f"{r['step_ms']:.0f}", f"{same:.1e}"])
+            rows.append([r["variant"], _mib(r["added_bytes"]),
+                         f"{-cut:+.0%}" if r is not plain else "", f"{r['conv_runs']:.0f}", f"{r['step_ms']:.0f}",
+                         f"{r['step_ms'] / plain['step_ms']:.2f}", f"{same:.1e}"])
         print(f"conv chain: {args.layers} layers, {args.channels} channels, batch {args.batch}, "
-              f"{args.size}x{args.size}, {args.steps} SGD steps, {args.device}")
-        print(table(["variant", "training adds (MiB RSS)", "vs plain", "ms/step", "params rel. diff"], rows))
+              f"{args.size}x{args.size}, {args.steps} SGD steps x {args.rounds} round(s), {args.device}")
+        print(table(["variant", "training adds (MiB RSS)", "vs plain", "conv runs/step", "ms/step", "vs plain",
+                     "params rel. diff"], rows))
         results["chain"] = runs
+        if args.interleaved:
+            ms = interleaved(base, args.interleaved)
+            cs, ours = ms["checkpoint_sequential"], ms["ucudnn:sequential"]
+            print(f"in one process, {args.interleaved} steps each, interleaved: checkpoint_sequential {cs:.0f} ms, "
+                  f"ucudnn:sequential {ours:.0f} ms ({ours / cs:.2f}x)")
+            results["interleaved"] = ms
     for name in [m for m in args.models.split(",") if m]:
         base = {"model": name, "batch": args.batch, "size": args.size, "steps": args.steps, "device": args.device,
                 "segments": args.segments, "profile": args.profile}

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import gc
 import json
+import re
 import subprocess
 import sys
 import textwrap
+import weakref
 
 import pytest
 
@@ -19,7 +23,7 @@ from ucudnn.memory.graph import trace  # noqa: E402
 from ucudnn.memory.plan import ConvWorkspace, MemoryPlan, TensorAction  # noqa: E402
 from ucudnn.torch import convert  # noqa: E402
 from ucudnn.torch import memory as tm  # noqa: E402
-from ucudnn.torch.memory import execute_plan, plan_memory  # noqa: E402
+from ucudnn.torch.memory import ExecutionStats, execute_plan, plan_memory  # noqa: E402
 
 RTOL, ATOL = 1e-5, 1e-6
 STEPS = 3
@@ -192,6 +196,8 @@ class _FakeEvent:
 class _FakeStreamCopier:
     """The executor's copier interface with asynchronous copies: what `_CudaCopier` does, on the CPU."""
 
+    pin = False
+
     def __init__(self):
         self.log, self.events = [], []
 
@@ -200,9 +206,10 @@ class _FakeStreamCopier:
         self.events.append(e)
         return e
 
-    def to_host(self, t):
+    def to_host(self, t, host, free_after):
         self.log.append("d2h")
-        return t.detach().clone(), self._event()
+        host.copy_(t)
+        return self._event()
 
     def done(self, event):
         return event.query()
@@ -382,6 +389,148 @@ def test_recomputing_plan_cuts_the_memory_training_adds_above_inference():
     assert planned < 0.8 * plain, (plain, planned)
 
 
+def test_steps_under_one_plan_trace_and_check_the_model_once(monkeypatch):
+    traced = []
+    real_trace = tm._trace_graph
+    monkeypatch.setattr(tm, "_trace_graph", lambda *a: traced.append(1) or real_trace(*a))
+    ref_state, _ = _train(_model())
+    model = _model()
+    plan = _hand_plan(model, _data()[0], HAND_PLANS["mixed"])
+    traced.clear()
+    state, _ = _train(model, plan)  # STEPS blocks of execute_plan, one step each
+    _assert_same_state(ref_state, state)
+    assert len(traced) == 1  # the plan's check ran at the first step only
+    # Another batch under the same plan is still refused once the plan has run.
+    with pytest.raises(InvalidInput, match="batch 4, the input has batch 2"):
+        with execute_plan(model, plan):
+            model(torch.randn(2, 3, 8, 8))
+
+
+def test_a_model_changed_between_steps_is_prepared_again():
+    model = _model()
+    x, _ = _data()
+    plan = _hand_plan(model, x, HAND_PLANS["mixed"])
+    with execute_plan(model, plan):
+        model(x)
+    model.fc = nn.Linear(8 * 4 * 4, 10)  # same shape, new weights: a stale graph would run the old layer
+    with torch.no_grad():
+        expected = model(x)
+    with execute_plan(model, plan):
+        torch.testing.assert_close(model(x), expected, rtol=RTOL, atol=ATOL)
+    model.conv2 = nn.Conv2d(8, 16, 3, padding=1)  # another shape: the plan no longer fits
+    model.fc = nn.Linear(16 * 4 * 4, 10)
+    with pytest.raises(InvalidInput, match="another input size|another model"):
+        with execute_plan(model, plan):
+            model(x)
+
+
+def test_prepared_runs_go_with_the_model_and_keep_the_latest_plans():
+    model = _model()
+    x, _ = _data()
+    plans = [_hand_plan(model, x, HAND_PLANS[name]) for name in ("keep", "mixed", "offload-all")]
+    for plan in plans:
+        with execute_plan(model, plan):
+            model(x)
+    assert list(tm._PREPARED[model]) == plans[-tm._PLANS_PER_MODEL:]
+    gone = weakref.ref(model)
+    del model
+    gc.collect()
+    assert gone() is None
+
+
+class KeywordNet(nn.Module):
+    """A forward with an input that has a default and a keyword-only one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.fc = nn.Linear(8 * 8 * 8, 10)
+
+    def forward(self, image, shift: float = 0.0, *, scale: float = 1.0):
+        out = torch.relu(self.conv(image + shift))
+        return self.fc(torch.flatten(out, 1)) * scale
+
+
+@pytest.mark.parametrize("call", [lambda m, x: m(image=x), lambda m, x: m(x, scale=0.5),
+                                  lambda m, x: m(x, 0.25, scale=2.0), lambda m, x: m(scale=0.5, shift=1.0, image=x)])
+def test_keyword_inputs_train_like_plain_pytorch(call):
+    def train(plan=None):
+        model = KeywordNet()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        for step in range(STEPS):
+            x, y = _data(seed=step)
+            opt.zero_grad()
+            with execute_plan(model, plan(model, x)) if plan else contextlib.nullcontext():
+                nn.functional.cross_entropy(call(model, x), y).backward()
+            opt.step()
+        return model.state_dict()
+
+    ref = train()
+    _assert_same_state(ref, train(lambda m, x: _hand_plan(m, x, HAND_PLANS["offload-all"])))
+    _assert_same_state(ref, train(lambda m, x: _hand_plan(m, x, HAND_PLANS["recompute-all"])))
+
+
+def test_keyword_inputs_are_bound_as_python_binds_them():
+    model = KeywordNet()
+    x, _ = _data()
+    plan = _hand_plan(model, x, {})
+    bad = [(lambda: model(x, shade=1.0), "no input named 'shade'; its inputs: image, shift, scale"),
+           (lambda: model(x, image=x), "got input 'image' twice"),
+           (lambda: model(), "missing input 'image'"),
+           (lambda: model(x, 0.0, 1.0, 2.0), "takes 3 input"),
+           (lambda: model(image=torch.randn(2, 3, 8, 8)), "batch 4, the input has batch 2")]
+    with execute_plan(model, plan):
+        for call, message in bad:
+            with pytest.raises(InvalidInput, match=re.escape(message)):
+                call()
+
+
+def test_steady_steps_allocate_no_host_buffers(monkeypatch):
+    taken: list[set[int]] = []
+    real_take = tm._HostBuffers.take
+
+    def take(self, t):
+        host, free_after = real_take(self, t)
+        taken[-1].add(host.data_ptr())
+        assert not self.pin and not host.is_pinned()  # pinned memory only for copies to and from CUDA
+        return host, free_after
+
+    monkeypatch.setattr(tm._HostBuffers, "take", take)
+    ref_state, _ = _train(_model(), steps=4)
+    model = _model()
+    plan = _hand_plan(model, _data()[0], HAND_PLANS["offload-all"])
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    allocated = []
+    for step in range(4):
+        x, y = _data(seed=step)
+        opt.zero_grad()
+        taken.append(set())
+        with execute_plan(model, plan) as stats:
+            nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        allocated.append(stats.host_buffers_allocated)
+    _assert_same_state(ref_state, model.state_dict())
+    assert allocated[0] == stats.offloaded > 0 and allocated[1:] == [0, 0, 0]
+    assert len(taken[0]) == stats.offloaded and taken[1] == taken[2] == taken[3] == taken[0]  # the same buffers
+
+
+def test_two_forward_passes_before_one_backward_do_not_share_host_buffers():
+    """Gradient accumulation: the first pass's buffers are still in use when the second pass offloads."""
+    ref = _model()
+    model = _model()
+    plan = _hand_plan(model, _data()[0], HAND_PLANS["offload-all"])
+    (x1, y1), (x2, y2) = _data(seed=0), _data(seed=1)
+    for step in range(2):  # the second step reuses the pool the first one filled
+        nn.functional.cross_entropy(ref(x1), y1).add(nn.functional.cross_entropy(ref(x2), y2)).backward()
+        with execute_plan(model, plan) as stats:
+            loss = nn.functional.cross_entropy(model(x1), y1) + nn.functional.cross_entropy(model(x2), y2)
+            loss.backward()
+        assert stats.host_buffers_allocated == (stats.offloaded if step == 0 else 0)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=RTOL, atol=ATOL, msg=lambda m: f"{name}: {m}")
+
+
 gpu = pytest.mark.gpu
 
 
@@ -414,3 +563,32 @@ def test_gpu_peak_memory_follows_the_plan():  # pragma: no cover - needs a GPU
     assert achieved < plain
     # the plan's peak counts feature maps, gradients and weights; allow 10% and the allocator's rounding
     assert achieved <= 1.1 * plan.peak_bytes + 64 * 2**20, (achieved, plan.peak_bytes)
+
+
+@gpu
+def test_gpu_offload_reuses_pinned_host_buffers():  # pragma: no cover - needs a GPU
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device: torch.cuda.is_available() is False")
+
+    def train(plan_for=None):
+        model = _model().cuda()
+        plan = plan_for(model) if plan_for else None
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        allocated = []
+        for step in range(3):
+            x, y = (t.cuda() for t in _data(seed=step))
+            opt.zero_grad()
+            with execute_plan(model, plan) if plan else contextlib.nullcontext(ExecutionStats()) as stats:
+                nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            allocated.append(stats.host_buffers_allocated)
+        return model, plan, stats, allocated
+
+    ref, *_ = train()
+    model, plan, stats, allocated = train(lambda m: _hand_plan(m, _data()[0].cuda(), HAND_PLANS["offload-all"]))
+    assert stats.late_prefetches == 0 and allocated[0] == stats.offloaded > 0 and allocated[1:] == [0, 0]
+    ((_, buffers),) = tm._PREPARED[model][plan].copies.values()
+    assert buffers.pin and all(h.is_pinned() for free in buffers.free.values() for h, _ in free)
+    # the same kernels on the same GPU; cuDNN may pick other algorithms from run to run
+    for (name, p), q in zip(model.state_dict().items(), ref.state_dict().values()):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")

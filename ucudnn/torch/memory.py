@@ -11,7 +11,14 @@ backward pass, recompute checkpoint segments, and give converted convolutions th
 `torch.fx` graph (the same trace the planner named its tensors after), so that the executor knows
 which fx node is running. fx's own `Interpreter` runs a whole graph in one call; the loop here is
 hand-written because recompute segments must run a range of nodes inside one checkpoint call. It
-frees each value after its last use, as the Interpreter does.
+frees each value after its last use, as the Interpreter does. Inputs bind to the graph's placeholders
+as Python binds a call's arguments: by position, by keyword, else the parameter's default.
+
+**Prepared once.** The fx graph, each value's last use, the plan's check per input shape (a traced,
+shape-propagating forward pass) and the host buffers belong to the (model, plan) pair: they are made
+at its first `execute_plan` and reused by later blocks (kept weakly with the model, for its latest
+plans), so a training step under a plan does only the step's work. A model whose modules changed
+since (a layer replaced) is prepared and checked again.
 
 **Which plan tensor a saved tensor is.** `saved_tensors_hooks` see tensors, not names. A plan's
 tensors are *storages* (an in-place op or a view writes into its input's memory: the planner names
@@ -24,10 +31,11 @@ for the old tensor). A node whose output lives in an already tagged, live storag
 that moment (its own result, saved before the node returns, and internals such as max-pool
 indices follow that node's action).
 
-**Offload.** `pack` copies the tensor to pinned host memory on a dedicated device-to-host stream,
-records an event, and keeps the device tensor referenced only until the event reports the copy done
-(polled with `Event.query()` at later packs and backward steps; nothing waits on the host). One
-storage saved by several ops (a ReLU's output, saved by the ReLU and by the next conv) is copied once.
+**Offload.** `pack` copies the tensor into a pooled host buffer (pinned memory on CUDA; reused from
+step to step, see `_HostBuffers`) on a dedicated device-to-host stream, records an event, and keeps
+the device tensor referenced only until the event reports the copy done (polled with
+`Event.query()` at later packs and backward steps; nothing waits on the host). One storage saved by
+several ops (a ReLU's output, saved by the ReLU and by the next conv) is copied once.
 Each offloaded tensor's *use* is the last node (in forward order) that saved it: the first to need it
 in the backward pass. **Prefetch.** A backward hook on every node's output fires just before that
 node's backward step; at node i it issues the host-to-device copies of every offloaded tensor used at
@@ -53,10 +61,10 @@ limit is the smallest of its kernels' budgets: a handle has one limit for its ke
 never exceeds any of its planned budgets. Handles are shared by layers with equal limits.
 
 **Checks.** The plan must come from this model at this batch: at the first forward call for an
-input shape, the model is traced (`ucudnn.memory.graph.trace`, in eval mode so that no running
-statistics move) and the plan's tensors must be the traced graph's storages with the same bytes,
-and its batch the input's; conv workspace layers must be convs of the model. Anything else is
-`InvalidInput` saying what differs.
+input shape, the model is traced with its first input, the others at their defaults
+(`ucudnn.memory.graph.trace`, in eval mode so that no running statistics move), and the plan's
+tensors must be the traced graph's storages with the same bytes, and its batch the input's; conv
+workspace layers must be convs of the model. Anything else is `InvalidInput` saying what differs.
 
 `plan_memory(model, example_input, ...)` traces the model and calls the planner
 (`ucudnn.memory.make_plan`). With ``device=None`` the device is the example input's: a built-in
@@ -216,17 +224,53 @@ def plan_memory(model: nn.Module, example_input: torch.Tensor, memory_limit: int
 
 
 # ---- copies ---------------------------------------------------------------------------------------
-class _HostCopier:
-    """Offload on the CPU: the "device" is the host, the copy is a plain copy and is done when it returns."""
+class _HostBuffers:
+    """Host buffers for offloaded tensors, reused from step to step.
 
-    def to_host(self, t: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return t.detach().clone(), None
+    A step's offloaded tensors have the same shapes every step, so the first step allocates one buffer
+    per offloaded tensor (the plan's offloaded bytes in all) and later steps take them back: steady
+    training allocates no host memory. A buffer comes back when the backward pass has unpacked the
+    last save of its tensor, with the event of the host-to-device copy still reading it; the next
+    device-to-host copy into it waits for that event on its stream (the host never waits). Pinned
+    (page-locked) memory where the copies go to and from a CUDA device, so that they run
+    asynchronously; pageable memory on the CPU, where the same code runs with plain copies.
+    """
+
+    def __init__(self, pin: bool) -> None:
+        self.pin = pin
+        self.free: dict[tuple, list[tuple[torch.Tensor, Any]]] = {}
+        self.allocated = 0
+
+    @staticmethod
+    def key(t: torch.Tensor) -> tuple:
+        return tuple(t.shape), t.stride(), t.dtype
+
+    def take(self, t: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """A host buffer shaped like `t` and the event after which it may be written (None: at once)."""
+        free = self.free.get(self.key(t))
+        if free:
+            return free.pop()
+        self.allocated += 1
+        return torch.empty_like(t, device="cpu", pin_memory=self.pin), None
+
+    def give(self, key: tuple, host: torch.Tensor, reads: Any) -> None:
+        """Take back `host` (taken for a tensor with `key`) once the copy that event `reads` marks is done."""
+        self.free.setdefault(key, []).append((host, reads))
+
+
+class _HostCopier:
+    """Offload on the CPU: the "device" is the host, a copy is a plain copy and is done when it returns."""
+
+    pin = False
+
+    def to_host(self, t: torch.Tensor, host: torch.Tensor, free_after: Any) -> None:
+        host.copy_(t)
 
     def done(self, event: Any) -> bool:
         return True
 
     def to_device(self, host: torch.Tensor, device: torch.device, after: Any) -> tuple[torch.Tensor, None]:
-        return host, None
+        return host.clone(), None  # a copy as on a GPU: the host buffer goes back to the pool
 
     def wait(self, event: Any) -> None:
         pass
@@ -235,18 +279,21 @@ class _HostCopier:
 class _CudaCopier:  # pragma: no cover - needs a GPU
     """Copies on two dedicated streams (device-to-host, host-to-device) ordered by events; no host waits."""
 
+    pin = True
+
     def __init__(self, device: torch.device) -> None:
         self.d2h = torch.cuda.Stream(device)
         self.h2d = torch.cuda.Stream(device)
 
-    def to_host(self, t: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        host = torch.empty_like(t, device="cpu", pin_memory=True)
+    def to_host(self, t: torch.Tensor, host: torch.Tensor, free_after: Any) -> Any:
         self.d2h.wait_stream(torch.cuda.current_stream(t.device))  # t is computed
+        if free_after is not None:
+            self.d2h.wait_event(free_after)  # the last step's host-to-device copy has read the buffer
         with torch.cuda.stream(self.d2h):
             host.copy_(t, non_blocking=True)
             event = torch.cuda.Event()
             event.record(self.d2h)
-        return host, event
+        return event
 
     def done(self, event: Any) -> bool:
         return event.query()
@@ -287,6 +334,7 @@ class ExecutionStats:
     prefetched: int = 0
     late_prefetches: int = 0
     segments: int = 0
+    host_buffers_allocated: int = 0
     kept_released: set[str] = field(default_factory=set)
     events: list[tuple[str, str]] = field(default_factory=list)
 
@@ -294,10 +342,11 @@ class ExecutionStats:
 class _Offloaded:
     """One storage view copied to the host: shared by every save of it in one forward pass."""
 
-    __slots__ = ("name", "host", "d2h", "device", "use", "saves", "dev", "ready", "issued", "storage")
+    __slots__ = ("name", "key", "host", "d2h", "device", "use", "saves", "dev", "ready", "issued", "storage")
 
-    def __init__(self, name: str, host: torch.Tensor, d2h: Any, device: torch.device, use: int, storage) -> None:
-        self.name, self.host, self.d2h, self.device, self.use = name, host, d2h, device, use
+    def __init__(self, name: str, key: tuple, host: torch.Tensor, d2h: Any, device: torch.device, use: int,
+                 storage) -> None:
+        self.name, self.key, self.host, self.d2h, self.device, self.use = name, key, host, d2h, device, use
         self.storage = storage    # weak reference: the dedup key is valid while the storage lives
         self.saves = 0            # packed handles not yet unpacked
         self.dev: torch.Tensor | None = None
@@ -337,15 +386,18 @@ def _segments(graph: TrainingGraph, plan: MemoryPlan, index: dict[str, int]) -> 
     return merged
 
 
-class _Executor:
-    def __init__(self, model: nn.Module, plan: MemoryPlan, prefetch_ahead: int) -> None:
-        if not isinstance(model, nn.Module):
-            raise InvalidInput(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        if not isinstance(plan, MemoryPlan):
-            raise InvalidInput(f"plan must be a ucudnn.memory.MemoryPlan, got {type(plan).__name__}")
-        if isinstance(prefetch_ahead, bool) or not isinstance(prefetch_ahead, int) or prefetch_ahead < 0:
-            raise InvalidInput(f"prefetch_ahead must be a non-negative integer, got {prefetch_ahead!r}")
-        self.model, self.plan, self.prefetch_ahead = model, plan, prefetch_ahead
+def _fingerprint(model: nn.Module) -> tuple:
+    """What a prepared run of `model` depends on: its modules, by identity and class."""
+    return tuple((name, id(m), type(m)) for name, m in model.named_modules())
+
+
+class _Prepared:
+    """What running a model under a plan needs that stays the same from step to step: the fx graph,
+    each value's last use, the checked input shapes and their segments, the conv budgets, and the
+    copiers with their host buffers. Holds the model's modules, not the model (see `_prepared`)."""
+
+    def __init__(self, model: nn.Module, plan: MemoryPlan) -> None:
+        self.plan, self.fingerprint = plan, _fingerprint(model)
         try:
             self.gm = fx.GraphModule(model, _Tracer().trace(model))
         except Exception as exc:  # fx raises many kinds (TraceError, TypeError on data-dependent control flow)
@@ -353,10 +405,10 @@ class _Executor:
         self.nodes = list(self.gm.graph.nodes)
         self.index = {n.name: i for i, n in enumerate(self.nodes)}
         self.modules = dict(self.gm.named_modules())
+        self.placeholders = [n for n in self.nodes if n.op == "placeholder"]
         self.actions = {t.name: t.action for t in plan.tensors}
-        self._check_workspace_layers()
-        self.stats = ExecutionStats()
-        self.shapes_checked: dict[tuple, list[tuple[int, int]]] = {}  # input shape -> its segments
+        self._check_workspace_layers(type(model).__name__)
+        self.shapes_checked: dict[tuple, dict[int, int]] = {}  # input shape -> its segments, first -> last node
         # last use of each value, as fx.Interpreter computes it: free a value after its last reader
         self.last_use: dict[int, list[fx.Node]] = {}
         seen: set[fx.Node] = set()
@@ -365,80 +417,136 @@ class _Executor:
                 if arg not in seen:
                     seen.add(arg)
                     self.last_use.setdefault(i, []).append(arg)
-        self.params = {p.untyped_storage().data_ptr() for p in list(model.parameters()) + list(model.buffers())}
-        self.tags: dict[int, tuple[str, weakref.ref]] = {}
-        self.current: int | None = None  # the node (or segment's last node) running in the forward pass
-        self.forward_running = False
-        self.copier: Any = None
-        self.pending: list[tuple[Any, torch.Tensor]] = []  # device tensors whose host copy is in flight
-        self.pass_: _Pass | None = None
+        self.copies: dict[torch.device, tuple[Any, _HostBuffers]] = {}
 
-    # -- checks ---------------------------------------------------------------------------------
-    def _check_workspace_layers(self) -> None:
+    def _check_workspace_layers(self, model_name: str) -> None:
         convs = {n.name: self.modules[n.target] for n in self.nodes
                  if n.op == "call_module" and isinstance(self.modules[n.target], nn.Conv2d)}
         unknown = sorted({c.layer for c in self.plan.conv_workspace} - set(convs))
         if unknown:
             raise InvalidInput(f"plan for {self.plan.network!r} gives workspace to conv layer(s) "
-                               f"{', '.join(unknown[:5])} that {type(self.model).__name__} does not have; "
+                               f"{', '.join(unknown[:5])} that {model_name} does not have; "
                                "a plan made for another model?")
         self.conv_budgets: dict[str, int] = {}
         for c in self.plan.conv_workspace:
             self.conv_budgets[c.layer] = min(c.bytes, self.conv_budgets.get(c.layer, c.bytes))
         self.convs = convs
 
-    def _check_input(self, x: Any) -> list[tuple[int, int]]:
+    def check_input(self, model: nn.Module, x: Any) -> dict[int, int]:
+        """The checkpoint segments for input `x` (first node -> last node); traces `model` once per shape."""
         if not isinstance(x, torch.Tensor):
             raise InvalidInput(f"execute_plan runs models whose first input is a tensor, got {type(x).__name__}")
         key = (tuple(x.shape), x.dtype)
         if key in self.shapes_checked:
             return self.shapes_checked[key]
-        name = type(self.model).__name__
-        if x.shape[0] != self.plan.batch:
-            raise InvalidInput(f"the plan was made for batch {self.plan.batch}, the input has batch {x.shape[0]}; "
+        plan, name = self.plan, type(model).__name__
+        if x.shape[0] != plan.batch:
+            raise InvalidInput(f"the plan was made for batch {plan.batch}, the input has batch {x.shape[0]}; "
                                "make a plan for this batch (plan_memory)")
-        graph = _trace_graph(self.model, x)
+        graph = _trace_graph(model, x)
         storages = {s: graph.bytes_of(s) for s in graph.storages}
         unknown = sorted(set(self.actions) - set(storages))
         if unknown:
-            raise InvalidInput(f"plan for {self.plan.network!r} names tensor(s) {', '.join(unknown[:5])} that "
+            raise InvalidInput(f"plan for {plan.network!r} names tensor(s) {', '.join(unknown[:5])} that "
                                f"{name} does not produce; a plan made for another model?")
-        wrong = [(t.name, t.bytes, storages[t.name]) for t in self.plan.tensors if storages[t.name] != t.bytes]
+        wrong = [(t.name, t.bytes, storages[t.name]) for t in plan.tensors if storages[t.name] != t.bytes]
         if wrong:
             t, planned, actual = wrong[0]
-            raise InvalidInput(f"plan for {self.plan.network!r}: tensor {t} has {planned} bytes in the plan but "
+            raise InvalidInput(f"plan for {plan.network!r}: tensor {t} has {planned} bytes in the plan but "
                                f"{actual} with input shape {tuple(x.shape)}; a plan made for another input size?")
-        segments = _segments(graph, self.plan, self.index)
+        segments = dict(_segments(graph, plan, self.index))
         self.shapes_checked[key] = segments
         return segments
 
+    def copies_for(self, device: torch.device) -> tuple[Any, _HostBuffers]:
+        """The copier for `device` and its host buffers, made at the first offload to the host."""
+        if device not in self.copies:
+            copier = _copier_for(device)
+            self.copies[device] = copier, _HostBuffers(pin=copier.pin)
+        return self.copies[device]
+
+
+# model -> {plan: _Prepared}, the latest plans last. Weak on the model: its prepared runs (graphs, host
+# buffers) go with it. Preparing costs an fx trace and, per input shape, a shape-propagating forward
+# pass (the plan's check): once per (model, plan), not once per step.
+_PREPARED: weakref.WeakKeyDictionary[nn.Module, dict[MemoryPlan, _Prepared]] = weakref.WeakKeyDictionary()
+_PLANS_PER_MODEL = 2
+
+
+def _prepared(model: nn.Module, plan: MemoryPlan) -> _Prepared:
+    """The prepared run of `model` under `plan`: the cached one while the model's modules are the same."""
+    plans = _PREPARED.setdefault(model, {})
+    prep = plans.pop(plan, None)
+    if prep is None or prep.fingerprint != _fingerprint(model):
+        prep = _Prepared(model, plan)
+    plans[plan] = prep
+    while len(plans) > _PLANS_PER_MODEL:
+        del plans[next(iter(plans))]
+    return prep
+
+
+class _Executor:
+    """One `execute_plan` block: runs the prepared graph and names, offloads and prefetches saved tensors."""
+
+    def __init__(self, model: nn.Module, prep: _Prepared, prefetch_ahead: int) -> None:
+        self.model, self.prep, self.prefetch_ahead = model, prep, prefetch_ahead
+        self.stats = ExecutionStats()
+        self.params = {p.untyped_storage().data_ptr() for p in list(model.parameters()) + list(model.buffers())}
+        self.tags: dict[int, tuple[str, weakref.ref]] = {}
+        self.current: int | None = None  # the node (or segment's last node) running in the forward pass
+        self.forward_running = False
+        self.copier: Any = None
+        self.buffers: _HostBuffers | None = None
+        self.pending: list[tuple[Any, torch.Tensor]] = []  # device tensors whose host copy is in flight
+        self.pass_: _Pass | None = None
+
     # -- the forward pass ---------------------------------------------------------------------------
+    def _bind(self, args: tuple, kwargs: dict) -> dict[fx.Node, Any]:
+        """The value of each input (fx placeholder) as Python binds the call's arguments."""
+        holders, name = self.prep.placeholders, type(self.model).__name__
+        if len(args) > len(holders):
+            raise InvalidInput(f"{name}.forward takes {len(holders)} input(s), {len(args)} were given")
+        values = dict(zip(holders, args))
+        by_name = {n.target: n for n in holders}
+        for key, value in kwargs.items():
+            node = by_name.get(key)
+            if node is None:
+                raise InvalidInput(f"{name}.forward has no input named {key!r}; its inputs: "
+                                   f"{', '.join(n.target for n in holders)}")
+            if node in values:
+                raise InvalidInput(f"{name}.forward got input {key!r} twice (by position and by keyword)")
+            values[node] = value
+        for node in holders:
+            if node not in values:
+                if not node.args:
+                    raise InvalidInput(f"{name}.forward is missing input {node.target!r}")
+                values[node] = node.args[0]  # the parameter's default
+        return values
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if kwargs:
-            raise UnsupportedProblem("execute_plan runs models called with positional inputs only")
-        segments = self._check_input(args[0] if args else None)
-        starts = {a: b for a, b in segments}
+        inputs = self._bind(args, kwargs)
+        prep = self.prep
+        segments = prep.check_input(self.model, inputs[prep.placeholders[0]] if prep.placeholders else None)
         self.pass_ = _Pass()
         self.forward_running = True
         try:
             env: dict[fx.Node, Any] = {}
-            inputs = iter(args)
             i = 0
-            while i < len(self.nodes):
-                node = self.nodes[i]
+            while i < len(prep.nodes):
+                node = prep.nodes[i]
                 if node.op == "placeholder":
-                    env[node] = next(inputs, node.args[0] if node.args else None)
+                    env[node] = inputs[node]
                     self._tag(node, env[node], i)
                 elif node.op == "output":
                     return fx.node.map_arg(node.args[0], env.__getitem__)
-                elif i in starts:
-                    self._run_segment(i, starts[i], env)
-                    i = starts[i]
+                elif i in segments:
+                    self._run_segment(i, segments[i], env)
+                    i = segments[i]
                 else:
                     self.current = i
                     env[node] = self._run_node(node, env, recomputing=False)
                     self._tag(node, env[node], i)
-                for dead in self.last_use.get(i, ()):
+                for dead in prep.last_use.get(i, ()):
                     env.pop(dead, None)
                 self._poll()
                 i += 1
@@ -451,7 +559,7 @@ class _Executor:
         args = fx.node.map_arg(node.args, env.__getitem__)
         kwargs = fx.node.map_arg(node.kwargs, env.__getitem__)
         if node.op == "call_module":
-            module = self.modules[node.target]
+            module = self.prep.modules[node.target]
             if recomputing and isinstance(module, nn.modules.batchnorm._BatchNorm) and module.training:
                 # The forward pass has updated the running statistics: run the layer as it ran then (the
                 # checkpoint compares what it saves) and put the statistics back afterwards, also when
@@ -469,11 +577,11 @@ class _Executor:
         if node.op == "call_method":
             return getattr(args[0], node.target)(*args[1:], **kwargs)
         if node.op == "get_attr":
-            return _fetch_attr(self.gm, node.target)
+            return _fetch_attr(self.prep.gm, node.target)
         raise UnsupportedProblem(f"fx node {node.name}: op {node.op!r} is not supported")
 
     def _run_segment(self, first: int, last: int, env: dict) -> None:
-        inside = self.nodes[first:last + 1]
+        inside = self.prep.nodes[first:last + 1]
         members = set(inside)
         inputs = list(dict.fromkeys(a for n in inside for a in n.all_input_nodes if a not in members))
         outputs = [n for n in inside if any(u not in members for u in n.users)]
@@ -485,7 +593,7 @@ class _Executor:
             calls[0] += 1
             for i, node in enumerate(inside, first):
                 local[node] = self._run_node(node, local, recomputing)
-                for dead in self.last_use.get(i, ()):  # free as the main loop does: the segment may be long
+                for dead in self.prep.last_use.get(i, ()):  # free as the main loop does: the segment may be long
                     local.pop(dead, None)
             return tuple(local[n] for n in outputs)
 
@@ -494,7 +602,7 @@ class _Executor:
         self.stats.segments += 1
         for node, value in zip(outputs, results):
             env[node] = value
-            self._tag(node, value, self.index[node.name])
+            self._tag(node, value, self.prep.index[node.name])
 
     # -- naming saved tensors ------------------------------------------------------------------------
     def _tag(self, node: fx.Node, value: Any, i: int) -> None:
@@ -517,7 +625,7 @@ class _Executor:
         if known is not None and known[1]() is storage:
             return known[0]
         if self.forward_running and self.current is not None:
-            return self.nodes[self.current].name
+            return self.prep.nodes[self.current].name
         return None
 
     # -- saved-tensor hooks ---------------------------------------------------------------------------
@@ -526,20 +634,25 @@ class _Executor:
             return t
         self._poll()
         name = self._name_of(t)
-        action = self.actions.get(name, "keep") if name is not None else "keep"
+        action = self.prep.actions.get(name, "keep") if name is not None else "keep"
         if action == "release":
             self.stats.kept_released.add(name)
         if action != "offload":
-            return t
+            # detached: autograd would hold the tensor object, and through its grad_fn (an op saving its
+            # own output) itself, a cycle the garbage collector cannot see into when no backward frees it
+            return t.detach()
         p = self.pass_
         storage = t.untyped_storage()
         key = (storage.data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
         entry = p.by_key.get(key)
         if entry is None or entry.storage() is not storage:
             if self.copier is None:
-                self.copier = _copier_for(t.device)
-            host, event = self.copier.to_host(t)
-            entry = _Offloaded(name, host, event, t.device, self.current, weakref.ref(storage))
+                self.copier, self.buffers = self.prep.copies_for(t.device)
+            allocated = self.buffers.allocated
+            host, free_after = self.buffers.take(t)
+            self.stats.host_buffers_allocated += self.buffers.allocated - allocated
+            event = self.copier.to_host(t, host, free_after)
+            entry = _Offloaded(name, _HostBuffers.key(t), host, event, t.device, self.current, weakref.ref(storage))
             if event is not None:
                 self.pending.append((event, t))  # keep the device tensor until its copy is done
             p.by_key[key] = entry
@@ -561,8 +674,9 @@ class _Executor:
         self.stats.events.append(("unpack", saved.name))
         t = saved.dev
         saved.saves -= 1
-        if saved.saves == 0:
-            saved.dev = saved.host = None  # the last save is unpacked: autograd holds the tensor now
+        if saved.saves == 0:  # the last save is unpacked: autograd holds the tensor, the host buffer is free
+            self.buffers.give(saved.key, saved.host, saved.ready)
+            saved.dev = saved.host = None
         return t
 
     def _prefetch(self, entry: _Offloaded) -> None:
@@ -598,8 +712,8 @@ class _Executor:
         saved: list[tuple[Conv2d, Handle]] = []
         handles: dict[int, Handle] = {}
         try:
-            for layer, limit in self.conv_budgets.items():
-                conv = self.convs[layer]
+            for layer, limit in self.prep.conv_budgets.items():
+                conv = self.prep.convs[layer]
                 if not isinstance(conv, Conv2d):
                     continue  # torch's own conv: its workspace is torch's business
                 if limit not in handles:
@@ -643,12 +757,20 @@ def _fetch_attr(module: nn.Module, target: str) -> Any:
 def execute_plan(model: nn.Module, plan: MemoryPlan, *, prefetch_ahead: int = 1) -> Iterator[ExecutionStats]:
     """Run the forward and backward passes in this block under `plan`; yields the `ExecutionStats`.
 
-    Call the model and `backward()` inside the block (see the module docstring for what happens).
-    `prefetch_ahead`: how many offloaded tensors beyond those the current backward step needs are
-    fetched ahead. A plan made for another model, batch or input size raises `InvalidInput` (the
-    model at enter, the batch and sizes at the first forward call).
+    Call the model (positional and keyword inputs) and `backward()` inside the block (see the module
+    docstring for what happens); a training loop enters one block per step, and only the first block
+    of a (model, plan) pair traces and checks the model. `prefetch_ahead`: how many offloaded tensors
+    beyond those the current backward step needs are fetched ahead. A plan made for another model,
+    batch or input size raises `InvalidInput` (the model at enter, the batch and sizes at the first
+    forward call).
     """
-    executor = _Executor(model, plan, prefetch_ahead)
+    if not isinstance(model, nn.Module):
+        raise InvalidInput(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(plan, MemoryPlan):
+        raise InvalidInput(f"plan must be a ucudnn.memory.MemoryPlan, got {type(plan).__name__}")
+    if isinstance(prefetch_ahead, bool) or not isinstance(prefetch_ahead, int) or prefetch_ahead < 0:
+        raise InvalidInput(f"prefetch_ahead must be a non-negative integer, got {prefetch_ahead!r}")
+    executor = _Executor(model, _prepared(model, plan), prefetch_ahead)
     had_forward = "forward" in model.__dict__
     previous = model.__dict__.get("forward")
     model.forward = executor.forward
