@@ -17,7 +17,7 @@ import pytest
 torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
-from ucudnn import InvalidInput  # noqa: E402
+from ucudnn import InvalidInput, UnsupportedProblem  # noqa: E402
 from ucudnn.memory import available_policies  # noqa: E402
 from ucudnn.memory.graph import trace  # noqa: E402
 from ucudnn.memory.plan import ConvWorkspace, MemoryPlan, TensorAction  # noqa: E402
@@ -286,6 +286,17 @@ def test_converted_convs_take_their_workspace_budgets_from_the_plan():
         choices = handle.choices()
         assert choices and all(c.config.workspace <= limit for c in choices)
     assert model.conv1.handle is own and model.conv2.handle is own  # restored; unplanned layers untouched
+
+
+def test_a_second_backward_through_offloaded_tensors_is_refused_clearly():
+    model = _model()
+    x, y = _data()
+    plan = _hand_plan(model, x, HAND_PLANS["offload-all"])
+    with execute_plan(model, plan):
+        loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward(retain_graph=True)
+        with pytest.raises(UnsupportedProblem, match="already used by a backward pass"):
+            loss.backward()
 
 
 def test_plan_for_another_batch_is_refused():

@@ -667,6 +667,10 @@ class _Executor:
     def unpack(self, saved: Any) -> torch.Tensor:
         if not isinstance(saved, _Offloaded):
             return saved
+        if saved.host is None:  # every save was unpacked once: its host buffer went back to the pool
+            raise UnsupportedProblem(f"the offloaded tensor {saved.name!r} was already used by a backward pass; "
+                                     "under execute_plan run backward once per forward (no retain_graph=True "
+                                     "for a second backward through offloaded tensors)")
         if not saved.issued:
             self.stats.late_prefetches += 1
             self._prefetch(saved)
