@@ -401,7 +401,8 @@ def _precheck_sqlite_file(path: Path, *, readonly: bool) -> str | None:
             _schema_version(conn, where)
             problems = ["ok"]
             if path.stat().st_size <= QUICK_CHECK_MAX_BYTES:
-                problems = [row[0] for row in conn.exec_driver_sql("PRAGMA quick_check(5)")]
+                # a problem may span lines ("*** in database main ***\nPage 4: ..."): one line each
+                problems = [" ".join(str(row[0]).split()) for row in conn.exec_driver_sql("PRAGMA quick_check(5)")]
             if problems != ["ok"]:
                 raise DatabaseError(f"{where} is damaged (integrity check: {'; '.join(problems)}); "
                                     f"move it away or pass another --db")

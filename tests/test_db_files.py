@@ -78,9 +78,20 @@ def _data_page_smashed(p: Path) -> None:
     p.write_bytes(bytes(data))
 
 
+def _free_space_corrupt(p: Path) -> None:
+    """A data page whose first-freeblock pointer is out of range: SQLite's check reports it in two lines."""
+    good_cache(p)
+    data = bytearray(p.read_bytes())
+    page = 4096
+    assert data[3 * page] == 0x0D  # a table leaf page
+    data[3 * page + 1:3 * page + 3] = b"\x0f\xf0"
+    p.write_bytes(bytes(data))
+
+
 BAD_FILES = {"text": _text_file, "binary": _binary_junk, "header_then_junk": _header_then_junk,
              "short_header": _short_header, "truncated": _truncated,
-             "page_one_smashed": _page_one_smashed, "data_page_smashed": _data_page_smashed}
+             "page_one_smashed": _page_one_smashed, "data_page_smashed": _data_page_smashed,
+             "free_space_corrupt": _free_space_corrupt}
 
 
 @pytest.mark.parametrize("make", BAD_FILES.values(), ids=BAD_FILES.keys())
