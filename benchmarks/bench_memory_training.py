@@ -13,9 +13,14 @@ feature maps); both run by ``execute_plan``.
 
 Part 2, ``--models vgg16,resnet50`` (VGG-16 / ResNet-50 shaped models built here, no torchvision):
 plain, ``torch.autograd.graph.save_on_cpu``, ``checkpoint_sequential`` and ucudnn plans
-(``--policies``), each in a fresh subprocess: peak memory (CUDA: max_memory_allocated above the
-weights; CPU: peak RSS above inference) and the median step time, in one run. ``--device cuda``
-where a GPU is at hand.
+(``--policies``), each in a fresh subprocess: peak memory and the median step time, in one run.
+Peak memory on CUDA is what a plan's peak counts, so that the two compare: max_memory_allocated over
+the steps after the first, less the optimizer's state and the labels (weights, weight gradients,
+feature maps with the input, gradients and workspaces); weight gradients are zeroed, not freed,
+between steps, as the plan holds them for the whole step. On the CPU: peak RSS above inference.
+``--device cuda`` where a GPU is at hand; ``--cap`` (CUDA, with ``--memory-limit``) holds every
+variant, plain PyTorch included, to the limit, so that a batch plain PyTorch cannot train within it
+fails there (a limit the planner alone knows of binds nothing else).
 
     OMP_NUM_THREADS=2 python benchmarks/bench_memory_training.py --chain --rounds 2 --interleaved 4
     python benchmarks/bench_memory_training.py --models vgg16,resnet50 --batch 8 --size 64 --device cpu
@@ -136,6 +141,11 @@ def run_variant(spec: dict) -> dict:
         model = chain(spec["layers"], spec["channels"])
     else:
         model = {"vgg16": vgg16, "resnet50": resnet50}[spec["model"]](100)
+    if spec.get("cap"):
+        # the planner's limit counts weights and their gradients, not SGD's momentum (one buffer per parameter)
+        momentum = sum(p.numel() * p.element_size() for p in model.parameters())
+        total = torch.cuda.get_device_properties(dev).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, (spec["memory_limit"] + momentum) / total), dev)
     model = model.to(dev)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(spec["batch"], 3, spec["size"], spec["size"], generator=g).to(dev)
@@ -171,19 +181,18 @@ def run_variant(spec: dict) -> dict:
         model(x)
     sync()
     inference = rss()
-    if dev.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
     # conv layers run in the last step: the forward pass's, plus those a recomputing variant runs again
     conv_runs = [0]
     for m in model.modules():
         if isinstance(m, nn.Conv2d):
             m.register_forward_pre_hook(lambda *_: conv_runs.__setitem__(0, conv_runs[0] + 1))
     times = []
-    for _ in range(spec["steps"]):
+    for step in range(spec["steps"]):
         conv_runs[0] = 0
+        if dev.type == "cuda" and step == min(1, spec["steps"] - 1):
+            torch.cuda.reset_peak_memory_stats()  # the first step does one-time work (the plan's check)
         start = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
+        opt.zero_grad(set_to_none=dev.type != "cuda")
         if variant == "save_on_cpu":
             with torch.autograd.graph.save_on_cpu(pin_memory=dev.type == "cuda"):
                 loss = nn.functional.cross_entropy(model(x), y)
@@ -206,7 +215,9 @@ def run_variant(spec: dict) -> dict:
            "step_times": times, "conv_runs": conv_runs[0],
            "params": [p.detach().cpu().double().sum().item() for p in model.parameters()]}
     if dev.type == "cuda":
-        out["peak_bytes"] = torch.cuda.max_memory_allocated() - base
+        state = sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values()
+                    if torch.is_tensor(t) and t.is_cuda)
+        out["peak_bytes"] = torch.cuda.max_memory_allocated() - state - y.numel() * y.element_size()
     if plan is not None:
         out["plan_peak_bytes"] = plan.peak_bytes
         out["plan"] = plan.policy
@@ -290,6 +301,8 @@ def main() -> None:
     ap.add_argument("--models", default="", help="comma-separated: vgg16, resnet50")
     ap.add_argument("--policies", default="vdnn-all,vdnn-conv", help="ucudnn policies for --models")
     ap.add_argument("--memory-limit", default=None, help="planner limit for --models (default: half of plain's)")
+    ap.add_argument("--cap", action="store_true",
+                    help="CUDA: hold every variant to --memory-limit (plus SGD's momentum), plain PyTorch included")
     ap.add_argument("--profile", default=None, help="device profile for the planner (default: the device's)")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--size", type=int, default=48)
@@ -301,6 +314,8 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.cap and not (args.memory_limit and args.device.startswith("cuda")):
+        ap.error("--cap needs --memory-limit and a CUDA --device")
     if args.child:
         print(json.dumps(run_variant(json.loads(args.child))))
         return
@@ -333,7 +348,9 @@ def main() -> None:
             results["interleaved"] = ms
     for name in [m for m in args.models.split(",") if m]:
         base = {"model": name, "batch": args.batch, "size": args.size, "steps": args.steps, "device": args.device,
-                "segments": args.segments, "profile": args.profile}
+                "segments": args.segments, "profile": args.profile, "cap": args.cap}
+        if args.cap:
+            base["memory_limit"] = parse_size(args.memory_limit)
         plain = spawn({**base, "variant": "plain"})
         measure = "peak_bytes" if args.device.startswith("cuda") else "added_bytes"
         limit = parse_size(args.memory_limit) if args.memory_limit else int(plain.get(measure, 2**30) // 2)
@@ -344,10 +361,10 @@ def main() -> None:
             if "error" in r:
                 rows.append([r["variant"], "error: " + r["error"][:80], "", "", "", ""])
                 continue
-            rows.append([r["variant"], _mib(r[measure]), f"{r[measure] / plain[measure]:.2f}", f"{r['step_ms']:.0f}",
-                         f"{r['step_ms'] / plain['step_ms']:.2f}",
+            ratio = (lambda key: f"{r[key] / plain[key]:.2f}") if "error" not in plain else (lambda key: "")
+            rows.append([r["variant"], _mib(r[measure]), ratio(measure), f"{r['step_ms']:.0f}", ratio("step_ms"),
                          _mib(r["plan_peak_bytes"]) if "plan_peak_bytes" in r else ""])
-        what = "peak above weights (MiB)" if measure == "peak_bytes" else "training adds (MiB RSS)"
+        what = "peak, as a plan counts (MiB)" if measure == "peak_bytes" else "training adds (MiB RSS)"
         print(f"\n{name}: batch {args.batch}, {args.size}x{args.size}, {args.device}, planner limit {_mib(int(limit))} MiB")
         print(table(["variant", what, "vs plain", "ms/step", "vs plain", "plan peak (MiB)"], rows))
         results[name] = runs

@@ -180,49 +180,47 @@ def test_prefetch_is_issued_before_every_unpack_and_ahead_of_use():
 
 
 class _FakeEvent:
-    """A CUDA event stand-in: not done until the test says so; waiting on it from the host is an error."""
-
-    def __init__(self, log):
-        self.log, self.finished = log, False
+    """A CUDA event stand-in: never done while the test runs (the GPU behind the host); waiting on it
+    from the host is an error."""
 
     def query(self):
-        self.log.append("query")
-        return self.finished
+        return False
 
     def synchronize(self):
         raise AssertionError("host synchronisation on a copy event")
 
 
 class _FakeStreamCopier:
-    """The executor's copier interface with asynchronous copies: what `_CudaCopier` does, on the CPU."""
+    """The executor's copier interface with asynchronous copies: what `_CudaCopier` does, on the CPU.
+    `log` holds ("d2h", event), ("h2d", event) and ("wait", event), in order; `copied` maps each
+    copy-out event to the address of the storage it reads and a weak reference to that storage."""
 
     pin = False
 
     def __init__(self):
-        self.log, self.events = [], []
-
-    def _event(self):
-        e = _FakeEvent(self.log)
-        self.events.append(e)
-        return e
+        self.log, self.copied = [], {}
 
     def to_host(self, t, host, free_after):
-        self.log.append("d2h")
         host.copy_(t)
-        return self._event()
-
-    def done(self, event):
-        return event.query()
+        event = _FakeEvent()
+        storage = t.untyped_storage()
+        self.copied[event] = storage.data_ptr(), weakref.ref(storage)
+        self.log.append(("d2h", event))
+        return event
 
     def to_device(self, host, device, after):
-        self.log.append("h2d")
-        return host.clone(), self._event()
+        event = _FakeEvent()
+        self.log.append(("h2d", event))
+        return host.clone(), event
 
-    def wait(self, event):
-        self.log.append("wait")  # a stream wait on the event, not a host wait
+    def wait(self, event, device):
+        self.log.append(("wait", event))  # a stream wait on the event, not a host wait
 
 
-def test_pack_frees_device_copies_on_events_without_host_synchronisation(monkeypatch):
+def test_offloaded_device_tensors_go_once_the_compute_stream_waits_for_their_copies(monkeypatch):
+    """The copies are not done when the forward pass ends (the host runs ahead of the GPU): each device
+    tensor is dropped anyway, at the last node that reads its storage, after a stream wait on its copy,
+    so that the memory is free for the next allocations; the host never waits."""
     copier = _FakeStreamCopier()
     monkeypatch.setattr(tm, "_copier_for", lambda device: copier)
 
@@ -235,21 +233,28 @@ def test_pack_frees_device_copies_on_events_without_host_synchronisation(monkeyp
     model = _model()
     ref_state, _ = _train(_model(), steps=1)
     plan = _hand_plan(model, _data()[0], HAND_PLANS["offload-all"])
+    pooled = []  # the max-pool's outputs (the plan's check runs it first): offloaded at conv1, read by the add
+    model.pool.register_forward_hook(lambda m, i, out: pooled.append(out.untyped_storage().data_ptr()))
+    model.layer1[0].bn2.register_forward_hook(lambda *_: copier.log.append(("ran", "layer1.0.bn2")))
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     x, y = _data(seed=0)
     with execute_plan(model, plan) as stats:
         loss = nn.functional.cross_entropy(model(x), y)
         executor = model.forward.__self__
-        # Copies not done yet: the executor still holds every offloaded device tensor.
-        assert len(executor.pending) == stats.offloaded > 0
-        for e in copier.events:
-            e.finished = True
+        assert executor.pending == [] and stats.offloaded == len(copier.copied) > 0
+        alive = [e for e, (_, storage) in copier.copied.items() if storage() is not None]
+        assert alive == [], f"{len(alive)} offloaded device tensors outlive the forward pass"
+        waits = [e for kind, e in copier.log if kind == "wait"]
+        assert len(waits) == len(set(waits)) and set(waits) == set(copier.copied)  # one stream wait per copy out
+        # not at the node that offloaded it (the block's conv1) but once its last reader (the add) has run
+        (pool_copy,) = [e for e, (ptr, _) in copier.copied.items() if ptr == pooled[-1]]
+        assert copier.log.index(("wait", pool_copy)) > copier.log.index(("ran", "layer1.0.bn2"))
         loss.backward()
-        assert executor.pending == []  # dropped once the events said so, at the first backward step
     opt.step()
     _assert_same_state(ref_state, model.state_dict())
-    assert copier.log.count("d2h") == stats.offloaded and copier.log.count("h2d") == stats.prefetched
-    assert copier.log.count("wait") == sum(1 for e in stats.events if e[0] == "unpack")
+    assert sum(1 for kind, _ in copier.log if kind == "h2d") == stats.prefetched
+    unpacks = sum(1 for e in stats.events if e[0] == "unpack")
+    assert sum(1 for kind, _ in copier.log if kind == "wait") == stats.offloaded + unpacks
 
 
 def test_batch_norm_statistics_move_once_per_step_under_recomputation():

@@ -33,9 +33,12 @@ indices follow that node's action).
 
 **Offload.** `pack` copies the tensor into a pooled host buffer (pinned memory on CUDA; reused from
 step to step, see `_HostBuffers`) on a dedicated device-to-host stream, records an event, and keeps
-the device tensor referenced only until the event reports the copy done (polled with
-`Event.query()` at later packs and backward steps; nothing waits on the host). One storage saved by
-several ops (a ReLU's output, saved by the ReLU and by the next conv) is copied once.
+the device tensor referenced until the forward pass has run the last node that reads its storage;
+then the compute stream waits for the copy's event and the reference goes, so that the caching
+allocator gives the memory to the compute stream's next allocations, ordered after the copy (nothing
+waits on the host; polling the event instead would free nothing while the host runs ahead of the
+GPU, which it does by up to a whole forward pass). One storage saved by several ops (a ReLU's
+output, saved by the ReLU and by the next conv) is copied once.
 Each offloaded tensor's *use* is the last node (in forward order) that saved it: the first to need it
 in the backward pass. **Prefetch.** A backward hook on every node's output fires just before that
 node's backward step; at node i it issues the host-to-device copies of every offloaded tensor used at
@@ -266,13 +269,10 @@ class _HostCopier:
     def to_host(self, t: torch.Tensor, host: torch.Tensor, free_after: Any) -> None:
         host.copy_(t)
 
-    def done(self, event: Any) -> bool:
-        return True
-
     def to_device(self, host: torch.Tensor, device: torch.device, after: Any) -> tuple[torch.Tensor, None]:
         return host.clone(), None  # a copy as on a GPU: the host buffer goes back to the pool
 
-    def wait(self, event: Any) -> None:
+    def wait(self, event: Any, device: torch.device) -> None:
         pass
 
 
@@ -295,9 +295,6 @@ class _CudaCopier:  # pragma: no cover - needs a GPU
             event.record(self.d2h)
         return event
 
-    def done(self, event: Any) -> bool:
-        return event.query()
-
     def to_device(self, host: torch.Tensor, device: torch.device, after: Any) -> tuple[torch.Tensor, Any]:
         # Allocated on the compute stream, which reads it after waiting for the copy's event, so the
         # caching allocator cannot hand the block to anyone before the compute stream is done with it.
@@ -311,9 +308,10 @@ class _CudaCopier:  # pragma: no cover - needs a GPU
             event.record(self.h2d)
         return dev, event
 
-    def wait(self, event: Any) -> None:
+    def wait(self, event: Any, device: torch.device) -> None:
+        """The compute stream of `device` waits for `event` (the host does not)."""
         if event is not None:
-            torch.cuda.current_stream().wait_event(event)
+            torch.cuda.current_stream(device).wait_event(event)
 
 
 def _copier_for(device: torch.device):
@@ -497,7 +495,7 @@ class _Executor:
         self.forward_running = False
         self.copier: Any = None
         self.buffers: _HostBuffers | None = None
-        self.pending: list[tuple[Any, torch.Tensor]] = []  # device tensors whose host copy is in flight
+        self.pending: list[tuple[Any, torch.Tensor]] = []  # device tensors whose host copy may be in flight
         self.pass_: _Pass | None = None
 
     # -- the forward pass ---------------------------------------------------------------------------
@@ -538,6 +536,7 @@ class _Executor:
                     env[node] = inputs[node]
                     self._tag(node, env[node], i)
                 elif node.op == "output":
+                    self._release(None)
                     return fx.node.map_arg(node.args[0], env.__getitem__)
                 elif i in segments:
                     self._run_segment(i, segments[i], env)
@@ -548,7 +547,7 @@ class _Executor:
                     self._tag(node, env[node], i)
                 for dead in prep.last_use.get(i, ()):
                     env.pop(dead, None)
-                self._poll()
+                self._release(env)
                 i += 1
             return None
         finally:
@@ -632,7 +631,6 @@ class _Executor:
     def pack(self, t: torch.Tensor) -> Any:
         if not self.forward_running or t.numel() == 0:
             return t
-        self._poll()
         name = self._name_of(t)
         action = self.prep.actions.get(name, "keep") if name is not None else "keep"
         if action == "release":
@@ -654,7 +652,7 @@ class _Executor:
             event = self.copier.to_host(t, host, free_after)
             entry = _Offloaded(name, _HostBuffers.key(t), host, event, t.device, self.current, weakref.ref(storage))
             if event is not None:
-                self.pending.append((event, t))  # keep the device tensor until its copy is done
+                self.pending.append((event, t))  # the copy reads it: see _release
             p.by_key[key] = entry
             p.entries.append(entry)
             self.stats.offloaded += 1
@@ -674,7 +672,7 @@ class _Executor:
         if not saved.issued:
             self.stats.late_prefetches += 1
             self._prefetch(saved)
-        self.copier.wait(saved.ready)
+        self.copier.wait(saved.ready, saved.device)
         self.stats.events.append(("unpack", saved.name))
         t = saved.dev
         saved.saves -= 1
@@ -691,7 +689,6 @@ class _Executor:
 
     def reached(self, p: _Pass, i: int) -> None:
         """Backward is about to run node `i`: prefetch what it and the next nodes need."""
-        self._poll()
         if p.order is None:
             p.order = sorted(p.entries, key=lambda e: -e.use)
         ahead = 0
@@ -705,10 +702,20 @@ class _Executor:
                 self._prefetch(entry)
             p.cursor += 1
 
-    def _poll(self) -> None:
-        """Drop the device tensors whose host copies are done (events queried, never waited on)."""
-        if self.pending:
-            self.pending = [(e, t) for e, t in self.pending if not self.copier.done(e)]
+    def _release(self, env: dict | None) -> None:
+        """Drop the offloaded device tensors whose storages no value in `env` (None: the forward pass is
+        over) lives in, after making the compute stream wait for their copies: the allocator hands
+        their memory to later work of the compute stream, which now runs after the copy."""
+        if not self.pending:
+            return
+        live = _storages(tuple(env.values())) if env is not None else set()
+        still = []
+        for event, t in self.pending:
+            if t.untyped_storage().data_ptr() in live:
+                still.append((event, t))
+            else:
+                self.copier.wait(event, t.device)
+        self.pending = still
 
     # -- workspaces ---------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -748,6 +755,14 @@ class _PrefetchHook:
 
     def __call__(self, grad: torch.Tensor) -> None:
         self.executor.reached(self.pass_, self.index)
+
+
+def _storages(values: Any) -> set[int]:
+    """The addresses of the storages of the tensors in `values` (nested tuples, lists and dicts)."""
+    found: set[int] = set()
+    fx.node.map_aggregate(values, lambda v: found.add(v.untyped_storage().data_ptr())
+                          if isinstance(v, torch.Tensor) else None)
+    return found
 
 
 def _fetch_attr(module: nn.Module, target: str) -> Any:
