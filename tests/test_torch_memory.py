@@ -276,7 +276,7 @@ def test_converted_convs_take_their_workspace_budgets_from_the_plan():
                ConvWorkspace("layer1_0_conv1", "fwd", 2**17)]
     plan = _hand_plan(model, x, {}, budgets)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    handles = {}
+    seen = []
     for step in range(STEPS):
         xs, y = _data(seed=step)
         opt.zero_grad()
@@ -284,7 +284,10 @@ def test_converted_convs_take_their_workspace_budgets_from_the_plan():
             handles = {"conv1": model.conv1.handle, "layer1_0_conv1": model.layer1[0].conv1.handle}
             nn.functional.cross_entropy(model(xs), y).backward()
         opt.step()
+        seen.append(handles)
     _assert_same_state(ref_state, model.state_dict())
+    # the budget handles are made once: later steps keep their plans and workspace buffers
+    assert all(s[layer] is handles[layer] for s in seen for layer in handles)
     assert handles["conv1"].workspace_limit == 2**18  # the tightest of the layer's kernels
     assert handles["layer1_0_conv1"].workspace_limit == 2**17
     for handle, limit in ((handles["conv1"], 2**18), (handles["layer1_0_conv1"], 2**17)):

@@ -416,6 +416,9 @@ class _Prepared:
                     seen.add(arg)
                     self.last_use.setdefault(i, []).append(arg)
         self.copies: dict[torch.device, tuple[Any, _HostBuffers]] = {}
+        # (id of a conv's own handle, limit) -> (that handle, the budget handle made from it); the
+        # own handle is held, so its id cannot be reused while the entry lives
+        self.budget_handles: dict[tuple[int, int], tuple[Handle, Handle]] = {}
 
     def _check_workspace_layers(self, model_name: str) -> None:
         convs = {n.name: self.modules[n.target] for n in self.nodes
@@ -455,6 +458,15 @@ class _Prepared:
         segments = dict(_segments(graph, plan, self.index))
         self.shapes_checked[key] = segments
         return segments
+
+    def budget_handle(self, own: Handle, limit: int) -> Handle:
+        """A handle with `own`'s options and `limit` bytes per kernel, made once per (model, plan), so
+        that its plans and its workspace buffer last from step to step."""
+        key = (id(own), limit)
+        if key not in self.budget_handles:
+            _, (options,) = own.__reduce__()  # a handle's options, as its copies get them
+            self.budget_handles[key] = own, Handle(**{**options, "workspace_limit": limit, "total_workspace": None})
+        return self.budget_handles[key][1]
 
     def copies_for(self, device: torch.device) -> tuple[Any, _HostBuffers]:
         """The copier for `device` and its host buffers, made at the first offload to the host."""
@@ -721,17 +733,13 @@ class _Executor:
     @contextlib.contextmanager
     def workspaces(self) -> Iterator[None]:
         saved: list[tuple[Conv2d, Handle]] = []
-        handles: dict[int, Handle] = {}
         try:
             for layer, limit in self.prep.conv_budgets.items():
                 conv = self.prep.convs[layer]
                 if not isinstance(conv, Conv2d):
                     continue  # torch's own conv: its workspace is torch's business
-                if limit not in handles:
-                    _, (options,) = conv.handle.__reduce__()  # a handle's options, as its copies get them
-                    handles[limit] = Handle(**{**options, "workspace_limit": limit, "total_workspace": None})
                 saved.append((conv, conv.handle))
-                conv.handle = handles[limit]
+                conv.handle = self.prep.budget_handle(conv.handle, limit)
             yield
         finally:
             for conv, handle in saved:
