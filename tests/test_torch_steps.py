@@ -193,6 +193,23 @@ def test_wd_learns_the_layers_from_the_first_forward_and_solves_once(monkeypatch
     assert 0 < handle.peak_workspace <= handle.total_workspace
 
 
+def test_wd_learns_each_layer_in_the_layout_its_route_runs(monkeypatch):
+    # On CUDA a channels-last input runs as an NHWC problem. Learnt as NCHW, every layer's first real
+    # call registered it anew, and WD solved the network again (measuring NCHW kernels) per layer.
+    from ucudnn.torch import conv as conv_module
+
+    def channels_last_anywhere(t):  # what _layout_name says for CUDA tensors, here for CPU ones
+        return "NHWC" if not t.is_contiguous() and t.is_contiguous(memory_format=torch.channels_last) else "NCHW"
+
+    monkeypatch.setattr(conv_module, "_layout_name", channels_last_anywhere)
+    handle = Handle(backend=CpuBackend(), total_workspace="1MiB", db=False)
+    model = convert(nn.Sequential(nn.Conv2d(3, 8, 3, padding=1)), handle=handle)
+    x = torch.randn(2, 3, 6, 6).to(memory_format=torch.channels_last)
+    model(x)  # the learning pass: torch computes, the layer registers
+    assert [template.layout for template, _ in handle.layers.values()] == ["NHWC"]
+    assert conv_module._layout(x)[1] == "NHWC"  # the layout the route will run
+
+
 def test_autocast_bfloat16_on_the_cpu_is_refused_clearly():
     torch.manual_seed(0)
     model = convert(Net(), backend="cpu", policy="undivided", reps=1, db=False)

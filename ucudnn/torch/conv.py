@@ -145,12 +145,18 @@ def _on_cuda(t: torch.Tensor) -> Iterator[None]:  # pragma: no cover - needs a G
         yield
 
 
-def _layout(t: torch.Tensor) -> tuple[torch.Tensor, str]:
-    """The tensor as the kernels read it: channels-last CUDA tensors stay NHWC (the cudnn backend
-    runs that layout), everything else is made NCHW-contiguous."""
+def _layout_name(t: torch.Tensor) -> str:
+    """The layout the kernels read `t` in: channels-last CUDA tensors stay NHWC (the cudnn backend
+    runs that layout), everything else is NCHW."""
     if t.device.type == "cuda" and not t.is_contiguous() and t.is_contiguous(memory_format=torch.channels_last):
-        return t, "NHWC"
-    return t.contiguous(), "NCHW"
+        return "NHWC"
+    return "NCHW"
+
+
+def _layout(t: torch.Tensor) -> tuple[torch.Tensor, str]:
+    """The tensor as the kernels read it (NCHW made contiguous) and its layout."""
+    layout = _layout_name(t)
+    return (t if layout == "NHWC" else t.contiguous()), layout
 
 
 def _out_size(size: int, r: int, stride: int, pad: int, dilation: int) -> int:
@@ -442,7 +448,9 @@ class Conv2d(nn.Conv2d):
 
     def _record(self, input, weight, bias, padding) -> torch.Tensor:
         """Announce this layer to the handle and compute with torch's own convolution."""
-        problem = self._problem(input, weight, padding, _dtype_name(input, self.handle.backend.name))
+        # in the layout its route will run, or the first real call re-registers the layer (WD re-solves)
+        problem = self._problem(input, weight, padding, _dtype_name(input, self.handle.backend.name),
+                                _layout_name(input))
         kinds = {"fwd"} | ({"bwd_data"} if input.requires_grad else set()) \
             | ({"bwd_filter"} if weight.requires_grad else set())
         self.handle.register(self.layer_id, problem, kinds=kinds)
