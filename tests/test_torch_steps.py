@@ -5,7 +5,9 @@ on a GPU, one allocator, bfloat16, channels_last and CUDA-graph capture."""
 from __future__ import annotations
 
 import copy
+import sys
 import warnings
+from types import SimpleNamespace
 
 import pytest
 
@@ -234,6 +236,20 @@ def test_empty_batch_returns_what_nn_conv2d_returns():
     torch.testing.assert_close(ours.weight.grad, plain.weight.grad)
     torch.testing.assert_close(ours.bias.grad, plain.bias.grad)
     assert ours.handle.choices() == []  # nothing to plan
+
+
+def test_out_of_memory_in_torchs_allocator_reaches_the_handle_as_a_memory_error(monkeypatch):
+    # On CUDA, CuPy allocates from torch's caching allocator, whose OutOfMemoryError is a RuntimeError:
+    # the handle took it for a lasting failure and recorded the planned algorithm unusable in the cache.
+    from ucudnn.torch import conv as conv_module
+
+    def empty(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setitem(sys.modules, "cupy", SimpleNamespace(cuda=SimpleNamespace()))
+    monkeypatch.setattr(torch, "empty", empty)
+    with pytest.raises(MemoryError, match="out of memory"):
+        conv_module._torch_allocator(0)(2 * 2**30)
 
 
 # ---- GPU --------------------------------------------------------------------------------------

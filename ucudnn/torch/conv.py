@@ -52,6 +52,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
+from ucudnn.backends.base import one_line
 from ucudnn.backends.cpu import NATIVE
 from ucudnn.benchmark import interleaved_medians_ms
 from ucudnn.errors import BackendUnavailable, InvalidInput, UnsupportedProblem
@@ -115,7 +116,10 @@ def _torch_allocator(device_index: int):  # pragma: no cover - needs a GPU
     device = torch.device("cuda", device_index)
 
     def allocate(nbytes: int):
-        block = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        try:
+            block = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        except torch.OutOfMemoryError as exc:  # a RuntimeError: the handle would record the algorithm unusable for good
+            raise MemoryError(f"torch's caching allocator: {one_line(exc)}") from exc
         return cupy.cuda.MemoryPointer(cupy.cuda.UnownedMemory(block.data_ptr(), nbytes, block, device_index), 0)
 
     return allocate
