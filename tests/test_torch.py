@@ -373,8 +373,15 @@ def test_cuda_tensors_through_the_cudnn_backend():
     x = torch.randn(4, 8, 12, 12, device="cuda")
     xs = [x.clone().requires_grad_() for _ in range(2)]
     outs = [m(xi) for m, xi in zip((plain, ours), xs)]
-    torch.testing.assert_close(outs[1], outs[0], rtol=1e-3, atol=1e-3)
+
+    def close(actual, expected):
+        # Both sides may compute float32 on TF32 tensor cores (10-bit mantissa), each its own way:
+        # the weight gradient sums 576 products, so they may differ by ~1e-3 of its largest value.
+        torch.testing.assert_close(actual, expected, rtol=0, atol=5e-3 * float(expected.abs().max()))
+
+    close(outs[1], outs[0])
     for out in outs:
         out.square().sum().backward()
-    torch.testing.assert_close(xs[1].grad, xs[0].grad, rtol=1e-3, atol=1e-3)
-    torch.testing.assert_close(ours.weight.grad, plain.weight.grad, rtol=1e-3, atol=1e-2)
+    close(xs[1].grad, xs[0].grad)
+    close(ours.weight.grad, plain.weight.grad)
+    close(ours.bias.grad, plain.bias.grad)
