@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import io
 import warnings
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -356,6 +357,16 @@ def test_standalone_conv2d_uses_its_id_as_layer():
     ours = Conv2d(3, 4, 3, handle=ucudnn.Handle(**FAST))
     ours(torch.randn(2, 3, 5, 5))
     assert {c.layer for c in ours.handle.choices()} == {f"conv@{id(ours):x}"}
+
+
+def test_a_cuda_input_on_another_device_than_the_cudnn_backend_is_refused_before_planning():
+    # Planned anyway, the backend's device measured its engines on the other device's memory (through
+    # peer access, or failing inside CuPy) before the first run refused the operands.
+    ours = Conv2d(3, 4, 3, handle=ucudnn.Handle(**FAST))
+    ours.handle = SimpleNamespace(backend=SimpleNamespace(name="cudnn", device_id=0))  # a cudnn handle on cuda:0
+    x = SimpleNamespace(device=torch.device("cuda", 1), dtype=torch.float32, shape=(2, 3, 5, 5))
+    with pytest.raises(InvalidInput, match=r"input is on cuda:1.*runs on cuda:0.*set_device\(1\)"):
+        ours._route(x, ours.weight, (0, 0), "NCHW", True, True)
 
 
 @pytest.mark.gpu

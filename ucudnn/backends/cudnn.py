@@ -394,6 +394,11 @@ class CudnnBackend(Backend):
     def device(self) -> DeviceInfo:
         return self._device
 
+    @property
+    def device_id(self) -> int:
+        """The CUDA device it runs on: the one current when it was made. Operands must live there."""
+        return self._device_id
+
     # ---- algorithms -------------------------------------------------------------------
     def _promotions(self, problem: ConvProblem) -> tuple[bool, ...]:
         """The compute variants offered: as declared, and float32 for half-precision io."""

@@ -30,7 +30,8 @@ CPU tensors of float32 (or float64) go through ``.numpy()`` views without copies
 to a cudnn-backend handle through ``__cuda_array_interface__`` (``cupy.asarray``; bfloat16 as its
 16-bit words), on torch's current stream, with CuPy's allocations taken from PyTorch's caching
 allocator, so ``torch.cuda.max_memory_allocated`` sees every workspace and no CuPy pool holds
-memory. Channels-last CUDA tensors run as NHWC problems. Under ``torch.autocast`` the convolution
+memory. A cudnn handle runs on the CUDA device current when it was made; a tensor on another
+device is refused. Channels-last CUDA tensors run as NHWC problems. Under ``torch.autocast`` the convolution
 is cast as autocast casts ``F.conv2d``; a dtype the backend cannot run (bfloat16 on the cpu
 backend) is refused with `UnsupportedProblem` naming dtype and backend. An empty batch returns
 what nn.Conv2d returns. Double backward (gradients of gradients) is not supported.
@@ -437,6 +438,11 @@ class Conv2d(nn.Conv2d):
         """Plan the kernels this layer needs at this input (all at once, so that a WD handle learns
         the layer's kinds together) and prepare them."""
         handle, backend = self.handle, self.handle.backend.name
+        if input.device.type == "cuda" and backend == "cudnn" and input.device.index != handle.backend.device_id:
+            # planning would measure one device's engines on the other's memory
+            raise InvalidInput(f"ucudnn.torch.Conv2d: the input is on {input.device}, but the handle's cudnn backend "
+                               f"runs on cuda:{handle.backend.device_id} (the device current when it was made); make "
+                               f"the handle (or convert the model) after torch.cuda.set_device({input.device.index})")
         dtype = _dtype_name(input, backend)
         kinds = ("fwd",) + (("bwd_data",) if need_dx else ()) + (("bwd_filter",) if need_dw else ())
         conv = {"stride": tuple(self.stride), "padding": padding, "dilation": tuple(self.dilation),
