@@ -16,8 +16,11 @@ itself holds only its largest one, reusing one buffer).
 The first steps of the ucudnn contenders measure and solve their plans and are reported
 separately; then, after warm-up, the step functions run alternately (order swapped every
 repetition) and medians are compared. Peak memory: on CUDA, torch.cuda.max_memory_allocated over
-two steps of each contender alone (ucudnn's workspaces come from torch's allocator, so it sees
-everything); on the CPU, ucudnn's peak workspace (torch's own CPU allocations are not counted).
+two steps of each contender, less what was allocated before them (all three models, their
+optimizer states and ucudnn's workspaces are resident throughout; no gradients), plus the workspace
+the contender's own handle holds (WR's buffer, WD's arena of W bytes); ucudnn's workspaces come
+from torch's allocator, so it sees everything. On the CPU, ucudnn's peak workspace (torch's own CPU allocations are not
+counted).
 
     OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 python benchmarks/bench_torch_step.py \\
         [--models tiny,resnet50,vgg16] [--batch N] [--resolution R] [--device cpu|cuda] [--reps 20]
@@ -184,11 +187,18 @@ def bench(name: str, args) -> dict:
 
     peaks = {}
     if cuda:
+        # All three contenders stay resident (models, optimizer states, ucudnn's workspaces), so each
+        # one's figure is its peak above that, plus the workspace its own handle holds throughout.
+        steps["torch"]()  # its momentum buffers exist from here on, as the others' do
+        held = {"torch": 0, "WR": wr_handle.peak_workspace, "WD": total}
         for key, step in steps.items():
+            for model in (reference, wr, wd):  # no contender's gradients are resident
+                model.zero_grad(set_to_none=True)
             torch.cuda.reset_peak_memory_stats()
+            resident = torch.cuda.memory_allocated()
             step()
             step()
-            peaks[key] = torch.cuda.max_memory_allocated()
+            peaks[key] = torch.cuda.max_memory_allocated() - resident + held[key]
     for _ in range(args.warmup):
         for step in steps.values():
             step()

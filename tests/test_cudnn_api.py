@@ -521,7 +521,7 @@ SMALL = ConvProblem(n=3, c=4, h=7, w=7, k=6, r=3, s=3, pad_h=1, pad_w=1)
 
 def test_enumeration_names_dedupes_and_filters(fake_gpu):
     backend = cudnn_backend.CudnnBackend()
-    assert backend.device.model == "Fake GPU (sm_90)"
+    assert backend.device.model == "Fake GPU (sm_90)" and backend.device_id == 0
     assert dict(backend.device.versions)["cudnn"] == "9.28.0"
     assert backend.algorithms(SMALL) == FAKE_ALGOS
     # both heuristic modes, in one call (planning is one-shot)

@@ -94,6 +94,7 @@ def test_runs_on_the_current_cupy_stream(backend):
     parts = (5, 3)
     micros = tuple(MicroConfig(algo, b, 0.0, backend.workspace_size(problem.with_batch(b), algo)) for b in parts)
     stream = cupy.cuda.Stream(non_blocking=True)
+    cupy.cuda.get_current_stream().synchronize()  # the operands were made on the null stream, which it skips
     with stream:
         run_configuration(backend, problem, Configuration(micros), **operands)
     stream.synchronize()

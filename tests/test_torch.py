@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import io
 import warnings
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -358,6 +359,16 @@ def test_standalone_conv2d_uses_its_id_as_layer():
     assert {c.layer for c in ours.handle.choices()} == {f"conv@{id(ours):x}"}
 
 
+def test_a_cuda_input_on_another_device_than_the_cudnn_backend_is_refused_before_planning():
+    # Planned anyway, the backend's device measured its engines on the other device's memory (through
+    # peer access, or failing inside CuPy) before the first run refused the operands.
+    ours = Conv2d(3, 4, 3, handle=ucudnn.Handle(**FAST))
+    ours.handle = SimpleNamespace(backend=SimpleNamespace(name="cudnn", device_id=0))  # a cudnn handle on cuda:0
+    x = SimpleNamespace(device=torch.device("cuda", 1), dtype=torch.float32, shape=(2, 3, 5, 5))
+    with pytest.raises(InvalidInput, match=r"input is on cuda:1.*runs on cuda:0.*set_device\(1\)"):
+        ours._route(x, ours.weight, (0, 0), "NCHW", True, True)
+
+
 @pytest.mark.gpu
 def test_cuda_tensors_through_the_cudnn_backend():
     if not torch.cuda.is_available():
@@ -373,8 +384,15 @@ def test_cuda_tensors_through_the_cudnn_backend():
     x = torch.randn(4, 8, 12, 12, device="cuda")
     xs = [x.clone().requires_grad_() for _ in range(2)]
     outs = [m(xi) for m, xi in zip((plain, ours), xs)]
-    torch.testing.assert_close(outs[1], outs[0], rtol=1e-3, atol=1e-3)
+
+    def close(actual, expected):
+        # Both sides may compute float32 on TF32 tensor cores (10-bit mantissa), each its own way:
+        # the weight gradient sums 576 products, so they may differ by ~1e-3 of its largest value.
+        torch.testing.assert_close(actual, expected, rtol=0, atol=5e-3 * float(expected.abs().max()))
+
+    close(outs[1], outs[0])
     for out in outs:
         out.square().sum().backward()
-    torch.testing.assert_close(xs[1].grad, xs[0].grad, rtol=1e-3, atol=1e-3)
-    torch.testing.assert_close(ours.weight.grad, plain.weight.grad, rtol=1e-3, atol=1e-2)
+    close(xs[1].grad, xs[0].grad)
+    close(ours.weight.grad, plain.weight.grad)
+    close(ours.bias.grad, plain.bias.grad)

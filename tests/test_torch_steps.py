@@ -5,7 +5,9 @@ on a GPU, one allocator, bfloat16, channels_last and CUDA-graph capture."""
 from __future__ import annotations
 
 import copy
+import sys
 import warnings
+from types import SimpleNamespace
 
 import pytest
 
@@ -193,6 +195,23 @@ def test_wd_learns_the_layers_from_the_first_forward_and_solves_once(monkeypatch
     assert 0 < handle.peak_workspace <= handle.total_workspace
 
 
+def test_wd_learns_each_layer_in_the_layout_its_route_runs(monkeypatch):
+    # On CUDA a channels-last input runs as an NHWC problem. Learnt as NCHW, every layer's first real
+    # call registered it anew, and WD solved the network again (measuring NCHW kernels) per layer.
+    from ucudnn.torch import conv as conv_module
+
+    def channels_last_anywhere(t):  # what _layout_name says for CUDA tensors, here for CPU ones
+        return "NHWC" if not t.is_contiguous() and t.is_contiguous(memory_format=torch.channels_last) else "NCHW"
+
+    monkeypatch.setattr(conv_module, "_layout_name", channels_last_anywhere)
+    handle = Handle(backend=CpuBackend(), total_workspace="1MiB", db=False)
+    model = convert(nn.Sequential(nn.Conv2d(3, 8, 3, padding=1)), handle=handle)
+    x = torch.randn(2, 3, 6, 6).to(memory_format=torch.channels_last)
+    model(x)  # the learning pass: torch computes, the layer registers
+    assert [template.layout for template, _ in handle.layers.values()] == ["NHWC"]
+    assert conv_module._layout(x)[1] == "NHWC"  # the layout the route will run
+
+
 def test_autocast_bfloat16_on_the_cpu_is_refused_clearly():
     torch.manual_seed(0)
     model = convert(Net(), backend="cpu", policy="undivided", reps=1, db=False)
@@ -217,6 +236,20 @@ def test_empty_batch_returns_what_nn_conv2d_returns():
     torch.testing.assert_close(ours.weight.grad, plain.weight.grad)
     torch.testing.assert_close(ours.bias.grad, plain.bias.grad)
     assert ours.handle.choices() == []  # nothing to plan
+
+
+def test_out_of_memory_in_torchs_allocator_reaches_the_handle_as_a_memory_error(monkeypatch):
+    # On CUDA, CuPy allocates from torch's caching allocator, whose OutOfMemoryError is a RuntimeError:
+    # the handle took it for a lasting failure and recorded the planned algorithm unusable in the cache.
+    from ucudnn.torch import conv as conv_module
+
+    def empty(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setitem(sys.modules, "cupy", SimpleNamespace(cuda=SimpleNamespace()))
+    monkeypatch.setattr(torch, "empty", empty)
+    with pytest.raises(MemoryError, match="out of memory"):
+        conv_module._torch_allocator(0)(2 * 2**30)
 
 
 # ---- GPU --------------------------------------------------------------------------------------

@@ -162,7 +162,7 @@ def _probe() -> tuple[Any, Any, int]:
         import cupy
     except ImportError as exc:
         raise BackendUnavailable(f"cupy is not installed or does not import ({one_line(exc)}); "
-                                 f"install cupy-cuda12x") from None
+                                 f"install cupy-cuda12x (cupy-cuda13x on CUDA 13)") from None
     try:
         count = cupy.cuda.runtime.getDeviceCount()
     except Exception as exc:  # CUDARuntimeError without a driver; anything else CuPy raises is the same answer
@@ -178,6 +178,7 @@ def _probe() -> tuple[Any, Any, int]:
         cudnn.backend_version()
     except Exception as exc:  # the binding raises RuntimeError("Unable to find symbol cudnnGetVersion")
         raise BackendUnavailable(f"libcudnn is not loadable ({one_line(exc)}); install nvidia-cudnn-cu12 "
+                                 f"(nvidia-cudnn-cu13 on CUDA 13) "
                                  f"or put libcudnn.so.9 on LD_LIBRARY_PATH") from None
     return cupy, cudnn, int(cupy.cuda.runtime.getDevice())
 
@@ -393,6 +394,11 @@ class CudnnBackend(Backend):
     @property
     def device(self) -> DeviceInfo:
         return self._device
+
+    @property
+    def device_id(self) -> int:
+        """The CUDA device it runs on: the one current when it was made. Operands must live there."""
+        return self._device_id
 
     # ---- algorithms -------------------------------------------------------------------
     def _promotions(self, problem: ConvProblem) -> tuple[bool, ...]:

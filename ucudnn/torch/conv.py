@@ -30,7 +30,8 @@ CPU tensors of float32 (or float64) go through ``.numpy()`` views without copies
 to a cudnn-backend handle through ``__cuda_array_interface__`` (``cupy.asarray``; bfloat16 as its
 16-bit words), on torch's current stream, with CuPy's allocations taken from PyTorch's caching
 allocator, so ``torch.cuda.max_memory_allocated`` sees every workspace and no CuPy pool holds
-memory. Channels-last CUDA tensors run as NHWC problems. Under ``torch.autocast`` the convolution
+memory. A cudnn handle runs on the CUDA device current when it was made; a tensor on another
+device is refused. Channels-last CUDA tensors run as NHWC problems. Under ``torch.autocast`` the convolution
 is cast as autocast casts ``F.conv2d``; a dtype the backend cannot run (bfloat16 on the cpu
 backend) is refused with `UnsupportedProblem` naming dtype and backend. An empty batch returns
 what nn.Conv2d returns. Double backward (gradients of gradients) is not supported.
@@ -52,6 +53,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
+from ucudnn.backends.base import one_line
 from ucudnn.backends.cpu import NATIVE
 from ucudnn.benchmark import interleaved_medians_ms
 from ucudnn.errors import BackendUnavailable, InvalidInput, UnsupportedProblem
@@ -115,7 +117,10 @@ def _torch_allocator(device_index: int):  # pragma: no cover - needs a GPU
     device = torch.device("cuda", device_index)
 
     def allocate(nbytes: int):
-        block = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        try:
+            block = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        except torch.OutOfMemoryError as exc:  # a RuntimeError: the handle would record the algorithm unusable for good
+            raise MemoryError(f"torch's caching allocator: {one_line(exc)}") from exc
         return cupy.cuda.MemoryPointer(cupy.cuda.UnownedMemory(block.data_ptr(), nbytes, block, device_index), 0)
 
     return allocate
@@ -145,12 +150,18 @@ def _on_cuda(t: torch.Tensor) -> Iterator[None]:  # pragma: no cover - needs a G
         yield
 
 
-def _layout(t: torch.Tensor) -> tuple[torch.Tensor, str]:
-    """The tensor as the kernels read it: channels-last CUDA tensors stay NHWC (the cudnn backend
-    runs that layout), everything else is made NCHW-contiguous."""
+def _layout_name(t: torch.Tensor) -> str:
+    """The layout the kernels read `t` in: channels-last CUDA tensors stay NHWC (the cudnn backend
+    runs that layout), everything else is NCHW."""
     if t.device.type == "cuda" and not t.is_contiguous() and t.is_contiguous(memory_format=torch.channels_last):
-        return t, "NHWC"
-    return t.contiguous(), "NCHW"
+        return "NHWC"
+    return "NCHW"
+
+
+def _layout(t: torch.Tensor) -> tuple[torch.Tensor, str]:
+    """The tensor as the kernels read it (NCHW made contiguous) and its layout."""
+    layout = _layout_name(t)
+    return (t if layout == "NHWC" else t.contiguous()), layout
 
 
 def _out_size(size: int, r: int, stride: int, pad: int, dilation: int) -> int:
@@ -427,6 +438,11 @@ class Conv2d(nn.Conv2d):
         """Plan the kernels this layer needs at this input (all at once, so that a WD handle learns
         the layer's kinds together) and prepare them."""
         handle, backend = self.handle, self.handle.backend.name
+        if input.device.type == "cuda" and backend == "cudnn" and input.device.index != handle.backend.device_id:
+            # planning would measure one device's engines on the other's memory
+            raise InvalidInput(f"ucudnn.torch.Conv2d: the input is on {input.device}, but the handle's cudnn backend "
+                               f"runs on cuda:{handle.backend.device_id} (the device current when it was made); make "
+                               f"the handle (or convert the model) after torch.cuda.set_device({input.device.index})")
         dtype = _dtype_name(input, backend)
         kinds = ("fwd",) + (("bwd_data",) if need_dx else ()) + (("bwd_filter",) if need_dw else ())
         conv = {"stride": tuple(self.stride), "padding": padding, "dilation": tuple(self.dilation),
@@ -442,7 +458,9 @@ class Conv2d(nn.Conv2d):
 
     def _record(self, input, weight, bias, padding) -> torch.Tensor:
         """Announce this layer to the handle and compute with torch's own convolution."""
-        problem = self._problem(input, weight, padding, _dtype_name(input, self.handle.backend.name))
+        # in the layout its route will run, or the first real call re-registers the layer (WD re-solves)
+        problem = self._problem(input, weight, padding, _dtype_name(input, self.handle.backend.name),
+                                _layout_name(input))
         kinds = {"fwd"} | ({"bwd_data"} if input.requires_grad else set()) \
             | ({"bwd_filter"} if weight.requires_grad else set())
         self.handle.register(self.layer_id, problem, kinds=kinds)
