@@ -223,6 +223,18 @@ def test_autocast_bfloat16_on_the_cpu_is_refused_clearly():
     assert model(x).dtype == torch.float32  # outside autocast it runs
 
 
+def test_autocast_leaves_float64_as_it_leaves_it_for_nn_conv2d():
+    torch.manual_seed(0)
+    plain = nn.Conv2d(3, 4, 3, padding=1).double()
+    ours = convert(copy.deepcopy(plain), backend="cpu", policy="undivided", reps=1, db=False)
+    x = torch.randn(2, 3, 6, 6, dtype=torch.float64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = plain(x)
+        got = ours(x)  # cast to bfloat16, the cpu backend would refuse it
+    assert expected.dtype == got.dtype == torch.float64
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+
+
 def test_empty_batch_returns_what_nn_conv2d_returns():
     torch.manual_seed(0)
     plain = nn.Conv2d(3, 6, 3, stride=2, padding=1)

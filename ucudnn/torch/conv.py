@@ -220,6 +220,13 @@ class _EndLearning:
         self.state.active = False
 
 
+def _autocast(t: torch.Tensor | None, low: torch.dtype) -> torch.Tensor | None:
+    """`t` as autocast casts an operand: floating tensors go to `low`, except float64, which it leaves."""
+    if t is None or not t.is_floating_point() or t.dtype == torch.float64:
+        return t
+    return t.to(low)
+
+
 class _Conv2dFunction(torch.autograd.Function):
     """conv2d whose three kernels run as `route` says: through the handle's prepared kernels, or,
     where the plan is `native` on the whole batch, as that torch call itself made on the tensors
@@ -401,8 +408,7 @@ class Conv2d(nn.Conv2d):
         if torch.is_autocast_enabled(device):
             # What autocast does to F.conv2d: compute in its lower precision (the backend may refuse it).
             low = torch.get_autocast_dtype(device)
-            input, weight = input.to(low), weight.to(low)
-            bias = bias.to(low) if bias is not None else None
+            input, weight, bias = (_autocast(t, low) for t in (input, weight, bias))
             with torch.autocast(device, enabled=False):
                 out = self._convolve(input, weight, bias, padding)
         else:
