@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
 import ucudnn  # noqa: E402
-from ucudnn import InvalidInput, LateRegistrationWarning  # noqa: E402
+from ucudnn import InvalidInput, LateRegistrationWarning, UnsupportedProblem  # noqa: E402
 from ucudnn.backends.cpu import CpuBackend  # noqa: E402
 from ucudnn.torch import Conv2d, announce, convert  # noqa: E402
 
@@ -367,6 +367,20 @@ def test_a_cuda_input_on_another_device_than_the_cudnn_backend_is_refused_before
     x = SimpleNamespace(device=torch.device("cuda", 1), dtype=torch.float32, shape=(2, 3, 5, 5))
     with pytest.raises(InvalidInput, match=r"input is on cuda:1.*runs on cuda:0.*set_device\(1\)"):
         ours._route(x, ours.weight, (0, 0), "NCHW", True, True)
+
+
+def test_planning_inside_cuda_graph_capture_is_refused_before_anything_is_measured(monkeypatch):
+    # Planned under capture, every candidate's timing would fail (a capture forbids synchronising) and
+    # be recorded in the cache as unusable.
+    ours = Conv2d(3, 4, 3, handle=ucudnn.Handle(**FAST))
+    registered = []
+    ours.handle = SimpleNamespace(backend=SimpleNamespace(name="cudnn", device_id=0),
+                                  register=lambda *a, **k: registered.append(a))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    x = SimpleNamespace(device=torch.device("cuda", 0), dtype=torch.float32, shape=(2, 3, 5, 5))
+    with pytest.raises(UnsupportedProblem, match=r"inside CUDA graph capture.*warm-up"):
+        ours._route(x, ours.weight, (0, 0), "NCHW", True, True)
+    assert registered == []
 
 
 @pytest.mark.gpu

@@ -449,6 +449,12 @@ class Conv2d(nn.Conv2d):
             raise InvalidInput(f"ucudnn.torch.Conv2d: the input is on {input.device}, but the handle's cudnn backend "
                                f"runs on cuda:{handle.backend.device_id} (the device current when it was made); make "
                                f"the handle (or convert the model) after torch.cuda.set_device({input.device.index})")
+        if input.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            # planning times kernels and synchronises, which a capture forbids: every candidate would
+            # fail and be recorded as unusable
+            raise UnsupportedProblem(f"ucudnn.torch.Conv2d {self.layer_id!r} meets input shape {tuple(input.shape)} "
+                                     "for the first time inside CUDA graph capture; run the step once before "
+                                     "capturing it (a warm-up plans every layer)")
         dtype = _dtype_name(input, backend)
         kinds = ("fwd",) + (("bwd_data",) if need_dx else ()) + (("bwd_filter",) if need_dw else ())
         conv = {"stride": tuple(self.stride), "padding": padding, "dilation": tuple(self.dilation),
