@@ -168,3 +168,35 @@ def test_fx_functional_calls_fork_and_join():
     actions = {t.name: t.action for t in plan.tensors}
     assert actions["a"] == "release"  # the conv output feeds a ReLU that saves its own output
     assert actions["relu"] == "offload"
+
+
+def test_fx_every_output_feeds_the_loss_and_a_dead_branch_has_no_backward():
+    torch = pytest.importorskip("torch")
+    from torch import nn
+
+    from ucudnn.memory import make_plan
+
+    class Heads(nn.Module):
+        """Two heads returned in a dict (the loss may read both) and a conv whose result nobody uses."""
+
+        def __init__(self):
+            super().__init__()
+            self.stem = nn.Conv2d(3, 8, 3, padding=1)
+            self.aux = nn.Conv2d(8, 4, 3, padding=1)
+            self.dead = nn.Conv2d(8, 4, 1)
+            self.fc = nn.Linear(8 * 8 * 8, 10)
+
+        def forward(self, x):
+            h = torch.relu(self.stem(x))
+            self.dead(h)
+            return {"out": self.fc(torch.flatten(h, 1)), "aux": self.aux(torch.sigmoid(h))}
+
+    g = trace(Heads(), torch.randn(2, 3, 8, 8))
+    assert set(g.op("loss").inputs) == {"fc", "aux"}
+    backward = {s.op for s in g.steps if s.phase == "bwd"}
+    assert {"aux", "sigmoid", "fc", "stem"} <= backward
+    assert "grad:aux" in g.tensors and "grad:sigmoid" in g.tensors
+    # autograd runs no backward step for a value the loss does not read
+    assert "dead" not in backward and "grad:dead" not in g.tensors
+    plan = make_plan(g, "k40", 2**30, "vdnn-all")
+    assert {t.name for t in plan.tensors} == set(g.storages)

@@ -59,6 +59,9 @@ def trace_model(model, example_input) -> list:
             elif isinstance(a, (list, tuple)):
                 for item in a:
                     visit(item)
+            elif isinstance(a, dict):  # a model may return a dict of outputs
+                for item in a.values():
+                    visit(item)
         visit(node.args)
         visit(tuple(node.kwargs.values()))
         return found
@@ -73,7 +76,7 @@ def trace_model(model, example_input) -> list:
         if node.op == "output":
             out = tensor_args(node)
             if out:
-                b.loss(out[0])
+                b.loss(*dict.fromkeys(out))  # every tensor the model returns: the loss may read each
             continue
         if shape is None or node.op == "get_attr":
             continue  # sizes, attributes and other non-tensors hold no memory

@@ -147,6 +147,7 @@ class TrainingGraph:
             if op.weight_bytes:
                 out[f"weight:{op.name}"] = Tensor(f"weight:{op.name}", "weight", op.weight_bytes, None,
                                                   f"weight:{op.name}")
+            if op.weight_bytes and self._has_backward(op):
                 out[f"wgrad:{op.name}"] = Tensor(f"wgrad:{op.name}", "weight_grad", op.weight_bytes, op.name,
                                                  f"wgrad:{op.name}")
         for s in self.storages:
@@ -178,14 +179,27 @@ class TrainingGraph:
 
     # ---- gradients ---------------------------------------------------------------------------
     @cached_property
+    def _into_loss(self) -> set[str]:
+        """The storages whose values flow into the loss: autograd runs no backward step for the others
+        (a value computed and not used, an output the loss does not read)."""
+        into: set[str] = set()
+        for op in reversed(self.ops):  # consumers come after their producers
+            if op.type == "loss" or self._storage[op.name] in into:
+                into.update(self._storage[i] for i in op.inputs)
+        return into
+
+    def _has_backward(self, op: Op) -> bool:
+        return op.type == "loss" or (op.type != "input" and self._storage[op.name] in self._into_loss)
+
+    @cached_property
     def _needs_grad(self) -> dict[str, bool]:
-        """A storage has a gradient when a weight, or anything with a gradient, flows into it; the
-        input image has none, nor has the loss (backward starts there)."""
+        """A storage has a gradient when a weight, or anything with a gradient, flows into it and it
+        flows into the loss; the input image has none, nor has the loss (backward starts there)."""
         needs: dict[str, bool] = {}
         for op in self.ops:
             s = self._storage[op.name]
             flows = op.type != "input" and (op.weight_bytes > 0 or any(needs[self._storage[i]] for i in op.inputs))
-            needs[s] = needs.get(s, False) or flows
+            needs[s] = needs.get(s, False) or (flows and s in self._into_loss)
         for op in self.ops:
             if op.type == "loss":
                 needs[self._storage[op.name]] = False
@@ -214,7 +228,7 @@ class TrainingGraph:
                               ("fwd",) if op.type == "conv" else ()))
         needs = self._needs_grad
         for op in reversed(self.ops):
-            if op.type == "input":
+            if not self._has_backward(op):
                 continue
             out_storage = self._storage[op.name]
             reads = [self._storage[s] for s in op.saves]
@@ -343,10 +357,11 @@ class _Builder:
         shape = (n, sum(s[1] for s in shapes), h, w)
         return self._add(Op(name, "concat", tuple(inputs), shape, bytes_moved=2 * DTYPE_BYTES * _elements(shape)))
 
-    def loss(self, x: str, name: str = "loss") -> str:
-        shape = self.shapes[x]
-        return self._add(Op(name, "loss", (x,), (1,), saves=(x,), flops=5 * _elements(shape),
-                            bytes_moved=2 * DTYPE_BYTES * _elements(shape)))
+    def loss(self, *xs: str, name: str = "loss") -> str:
+        """The loss over the network's outputs (a model may return several, e.g. auxiliary heads)."""
+        elements = sum(_elements(self.shapes[x]) for x in xs)
+        return self._add(Op(name, "loss", xs, (1,), saves=xs, flops=5 * elements,
+                            bytes_moved=2 * DTYPE_BYTES * elements))
 
 
 # ---- the zoo's networks with their layers between convolutions --------------------------------------
