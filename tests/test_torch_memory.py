@@ -611,3 +611,61 @@ def test_gpu_offload_reuses_pinned_host_buffers():  # pragma: no cover - needs a
     # the same kernels on the same GPU; cuDNN may pick other algorithms from run to run
     for (name, p), q in zip(model.state_dict().items(), ref.state_dict().values()):
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+class TwoHeads(nn.Module):
+    """A classifier and an auxiliary head, both returned (the loss may read one or both)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.aux = nn.Conv2d(8, 4, 3, padding=1)
+        self.conv2 = nn.Conv2d(8, 8, 3, padding=1)
+        self.fc = nn.Linear(8 * 8 * 8, 10)
+
+    def forward(self, x):
+        h = torch.relu(self.conv1(x))
+        side = self.aux(torch.sigmoid(h))
+        return self.fc(torch.flatten(torch.relu(self.conv2(h)), 1)), side
+
+
+def _two_heads_state(plan=None, aux_weight=0.5):
+    torch.manual_seed(0)
+    model = TwoHeads()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for step in range(STEPS):
+        x, y = _data(seed=step)
+        opt.zero_grad()
+        with execute_plan(model, plan) if plan is not None else contextlib.nullcontext():
+            out, side = model(x)
+            (nn.functional.cross_entropy(out, y) + aux_weight * side.square().mean()).backward()
+        opt.step()
+    return model.state_dict()
+
+
+@pytest.mark.parametrize("policy", ["vdnn-all", "checkpoint", "optimal"])
+def test_a_model_with_two_outputs_plans_and_trains_like_plain_pytorch(policy):
+    torch.manual_seed(0)
+    x = _data()[0]
+    plan = plan_memory(TwoHeads(), x, memory_limit=trace(TwoHeads(), x).feature_map_bytes // 2, policy=policy,
+                       device="k40")
+    _assert_same_state(_two_heads_state(), _two_heads_state(plan))
+
+
+def test_a_prefetch_no_unpack_waits_for_is_waited_for_at_the_end_of_backward(monkeypatch):
+    """The loss reads one head: the other head's saved tensors are prefetched (the plan's order reaches
+    them) but never unpacked; the compute stream must still wait for those copies before their device
+    memory can go back to it."""
+    copier = _FakeStreamCopier()
+    monkeypatch.setattr(tm, "_copier_for", lambda device: copier)
+    torch.manual_seed(0)
+    model = TwoHeads()
+    x, y = _data()
+    plan = _hand_plan(model, x, HAND_PLANS["offload-all"])
+    with execute_plan(model, plan) as stats:
+        out, side = model(x)
+        nn.functional.cross_entropy(out, y).backward()
+    assert ("prefetch", "sigmoid") in stats.events and ("unpack", "sigmoid") not in stats.events
+    prefetched = [e for kind, e in copier.log if kind == "h2d"]
+    waits = [e for kind, e in copier.log if kind == "wait"]
+    assert prefetched and all(e in waits for e in prefetched)

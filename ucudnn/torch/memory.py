@@ -703,6 +703,7 @@ class _Executor:
         """Backward is about to run node `i`: prefetch what it and the next nodes need."""
         if p.order is None:
             p.order = sorted(p.entries, key=lambda e: -e.use)
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: self._settle(p))
         ahead = 0
         while p.cursor < len(p.order):
             entry = p.order[p.cursor]
@@ -713,6 +714,14 @@ class _Executor:
             if not entry.issued:
                 self._prefetch(entry)
             p.cursor += 1
+
+    def _settle(self, p: _Pass) -> None:
+        """At the end of a backward pass: the compute stream waits for every prefetch no unpack waited
+        for (a tensor saved for a value the loss does not read), so that its device copy, freed later
+        to the compute stream, is never handed out while the copy still writes it."""
+        for entry in p.entries:
+            if entry.issued and entry.dev is not None:
+                self.copier.wait(entry.ready, entry.device)
 
     def _release(self, env: dict | None) -> None:
         """Drop the offloaded device tensors whose storages no value in `env` (None: the forward pass is
