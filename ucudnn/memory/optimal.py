@@ -112,7 +112,11 @@ def _tables(graph: TrainingGraph, device: DeviceProfile, costs, fronts):
             left += ms[q]
         prefetch_at[s] = q
         rows["offload"] = tuple(sorted(set(range(p, f + 1)) | set(range(q, e + 1))))
-        cost["offload"] = _PREFER_KEEP_MS * b / 1e6
+        last_write = max(st.index for st in steps[:nf] if s in st.writes)
+        # the step after its last forward reader waits for the copy out: what the compute from the
+        # copy's start to that reader does not hide (the copy alone on its stream)
+        hidden_ms = sum(ms[last_write + 1:f + 1])
+        cost["offload"] = max(0.0, device.copy_ms(b, "d2h") - hidden_ms) + _PREFER_KEEP_MS * b / 1e6
         producers = graph.producers(s)
         sources = tuple(dict.fromkeys(graph.storage_of(i) for op in producers for i in op.inputs
                                       if graph.storage_of(i) != s))
@@ -120,7 +124,6 @@ def _tables(graph: TrainingGraph, device: DeviceProfile, costs, fronts):
         if producers[0].type != "input" and all(src in bwd_uses for src in sources):
             rows["recompute"] = tuple(sorted(set(range(p, f + 1)) | set(range(u, e + 1))))
             cost["recompute"] = sum(ms[graph.op_index[op.name]] for op in producers)
-        last_write = max(st.index for st in steps[:nf] if s in st.writes)
         tensors.append(memplan.Tensor(s, b, rows, cost, sources, copy_row=last_write))
     kernels = []
     thinned = {}

@@ -17,9 +17,12 @@ What is simulated, per device:
   A step starts when the step before it has ended, everything it reads is resident, and its new
   tensors and workspace fit; time spent waiting is *stall*.
 - **Two copy streams**, device-to-host and host-to-device, each running its copies one after another.
-  An `offload` storage is copied out after its last forward writer ends and freed when both that
-  copy and its last forward reader are done; it is copied back (allocated when its copy starts) at a
-  prefetch trigger (`prefetch`, below) and the step that reads it waits for the copy.
+  An `offload` storage is copied out after its last forward writer ends; the step after its last
+  forward reader waits for that copy, and the storage is freed (vDNN synchronises its memory stream
+  at the end of a layer; `ucudnn.torch.execute_plan` makes the compute stream wait for the copy's
+  event, as the GPU's allocator can hand the memory out in stream order only then). It is copied
+  back (allocated when its copy starts) at a prefetch trigger (`prefetch`, below) and the step that
+  reads it waits for the copy.
 - **Bandwidth** comes from the `DeviceProfile`: a copy alone on its link gets the direction's
   bandwidth; while both directions copy, each gets half the duplex figure; copies of several devices
   on one link (`devices_per_link`) share it equally (a fluid model: rates change whenever a copy
@@ -397,8 +400,8 @@ def simulate(graph: TrainingGraph, device: DeviceProfile, costs: Sequence[StepCo
     def try_start_compute(dv: _Device, force: bool = False) -> bool:
         p = dv.p
         k = dv.next
-        if dv.running is not None or k >= len(p.sched):
-            return False
+        if dv.running is not None or k >= len(p.sched) or dv.pending_free:
+            return False  # (an offloaded storage past its last reader: the compute stream waits for its copy)
         # the prefetches this step triggers queue on the copy stream as soon as it is next
         while dv.trigger_pos < len(p.prefetches) and p.prefetches[dv.trigger_pos][0] <= k:
             dv.h2d_queue.append(p.prefetches[dv.trigger_pos][2])
