@@ -3,8 +3,9 @@
 The graph is turned into the tables of `ucudnn.solver.memplan` (one row per step of the training
 iteration; each storage's resident rows under each action; each conv kernel's options, thinned to
 at most `MAX_OPTIONS` along its front) and solved with HiGHS. The program models memory exactly at
-step granularity but time only as compute plus recomputation, with copies bounded by the compute
-they hide behind; so its answer is simulated, and when the simulation overflows the limit (a copy
+step granularity but time only as compute, recomputation and each copy out's part that the compute
+up to its map's last forward reader does not hide (the next step waits for it), with copies bounded
+by the compute they hide behind; so its answer is simulated, and when the simulation overflows the limit (a copy
 or prefetch ran later than the program assumed) or stalls, the program is solved again with the
 limit lowered by the overflow, or the copy budget cut, and the best simulated plan that fits wins.
 
