@@ -119,19 +119,15 @@ def test_make_plan_rejects_bad_input():
 def test_the_program_charges_an_offload_what_its_copy_out_does_not_hide():
     # The chain of tests/test_memory_simulate.py: a's copy out starts after its forward (step 1) and the
     # step after b's forward (its last reader, 1 ms) waits for it: 2 ms at 0.5 GB/s, 1 ms unhidden.
-    from test_memory_simulate import chain
+    import dataclasses
 
-    from ucudnn.devices import DeviceProfile
+    from test_memory_simulate import SLOW_OUT, SLOW_OUT_COSTS, chain
+
     from ucudnn.memory.optimal import _tables
-    from ucudnn.memory.simulate import StepCost
 
-    slow_out = DeviceProfile("slow-out", "slow-out", 10**9, h2d_gbps=1.0, d2h_gbps=0.5, duplex_gbps=2.0,
-                             devices_per_link=1, fp32_tflops=1.0, memory_gbps=1.0)
-    costs = [StepCost(0), StepCost(2), StepCost(1), StepCost(2), StepCost(0), StepCost(4), StepCost(4)]
-    tensors = {t.name: t for t in _tables(chain(), slow_out, costs, {})[0]}
+    tensors = {t.name: t for t in _tables(chain(), SLOW_OUT, SLOW_OUT_COSTS, {})[0]}
     assert tensors["a"].cost_ms["offload"] == pytest.approx(1.0, abs=1e-5)
     assert tensors["a"].cost_ms["keep"] == 0.0
-    fast_out = DeviceProfile("fast-out", "fast-out", 10**9, h2d_gbps=1.0, d2h_gbps=4.0, duplex_gbps=4.0,
-                             devices_per_link=1, fp32_tflops=1.0, memory_gbps=1.0)
-    tensors = {t.name: t for t in _tables(chain(), fast_out, costs, {})[0]}
+    fast_out = dataclasses.replace(SLOW_OUT, d2h_gbps=4.0, duplex_gbps=4.0)
+    tensors = {t.name: t for t in _tables(chain(), fast_out, SLOW_OUT_COSTS, {})[0]}
     assert tensors["a"].cost_ms["offload"] == pytest.approx(0.0, abs=1e-5)  # 0.25 ms, hidden by b's forward

@@ -27,6 +27,10 @@ def chain() -> TrainingGraph:
 
 # steps: fwd x, a, b, loss (0-3); bwd loss, b, a (4-6)
 COSTS = [StepCost(0), StepCost(2), StepCost(2), StepCost(0), StepCost(0), StepCost(4), StepCost(4)]
+# a copies out more slowly (0.5 GB/s: 2 ms) than b's forward, its last reader, runs (1 ms)
+SLOW_OUT = DeviceProfile("slow-out", "slow-out", 10**9, h2d_gbps=1.0, d2h_gbps=0.5, duplex_gbps=2.0,
+                         devices_per_link=1, fp32_tflops=1.0, memory_gbps=1.0)
+SLOW_OUT_COSTS = [StepCost(0), StepCost(2), StepCost(1), StepCost(2), StepCost(0), StepCost(4), StepCost(4)]
 
 
 def test_steps_of_the_chain():
@@ -66,10 +70,7 @@ def test_the_step_after_the_last_reader_waits_for_the_copy_out():
     # a copies out at 0.5 GB/s, 2->4 ms; b's forward, its last reader, ends at 3, and the loss's forward
     # waits for the copy (the compute stream waits on its event): 4->6. a comes back at the loss's
     # backward (6->7) and b's backward waits for it: 7->11, then a's backward 11->15. Stall 1 + 1 ms.
-    slow_out = DeviceProfile("slow-out", "slow-out", 10**9, h2d_gbps=1.0, d2h_gbps=0.5, duplex_gbps=2.0,
-                             devices_per_link=1, fp32_tflops=1.0, memory_gbps=1.0)
-    costs = [StepCost(0), StepCost(2), StepCost(1), StepCost(2), StepCost(0), StepCost(4), StepCost(4)]
-    r = simulate(chain(), slow_out, costs, {"a": "offload"})
+    r = simulate(chain(), SLOW_OUT, SLOW_OUT_COSTS, {"a": "offload"})
     assert [(i.label, i.start_ms, i.end_ms) for i in r.timeline if i.stream == "compute"][2:4] == \
         [("fwd b", 2.0, 3.0), ("fwd loss", 4.0, 6.0)]
     assert r.step_ms == pytest.approx(15.0) and r.stall_ms == pytest.approx(2.0)

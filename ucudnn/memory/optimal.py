@@ -5,9 +5,10 @@ iteration; each storage's resident rows under each action; each conv kernel's op
 at most `MAX_OPTIONS` along its front) and solved with HiGHS. The program models memory exactly at
 step granularity but time only as compute, recomputation and each copy out's part that the compute
 up to its map's last forward reader does not hide (the next step waits for it), with copies bounded
-by the compute they hide behind; so its answer is simulated, and when the simulation overflows the limit (a copy
-or prefetch ran later than the program assumed) or stalls, the program is solved again with the
-limit lowered by the overflow, or the copy budget cut, and the best simulated plan that fits wins.
+by the compute they hide behind; so its answer is simulated, and when the simulation overflows the
+limit (a copy or prefetch ran later than the program assumed) or stalls, the program is solved again
+with the limit lowered by the overflow, or the copy budget cut, and the best simulated plan that
+fits wins.
 
 vDNN's static plans (nothing, conv inputs or everything offloaded, fastest or smallest workspaces)
 are simulated too, and win where they fit and run faster (the program's copy queue is conservative).
