@@ -1,11 +1,13 @@
 """PyTorch integration: `Conv2d` (a drop-in for `torch.nn.Conv2d`), `convert(model)` and `announce`;
 memory plans in training: `plan_memory(model, example_input, ...)` and `execute_plan(model, plan)`.
 
-Submodules: `conv` (the drop-in), `memory` (plans in training). This package imports torch;
+Submodules: `conv` (the drop-in), `memory` (plans in training), `zoo` (torchvision-shaped models
+written by hand), `distributed` (uneven batches). This package imports torch;
 ``import ucudnn`` does not import it.
 """
 
 from ucudnn.torch.conv import Conv2d, announce, convert
 from ucudnn.torch.memory import ExecutionStats, execute_plan, measure_profile, plan_memory
+from ucudnn.torch import zoo
 
-__all__ = ["Conv2d", "ExecutionStats", "announce", "convert", "execute_plan", "measure_profile", "plan_memory"]
+__all__ = ["Conv2d", "ExecutionStats", "announce", "convert", "execute_plan", "measure_profile", "plan_memory", "zoo"]
