@@ -26,6 +26,12 @@ learning; the next convolution solves once. ``announce(model, example)`` does th
 explicitly with one recording forward pass in eval mode (batch-norm statistics untouched); use it
 when the first forward pass runs under ``torch.no_grad()`` (it would register no backward kernels).
 
+Under torch.compile and torch.export (``torch.compiler.is_compiling()``) a layer traces to the
+operators of `ucudnn.torch.ops` instead: they look the layer up by an int key and plan, register
+(WD's learning pass) and run when the graph runs, with the same route cache, so nothing is planned
+on fake tensors and nothing about the handle is baked into a graph. Eager calls keep the autograd
+Function: going through the dispatcher and the operators' autograd wrapper costs host time per call.
+
 CPU tensors of float32 (or float64) go through ``.numpy()`` views without copies; CUDA tensors go
 to a cudnn-backend handle through ``__cuda_array_interface__`` (``cupy.asarray``; bfloat16 as its
 16-bit words), on torch's current stream, with CuPy's allocations taken from PyTorch's caching
