@@ -384,7 +384,7 @@ def test_reduce_overhead_captures_the_converted_convolutions_in_cuda_graphs():
     ours = convert(copy.deepcopy(plain), backend="cudnn", reps=1, db=False)
     torch._dynamo.utils.counters.clear()
     compiled = torch.compile(ours, mode="reduce-overhead", fullgraph=True)
-    # cudagraph trees record on the third call of a shape (two eager warm-ups plan every kernel)
+    # cudagraph trees run each new graph once as a warm-up (which plans every kernel), then record and replay
     for seed in range(5):
         for m in (plain, ours):
             m.zero_grad()

@@ -430,16 +430,16 @@ class Conv2d(nn.Conv2d):
 
     def _convolve(self, input, weight, bias, padding) -> torch.Tensor:
         stride, dilation = tuple(self.stride), tuple(self.dilation)
-        if torch.compiler.is_compiling():
-            pass  # the operators read the learning state when the graph runs, not while it is traced
-        elif self._learning_now():
+        # compiling: the operators read the learning state when the graph runs, not while it is traced
+        compiling = torch.compiler.is_compiling()
+        if not compiling and (self._recording or (self._learning is not None and self._learning.active)):
             return self._record(input, weight, bias, padding)
         if input.shape[0] == 0:  # an empty batch: nothing to plan; torch returns the empty result
             return F.conv2d(input, weight, bias, stride, padding, dilation, self.groups)
         input, layout = _layout(input)
         grad = torch.is_grad_enabled()
         need_dx, need_dw = grad and input.requires_grad, grad and weight.requires_grad
-        if torch.compiler.is_compiling():
+        if compiling:
             return self._traced(input, weight, bias, padding, layout, need_dx, need_dw)
         route = self._planned(input, weight, padding, layout, need_dx, need_dw)
         if route.direct:

@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from ucudnn.errors import InvalidInput
+from ucudnn.torch.conv import _as_array, _on_device  # conv imports this module last: no cycle at import time
 
 if TYPE_CHECKING:
     from ucudnn.torch.conv import Conv2d
@@ -111,8 +112,6 @@ def _shaped(like: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
 def conv2d(x: torch.Tensor, weight: torch.Tensor, layer: int, stride: Sequence[int], padding: Sequence[int],
            dilation: Sequence[int], groups: int, layout: str, need_dx: bool, need_dw: bool) -> torch.Tensor:
     """y = conv2d(x, weight) as layer `layer` plans it (no bias)."""
-    from ucudnn.torch.conv import _as_array, _on_device
-
     _check_conv(x.shape, weight.shape, stride, padding, dilation, groups, layout)
     conv, fmt = _layer(layer), _format(layout)
     x, weight = x.contiguous(memory_format=fmt), weight.contiguous(memory_format=fmt)
@@ -145,8 +144,6 @@ def conv2d_backward_data(dy: torch.Tensor, weight: torch.Tensor, layer: int, x_s
                          stride: Sequence[int], padding: Sequence[int], dilation: Sequence[int], groups: int,
                          layout: str, need_dw: bool) -> torch.Tensor:
     """dx of layer `layer` for an input of `x_shape`, as the layer plans it."""
-    from ucudnn.torch.conv import _as_array, _on_device
-
     _check_conv(x_shape, weight.shape, stride, padding, dilation, groups, layout)
     conv, fmt = _layer(layer), _format(layout)
     dy, weight = dy.contiguous(memory_format=fmt), weight.contiguous(memory_format=fmt)
@@ -174,8 +171,6 @@ def conv2d_backward_filter(x: torch.Tensor, dy: torch.Tensor, weight: torch.Tens
                            stride: Sequence[int], padding: Sequence[int], dilation: Sequence[int], groups: int,
                            layout: str, need_dx: bool) -> torch.Tensor:
     """dw of layer `layer` (`weight` gives its shape, dtype and the route's key), as the layer plans it."""
-    from ucudnn.torch.conv import _as_array, _on_device
-
     _check_conv(x.shape, weight.shape, stride, padding, dilation, groups, layout)
     conv, fmt = _layer(layer), _format(layout)
     x, dy = x.contiguous(memory_format=fmt), dy.contiguous(memory_format=fmt)
