@@ -235,6 +235,24 @@ def test_a_new_shape_recompiles_and_plans_on_real_tensors(monkeypatch):
     assert len(planned) == 3 * len(layers)
 
 
+def test_one_dynamic_graph_plans_each_shape_when_it_runs():
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Conv2d(3, 8, 3, stride=2, padding=1), nn.ReLU(), nn.Conv2d(8, 4, 3, padding="same", groups=4))
+    ours = convert(copy.deepcopy(plain), **NUMPY)
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(ours, backend=counter, dynamic=True, fullgraph=True)
+    for n, size in ((2, 10), (3, 12), (5, 9)):
+        for m in (plain, ours):
+            m.zero_grad()
+        x = _rand(n, 3, size, size, seed=n)
+        dy = _rand(*plain(x).shape, seed=size)
+        _assert_step_close(_step(compiled, x, dy), _step(plain, x, dy))
+    assert counter.frame_count == 1  # one graph with a symbolic shape
+    assert [len(m._routes) for m in ours.modules() if isinstance(m, Conv2d)] == [3, 3]  # a route per shape
+
+
 def test_the_operators_use_the_layers_current_handle():
     """execute_plan swaps a layer's handle for a block: a compiled graph must not have baked the old one in."""
     torch.manual_seed(0)
@@ -357,6 +375,8 @@ def test_copies_are_other_layers_to_the_operators():
     assert ops.layer_key(clone[0]) != ops.layer_key(model[0])
     assert ops._layer(ops.layer_key(clone[0])) is clone[0]
     assert ops._layer(ops.layer_key(model[0])) is model[0]
+    taken = Conv2d.from_conv(model[0], handle=model[0].handle)  # shares parameters, not the key
+    assert ops._layer(ops.layer_key(taken)) is taken and ops.layer_key(taken) != ops.layer_key(model[0])
     key = ops.layer_key(clone[0])
     del clone
     import gc

@@ -108,7 +108,13 @@ def _shaped(like: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
     return like.new_empty(()).expand(shape)
 
 
-@torch.library.custom_op("ucudnn::conv2d", mutates_args=())
+# Explicit schemas: the layer key and the geometry are `int` (a graph never makes them symbolic);
+# only the input's shape of bwd_data may be SymInt under dynamic shapes.
+_CONV = "int layer, int[2] stride, int[2] padding, int[2] dilation, int groups, str layout"
+
+
+@torch.library.custom_op("ucudnn::conv2d", mutates_args=(),
+                         schema=f"(Tensor x, Tensor weight, {_CONV}, bool need_dx, bool need_dw) -> Tensor")
 def conv2d(x: torch.Tensor, weight: torch.Tensor, layer: int, stride: Sequence[int], padding: Sequence[int],
            dilation: Sequence[int], groups: int, layout: str, need_dx: bool, need_dw: bool) -> torch.Tensor:
     """y = conv2d(x, weight) as layer `layer` plans it (no bias)."""
@@ -139,7 +145,9 @@ def _conv2d_fake(x, weight, layer, stride, padding, dilation, groups, layout, ne
                        memory_format=_format(layout))
 
 
-@torch.library.custom_op("ucudnn::conv2d_backward_data", mutates_args=())
+@torch.library.custom_op("ucudnn::conv2d_backward_data", mutates_args=(),
+                         schema="(Tensor dy, Tensor weight, int layer, SymInt[4] x_shape, int[2] stride, int[2] padding, "
+                                "int[2] dilation, int groups, str layout, bool need_dw) -> Tensor")
 def conv2d_backward_data(dy: torch.Tensor, weight: torch.Tensor, layer: int, x_shape: Sequence[int],
                          stride: Sequence[int], padding: Sequence[int], dilation: Sequence[int], groups: int,
                          layout: str, need_dw: bool) -> torch.Tensor:
@@ -166,7 +174,8 @@ def _conv2d_backward_data_fake(dy, weight, layer, x_shape, stride, padding, dila
     return torch.empty(tuple(x_shape), dtype=dy.dtype, device=dy.device, memory_format=_format(layout))
 
 
-@torch.library.custom_op("ucudnn::conv2d_backward_filter", mutates_args=())
+@torch.library.custom_op("ucudnn::conv2d_backward_filter", mutates_args=(),
+                         schema=f"(Tensor x, Tensor dy, Tensor weight, {_CONV}, bool need_dx) -> Tensor")
 def conv2d_backward_filter(x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor, layer: int,
                            stride: Sequence[int], padding: Sequence[int], dilation: Sequence[int], groups: int,
                            layout: str, need_dx: bool) -> torch.Tensor:
