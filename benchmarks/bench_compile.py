@@ -161,16 +161,17 @@ def main() -> int:
                  for k in (r.fwd, r.bwd_data, r.bwd_filter))
     results["kernels_through_ucudnn"] = routed
 
-    rows = [["compile (first step), s", f"{results['compile_s']['torch']:.1f}", f"{results['compile_s']['ucudnn']:.1f}",
-             f"{results['compile_s']['ucudnn'] / results['compile_s']['torch']:.2f}x"],
-            ["compiled step, ms", f"{steps['torch']:.1f}", f"{steps['ucudnn']:.1f}", f"{steps['ucudnn'] / steps['torch']:.3f}x"],
-            ["eager step, ms", f"{steps['torch eager']:.1f}", f"{steps['ucudnn eager']:.1f}",
-             f"{steps['ucudnn eager'] / steps['torch eager']:.3f}x"]]
+    def row(figure: str, values: dict, digits: int) -> list[str]:
+        return [figure, f"{values['torch']:.{digits}f}", f"{values['ucudnn']:.{digits}f}",
+                f"{values['ucudnn'] / values['torch']:.3f}x"]
+
+    rows = [row("compile (first step), s", results["compile_s"], 1), row("compiled step, ms", steps, 1),
+            row("eager step, ms", {name: steps[f"{name} eager"] for name in models}, 1)]
     if cuda:
-        rows.append(["compiled step host time, ms", f"{results['host_ms']['torch']:.2f}",
-                     f"{results['host_ms']['ucudnn']:.2f}", f"{results['host_ms']['ucudnn'] / results['host_ms']['torch']:.3f}x"])
+        rows.append(row("compiled step host time, ms", results["host_ms"], 2))
     print(f"# ResNet-18-shaped, batch {args.batch}, {args.resolution}x{args.resolution}, {args.device}, "
-          f"mode={args.mode}, policy {args.policy}, algos {args.algos or 'all'}, {torch.get_num_threads()} thread(s); {routed} kernel(s) routed through ucudnn; planning {plan_s:.1f} s")
+          f"mode={args.mode}, policy {args.policy}, algos {args.algos or 'all'}, {torch.get_num_threads()} "
+          f"thread(s); {routed} kernel(s) routed through ucudnn; planning {plan_s:.1f} s")
     print(table(["figure", "torch", "ucudnn", "ucudnn/torch"], rows))
     if args.json:
         with open(args.json, "w") as f:

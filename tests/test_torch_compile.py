@@ -216,7 +216,8 @@ def test_a_new_shape_recompiles_and_plans_on_real_tensors(monkeypatch):
     route = Conv2d._route
 
     def spy(self, input, weight, *args):
-        planned.append((self.layer_id, tuple(input.shape), isinstance(input, FakeTensor) or isinstance(weight, FakeTensor)))
+        fake = isinstance(input, FakeTensor) or isinstance(weight, FakeTensor)
+        planned.append((self.layer_id, tuple(input.shape), fake))
         return route(self, input, weight, *args)
 
     monkeypatch.setattr(Conv2d, "_route", spy)
@@ -239,7 +240,8 @@ def test_one_dynamic_graph_plans_each_shape_when_it_runs():
     from torch._dynamo.testing import CompileCounterWithBackend
 
     torch.manual_seed(0)
-    plain = nn.Sequential(nn.Conv2d(3, 8, 3, stride=2, padding=1), nn.ReLU(), nn.Conv2d(8, 4, 3, padding="same", groups=4))
+    plain = nn.Sequential(nn.Conv2d(3, 8, 3, stride=2, padding=1), nn.ReLU(),
+                          nn.Conv2d(8, 4, 3, padding="same", groups=4))
     ours = convert(copy.deepcopy(plain), **NUMPY)
     counter = CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(ours, backend=counter, dynamic=True, fullgraph=True)
@@ -343,8 +345,10 @@ def _samples(layer: Conv2d, seed: int):
     key = ops.layer_key(layer)
     return [
         (torch.ops.ucudnn.conv2d.default, (x, w, key), dict(**conv, need_dx=True, need_dw=True)),
-        (torch.ops.ucudnn.conv2d_backward_data.default, (dy, w.detach(), key, list(x.shape)), dict(**conv, need_dw=True)),
-        (torch.ops.ucudnn.conv2d_backward_filter.default, (x.detach(), dy, w.detach(), key), dict(**conv, need_dx=True)),
+        (torch.ops.ucudnn.conv2d_backward_data.default, (dy, w.detach(), key, list(x.shape)),
+         dict(**conv, need_dw=True)),
+        (torch.ops.ucudnn.conv2d_backward_filter.default, (x.detach(), dy, w.detach(), key),
+         dict(**conv, need_dx=True)),
     ]
 
 

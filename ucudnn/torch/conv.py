@@ -459,8 +459,8 @@ class Conv2d(nn.Conv2d):
     def _traced(self, input, weight, bias, padding, layout: str, need_dx: bool, need_dw: bool) -> torch.Tensor:
         """The layer as torch.compile and torch.export see it: ucudnn's operators, which plan and
         run when the graph runs (on real tensors, with the layer's handle at that time)."""
-        y = torch.ops.ucudnn.conv2d.default(input, weight, self._key, self.stride, padding, self.dilation, self.groups, layout,
-                        need_dx, need_dw)
+        y = torch.ops.ucudnn.conv2d.default(input, weight, self._key, self.stride, padding, self.dilation,
+                                            self.groups, layout, need_dx, need_dw)
         return y if bias is None else y + bias.view(1, -1, 1, 1)
 
     def _learning_now(self) -> bool:

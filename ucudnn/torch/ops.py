@@ -146,8 +146,8 @@ def _conv2d_fake(x, weight, layer, stride, padding, dilation, groups, layout, ne
 
 
 @torch.library.custom_op("ucudnn::conv2d_backward_data", mutates_args=(),
-                         schema="(Tensor dy, Tensor weight, int layer, SymInt[4] x_shape, int[2] stride, int[2] padding, "
-                                "int[2] dilation, int groups, str layout, bool need_dw) -> Tensor")
+                         schema="(Tensor dy, Tensor weight, int layer, SymInt[4] x_shape, int[2] stride, "
+                                "int[2] padding, int[2] dilation, int groups, str layout, bool need_dw) -> Tensor")
 def conv2d_backward_data(dy: torch.Tensor, weight: torch.Tensor, layer: int, x_shape: Sequence[int],
                          stride: Sequence[int], padding: Sequence[int], dilation: Sequence[int], groups: int,
                          layout: str, need_dw: bool) -> torch.Tensor:
@@ -213,10 +213,11 @@ def _backward(ctx, dy):
     layer, stride, padding, dilation, groups, layout, need_dx, need_dw = ctx.conv
     dx = dw = None
     if ctx.needs_input_grad[0]:
-        dx = torch.ops.ucudnn.conv2d_backward_data.default(dy, weight, layer, list(x.shape), stride, padding, dilation, groups, layout,
-                                  need_dw)
+        dx = torch.ops.ucudnn.conv2d_backward_data.default(dy, weight, layer, list(x.shape), stride, padding,
+                                                           dilation, groups, layout, need_dw)
     if ctx.needs_input_grad[1]:
-        dw = torch.ops.ucudnn.conv2d_backward_filter.default(x, dy, weight, layer, stride, padding, dilation, groups, layout, need_dx)
+        dw = torch.ops.ucudnn.conv2d_backward_filter.default(x, dy, weight, layer, stride, padding, dilation,
+                                                             groups, layout, need_dx)
     return dx, dw, None, None, None, None, None, None, None, None
 
 
