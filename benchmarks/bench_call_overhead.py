@@ -15,6 +15,9 @@ CUDA tensors for `torch`, any cuDNN engine; no `backend` row there, host time on
 starts after a device synchronisation and the tiny kernels keep up with the launches).
 It only uses APIs that predate the prepared path, so that the same script measures an older
 checkout (PYTHONPATH=that checkout) for a before/after comparison.
+`layer direct` and `layer routed`: forward and backward of a converted tiny layer planned `native`
+(plain F.conv2d behind the layer's checks) and `im2col_gemm` (through the handle), per call;
+`layer operators`: the latter's kernels called through ucudnn's torch.library operators instead.
 `torch route` (when ucudnn.torch exists) is what ucudnn.torch charges per kernel call routed through
 ucudnn instead of torch's own convolution (`ucudnn.torch.conv.route_overhead_ms`, forward and
 backward of a tiny layer: the autograd Function plus one kernel's share of the handle route).
@@ -48,6 +51,33 @@ def per_call_us(fn, calls: int, rounds: int, sync=lambda: None) -> float:
             fn()
         best = min(best, (time.perf_counter() - start) / calls * 1e6)
     return best
+
+
+def layer_calls_us(calls: int, rounds: int) -> dict[str, float]:
+    """Forward and backward of a converted tiny layer (`ucudnn.torch.convert`), per call: `layer
+    direct` plans `native` (the layer is plain F.conv2d behind ucudnn's checks), `layer routed`
+    plans im2col_gemm (the autograd Function and the handle's kernels); `layer operators` runs the
+    routed layer's kernels through `torch.ops.ucudnn` (what eager calls would cost through them)."""
+    from ucudnn.torch import convert
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 8, 8, 8, generator=g, requires_grad=True)
+    dy = torch.randn(1, 8, 8, 8, generator=g)
+    out = {}
+    for name, algo in (("layer direct", "native"), ("layer routed", "im2col_gemm")):
+        layer = convert(torch.nn.Conv2d(8, 8, 3, padding=1), backend="cpu", policy="undivided", algos=[algo], reps=1,
+                        db=False, call_overhead=0)
+        layer(x).backward(dy)  # plan and prepare
+        out[name] = per_call_us(lambda: layer(x).backward(dy), calls, rounds)
+    try:
+        from ucudnn.torch.ops import layer_key
+    except ImportError:  # an older checkout: no operators
+        return out
+    # the routed layer's kernels through ucudnn's torch.library operators, as a compiled graph calls them
+    conv = (layer_key(layer), [1, 1], [1, 1], [1, 1], 1, "NCHW", True, True)
+    out["layer operators"] = per_call_us(lambda: torch.ops.ucudnn.conv2d(x, layer.weight, *conv).backward(dy),
+                                         calls, rounds)
+    return out
 
 
 def main() -> int:
@@ -88,6 +118,8 @@ def main() -> int:
                 lambda: backend.run(problem, "native", x=x, w=w, out=out, workspace=workspace),
                 args.calls, args.rounds)
     results["per micro-batch"] = (results["handle-4"] - results["handle"]) / 3
+    if not gpu:
+        results.update(layer_calls_us(args.calls // 5, args.rounds))
     if not gpu:
         results["handle - backend"] = results["handle"] - results["backend"]
         try:

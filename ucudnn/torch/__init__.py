@@ -1,8 +1,9 @@
 """PyTorch integration: `Conv2d` (a drop-in for `torch.nn.Conv2d`), `convert(model)` and `announce`;
 memory plans in training: `plan_memory(model, example_input, ...)` and `execute_plan(model, plan)`.
 
-Submodules: `conv` (the drop-in), `memory` (plans in training), `zoo` (torchvision-shaped models
-written by hand), `distributed` (uneven batches). This package imports torch;
+Submodules: `conv` (the drop-in), `ops` (its kernels as torch.library operators, for torch.compile
+and torch.export), `memory` (plans in training), `zoo` (torchvision-shaped models written by hand),
+`distributed` (uneven batches). This package imports torch;
 ``import ucudnn`` does not import it.
 """
 

@@ -26,6 +26,12 @@ learning; the next convolution solves once. ``announce(model, example)`` does th
 explicitly with one recording forward pass in eval mode (batch-norm statistics untouched); use it
 when the first forward pass runs under ``torch.no_grad()`` (it would register no backward kernels).
 
+Under torch.compile and torch.export (``torch.compiler.is_compiling()``) a layer traces to the
+operators of `ucudnn.torch.ops` instead: they look the layer up by an int key and plan, register
+(WD's learning pass) and run when the graph runs, with the same route cache, so nothing is planned
+on fake tensors and nothing about the handle is baked into a graph. Eager calls keep the autograd
+Function: going through the dispatcher and the operators' autograd wrapper costs host time per call.
+
 CPU tensors of float32 (or float64) go through ``.numpy()`` views without copies; CUDA tensors go
 to a cudnn-backend handle through ``__cuda_array_interface__`` (``cupy.asarray``; bfloat16 as its
 16-bit words), on torch's current stream, with CuPy's allocations taken from PyTorch's caching
@@ -58,7 +64,7 @@ from ucudnn.backends.base import one_line
 from ucudnn.backends.cpu import NATIVE, CpuBackend
 from ucudnn.benchmark import interleaved_medians_ms
 from ucudnn.errors import BackendUnavailable, InvalidInput, UnsupportedProblem
-from ucudnn.handle import Handle, Kernel
+from ucudnn.handle import Handle, Kernel, native_only
 from ucudnn.problem import ConvProblem
 from ucudnn.sizes import format_size
 from ucudnn.solver.types import Infeasible
@@ -172,11 +178,6 @@ def _layout(t: torch.Tensor) -> tuple[torch.Tensor, str]:
 
 def _out_size(size: int, r: int, stride: int, pad: int, dilation: int) -> int:
     return (size + 2 * pad - dilation * (r - 1) - 1) // stride + 1
-
-
-def _native_undivided(config) -> bool:
-    """A plan that is torch's own convolution on the whole batch: torch can run it in place."""
-    return len(config.micros) == 1 and config.micros[0].algo == NATIVE
 
 
 @dataclass(frozen=True, slots=True)
@@ -381,11 +382,18 @@ class Conv2d(nn.Conv2d):
             raise InvalidInput(f"layer must be a non-empty string or None, got {layer!r}")
         self.handle = handle
         self.layer = layer
+        if "_key" not in self.__dict__:  # the name torch.ops.ucudnn's operators know this layer by
+            self._key = _ops.register_layer(self)
         self._recording = False
         self._learning: _Learning | None = None  # set by convert for WD without announce
         self._routes = _Routes()
         # kind -> workspace bytes, set by ucudnn.torch.execute_plan for the span of its block
         self._budgets: dict[str, int] | None = None
+
+    def __setstate__(self, state) -> None:
+        # a copy or an unpickled layer is another layer: the operators must not find the original by its key
+        super().__setstate__({name: value for name, value in state.items() if name != "_key"})
+        self._key = _ops.register_layer(self)
 
     @classmethod
     def from_conv(cls, conv: nn.Conv2d, *, handle: Handle, layer: str | None = None) -> Conv2d:
@@ -397,7 +405,7 @@ class Conv2d(nn.Conv2d):
         # A shallow copy of the module's state; its dicts (parameters, hooks, ...) are copied so
         # that the two modules do not share containers, while the tensors in them are shared.
         new.__dict__.update({name: (value.copy() if isinstance(value, dict) else value)
-                             for name, value in conv.__dict__.items()})
+                             for name, value in conv.__dict__.items() if name != "_key"})
         new._init_ucudnn(handle, layer)
         return new
 
@@ -438,22 +446,43 @@ class Conv2d(nn.Conv2d):
 
     def _convolve(self, input, weight, bias, padding) -> torch.Tensor:
         stride, dilation = tuple(self.stride), tuple(self.dilation)
-        if self._recording or (self._learning is not None and self._learning.active):
+        # compiling: the operators read the learning state when the graph runs, not while it is traced
+        compiling = torch.compiler.is_compiling()
+        if not compiling and (self._recording or (self._learning is not None and self._learning.active)):
             return self._record(input, weight, bias, padding)
         if input.shape[0] == 0:  # an empty batch: nothing to plan; torch returns the empty result
             return F.conv2d(input, weight, bias, stride, padding, dilation, self.groups)
         input, layout = _layout(input)
         grad = torch.is_grad_enabled()
+        need_dx, need_dw = grad and input.requires_grad, grad and weight.requires_grad
+        if compiling:
+            return self._traced(input, weight, bias, padding, layout, need_dx, need_dw)
+        route = self._planned(input, weight, padding, layout, need_dx, need_dw)
+        if route.direct:
+            return F.conv2d(input, weight, bias, stride, padding, dilation, self.groups)
+        return _Conv2dFunction.apply(input, weight, bias, route, stride, padding, dilation, self.groups)
+
+    def _planned(self, input, weight, padding, layout: str, need_dx: bool, need_dw: bool) -> _Route:
+        """This layer's route at this input with its current handle, planned on first use."""
         key = (input.shape, weight.shape, input.dtype, weight.dtype, input.device, weight.device, layout, padding,
-               grad and input.requires_grad, grad and weight.requires_grad)
+               need_dx, need_dw)
         route = self._routes.get(key)
         handle = self.handle
         if route is None or route.handle is not handle or route.generation != handle.generation \
                 or route.budgets is not self._budgets:
-            route = self._routes[key] = self._route(input, weight, padding, layout, key[-2], key[-1])
-        if route.direct:
-            return F.conv2d(input, weight, bias, stride, padding, dilation, self.groups)
-        return _Conv2dFunction.apply(input, weight, bias, route, stride, padding, dilation, self.groups)
+            route = self._routes[key] = self._route(input, weight, padding, layout, need_dx, need_dw)
+        return route
+
+    def _traced(self, input, weight, bias, padding, layout: str, need_dx: bool, need_dw: bool) -> torch.Tensor:
+        """The layer as torch.compile and torch.export see it: ucudnn's operators, which plan and
+        run when the graph runs (on real tensors, with the layer's handle at that time)."""
+        y = torch.ops.ucudnn.conv2d.default(input, weight, self._key, self.stride, padding, self.dilation,
+                                            self.groups, layout, need_dx, need_dw)
+        return y if bias is None else y + bias.view(1, -1, 1, 1)
+
+    def _learning_now(self) -> bool:
+        """Whether this layer registers itself (announce, or WD's learning pass) instead of planning."""
+        return self._recording or (self._learning is not None and self._learning.active)
 
     def _problem(self, input, weight, padding, dtype: str, layout: str = "NCHW") -> ConvProblem:
         n, c, h, w = input.shape
@@ -495,20 +524,22 @@ class Conv2d(nn.Conv2d):
                                  f"layer's configurations ({exc}); make the plan with plan_memory on the converted "
                                  "model, whose budgets come from its layers' own measurements") from exc
         # torch runs a native undivided plan itself (on CPU tensors; the cudnn backend has no native)
-        torch_runs = {kind: input.device.type == "cpu" and _native_undivided(k.config) for kind, k in kernels.items()}
+        torch_runs = {kind: input.device.type == "cpu" and native_only(k.config) for kind, k in kernels.items()}
         routed = {kind: None if torch_runs[kind] else k for kind, k in kernels.items()}
         return _Route(handle, handle.generation, backend, layout, routed["fwd"], routed.get("bwd_data"),
                       routed.get("bwd_filter"), direct=all(torch_runs.values()), budgets=self._budgets)
 
     def _record(self, input, weight, bias, padding) -> torch.Tensor:
         """Announce this layer to the handle and compute with torch's own convolution."""
+        self._announce(input, weight, padding, input.requires_grad, weight.requires_grad)
+        return F.conv2d(input, weight, bias, self.stride, padding, self.dilation, self.groups)
+
+    def _announce(self, input, weight, padding, need_dx: bool, need_dw: bool) -> None:
         # in the layout its route will run, or the first real call re-registers the layer (WD re-solves)
         problem = self._problem(input, weight, padding, _dtype_name(input, self.handle.backend.name),
                                 _layout_name(input))
-        kinds = {"fwd"} | ({"bwd_data"} if input.requires_grad else set()) \
-            | ({"bwd_filter"} if weight.requires_grad else set())
+        kinds = {"fwd"} | ({"bwd_data"} if need_dx else set()) | ({"bwd_filter"} if need_dw else set())
         self.handle.register(self.layer_id, problem, kinds=kinds)
-        return F.conv2d(input, weight, bias, self.stride, padding, self.dilation, self.groups)
 
 
 def _ucudnn_convs(model: nn.Module) -> Iterator[Conv2d]:
@@ -597,3 +628,6 @@ def announce(model: nn.Module, *inputs: Any, **kwargs: Any) -> None:
                 conv._learning.active = False
         for module, flag in training.items():
             module.training = flag
+
+
+from ucudnn.torch import ops as _ops  # noqa: E402  (the operators call back into this module's layers)
