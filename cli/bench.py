@@ -143,7 +143,7 @@ def format_report(report, verbose: bool = False, layer_specs=None) -> str:
         fallback = "*" if base and k.baseline_rule == BASELINE_LEAST_WORKSPACE else ""
         rows.append((k.layer, k.problem.kind, base.algo + fallback if base else "(none runs)",
                      f"{base.time:.3f}" if base else "-", k.config.describe(), f"{k.config.time:.3f}",
-                     format_size(k.config.workspace), _ratio(k.speedup)))
+                     format_size(k.config.workspace), _ratio(k.speedup) + ("?" if k.doubtful else "")))
     total_ws = "sum " if report.mode == "WD" else "max "
     rows.append(("total", "", "", _ms(report.baseline_ms), "", f"{report.time_ms:.3f}",
                  total_ws + format_size(report.workspace), _ratio(report.baseline_ms / report.time_ms)))
@@ -161,9 +161,13 @@ def format_report(report, verbose: bool = False, layer_specs=None) -> str:
               f"baseline: {report.baseline_text}"
               + (f" (marked *: {fallbacks} of {len(report.kernels)} kernels)." if fallbacks else ".")]
     speedup = report.baseline_ms / report.time_ms
+    doubtful = sum(k.doubtful for k in report.kernels)
     if math.isfinite(speedup):
         lines.append(f"speedup: {speedup:.2f}x in total, {report.time_ms:.1f} ms against the baselines' "
-                     f"{report.baseline_ms:.1f} ms (sums over the {len(report.kernels)} kernels)")
+                     f"{report.baseline_ms:.1f} ms (sums over the {len(report.kernels)} kernels)"
+                     + (f"; `?` marks {doubtful} ratio{'' if doubtful == 1 else 's'} resting on a time that still looks like an outlier "
+                        f"(noisy, or over 2x slower per sample than at a smaller size) after re-measuring"
+                        if doubtful else ""))
     else:
         lines.append("speedup: - in total: some kernel has no baseline (no algorithm ran its undivided batch)")
     s = report.stats

@@ -45,7 +45,7 @@ def test_json_follows_the_contract_and_the_second_run_measures_nothing(tmp_path,
     assert [k["kind"] for k in first["kernels"]] == ["fwd", "bwd_data", "bwd_filter"]
     for k in first["kernels"]:
         assert set(k) == {"layer", "kind", "problem", "baseline", "config", "time_ms", "workspace", "speedup",
-                          "batch", "excluded", "configuration"}
+                          "batch", "excluded", "configuration", "doubtful"}
         assert k["layer"] == "layer1" and k["baseline"]["chosen_by"] == "fastest within the limit"
         assert expand(k["configuration"]) == [(m["algo"], m["batch"]) for m in k["config"]]
         assert k["batch"] == 8 and k["excluded"] == []

@@ -172,6 +172,34 @@ def test_a_stalled_baseline_is_measured_again_before_it_becomes_a_ratio(tmp_path
     assert again.kernels[0].baseline == k.baseline
 
 
+class StallAlways(StallOnce):
+    """Every measurement of the undivided kernel is STALL times too slow: re-measuring cannot help."""
+
+    def measure(self, problem, algos, reps=3, *, accumulate=False):
+        self.stalled.clear()
+        return super().measure(problem, algos, reps, accumulate=accumulate)
+
+
+def test_a_ratio_that_stays_doubtful_after_re_measuring_is_marked(tmp_path, capsys):
+    from ucudnn.cli.bench import format_report
+    from ucudnn.optimize import REMEASURE_ATTEMPTS
+
+    backend = StallAlways()
+    calls = []
+    original = backend.measure
+    backend.measure = lambda problem, algos, reps=3, **kw: calls.append((problem.n, reps)) or original(
+        problem, algos, reps, **kw)
+    kernels = expand_kernels([("layer1", PROBLEM)], 8, ["fwd"])
+    report = optimize(backend, kernels, policy="powerOfTwo", algos=["im2col_gemm"], reps=1)
+    (k,) = report.kernels
+    assert k.doubtful and report.to_json()["kernels"][0]["doubtful"] is True
+    # Measured once by the benchmark, then REMEASURE_ATTEMPTS times with three times the reps.
+    assert calls.count((8, 1)) == 1 and calls.count((8, 3)) == REMEASURE_ATTEMPTS
+    row = next(line for line in format_report(report).splitlines() if line.startswith("layer1"))
+    assert row.endswith("x?")
+    assert "`?` marks 1 ratio resting" in format_report(report)
+
+
 # ---- cluster device names, plan plots, db info ----
 
 def test_an_unknown_cluster_device_says_where_it_was_looked_for(tmp_path):
