@@ -275,8 +275,10 @@ def optimize(backend: Backend, kernels: Sequence[tuple[str, ConvProblem]], *, po
             configs_ = _solve_wd(kernels, fronts_, total_workspace)
         return chosen_baselines, configs_, fronts_
 
+    noisy_now = sum(1 for tk, table in tables.items() for row in table.values() for m in row
+                    if (m.algo, m.batch) in fresh[tk] and m.usable and is_noisy(m.time, m.spread))
     # A ratio is only as good as its two times: re-measure the suspicious ones it rests on, then solve
-    # again (a re-measured time can change what is fastest). Each time is re-measured at most once.
+    # again (a re-measured time can change what is fastest). Each time gets one round of tries.
     remeasured: set[tuple[tuple[str, int], str, int]] = set()
     for _ in range(MAX_REMEASURE_ROUNDS):
         baselines, configs, fronts = solve()
@@ -291,6 +293,8 @@ def optimize(backend: Backend, kernels: Sequence[tuple[str, ConvProblem]], *, po
                     suspects[key] = m
         if not suspects:
             break
+        if progress is not None:
+            progress.set_description(f"re-measuring {len(suspects)} outliers")
         for key, m in suspects.items():
             tk = key[0]
             for _ in range(REMEASURE_ATTEMPTS):
@@ -302,8 +306,6 @@ def optimize(backend: Backend, kernels: Sequence[tuple[str, ConvProblem]], *, po
     else:
         baselines, configs, fronts = solve()
 
-    noisy_now = sum(1 for tk, table in tables.items() for row in table.values() for m in row
-                    if (m.algo, m.batch) in fresh[tk] and m.usable and is_noisy(m.time, m.spread))
     plans = []
     for (name, p), config in zip(kernels, configs, strict=True):
         base, rule = baselines[p.key, p.n]
