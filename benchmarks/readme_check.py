@@ -125,9 +125,9 @@ def run_bash(block: Block, cwd: Path, env: dict[str, str], timeout_s: float) -> 
     for command in block.commands():
         start = time.perf_counter()
         try:
-            proc = subprocess.run(["bash", "-c", command], cwd=cwd, env=env, capture_output=True, text=True,
-                                  timeout=timeout_s)
-            code, tail = proc.returncode, (proc.stdout + proc.stderr)[-2000:]
+            proc = subprocess.run(["bash", "-c", command], cwd=cwd, env=env, stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True, timeout=timeout_s)
+            code, tail = proc.returncode, proc.stdout[-4000:]
         except subprocess.TimeoutExpired:
             code, tail = 124, f"timed out after {timeout_s:.0f} s"
         results.append(Result(command, block.line, time.perf_counter() - start, code, tail))

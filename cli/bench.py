@@ -24,7 +24,7 @@ _UNUSED_LAYER_KEYS = {"kind": "bench runs every kind of --kinds"}
 
 @click.command()
 @click.option("--layer", "layer_specs", multiple=True, metavar="SPEC",
-              help="A conv layer, e.g. n=32,c=64,h=56,w=56,k=128,r=3,s=3,pad=1 (repeatable).")
+              help="A conv layer, e.g. n=32,c=64,h=56,w=56,k=128,r=3,s=3,pad=1 (repeatable; no kind=, see --kinds).")
 @click.option("--network", metavar="NAME", help="A network of the zoo (see `ucudnn networks`).")
 @click.option("--batch", type=click.IntRange(min=1), help="Mini-batch size (overrides n of --layer).")
 @click.option("--workspace", callback=_size_option, metavar="SIZE",
