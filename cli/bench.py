@@ -10,27 +10,21 @@ from pathlib import Path
 import click
 
 from ucudnn.backends.base import NOISY_SPREAD_FRACTION
+from ucudnn.cli.options import size_option as _size_option
 from ucudnn.errors import InvalidInput
 from ucudnn.problem import KINDS, ConvProblem
 from ucudnn.resources import check_can_run
-from ucudnn.sizes import format_size, parse_size
+from ucudnn.sizes import format_size
 
 # Timed runs per measurement; more only adds time (the median of 1000 runs is already stable).
 MAX_REPS = 1000
-
-
-def _size_option(ctx, param, value):
-    if value is None:
-        return None
-    try:
-        return parse_size(value)
-    except InvalidInput as exc:
-        raise click.BadParameter(str(exc), ctx=ctx, param=param) from None
+# What `--layer` ignores, and why: refused in one line rather than silently dropped.
+_UNUSED_LAYER_KEYS = {"kind": "bench runs every kind of --kinds"}
 
 
 @click.command()
 @click.option("--layer", "layer_specs", multiple=True, metavar="SPEC",
-              help="A conv layer, e.g. n=32,c=64,h=56,w=56,k=128,r=3,s=3,pad=1 (repeatable).")
+              help="A conv layer, e.g. n=32,c=64,h=56,w=56,k=128,r=3,s=3,pad=1 (repeatable; no kind=, see --kinds).")
 @click.option("--network", metavar="NAME", help="A network of the zoo (see `ucudnn networks`).")
 @click.option("--batch", type=click.IntRange(min=1), help="Mini-batch size (overrides n of --layer).")
 @click.option("--workspace", callback=_size_option, metavar="SIZE",
@@ -84,11 +78,11 @@ def bench(layer_specs, network, batch, workspace, total_workspace, policy, backe
         from ucudnn.networks import layers as network_layers
         layers = [(layer.name, layer.problem) for layer in network_layers(network, batch)]
     else:
-        problems = [ConvProblem.parse(spec) for spec in layer_specs]
+        problems = [ConvProblem.parse(spec, unused=_UNUSED_LAYER_KEYS) for spec in layer_specs]
         if batch is None and total_workspace is not None and len({p.n for p in problems}) > 1:
             raise InvalidInput("the --layer specs have different n and WD divides one workspace among kernels of "
                                "one batch size; give --batch to choose one")
-        layers = [(f"layer{i + 1}" if len(problems) > 1 else "layer", p) for i, p in enumerate(problems)]
+        layers = [(f"layer{i + 1}", p) for i, p in enumerate(problems)]  # the table names each --layer above it
     # Each layer at --batch, or at its own n (WR: every kernel stands alone).
     kernels = [kernel for layer in layers for kernel in expand_kernels([layer], batch or layer[1].n, kind_list)]
 
@@ -114,7 +108,8 @@ def bench(layer_specs, network, batch, workspace, total_workspace, policy, backe
 
     total = sum(len(sizes[p.n]) * len(algo_list or backend.algorithms(p)) for p in unique.values())
     try:
-        with tqdm(total=total, desc="benchmark", unit="cfg", file=sys.stderr, disable=not show_progress,
+        # One step per candidate (an algorithm at a micro-batch size): measured, from the cache or over the limit.
+        with tqdm(total=total, desc="benchmark", unit="candidate", file=sys.stderr, disable=not show_progress,
                   leave=False) as progress, logging_redirect_tqdm():
             report = optimize(backend, kernels, policy=policy_value, workspace_limit=workspace,
                               total_workspace=total_workspace, cache=cache, algos=algo_list, reps=reps,
@@ -128,22 +123,27 @@ def bench(layer_specs, network, batch, workspace, total_workspace, policy, backe
     if as_json:
         click.echo(json.dumps(report.to_json(), indent=2))
     else:
-        click.echo(format_report(report, verbose=verbose))
+        specs = None if network else [(name, p.spec) for name, p in layers]
+        click.echo(format_report(report, verbose=verbose, layer_specs=specs))
 
 
-def format_report(report, verbose: bool = False) -> str:
-    """A table a person can read: one row per kernel, then totals."""
+def format_report(report, verbose: bool = False, layer_specs=None) -> str:
+    """A table a person can read: one row per kernel, then totals, what the columns mean, the headline."""
+    from ucudnn.optimize import BASELINE_LEAST_WORKSPACE, configuration_notation
+
     limit = (f"workspace limit {format_size(report.workspace_limit)} per kernel" if report.mode == "WR"
              else f"total workspace {format_size(report.total_workspace)}")
     lines = [f"device {report.device} | backend {report.backend} | mode {report.mode}, {limit} | "
              f"policy {report.policy} | batch {report.batch if report.batch is not None else 'per layer'}"]
+    lines += [f"{name}: --layer {spec}" for name, spec in layer_specs or ()]
     header = ("layer", "kind", "baseline", "base ms", "configuration", "ms", "workspace", "speedup")
     rows = []
     for k in report.kernels:
         base = k.baseline
-        rows.append((k.layer, k.problem.kind, base.algo if base else "(none fits)",
+        fallback = "*" if base and k.baseline_rule == BASELINE_LEAST_WORKSPACE else ""
+        rows.append((k.layer, k.problem.kind, base.algo + fallback if base else "(none runs)",
                      f"{base.time:.3f}" if base else "-", k.config.describe(), f"{k.config.time:.3f}",
-                     format_size(k.config.workspace), _ratio(k.speedup)))
+                     format_size(k.config.workspace), _ratio(k.speedup) + ("?" if k.doubtful else "")))
     total_ws = "sum " if report.mode == "WD" else "max "
     rows.append(("total", "", "", _ms(report.baseline_ms), "", f"{report.time_ms:.3f}",
                  total_ws + format_size(report.workspace), _ratio(report.baseline_ms / report.time_ms)))
@@ -156,16 +156,31 @@ def format_report(report, verbose: bool = False) -> str:
 
     rule = "  ".join("-" * w for w in widths)
     lines += [line(header), rule, *map(line, rows[:-1]), rule, line(rows[-1])]
+    fallbacks = sum(1 for k in report.kernels if k.baseline and k.baseline_rule == BASELINE_LEAST_WORKSPACE)
+    lines += [f"configuration: {configuration_notation(report.example_configuration)}.",
+              f"baseline: {report.baseline_text}"
+              + (f" (marked *: {fallbacks} of {len(report.kernels)} kernels)." if fallbacks else ".")]
+    speedup = report.baseline_ms / report.time_ms
+    doubtful = sum(k.doubtful for k in report.kernels)
+    if math.isfinite(speedup):
+        lines.append(f"speedup: {speedup:.2f}x in total, {report.time_ms:.1f} ms against the baselines' "
+                     f"{report.baseline_ms:.1f} ms (sums over the {len(report.kernels)} kernels)"
+                     + (f"; `?` marks {doubtful} ratio{'' if doubtful == 1 else 's'} resting on a time that still looks like an outlier "
+                        f"(noisy, or over 2x slower per sample than at a smaller size) after re-measuring"
+                        if doubtful else ""))
+    else:
+        lines.append("speedup: - in total: some kernel has no baseline (no algorithm ran its undivided batch)")
     s = report.stats
-    lines.append(f"benchmark: {s.measured} measured, {s.cached} from cache, {s.seconds:.1f} s")
-    noisy = report.noisy
+    lines.append(f"benchmark: {s.candidates} candidates (an algorithm at a micro-batch size), {s.measured} measured now, "
+                 f"{s.cached} from the cache, {s.over_limit} not run (workspace over the limit); {s.seconds:.1f} s")
+    if report.noise_text:
+        lines.append(f"note: {report.noise_text}")
     excluded = [(k, m) for k in report.kernels for m in k.excluded]
-    if noisy or excluded:
-        lines.append(f"warnings: {len(noisy)} noisy timings (IQR over {NOISY_SPREAD_FRACTION:.0%} of the median), "
-                     f"{len(excluded)} wrong results excluded" + ("" if verbose else " (details: --verbose or --json)"))
+    if excluded:
+        lines.append(f"warning: {len(excluded)} wrong results excluded" + ("" if verbose else " (details: --verbose or --json)"))
     if verbose:
         lines += [f"noisy: {k.layer} {k.problem.kind} {m.algo} at batch {m.batch}: median {m.time:.3f} ms, "
-                  f"IQR {m.spread:.3f} ms" for k, m in noisy]
+                  f"IQR {m.spread:.3f} ms (over {NOISY_SPREAD_FRACTION:.0%} of the median)" for k, m in report.noisy]
         lines += [f"excluded: {k.layer} {k.problem.kind} {m.algo} at batch {m.batch}: {m.reason}" for k, m in excluded]
     return "\n".join(lines)
 

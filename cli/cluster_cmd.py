@@ -7,8 +7,8 @@ import math
 
 import click
 
+from ucudnn.cli.options import size_option
 from ucudnn.errors import InvalidInput
-from ucudnn.sizes import parse_size
 
 
 @click.command()
@@ -20,7 +20,7 @@ from ucudnn.sizes import parse_size
 @click.option("--db", "db_url", metavar="URL", help="Measurement cache; default $UCUDNN_DB or the user cache.")
 @click.option("--policy", default="powerOfTwo", show_default=True,
               help="Micro-batch sizes WR may use from cached measurements (as in `ucudnn bench`).")
-@click.option("--workspace", default="64MiB", show_default=True, metavar="SIZE",
+@click.option("--workspace", default="64MiB", show_default=True, metavar="SIZE", callback=size_option,
               help="Per-kernel workspace limit for the WR times of measured devices.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="Draw the per-device times (PNG).")
@@ -37,7 +37,7 @@ def cluster(network, batch, devices_text, db_url, policy, workspace, as_json, pl
         raise InvalidInput(f"--devices must be comma-separated device names without empty entries, "
                            f"got {devices_text!r}")
     plan = plan_cluster(batch, devices, network=network, db=db_url, policy=policy,
-                        workspace_limit=parse_size(workspace))
+                        workspace_limit=workspace)
     if plot_path:
         from ucudnn.plot import plot_cluster
         plot_cluster(plan, plot_path)

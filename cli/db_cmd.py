@@ -28,14 +28,27 @@ def db() -> None:
 @_db_option
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def info(db_url: str | None, as_json: bool) -> None:
-    """Show what the cache holds: devices, problems, measurements, plans, schema version."""
+    """Show what the cache holds: devices, problems, measurements, plans, schema version.
+
+    A "device" is a device model with one backend and one set of library versions (NumPy/BLAS,
+    torch, cuDNN, thread settings): measurements taken under other versions are kept apart, so one
+    machine can count several times. `device_models` counts the models.
+    """
     with Cache(db_url, readonly=True) as cache:
         facts = cache.info()
+    # `devices` counts identities (model, backend, library versions), each measured apart; say so,
+    # and how many device models they are, since one machine with two torch versions shows two.
+    facts["device_models"] = len({d["device"] for d in facts["by_device"]})
     if as_json:
         click.echo(json.dumps(facts, sort_keys=True))
         return
     for name in ("url", "schema_version", "devices", "problems", "measurements", "plans"):
-        click.echo(f"{name:<15} {facts[name]}")
+        note = ""
+        if name == "devices":
+            models = facts["device_models"]
+            note = (f"  (sets of device model, backend and library versions, each measured apart; "
+                    f"{models} device model{'' if models == 1 else 's'})")
+        click.echo(f"{name:<15} {facts[name]}{note}")
     for d in facts["by_device"]:
         click.echo(f"  {d['measurements']:>8}  {d['device']} [{d['backend']}] {d['versions']}")
 

@@ -9,9 +9,10 @@ import sys
 import click
 from tqdm import tqdm
 
+from ucudnn.cli.options import size_option
 from ucudnn.devices import load_profile
 from ucudnn.errors import InvalidInput
-from ucudnn.sizes import format_size, parse_size
+from ucudnn.sizes import format_size
 
 _EXIT_NOTHING_FITS = 1
 
@@ -46,12 +47,25 @@ def _describe(plan) -> str:
             f"{plan.baseline_step_ms:.1f} ms")
 
 
+def plot_paths(path: str, policies: list[str], compare: bool) -> dict[str, str]:
+    """Where each policy's figure goes: `path` itself for one plan; with --compare, `path` with the
+    policy before the suffix, so that every policy is drawn and none overwrites another."""
+    from pathlib import Path
+
+    if not compare:
+        return {policies[0]: path}
+    target = Path(path)
+    suffix = target.suffix or ".png"
+    return {p: str(target.with_name(f"{target.stem}-{p}{suffix}")) for p in policies}
+
+
 @click.command("plan")
 @click.option("--network", required=True, help="Zoo network (ucudnn networks lists them).")
 @click.option("--batch", type=int, default=None, help="Mini-batch size (default: the network's training batch).")
 @click.option("--device", "device_name", default="h100", show_default=True,
               help="Device profile name (ucudnn devices) or a profile's JSON file.")
-@click.option("--memory", "memory", default=None, help="Device memory limit, e.g. 12GiB (default: the device's).")
+@click.option("--memory", "memory", default=None, callback=size_option,
+              help="Device memory limit, e.g. 12GiB (default: the device's); a fraction of a byte is rounded down.")
 @click.option("--policy", default="optimal", show_default=True,
               help="vdnn-all, vdnn-conv, vdnn-dyn, swap-multi, dymem, checkpoint or optimal.")
 @click.option("--devices", type=int, default=1, show_default=True, help="Devices training data-parallel.")
@@ -63,7 +77,8 @@ def _describe(plan) -> str:
 @click.option("--compare", is_flag=True, help="Plan with every available policy, side by side.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON (one plan, or {\"policies\": [...]}).")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False),
-              help="Draw memory over the step and the streams' activity to this PNG (the first plan's).")
+              help="Draw memory over the step and the streams' activity to this PNG; with --compare, one PNG "
+                   "per policy, named FILE with the policy added (timeline-vdnn-dyn.png).")
 def plan(network, batch, device_name, memory, policy, devices, devices_per_link, db_url, compare, as_json,
          plot_path):
     """Plan where each feature map lives (kept, offloaded, recomputed) so NETWORK trains within --memory.
@@ -88,20 +103,26 @@ def plan(network, batch, device_name, memory, policy, devices, devices_per_link,
         if devices_per_link < 1:
             raise InvalidInput(f"--devices-per-link must be a positive integer, got {devices_per_link}")
         profile = dataclasses.replace(profile, devices_per_link=devices_per_link)
-    limit = parse_size(memory) if memory is not None else profile.memory_bytes
+    limit = memory if memory is not None else profile.memory_bytes
     if limit <= 0:
-        raise InvalidInput(f"--memory must be positive, got {memory!r}")
+        raise InvalidInput(f"--memory must be positive, got {memory!r} bytes")
     policies = available_policies() if compare else [policy]
     if not compare and policy not in available_policies():
         raise InvalidInput(f"unknown or unavailable policy {policy!r}; available: {', '.join(available_policies())}")
+    plots = plot_paths(plot_path, policies, compare) if plot_path else {}
+    if plots:  # before planning, not after
+        from ucudnn.cli.bench import check_plot_path
+        for path in plots.values():
+            check_plot_path(path)
     graph = from_network(canonical, batch)
     # progress on stderr, shown only on a terminal (disable=None), so --json stays clean
     plans = [make_plan(graph, profile, limit, p, devices=devices, db=db_url)
              for p in tqdm(policies, desc="planning", unit="policy", disable=None, leave=False, file=sys.stderr)]
 
-    if plot_path:
+    if plots:
         from ucudnn.memory.plot import plot_plan
-        plot_plan(plans[0], plot_path)
+        for p in plans:
+            plot_plan(p, plots[p.policy])
     if as_json:
         body = {"policies": [p.to_json() for p in plans]} if compare else plans[0].to_json()
         click.echo(json.dumps(body))
@@ -111,6 +132,8 @@ def plan(network, batch, device_name, memory, policy, devices, devices_per_link,
         for p in plans:
             if p.device_tensors:
                 click.echo(_per_device(p))
+        if compare and plots:
+            click.echo(f"plots: {', '.join(plots.values())}")
     if any(p.fits for p in plans):
         return 0
     needed = min((smallest_fitting_limit(graph, profile, p.policy, devices=devices, above=limit), p.policy)

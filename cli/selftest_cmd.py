@@ -31,7 +31,8 @@ def selftest(backend_name, dtype, layer_specs, as_json):
     from ucudnn.problem import ConvProblem
     from ucudnn.selftest import DEFAULT_PROBLEMS, SelftestFailed, run_selftest
 
-    problems = [ConvProblem.parse(spec) for spec in layer_specs] or list(DEFAULT_PROBLEMS)
+    problems = [ConvProblem.parse(spec, unused={"kind": "selftest checks every kind"})
+                for spec in layer_specs] or list(DEFAULT_PROBLEMS)
     backend = get_backend(backend_name)
     report = run_selftest(backend, problems=problems, dtype=dtype)
     click.echo(json.dumps(report.to_json(), indent=2) if as_json else report.format())

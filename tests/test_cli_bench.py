@@ -11,6 +11,16 @@ from ucudnn.cli.main import main
 LAYER = "n=8,c=8,h=12,w=12,k=16,r=3,s=3,pad=1"
 
 
+def expand(text):
+    """`2x4:fft + 1x8:native` as the micro-batches it stands for: [(fft, 4), (fft, 4), (native, 8)]."""
+    out = []
+    for group in text.split(" + "):
+        count, rest = group.split("x", 1)
+        size, algo = rest.split(":", 1)
+        out += [(algo, int(size))] * int(count)
+    return out
+
+
 def run(argv, capsys):
     code = main(argv)
     out, err = capsys.readouterr()
@@ -28,14 +38,16 @@ def test_json_follows_the_contract_and_the_second_run_measures_nothing(tmp_path,
     limit = 64 * 1024
     first = bench_json(tmp_path, capsys, "--workspace", "64KiB", "--policy", "powerOfTwo")
     assert set(first) == {"device", "backend", "policy", "mode", "workspace_limit", "total_workspace", "batch",
-                          "kernels", "total", "benchmark", "warnings", "noisy"}
-    assert first["warnings"] == {"noisy_timings": len(first["noisy"]), "wrong_results": 0}
+                          "kernels", "total", "benchmark", "warnings", "noisy", "legend"}
+    assert first["warnings"]["noisy_timings"] == len(first["noisy"]) and first["warnings"]["wrong_results"] == 0
     assert (first["backend"], first["policy"], first["mode"]) == ("cpu", "powerOfTwo", "WR")
     assert (first["workspace_limit"], first["total_workspace"], first["batch"]) == (limit, None, 8)
     assert [k["kind"] for k in first["kernels"]] == ["fwd", "bwd_data", "bwd_filter"]
     for k in first["kernels"]:
         assert set(k) == {"layer", "kind", "problem", "baseline", "config", "time_ms", "workspace", "speedup",
-                          "batch", "excluded"}
+                          "batch", "excluded", "configuration", "doubtful"}
+        assert k["layer"] == "layer1" and k["baseline"]["chosen_by"] == "fastest within the limit"
+        assert expand(k["configuration"]) == [(m["algo"], m["batch"]) for m in k["config"]]
         assert k["batch"] == 8 and k["excluded"] == []
         assert sum(m["batch"] for m in k["config"]) == 8
         assert all(m["workspace"] <= limit for m in k["config"])
@@ -49,11 +61,16 @@ def test_json_follows_the_contract_and_the_second_run_measures_nothing(tmp_path,
     assert total["time_ms"] == pytest.approx(sum(k["time_ms"] for k in first["kernels"]))
     assert total["baseline_ms"] == pytest.approx(sum(k["baseline"]["time_ms"] for k in first["kernels"]))
     assert total["workspace"] == max(k["workspace"] for k in first["kernels"])
-    assert first["benchmark"]["measured"] > 0 and first["benchmark"]["cached"] == 0
+    assert total["baseline_workspace"] == max(k["baseline"]["workspace"] for k in first["kernels"])
+    bench = first["benchmark"]
+    assert bench["measured"] > 0 and bench["cached"] == 0
+    # Every candidate the progress bar counts is measured, cached or over the limit.
+    assert bench["candidates"] == bench["measured"] + bench["cached"] + bench["over_limit"] > bench["measured"]
 
     second = bench_json(tmp_path, capsys, "--workspace", "64KiB", "--policy", "powerOfTwo")
-    assert second["benchmark"]["measured"] == 0
+    assert second["benchmark"]["measured"] == 0 and second["benchmark"]["remeasured"] == 0
     assert second["benchmark"]["cached"] == first["benchmark"]["measured"]
+    assert second["warnings"]["noisy_measured_now"] == 0 and second["warnings"]["advice"] == ""
     assert second["kernels"] == first["kernels"]
     assert second["noisy"] == first["noisy"]  # the spread is cached with the time
 
@@ -150,10 +167,12 @@ def test_stderr_has_no_per_measurement_lines_and_verbose_lists_noisy_timings(tmp
             "--db", str(tmp_path / "cache.db"), "--quiet"]
     code, out, err = run(argv, capsys)
     assert code == 0 and err == ""
-    (summary,) = [line for line in out.splitlines() if line.startswith("warnings: ")]
+    (summary,) = [line for line in out.splitlines() if line.startswith("note: ")]
     count = int(summary.split()[1])
-    assert count > 0 and "--verbose" in summary
+    assert count > 0 and "raise --reps (now 2)" in summary and "measured again" in summary
     assert not any(line.startswith("noisy: ") for line in out.splitlines())
     code, out, err = run([*argv, "--verbose"], capsys)
     assert code == 0 and err == ""
-    assert sum(line.startswith("noisy: layer fwd ") for line in out.splitlines()) == count
+    # Reported once: a run served from the cache does not repeat the note, --verbose still lists them.
+    assert not any(line.startswith("note: ") for line in out.splitlines())
+    assert sum(line.startswith("noisy: layer1 fwd ") for line in out.splitlines()) >= 1

@@ -53,14 +53,22 @@ def batch_sizes(policy: Policy, batch: int) -> list[int]:
 
 @dataclass(frozen=True, slots=True)
 class BenchStats:
-    """How a benchmark went: micro-configs measured now, taken from the cache, and wall time."""
+    """How a benchmark went, per candidate (one algorithm at one micro-batch size): measured now,
+    taken from the cache, or not run because its workspace is over the limit; and wall time.
+    `measured + cached + over_limit` is every candidate, what the progress bar counts."""
 
     measured: int = 0
     cached: int = 0
     seconds: float = 0.0
+    over_limit: int = 0
+
+    @property
+    def candidates(self) -> int:
+        return self.measured + self.cached + self.over_limit
 
     def __add__(self, other: BenchStats) -> BenchStats:
-        return BenchStats(self.measured + other.measured, self.cached + other.cached, self.seconds + other.seconds)
+        return BenchStats(self.measured + other.measured, self.cached + other.cached, self.seconds + other.seconds,
+                          self.over_limit + other.over_limit)
 
 
 def device_key(backend: Backend, algo: str | None = None) -> dict[str, str]:
@@ -72,14 +80,16 @@ def device_key(backend: Backend, algo: str | None = None) -> dict[str, str]:
 
 def measure_table(backend: Backend, problem: ConvProblem, sizes: Sequence[int], *, cache=None,
                   algos: Sequence[str] | None = None, reps: int = 3, workspace_limit: int | None = None,
-                  progress=None) -> tuple[dict[int, list[MicroConfig]], BenchStats]:
+                  progress=None, fresh: set[tuple[str, int]] | None = None,
+                  ) -> tuple[dict[int, list[MicroConfig]], BenchStats]:
     """Every candidate algorithm at every size: `{size: [MicroConfig, ...]}`.
 
     Cached measurements are reused; the rest are measured (each verified against a trusted result,
     see `Backend.measure`) and stored. An algorithm whose workspace
     at a size exceeds `workspace_limit` is not run there: it appears with infinite time and the
     reason (and is not cached, since another limit may admit it). `progress`, if given, is a tqdm
-    bar advanced once per micro-config.
+    bar advanced once per micro-config. `fresh`, if given, receives the `(algo, size)` of every
+    measurement taken now (not read from the cache).
     """
     start = time.perf_counter()
     candidates = list(algos) if algos is not None else backend.algorithms(problem)
@@ -92,7 +102,7 @@ def measure_table(backend: Backend, problem: ConvProblem, sizes: Sequence[int], 
             found.update(cache.lookup(problem_key=problem.key, batches=sizes, algos=group,
                                       **device_key(backend, group[0])))
     table: dict[int, list[MicroConfig]] = {}
-    measured = cached = 0
+    measured = cached = over_limit = 0
     for size in sizes:
         part = problem.with_batch(size)
         row: dict[str, MicroConfig] = {}
@@ -108,6 +118,7 @@ def measure_table(backend: Backend, problem: ConvProblem, sizes: Sequence[int], 
                 if need > workspace_limit:
                     row[algo] = MicroConfig(algo, size, float("inf"), need,
                                             reason=f"needs {need} B of workspace, over the limit {workspace_limit} B")
+                    over_limit += 1
                     continue
             to_measure.append(algo)
         if to_measure:
@@ -121,10 +132,29 @@ def measure_table(backend: Backend, problem: ConvProblem, sizes: Sequence[int], 
                                 **device_key(backend, group[0]))
             row.update((m.algo, m) for m in new)
             measured += len(new)
+            if fresh is not None:
+                fresh.update((m.algo, size) for m in new)
         table[size] = [row[algo] for algo in candidates]
         if progress is not None:
             progress.update(len(candidates))
-    return table, BenchStats(measured, cached, time.perf_counter() - start)
+    return table, BenchStats(measured, cached, time.perf_counter() - start, over_limit)
+
+
+def remeasure(backend: Backend, problem: ConvProblem, micro: MicroConfig, *, reps: int, cache=None) -> MicroConfig:
+    """`micro` (one algorithm at one size of `problem`) timed again with `reps` runs; the faster of the
+    two medians is kept, and stored in the cache when it is the new one.
+
+    Another process on the machine only ever adds time to a run, so the lower median is the better
+    estimate of the kernel's own time.
+    """
+    part = problem.with_batch(micro.batch)
+    accumulate = problem.kind == "bwd_filter" and micro.batch < problem.n  # as measure_table times it
+    (again,) = backend.measure(part, [micro.algo], reps, accumulate=accumulate)
+    if not (again.usable and again.time < micro.time):
+        return micro
+    if cache is not None:
+        cache.store(problem_key=problem.key, micros=[again], replace=True, **device_key(backend, micro.algo))
+    return again
 
 
 def confirm_faster(backend: Backend, problem: ConvProblem, chosen: Configuration, baseline: MicroConfig | None,

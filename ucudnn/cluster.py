@@ -169,18 +169,27 @@ def _open_models(names: Iterable[str], net_kernels, db, policy: Policy,
     from ucudnn.db import Cache, default_url
 
     if db is None and _missing_sqlite_file(default_url()):  # no cache yet: every device from its profile
-        return {name: _profile_model(name, net_kernels) for name in names}
+        return {name: _profile_model(name, net_kernels, default_url(), []) for name in names}
     cache = db if isinstance(db, Cache) else Cache(db, readonly=True)
     try:
-        identities = cache.info()["by_device"]
+        facts = cache.info()
+        identities = facts["by_device"]
         out = {}
         for name in names:
             measured = _measured_model(cache, identities, name, net_kernels, policy, workspace_limit)
-            out[name] = measured if measured is not None else _profile_model(name, net_kernels)
+            out[name] = (measured if measured is not None
+                         else _profile_model(name, net_kernels, facts["url"], [d["device"] for d in identities]))
         return out
     finally:
         if cache is not db:
             cache.close()
+
+
+def _unknown_device(name: str, url: str, cached: list[str]) -> InvalidInput:
+    """A device that is neither in the cache nor a profile: say both places looked in."""
+    held = ", ".join(repr(d) for d in dict.fromkeys(cached)) or "no device"
+    return InvalidInput(f"unknown device {name!r}: the measurement cache {url} holds {held} (`ucudnn bench` on a "
+                        f"device puts it there), and the profiles are {', '.join(PROFILES)} (or a profile's JSON file)")
 
 
 def _missing_sqlite_file(url: str) -> bool:
@@ -240,7 +249,9 @@ def _wr_model(tables: dict[str, dict[int, list[MicroConfig]]], problems: list[Co
     return times
 
 
-def _profile_model(name: str, net_kernels) -> tuple[str, TimeModel]:
+def _profile_model(name: str, net_kernels, url: str, cached: list[str]) -> tuple[str, TimeModel]:
+    if name.lower() not in PROFILES and not name.endswith(".json") and not Path(name).exists():
+        raise _unknown_device(name, url, cached)
     profile: DeviceProfile = load_profile(name)
     # Per kernel: FLOPs and activation bytes per sample, weight bytes per step (x, w read; y written).
     per_kernel = []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ucudnn.errors import InvalidInput
@@ -17,6 +18,9 @@ _BOTH_AXES = {"pad": ("pad_h", "pad_w"), "stride": ("stride_h", "stride_w"),
 _INT_FIELDS = ("n", "c", "h", "w", "k", "r", "s", "pad_h", "pad_w", "stride_h", "stride_w",
                "dilation_h", "dilation_w", "groups")
 _REQUIRED = ("c", "h", "w", "k", "r", "s")
+# Every key `ConvProblem.parse` reads, in the order a person writes them.
+SPEC_KEYS = ("n", "c", "h", "w", "k", "r", "s", "pad", "pad_h", "pad_w", "stride", "stride_h", "stride_w",
+             "dilation", "dilation_h", "dilation_w", "groups", "dtype", "compute_type", "layout", "kind")
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,15 +155,18 @@ class ConvProblem:
         return ",".join(parts)
 
     @classmethod
-    def parse(cls, spec: str) -> ConvProblem:
+    def parse(cls, spec: str, *, unused: Mapping[str, str] | None = None) -> ConvProblem:
         """Read `"n=32,c=64,h=56,w=56,k=128,r=3,s=3,pad=1,stride=1"`.
 
         `pad`, `stride` and `dilation` set both axes; `pad_h`, `stride_w`, ... set one. `n` defaults
-        to 1 and `kind` to `fwd`; `c, h, w, k, r, s` are required.
+        to 1 and `kind` to `fwd`; `c, h, w, k, r, s` are required. `unused` maps keys the caller
+        would ignore to why (`{"kind": "it runs the kinds of --kinds"}`): such a key is refused, not
+        silently dropped. Every refusal of a key names the keys taken.
         """
         if not isinstance(spec, str) or not spec.strip():
             raise InvalidInput("layer spec is empty; expected e.g. 'n=32,c=64,h=56,w=56,k=128,r=3,s=3,pad=1'")
-        names = {f.name for f in dataclasses.fields(cls)}
+        unused = dict(unused or {})
+        taken = ", ".join(k for k in SPEC_KEYS if k not in unused)
         values: dict[str, int | str] = {}
         for item in spec.split(","):
             item = item.strip()
@@ -170,8 +177,11 @@ class ConvProblem:
             if not eq or not raw:
                 raise InvalidInput(f"layer spec {spec!r}: {item!r} is not of the form key=value")
             targets = _BOTH_AXES.get(key, (key,))
-            if targets[0] not in names:
-                raise InvalidInput(f"layer spec {spec!r}: unknown key {key!r}")
+            if key in unused:
+                raise InvalidInput(f"layer spec {spec!r}: the key {key!r} is not used here ({unused[key]}); "
+                                   f"keys taken: {taken}")
+            if key not in SPEC_KEYS:
+                raise InvalidInput(f"layer spec {spec!r}: unknown key {key!r}; keys taken: {taken}")
             if targets[0] in _INT_FIELDS:
                 try:
                     value: int | str = int(raw)

@@ -3,14 +3,15 @@
 The units (case-insensitive): `B` or none = bytes; `KiB MiB GiB TiB` = powers of 1024; `kB MB GB
 TB` = powers of 1000, as SI says. A bare `k`, `m`, `g` or `t` is refused: some tools read `64m` as
 MiB and others as MB, and a workspace limit off by 5% is a silent wrong answer. A size must come
-to a whole number of bytes (`0.5` is refused, `1.5KiB` is 1536) and at most 2**63 - 1 bytes, the
-most a cache column or an allocation can hold.
+to a whole number of bytes (`0.5` is refused, `1.5KiB` is 1536) unless the caller asks for it to
+be rounded down (`round_down=True`, what the command line does, saying so) and at most 2**63 - 1
+bytes, the most a cache column or an allocation can hold.
 """
 
 from __future__ import annotations
 
 import re
-from decimal import Decimal
+from decimal import ROUND_FLOOR, Decimal
 
 from ucudnn.errors import InvalidInput
 
@@ -22,8 +23,12 @@ _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 _SHOWN = ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB")
 
 
-def parse_size(text: str | int) -> int:
-    """Bytes from `64MiB`, `1.5GiB`, `100MB` or plain `1048576`; refuses negatives and junk."""
+def parse_size(text: str | int, *, round_down: bool = False) -> int:
+    """Bytes from `64MiB`, `1.5GiB`, `100MB` or plain `1048576`; refuses negatives and junk.
+
+    A size that is not a whole number of bytes (`10.35GiB`) is refused, or with `round_down` rounded
+    down to one (`exact_bytes` gives the unrounded value, to tell the user).
+    """
     if isinstance(text, int) and not isinstance(text, bool):
         if not 0 <= text <= MAX_BYTES:
             raise InvalidInput(f"size must be from 0 to {MAX_BYTES} bytes, got {text}")
@@ -38,11 +43,22 @@ def parse_size(text: str | int) -> int:
         raise InvalidInput(f"cannot read size {text!r}; write e.g. 64MiB, 1GiB, 100MB or a number of bytes")
     value = Decimal(match.group(1)) * _UNITS[unit]  # exact: 0.1GiB is not rounded through a float
     if value != value.to_integral_value():
-        raise InvalidInput(f"size {text!r} is {value} bytes, not a whole number of bytes")
+        if not round_down or value < 1:  # below one byte is a slip, not a size to round to 0
+            raise InvalidInput(f"size {text!r} is {value} bytes, not a whole number of bytes")
+        value = value.to_integral_value(rounding=ROUND_FLOOR)
     if value > MAX_BYTES:
         raise InvalidInput(f"size {text!r} is {format_size(int(value))}, over the largest possible "
                            f"{format_size(MAX_BYTES)}")
     return int(value)
+
+
+def exact_bytes(text: str) -> Decimal | None:
+    """The exact number of bytes `text` means when that is not whole (`10.35GiB`), else None."""
+    match = _SIZE.match(str(text))
+    if not match or match.group(2).lower() not in _UNITS:
+        return None
+    value = Decimal(match.group(1)) * _UNITS[match.group(2).lower()]
+    return None if value == value.to_integral_value() else value
 
 
 def format_size(nbytes: int | None) -> str:

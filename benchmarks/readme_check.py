@@ -1,0 +1,235 @@
+"""Run every command and code block of README.md as a newcomer would; time each; exit 1 if one fails.
+
+    python benchmarks/readme_check.py [--fresh-clone] [--only fast|all] [--json FILE]
+
+Blocks are fenced ```bash (each line one command, run by bash in a scratch folder) and ```python (those
+of one `## ` section in one interpreter, in README order, as if pasted one after another into it;
+each section starts afresh). An HTML
+comment on the line just before a block tags it:
+
+    <!-- readme-check: setup -->        the fresh-machine set-up: run only with --fresh-clone, in a
+                                        clone of this checkout (it builds .venv there and runs the tests)
+    <!-- readme-check: slow -->         long (a benchmark from an empty cache): left out by --only fast
+    <!-- readme-check: gpu -->          needs an NVIDIA GPU: run only where `nvidia-smi -L` lists one
+    <!-- readme-check: torchvision -->  run only where torchvision imports beside torch
+
+The scratch folder has its own user cache ($XDG_CACHE_HOME; $UCUDNN_DB unset), so every benchmark
+starts from an empty cache, as on a new machine. The Python blocks use names a reader brings
+(`model`, `example_input`, `x`, `y`, `criterion`, `optimizer`, as the README says): PRELUDE gives
+them a small CNN. Without --fresh-clone the commands run with this interpreter's `ucudnn`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+TAGS = ("setup", "slow", "gpu", "torchvision")
+_FENCE = re.compile(r"^```(\w*)\s*$")
+_TAG = re.compile(r"^<!--\s*readme-check:\s*([\w-]+)\s*-->\s*$")
+
+# What a reader of the PyTorch examples has already: a model, a batch, a loss and an optimiser.
+PRELUDE = """
+import torch
+from torch import nn
+torch.manual_seed(0)
+model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 16, 3, padding=1), nn.ReLU(),
+                      nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10))
+x, y = torch.randn(4, 3, 32, 32), torch.randint(0, 10, (4,))
+example_input, criterion = x, nn.CrossEntropyLoss()
+optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+"""
+
+
+@dataclass(frozen=True)
+class Block:
+    language: str  # "bash" or "python"
+    tag: str       # one of TAGS, or "" (quick, always run)
+    line: int      # README line of the opening fence
+    text: str
+    section: str = ""  # the `## ` heading it is under
+
+    def commands(self) -> list[str]:
+        """A bash block's commands: its lines without blank and comment-only ones."""
+        return [c for c in (raw.strip() for raw in self.text.splitlines()) if c and not c.startswith("#")]
+
+
+def blocks(readme: Path = README) -> list[Block]:
+    """Every ```bash and ```python block, with the tag on the line before it."""
+    found, lines = [], readme.read_text(encoding="utf-8").splitlines()
+    i, section = 0, ""
+    while i < len(lines):
+        if lines[i].startswith("## "):
+            section = lines[i][3:].strip()
+        match = _FENCE.match(lines[i])
+        if not match or not match.group(1):
+            i += 1
+            continue
+        end = next(j for j in range(i + 1, len(lines)) if lines[j].startswith("```"))
+        tag_match = _TAG.match(lines[i - 1]) if i else None
+        tag = tag_match.group(1) if tag_match else ""
+        if tag and tag not in TAGS:
+            raise ValueError(f"README.md line {i}: unknown readme-check tag {tag!r}; known: {', '.join(TAGS)}")
+        if match.group(1) in ("bash", "python"):
+            found.append(Block(match.group(1), tag, i + 1, "\n".join(lines[i + 1:end]), section))
+        i = end + 1
+    return found
+
+
+@dataclass(frozen=True)
+class Result:
+    what: str
+    line: int
+    seconds: float
+    code: int
+    tail: str = ""
+
+
+def has_gpu() -> bool:
+    try:
+        return bool(subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout.strip())
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+
+def has_torchvision(python: str) -> bool:
+    return subprocess.run([python, "-c", "import torchvision"], capture_output=True).returncode == 0
+
+
+def wanted(block: Block, only: str, fresh_clone: bool, python: str) -> str | None:
+    """Why a block is left out this time, or None to run it."""
+    if block.tag == "setup" and not fresh_clone:
+        return "set-up (run with --fresh-clone)"
+    if block.tag == "slow" and only == "fast":
+        return "slow (run with --only all)"
+    if block.tag == "gpu" and not has_gpu():
+        return "needs an NVIDIA GPU"
+    if block.tag == "torchvision" and not has_torchvision(python):
+        return "torchvision does not import here"
+    return None
+
+
+def run_bash(block: Block, cwd: Path, env: dict[str, str], timeout_s: float) -> list[Result]:
+    """Each command of the block in turn, up to the first that fails."""
+    results = []
+    for command in block.commands():
+        start = time.perf_counter()
+        try:
+            proc = subprocess.run(["bash", "-c", command], cwd=cwd, env=env, stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True, timeout=timeout_s)
+            code, tail = proc.returncode, proc.stdout[-4000:]
+        except subprocess.TimeoutExpired:
+            code, tail = 124, f"timed out after {timeout_s:.0f} s"
+        results.append(Result(command, block.line, time.perf_counter() - start, code, tail))
+        if code:
+            break
+    return results
+
+
+def run_python(chosen: list[Block], cwd: Path, env: dict[str, str], python: str, timeout_s: float) -> list[Result]:
+    """The chosen Python blocks in one interpreter, in order; each block timed on its own."""
+    if not chosen:
+        return []
+    driver = ("import json, sys, time, traceback\nns = {'__name__': '__main__'}\nexec(PRELUDE, ns)\n"
+              "for line, text in BLOCKS:\n"
+              "    start = time.perf_counter()\n"
+              "    try:\n        exec(compile(text, f'README.md:{line}', 'exec'), ns)\n        code, tail = 0, ''\n"
+              "    except BaseException:\n        code, tail = 1, traceback.format_exc()[-2000:]\n"
+              "    print('@@' + json.dumps([line, time.perf_counter() - start, code, tail]), flush=True)\n"
+              "    if code:\n        break\n")
+    script = f"PRELUDE = {PRELUDE!r}\nBLOCKS = {[(b.line, b.text) for b in chosen]!r}\n{driver}"
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run([python, "-c", script], cwd=cwd, env=env, capture_output=True, text=True,
+                              timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return [Result("python blocks", chosen[0].line, time.perf_counter() - start, 124, "timed out")]
+    results = []
+    for out_line in proc.stdout.splitlines():
+        if out_line.startswith("@@"):
+            line, seconds, code, tail = json.loads(out_line[2:])
+            results.append(Result(f"python block at README.md:{line}", line, seconds, code, tail))
+    if proc.returncode and not any(r.code for r in results):
+        results.append(Result("python blocks", chosen[0].line, time.perf_counter() - start, proc.returncode,
+                              proc.stderr[-2000:]))
+    return results
+
+
+def check(*, only: str = "all", fresh_clone: bool = False, timeout_s: float = 1800.0,
+          readme: Path = README) -> tuple[list[Result], list[tuple[Block, str]]]:
+    """Run what the README shows; returns the results (in order) and the blocks left out, with why."""
+    scratch = Path(tempfile.mkdtemp(prefix="ucudnn-readme-"))
+    try:
+        env = {k: v for k, v in os.environ.items() if k not in ("UCUDNN_DB", "VIRTUAL_ENV", "PYTHONPATH")}
+        env["XDG_CACHE_HOME"] = str(scratch / "cache")
+        env["MPLBACKEND"] = "Agg"
+        if fresh_clone:
+            work = scratch / "ucudnn"
+            subprocess.run(["git", "clone", "-q", str(ROOT), str(work)], check=True)
+            bin_dir = work / ".venv" / "bin"
+        else:
+            work = scratch / "work"
+            work.mkdir()
+            bin_dir = Path(sys.executable).parent
+        env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"
+        python = str(bin_dir / "python")
+        results: list[Result] = []
+        left_out: list[tuple[Block, str]] = []
+        all_blocks = blocks(readme)
+        for block in all_blocks:  # the set-up first: everything else runs in what it built
+            if block.tag == "setup" and fresh_clone:
+                results += run_bash(block, work, env, timeout_s)
+                if not (bin_dir / "ucudnn").exists():  # a failing test still leaves the rest to check
+                    return results, left_out
+        python_blocks = []
+        for block in all_blocks:
+            why = wanted(block, only, fresh_clone, python)
+            if why is not None:
+                left_out.append((block, why))
+            elif block.language == "bash" and block.tag != "setup":
+                results += run_bash(block, work, env, timeout_s)
+            elif block.language == "python":
+                python_blocks.append(block)
+        for section in dict.fromkeys(b.section for b in python_blocks):
+            results += run_python([b for b in python_blocks if b.section == section], work, env, python, timeout_s)
+        return results, left_out
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--fresh-clone", action="store_true",
+                        help="clone this checkout into a scratch folder and run the set-up block there first")
+    parser.add_argument("--only", choices=("fast", "all"), default="all")
+    parser.add_argument("--json", dest="json_path", help="also write the results to this file")
+    args = parser.parse_args(argv)
+    results, left_out = check(only=args.only, fresh_clone=args.fresh_clone)
+    for r in results:
+        status = "ok" if r.code == 0 else f"EXIT {r.code}"
+        print(f"{r.seconds:8.1f} s  {status:<7}  README.md:{r.line}  {r.what}")
+    for block, why in left_out:
+        print(f"{'-':>8}    left out  README.md:{block.line}  {block.language} block: {why}")
+    failed = [r for r in results if r.code]
+    for r in failed:
+        print(f"\nfailed: {r.what} (README.md:{r.line}), exit {r.code}:\n{r.tail}", file=sys.stderr)
+    if args.json_path:
+        Path(args.json_path).write_text(json.dumps({
+            "results": [r.__dict__ for r in results],
+            "left_out": [{"line": b.line, "language": b.language, "why": why} for b, why in left_out]}, indent=2))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,24 @@
+"""Option parsing that several commands share."""
+
+from __future__ import annotations
+
+import click
+
+from ucudnn.errors import InvalidInput
+from ucudnn.sizes import exact_bytes, parse_size
+
+
+def size_option(ctx: click.Context | None, param: click.Parameter | None, value: str | None) -> int | None:
+    """A click callback: bytes from `64MiB`, `1GiB`, `100MB` or a number. A size that is not a whole
+    number of bytes (`10.35GiB`) is rounded down, with a note on stderr: refusing it helps nobody."""
+    if value is None:
+        return None
+    name = f"--{param.name.replace('_', '-')}" if param is not None and param.name else "size"
+    try:
+        nbytes = parse_size(value, round_down=True)
+    except InvalidInput as exc:
+        raise click.BadParameter(str(exc), ctx=ctx, param=param) from None
+    exact = exact_bytes(value)
+    if exact is not None:
+        click.echo(f"ucudnn: note: {name} {value} is {format(exact.normalize(), 'f')} bytes; rounded down to {nbytes} bytes", err=True)
+    return nbytes
