@@ -27,6 +27,22 @@ def _conv_problem(module, shape: tuple[int, ...]) -> ConvProblem:
 
 def trace_model(model, example_input) -> list:
     """The ops of `model` run on `example_input`, in fx node order (see `ucudnn.memory.graph.trace`)."""
+    from torch import nn
+
+    # ucudnn's own Conv2d (ucudnn.torch, which this layer does not import) has Python branches fx
+    # cannot trace and would plan on the shape pass's tensors: for the trace it is the nn.Conv2d it is.
+    converted = [(m, type(m)) for m in model.modules()
+                 if isinstance(m, nn.Conv2d) and type(m).__module__.startswith("ucudnn.")]
+    try:
+        for m, _ in converted:
+            m.__class__ = nn.Conv2d
+        return _trace(model, example_input)
+    finally:
+        for m, cls in converted:
+            m.__class__ = cls
+
+
+def _trace(model, example_input) -> list:
     import torch
     from torch import fx, nn
     from torch.nn import functional as F

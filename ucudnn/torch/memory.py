@@ -112,17 +112,10 @@ def _trace_graph(model: nn.Module, example_input: torch.Tensor) -> TrainingGraph
     if not isinstance(example_input, torch.Tensor) or example_input.dim() < 1:
         raise InvalidInput(f"example_input must be a batched tensor, got {type(example_input).__name__}")
     flags = {m: m.training for m in model.modules()}
-    # The planner's tracer steps into modules that are not torch.nn's own, and ucudnn's Conv2d has
-    # Python branches that fx cannot trace; for the trace it is the nn.Conv2d it derives from.
-    converted = [m for m in model.modules() if type(m) is Conv2d]
     try:
         model.eval()
-        for m in converted:
-            m.__class__ = nn.Conv2d
         return trace(model, example_input)
     finally:
-        for m in converted:
-            m.__class__ = Conv2d
         for module, flag in flags.items():
             module.training = flag
 
