@@ -409,6 +409,12 @@ class Handle:
         return self._peak_bytes
 
     @property
+    def workspace_bytes(self) -> int:
+        """Workspace bytes the handle holds now (its WR buffer and its WD arena), for memory accounting."""
+        return (self._buffer_bytes if self._buffer is not None else 0) + \
+            (int(self._arena.nbytes) if self._arena is not None else 0)
+
+    @property
     def arena(self) -> Any:
         """The WD arena (one buffer of `total_workspace` bytes, allocated at the first solve), else None."""
         return self._arena

@@ -1,11 +1,15 @@
 """PyTorch integration: `Conv2d` (a drop-in for `torch.nn.Conv2d`), `convert(model)` and `announce`;
 memory plans in training: `plan_memory(model, example_input, ...)` and `execute_plan(model, plan)`.
 
-Submodules: `conv` (the drop-in), `memory` (plans in training). This package imports torch;
+Submodules: `conv` (the drop-in), `memory` (plans in training), `tracker` (a step's memory counted
+from live storages), `check` (a plan's predictions against one real step: `check_plan`). This package imports torch;
 ``import ucudnn`` does not import it.
 """
 
 from ucudnn.torch.conv import Conv2d, announce, convert
 from ucudnn.torch.memory import ExecutionStats, execute_plan, measure_profile, plan_memory
+from ucudnn.torch.check import PlanCheck, check_plan
+from ucudnn.torch.tracker import StepTracker
 
-__all__ = ["Conv2d", "ExecutionStats", "announce", "convert", "execute_plan", "measure_profile", "plan_memory"]
+__all__ = ["Conv2d", "ExecutionStats", "PlanCheck", "StepTracker", "announce", "check_plan", "convert", "execute_plan",
+           "measure_profile", "plan_memory"]
