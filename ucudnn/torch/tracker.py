@@ -85,6 +85,7 @@ class TrackerReport:
     peak_by_category: dict[str, int]         # each category at the moment of the device's peak
     max_by_category: dict[str, int]         # each category at its own highest
     host_peak_bytes: int
+    total_peak_bytes: int                    # every category, host copies included (on a CPU, one memory)
     memory: tuple[tuple[float, int], ...]    # (ms since the start, device bytes) at every change
     host_memory: tuple[tuple[float, int], ...]
     end_by_category: dict[str, int]          # what was still live when the block ended
@@ -93,6 +94,7 @@ class TrackerReport:
     def to_json(self) -> dict:
         return {"device": self.device, "peak_bytes": self.peak_bytes, "peak_by_category": self.peak_by_category,
                 "max_by_category": self.max_by_category, "host_peak_bytes": self.host_peak_bytes,
+                "total_peak_bytes": self.total_peak_bytes,
                 "end_by_category": self.end_by_category, "allocator_peak_bytes": self.allocator_peak_bytes,
                 "memory": [list(m) for m in self.memory]}
 
@@ -127,6 +129,7 @@ class StepTracker(TorchDispatchMode):
         self._peak = 0
         self._peak_by = dict.fromkeys(CATEGORIES, 0)
         self._host_peak = 0
+        self._total_peak = 0
         self._memory: list[tuple[float, int]] = []
         self._host_memory: list[tuple[float, int]] = []
         self._start = 0.0
@@ -135,6 +138,13 @@ class StepTracker(TorchDispatchMode):
         self._params: set[int] = set()
         self._report: TrackerReport | None = None
         self._used = False
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """Let `torch.compile`d code run compiled while tracked (by default Dynamo falls back to eager
+        under a dispatch mode): its aten calls are counted; the buffers its generated kernels allocate
+        themselves (Inductor's ``empty_strided_cpu``) bypass dispatch and are not, unless `track`ed."""
+        return True
 
     # ---- entering and leaving ------------------------------------------------------------------
     def __enter__(self) -> StepTracker:
@@ -172,7 +182,7 @@ class StepTracker(TorchDispatchMode):
             witness = int(torch.cuda.max_memory_allocated(self.device))
         self._sample()
         self._report = TrackerReport(str(self.device), self._peak, dict(self._peak_by), dict(self._max),
-                                     self._host_peak, tuple(self._memory), tuple(self._host_memory),
+                                     self._host_peak, self._total_peak, tuple(self._memory), tuple(self._host_memory),
                                      dict(self._bytes), witness)
         # stop counting: the callbacks of storages that die later find nothing to change
         self._live = {}
@@ -262,6 +272,7 @@ class StepTracker(TorchDispatchMode):
             self._peak = device
             self._peak_by = dict(self._bytes)
         self._host_peak = max(self._host_peak, host)
+        self._total_peak = max(self._total_peak, device + host)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
