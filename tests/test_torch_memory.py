@@ -267,33 +267,42 @@ def test_batch_norm_statistics_move_once_per_step_under_recomputation():
     _assert_same_state(ref_state, state)
 
 
-def test_converted_convs_take_their_workspace_budgets_from_the_plan():
+def test_converted_convs_run_each_kernel_within_its_planned_budget(monkeypatch):
     ref_state, _ = _train(_model())
     model = convert(_model(), backend="cpu", policy="undivided", reps=1, db="sqlite://")
     own = model.conv1.handle
     x = _data()[0]
-    budgets = [ConvWorkspace("conv1", "fwd", 2**20), ConvWorkspace("conv1", "bwd_filter", 2**18),
-               ConvWorkspace("layer1_0_conv1", "fwd", 2**17)]
-    plan = _hand_plan(model, x, {}, budgets)
+    budgets = {("conv1", "fwd"): 2**20, ("conv1", "bwd_filter"): 2**18, ("layer1_0_conv1", "fwd"): 2**17}
+    plan = _hand_plan(model, x, {}, [ConvWorkspace(layer, kind, b) for (layer, kind), b in budgets.items()])
+    taken: list[int] = []
+    empty = own.backend.empty_workspace
+    monkeypatch.setattr(own.backend, "empty_workspace", lambda nbytes: taken.append(nbytes) or empty(nbytes))
+    convs = {"conv1": model.conv1, "layer1_0_conv1": model.layer1[0].conv1}
+    inputs = {"conv1": (4, 3, 8, 8), "layer1_0_conv1": (4, 8, 4, 4)}
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    seen = []
+    routes = []
     for step in range(STEPS):
         xs, y = _data(seed=step)
         opt.zero_grad()
         with execute_plan(model, plan):
-            handles = {"conv1": model.conv1.handle, "layer1_0_conv1": model.layer1[0].conv1.handle}
             nn.functional.cross_entropy(model(xs), y).backward()
         opt.step()
-        seen.append(handles)
+        routes.append({layer: [r for r in conv._routes.values() if r.budgets is not None]
+                       for layer, conv in convs.items()})
     _assert_same_state(ref_state, model.state_dict())
-    # the budget handles are made once: later steps keep their plans and workspace buffers
-    assert all(s[layer] is handles[layer] for s in seen for layer in handles)
-    assert handles["conv1"].workspace_limit == 2**18  # the tightest of the layer's kernels
-    assert handles["layer1_0_conv1"].workspace_limit == 2**17
-    for handle, limit in ((handles["conv1"], 2**18), (handles["layer1_0_conv1"], 2**17)):
-        choices = handle.choices()
-        assert choices and all(c.config.workspace <= limit for c in choices)
-    assert model.conv1.handle is own and model.conv2.handle is own  # restored; unplanned layers untouched
+    assert model.conv1.handle is own and model.conv1._budgets is None  # restored after each block
+    # planned once: later steps run the routes the first step made
+    assert all(len(r[layer]) == 1 and r[layer][0] is routes[0][layer][0] for r in routes for layer in convs)
+    for (layer, kind), budget in budgets.items():
+        kernel = getattr(routes[0][layer][0], kind)
+        if kernel is None:  # torch runs it (native on the whole batch): that plan fit the budget too
+            conv = convs[layer]
+            kernel = own.kernel(kind, inputs[layer], tuple(conv.weight.shape), stride=conv.stride,
+                                padding=conv.padding, layer=conv.layer_id, budget=budget)
+        assert kernel.config.workspace <= budget, (layer, kind)
+    # each run takes its workspace for that run, within its budget: no shared buffer grew
+    assert max(taken, default=0) <= max(budgets.values())
+    assert own.peak_workspace == 0
 
 
 def test_a_second_backward_through_offloaded_tensors_is_refused_clearly():

@@ -49,7 +49,7 @@ def test_the_passes_without_the_greedy_one():
 
 
 @pytest.fixture
-def synthetic(monkeypatch):
+def synthetic():
     """Fronts where only LATE and EARLY trade time for workspace; every other kernel has one option
     without workspace. W1 fits beside vDNN_all's maps at LATE, W2 overflows any limit below
     vDNN_conv's peak."""
@@ -60,7 +60,6 @@ def synthetic(monkeypatch):
     fronts[LATE] = (KernelOption(4.0, 0), KernelOption(3.0, w1 // 2), KernelOption(2.0, w1),
                     KernelOption(1.0, p_conv))
     fronts[EARLY] = (KernelOption(2.0, 0), KernelOption(1.0, w1))
-    monkeypatch.setattr(vdnn, "conv_fronts", lambda graph, device, db=None: fronts)
     return fronts, p_all, p_conv, w1
 
 
@@ -70,7 +69,7 @@ def test_greedy_with_vdnn_all_downgrades_only_the_overflowing_layer_one_option_a
     fast = {k: o[-1].workspace for k, o in fronts.items()}
     for mode in ("none", "conv", "all"):
         assert not peak(mode, fast, fronts, limit).fits      # pass (2) fails at this limit
-    got = vdnn.plan(GRAPH, DEVICE, limit)
+    got = vdnn.plan(GRAPH, DEVICE, limit, fronts=fronts)
     assert got.search == "greedy-all" and got.fits and got.peak_bytes <= limit
     ws = workspaces(got)
     # LATE overflowed: stepped down from p_conv to w1, the first option that fits there, not further
@@ -91,7 +90,7 @@ def test_greedy_with_vdnn_all_downgrades_only_the_overflowing_layer_one_option_a
 def test_greedy_with_vdnn_conv_comes_first(synthetic):
     fronts, p_all, p_conv, w1 = synthetic
     limit = p_conv + w1
-    got = vdnn.plan(GRAPH, DEVICE, limit)
+    got = vdnn.plan(GRAPH, DEVICE, limit, fronts=fronts)
     assert got.search == "greedy-conv" and got.fits and got.peak_bytes <= limit
     assert workspaces(got)[LATE] == w1
     offloaded = {t.name for t in got.tensors if t.action == "offload"}
@@ -109,7 +108,7 @@ def test_when_both_greedy_passes_fail_pass_one_is_the_answer(synthetic, monkeypa
         return fast, result
 
     monkeypatch.setattr(vdnn, "_greedy", stuck)
-    got = vdnn.plan(GRAPH, DEVICE, limit)
+    got = vdnn.plan(GRAPH, DEVICE, limit, fronts=fronts)
     assert failed == [False, False]       # tried with vDNN_conv, then vDNN_all
     assert got.search == "all-memory-optimal" and got.fits
     assert workspaces(got) == {k: o[0].workspace for k, o in fronts.items()}

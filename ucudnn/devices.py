@@ -43,6 +43,9 @@ class DeviceProfile:
     fp32_tflops: float        # peak FP32 arithmetic throughput
     memory_gbps: float        # device memory bandwidth
     source: str = "specification"
+    # The device's memory is the host's (a CPU): a map offloaded "to the host" stays in the same
+    # memory, so the planner never offloads there.
+    shares_host_memory: bool = False
 
     def __post_init__(self) -> None:
         if not self.name or not isinstance(self.name, str):
@@ -52,6 +55,10 @@ class DeviceProfile:
             if f.name in ("name", "model", "source"):
                 if not isinstance(value, str):
                     raise InvalidInput(f"device profile {self.name!r}: {f.name} must be text, got {value!r}")
+                continue
+            if f.name == "shares_host_memory":
+                if not isinstance(value, bool):
+                    raise InvalidInput(f"device profile {self.name!r}: {f.name} must be true or false, got {value!r}")
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 \
                     or value == float("inf"):
@@ -84,7 +91,7 @@ class DeviceProfile:
         unknown = sorted(set(data) - names)
         if unknown:
             raise InvalidInput(f"device profile: unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(names))}")
-        missing = sorted(f.name for f in fields(cls) if f.name not in data and f.name != "source")
+        missing = sorted(f.name for f in fields(cls) if f.name not in data and f.name not in ("source", "shares_host_memory"))
         if missing:
             raise InvalidInput(f"device profile {data.get('name', '?')!r}: missing field(s) {', '.join(missing)}")
         return cls(**data)

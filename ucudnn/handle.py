@@ -53,7 +53,7 @@ from ucudnn.optimize import micro_from_json, micro_to_json, pareto_fronts, plan_
 from ucudnn.problem import KINDS, ConvProblem
 from ucudnn.resources import check_can_run
 from ucudnn.sizes import parse_size
-from ucudnn.solver import wr
+from ucudnn.solver import pareto, wr
 from ucudnn.solver.types import Configuration, Infeasible, MicroConfig
 
 __all__ = ["Handle", "Kernel", "KernelChoice", "LateRegistrationWarning", "PlanFailureWarning", "SEGMENT_ALIGN_BYTES"]
@@ -123,10 +123,13 @@ class _Prepared:
     offset: int | None  # WD segment offset; None in WR (the shared buffer)
     kernels: PreparedConfiguration  # micro-batch problems, rows and launchers, made once
     out_shape: tuple[int, int, int, int]  # problem.out_shape, which is derived per access
+    budget: int | None = None  # planned within a caller's budget: its workspace is taken per run
 
 
-def _prepared(backend: Backend, problem: ConvProblem, config: Configuration, offset: int | None) -> _Prepared:
-    return _Prepared(problem, config, offset, PreparedConfiguration(backend, problem, config), problem.out_shape)
+def _prepared(backend: Backend, problem: ConvProblem, config: Configuration, offset: int | None,
+              budget: int | None = None) -> _Prepared:
+    return _Prepared(problem, config, offset, PreparedConfiguration(backend, problem, config), problem.out_shape,
+                     budget)
 
 
 class Kernel:
@@ -603,24 +606,54 @@ class Handle:
 
     def kernel(self, kind: str, x_shape: Sequence[int], w_shape: Sequence[int], *, stride: _Pair = 1,
                padding: _Pair = 0, dilation: _Pair = 1, groups: int = 1, dtype: str = "float32",
-               layout: str = "NCHW", layer: str | None = None) -> Kernel:
+               layout: str = "NCHW", layer: str | None = None, budget: int | None = None) -> Kernel:
         """`prepare`, returning the planned kernel itself, ready to run without a lookup.
 
         For frameworks that call one layer's kernels many times (``ucudnn.torch`` holds one per
         layer and shape): `Kernel.run` skips the per-call lookup and checks, and `layout`
         ("NHWC": channels-last operands, logical NCHW shapes) and `dtype` (say "bfloat16", whose
         arrays hold raw 16-bit words) describe operands whose array dtype does not say it.
+
+        `budget` (bytes): a memory plan's workspace for this kernel. The kernel then runs the
+        fastest configuration within it (and within the handle's own WR limit), WR-style in either
+        mode, and takes its workspace for each run rather than from the handle's shared buffer or
+        arena: the plan counted that memory at this kernel's step only.
         """
         if kind not in KINDS:
             raise InvalidInput(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 0):
+            raise InvalidInput(f"budget must be a non-negative number of bytes or None, got {budget!r}")
         prep = self._lookup(kind, layer, _shape4("x_shape", x_shape), _shape4("w_shape", w_shape), stride, padding,
-                            dilation, groups, str(dtype), layout)
+                            dilation, groups, str(dtype), layout, budget)
         return Kernel(self, prep, self._generation)
 
+    def front(self, problem: ConvProblem) -> list[Configuration]:
+        """The kernel's options as its caller pays for them: the Pareto front of time against
+        workspace (ascending workspace, strictly descending time) within the handle's limit (WR's
+        per kernel, WD's total), measuring what the cache lacks. With a `call_overhead`, each
+        configuration but native undivided carries the charge in its time. A memory planner picks
+        one of these per kernel as its budget (`kernel(..., budget=...)` then runs it)."""
+        limit = self._workspace_limit if self.mode == "WR" else self._total_workspace
+        table = self._measure(problem, limit)
+        try:
+            front = pareto.front(table, problem.n, limit)
+        except Infeasible as exc:
+            raise Infeasible(f"{problem.spec} ({problem.kind}): {exc}") from exc
+        if not self._call_overhead:
+            return front
+        charged, _ = charged_fronts({problem.key: front}, {problem.key: table}, problem.n, limit, self._call_overhead)
+        # the charge can make a member dominated (native undivided, uncharged, may now beat it)
+        kept: list[Configuration] = []
+        for config in sorted(charged[problem.key], key=lambda c: (c.workspace, c.time)):
+            if not kept or config.time < kept[-1].time:
+                kept.append(config)
+        return kept
+
     def _lookup(self, kind: str, layer: str | None, x_shape: tuple[int, ...], w_shape: tuple[int, ...], stride: _Pair,
-                padding: _Pair, dilation: _Pair, groups: int, dtype: str, layout: str = "NCHW") -> _Prepared:
+                padding: _Pair, dilation: _Pair, groups: int, dtype: str, layout: str = "NCHW",
+                budget: int | None = None) -> _Prepared:
         """What to run for this call: a dict hit on repeated calls, else the problem is built and planned."""
-        signature = (kind, layer, x_shape, w_shape, stride, padding, dilation, groups, dtype, layout)
+        signature = (kind, layer, x_shape, w_shape, stride, padding, dilation, groups, dtype, layout, budget)
         try:
             prep = self._prepared.get(signature)
         except TypeError:  # an unhashable argument (a list for stride, ...): normalised below
@@ -635,13 +668,13 @@ class Handle:
                               pad_h=padding[0], pad_w=padding[1], stride_h=stride[0], stride_w=stride[1],
                               dilation_h=dilation[0], dilation_w=dilation[1], groups=groups, dtype=dtype,
                               layout=layout)
-        prep = self._prepare(layer, problem)
+        prep = self._prepare(layer, problem, budget)
         try:
             self._prepared[signature] = prep
         except TypeError:
             pass
         # the normalised spelling too, so that equal calls spelled differently hit the same entry
-        self._prepared[(kind, layer, x_shape, w_shape, stride, padding, dilation, groups, dtype, layout)] = prep
+        self._prepared[(kind, layer, x_shape, w_shape, stride, padding, dilation, groups, dtype, layout, budget)] = prep
         return prep
 
     # ---- outputs --------------------------------------------------------------------------
@@ -664,10 +697,12 @@ class Handle:
         return out
 
     # ---- planning -----------------------------------------------------------------------
-    def _prepare(self, layer: str | None, problem: ConvProblem) -> _Prepared:
+    def _prepare(self, layer: str | None, problem: ConvProblem, budget: int | None = None) -> _Prepared:
         if layer is not None and (not isinstance(layer, str) or not layer):
             raise InvalidInput(f"layer must be a non-empty string or None, got {layer!r}")
         name = layer if layer is not None else problem.with_kind("fwd").key
+        if budget is not None:
+            return _prepared(self._backend, problem, self._plan_wr(problem, budget=budget).config, None, budget)
         if self.mode == "WR":
             plan = self._plan_wr(problem)
             self._wr_seen.setdefault((name, problem.kind, problem.n), problem)
@@ -720,25 +755,33 @@ class Handle:
             parts["call_overhead_ms"] = round(self._call_overhead, 3)
         return plan_key(self._backend, policy=policy_name(self._policy), algos=self._algos, **parts)
 
-    def _plan_wr(self, problem: ConvProblem, fresh: bool = False) -> _Plan:
-        memo = (problem.key, problem.n)
+    def _budget_limit(self, budget: int) -> int:
+        """The limit a kernel with a plan's `budget` is solved within: the budget, and a WR handle's
+        own limit too (WD's division is what the plan's budgets replace)."""
+        return budget if self._workspace_limit is None else min(self._workspace_limit, budget)
+
+    def _plan_wr(self, problem: ConvProblem, fresh: bool = False, budget: int | None = None) -> _Plan:
+        """WR: the fastest configuration within the handle's limit, or within `budget` (a memory
+        plan's, capped by a WR limit) where given."""
+        limit = self._workspace_limit if budget is None else self._budget_limit(budget)
+        memo = (problem.key, problem.n) if budget is None else (problem.key, problem.n, limit)
         plan = self._wr_plans.get(memo)
         if plan is not None:
             return plan
-        key = self._plan_key(mode="WR", workspace_limit=self._workspace_limit, problem=problem.key, batch=problem.n)
+        key = self._plan_key(mode="WR", workspace_limit=limit, problem=problem.key, batch=problem.n)
         cache = self._open_cache()
         stored = cache.get_plan(key) if cache is not None and not fresh else None
         if stored is not None:
             plan = _Plan(_config_from_dict(stored["config"]),
                          micro_from_json(stored["baseline"]) if stored.get("baseline") else None)
         else:
-            table = self._measure(problem, self._workspace_limit)
+            table = self._measure(problem, limit)
             try:
-                config = wr.solve(table, problem.n, self._workspace_limit)
+                config = wr.solve(table, problem.n, limit)
             except Infeasible as exc:
                 raise Infeasible(f"{problem.spec} ({problem.kind}): {exc}") from exc
-            baseline = undivided_baseline(table, problem.n, self._workspace_limit)
-            native = native_undivided(table, problem.n, self._workspace_limit) if self._call_overhead else None
+            baseline = undivided_baseline(table, problem.n, limit)
+            native = native_undivided(table, problem.n, limit) if self._call_overhead else None
             if native is None or native.micros != (baseline,):
                 config = confirm_faster(self._backend, problem, config, baseline, self._reps)
             if native is not None:  # the caller runs native undivided itself: others must win by the charge
@@ -816,6 +859,8 @@ class Handle:
     # ---- running ------------------------------------------------------------------------
     def _workspace(self, prep: _Prepared) -> Any:
         need = prep.config.workspace
+        if prep.budget is not None:  # a plan's budget: held for this run only, as the plan counted it
+            return self._backend.empty_workspace(need)
         if prep.offset is not None:
             if self._arena is None:  # freed by close(); the plans still hold
                 self._arena = self._backend.empty_workspace(self._total_workspace)
@@ -892,6 +937,10 @@ class Handle:
                 stacklevel=5)
         self._prepared.clear()
         self._generation += 1  # Kernel objects holding the failed plan are stale
+        if prep.budget is not None:
+            self._wr_plans.pop((problem.key, problem.n, self._budget_limit(prep.budget)), None)
+            return _prepared(self._backend, problem, self._plan_wr(problem, fresh=True, budget=prep.budget).config,
+                             None, prep.budget)
         if self.mode == "WR":
             self._wr_plans.pop((problem.key, problem.n), None)
             return _prepared(self._backend, problem, self._plan_wr(problem, fresh=True).config, None)

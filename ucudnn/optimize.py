@@ -122,7 +122,7 @@ def expand_kernels(layers: Sequence[tuple[str, ConvProblem]], batch: int,
 
 def plan_key(backend: Backend, **parts) -> str:
     """A cache key for a solved plan: a hash of everything the plan was solved from."""
-    text = json.dumps({**device_key(backend), **parts}, sort_keys=True, default=str)
+    text = json.dumps({**device_key(backend), **backend.settings(), **parts}, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()
 
 

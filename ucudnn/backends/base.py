@@ -96,6 +96,11 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def device(self) -> DeviceInfo: ...
 
+    def settings(self) -> dict[str, str]:
+        """This instance's options that change its timings (e.g. the CPU backend's thread count),
+        which plans solved from its measurements are keyed by; none by default."""
+        return {}
+
     @abc.abstractmethod
     def algorithms(self, problem: ConvProblem) -> list[str]:
         """Every algorithm this backend knows for the problem's kind, supported or not."""

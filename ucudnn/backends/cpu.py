@@ -19,10 +19,18 @@ Notation: x (n, c, h, w), filter (k, c/g, r, s), y (n, k, oh, ow), g groups, P =
 - `winograd`: F(2x2, 3x3) for 3x3, stride-1, undilated filters, all three kinds. Workspace
   grows linearly with n.
 - `native`: torch.nn.functional.conv2d and torch.nn.grad, listed only when torch imports.
+
+Threads: by default BLAS and `scipy.fft` use every core. ``CpuBackend(numpy_threads=1)`` runs the
+NumPy algorithms on one thread (BLAS through `threadpoolctl`, FFTs through ``scipy.fft.set_workers``),
+for callers that run them between PyTorch's own operations: two thread pools that spin while
+waiting take turns on the same cores, and a training step through both ran 2.5-5x slower than
+PyTorch alone on 2 cores. The setting is part of each measurement's key, so timings taken under
+one setting never stand in for the other.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.metadata
 import importlib.util
@@ -324,7 +332,7 @@ def _run_shift(p: ConvProblem, ws: dict[str, np.ndarray], x, w, dy, out, alpha: 
 # inverse, again two GEMMs. With ortho image transforms and exact filter transforms the scales
 # cancel: ortho forward (1/sqrt N) times ortho inverse (sqrt N times the 1/N inverse).
 
-FFT_WORKERS = -1  # scipy.fft: every core this process may use
+FFT_WORKERS = -1  # scipy.fft's workers by default: every core this process may use
 
 
 def _fft_grid(p: ConvProblem) -> tuple[int, int]:
@@ -362,7 +370,7 @@ def _image_spectrum(a: np.ndarray, steps: tuple[int, int], grid: tuple[int, int]
         spectrum[u] = 0
     np.copyto(spectrum[:(rows - 1) * steps[0] + 1:steps[0]], half.transpose(2, 3, 0, 1))
     column_fft = scipy.fft.ifft if conjugate else scipy.fft.fft
-    _in_place(column_fft(spectrum, axis=0, norm="ortho", overwrite_x=True, workers=FFT_WORKERS), spectrum)
+    _in_place(column_fft(spectrum, axis=0, norm="ortho", overwrite_x=True), spectrum)
 
 
 def _image_inverse(spectrum: np.ndarray, steps: tuple[int, int], grid: tuple[int, int], half: np.ndarray,
@@ -374,7 +382,7 @@ def _image_inverse(spectrum: np.ndarray, steps: tuple[int, int], grid: tuple[int
     """
     lh, lw = grid
     rows, cols = out.shape[-2:]
-    _in_place(scipy.fft.ifft(spectrum, axis=0, norm="ortho", overwrite_x=True, workers=FFT_WORKERS), spectrum)
+    _in_place(scipy.fft.ifft(spectrum, axis=0, norm="ortho", overwrite_x=True), spectrum)
     np.copyto(half.transpose(2, 3, 0, 1), spectrum[:(rows - 1) * steps[0] + 1:steps[0]])
     np.fft.irfft(half, n=lw, axis=-1, norm="ortho", out=real)
     _blend(out, real[..., :(cols - 1) * steps[1] + 1:steps[1]], alpha, beta)
@@ -754,10 +762,44 @@ def _device_info() -> DeviceInfo:
                       versions=tuple(sorted(versions.items())))
 
 
+@functools.cache
+def _blas_pools():
+    """BLAS thread pools loaded in this process, found once (a search of the loaded libraries)."""
+    from threadpoolctl import ThreadpoolController
+
+    return ThreadpoolController().select(user_api="blas")
+
+
+def _numpy_threads(threads: int | None):
+    """The context a NumPy algorithm runs in: BLAS and scipy.fft on `threads` threads (None: BLAS
+    as configured, FFTs on every core)."""
+    if threads is None:
+        return scipy.fft.set_workers(FFT_WORKERS)
+    stack = contextlib.ExitStack()
+    stack.enter_context(_blas_pools().limit(limits=threads))
+    stack.enter_context(scipy.fft.set_workers(threads))
+    return stack
+
+
 class CpuBackend(Backend):
-    """Convolution on the CPU over NumPy/SciPy (and PyTorch as `native` when it imports)."""
+    """Convolution on the CPU over NumPy/SciPy (and PyTorch as `native` when it imports).
+
+    `numpy_threads`: threads for the NumPy algorithms' BLAS calls and FFTs (None: the libraries'
+    defaults); see the module docstring."""
 
     name = "cpu"
+
+    def __init__(self, numpy_threads: int | None = None) -> None:
+        if numpy_threads is not None and (isinstance(numpy_threads, bool) or not isinstance(numpy_threads, int)
+                                          or numpy_threads < 1):
+            raise InvalidInput(f"numpy_threads must be a positive integer or None, got {numpy_threads!r}")
+        self.numpy_threads = numpy_threads
+
+    def __repr__(self) -> str:
+        return f"CpuBackend(numpy_threads={self.numpy_threads})"
+
+    def settings(self) -> dict[str, str]:
+        return {} if self.numpy_threads is None else {"numpy_threads": str(self.numpy_threads)}
 
     @property
     def device(self) -> DeviceInfo:
@@ -770,8 +812,10 @@ class CpuBackend(Backend):
         # native is PyTorch's convolution; the others are NumPy/SciPy over their BLAS. Both read
         # the thread-count variables. So installing torch keeps every NumPy measurement.
         own = ("torch",) if algo == NATIVE else ("numpy", "numpy-blas", "scipy", "scipy-blas")
-        return ",".join(f"{lib}={ver}" for lib, ver in self.device.versions
-                        if lib in own or lib in _THREAD_VARIABLES)
+        key = ",".join(f"{lib}={ver}" for lib, ver in self.device.versions if lib in own or lib in _THREAD_VARIABLES)
+        if algo != NATIVE and self.numpy_threads is not None:  # default keys stay as they were
+            key += f",numpy-threads={self.numpy_threads}"
+        return key
 
     def unsupported_reason(self, problem: ConvProblem, algo: str) -> str | None:
         known = ALGORITHMS + (NATIVE,)
@@ -835,10 +879,11 @@ class CpuBackend(Backend):
             raise UnsupportedProblem(reason)
         if algo == NATIVE:
             return _native_launcher(problem)
-        carve, compute = _LAYOUTS[algo](problem).carve, _RUNS[algo]
+        carve, compute, threads = _LAYOUTS[algo](problem).carve, _RUNS[algo], self.numpy_threads
 
         def launch(x, w, dy, out, workspace, alpha, beta):
-            compute(problem, carve(workspace), x, w, dy, out, alpha, beta)
+            with _numpy_threads(threads):
+                compute(problem, carve(workspace), x, w, dy, out, alpha, beta)
         return launch
 
     def run(self, problem: ConvProblem, algo: str, *, x: Any = None, w: Any = None, dy: Any = None,
@@ -875,4 +920,5 @@ class CpuBackend(Backend):
                                f"({problem.kind}) needs {layout.nbytes}")
         if layout.nbytes and not workspace.flags.c_contiguous:
             raise InvalidInput("workspace must be contiguous")
-        _RUNS[algo](problem, layout.carve(workspace), x, w, dy, out, alpha, beta)
+        with _numpy_threads(self.numpy_threads):
+            _RUNS[algo](problem, layout.carve(workspace), x, w, dy, out, alpha, beta)

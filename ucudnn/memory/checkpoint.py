@@ -103,14 +103,14 @@ def _segmentations(sizes: list[int], forward_costs: list[float], candidates: lis
 
 
 def plan(graph: TrainingGraph, device: DeviceProfile, memory_limit: int, *, devices: int = 1, db=None,
-         search: str = "auto") -> MemoryPlan:
+         fronts=None, search: str = "auto") -> MemoryPlan:
     """Chen et al.'s checkpointing plan for `graph` within `memory_limit`; see the module docstring."""
     if search not in SEARCHES:
         raise InvalidInput(f"checkpoint search must be one of {', '.join(SEARCHES)}, got {search!r}")
-    fronts = conv_fronts(graph, device)
+    fronts = conv_fronts(graph, device, db=db, given=fronts)
     workspace = {k: fastest(opts).workspace for k, opts in fronts.items()}
     costs = step_costs(graph, device, workspace=workspace, fronts=fronts)
-    base = baseline(graph, device)
+    base = baseline(graph, device, fronts)
     storages = graph.storages
     sizes, forward_costs, candidates = chain_of(graph, costs)
 

@@ -67,13 +67,13 @@ def prefetch_schedule(graph: TrainingGraph, actions: Mapping[str, str], *,
 
 
 def plan(graph: TrainingGraph, device: DeviceProfile, memory_limit: int, *, devices: int = 1, db=None,
-         conv_lookahead: int = dymem_order.CONV_LOOKAHEAD) -> MemoryPlan:
+         fronts=None, conv_lookahead: int = dymem_order.CONV_LOOKAHEAD) -> MemoryPlan:
     """Dymem's plan for `graph` within `memory_limit`; see the module docstring."""
     graph = dfs_graph(graph)
-    fronts = conv_fronts(graph, device)
+    fronts = conv_fronts(graph, device, db=db, given=fronts)
     fast = {k: fastest(opts).workspace for k, opts in fronts.items()}
     small = {k: opts[0].workspace for k, opts in fronts.items()}
-    base = baseline(graph, device)
+    base = baseline(graph, device, fronts)
     tried = []
     for workspace in (fast, small):
         costs = step_costs(graph, device, workspace=workspace, fronts=fronts)

@@ -89,7 +89,7 @@ def trace_model(model, example_input) -> list:
         if node.op == "call_module":
             m = modules[target]
             if isinstance(m, nn.Conv2d):
-                names[name] = b.conv(name, x, _conv_problem(m, b.shapes[x]))
+                names[name] = b.conv(name, x, _conv_problem(m, b.shapes[x]), module=target)
             elif isinstance(m, (nn.ReLU, nn.ReLU6, nn.SiLU, nn.GELU, nn.Sigmoid, nn.Tanh, nn.Hardswish)):
                 names[name] = b.relu(name, x, inplace=bool(getattr(m, "inplace", False)))
             elif isinstance(m, nn.BatchNorm2d):
@@ -104,7 +104,7 @@ def trace_model(model, example_input) -> list:
             elif isinstance(m, (nn.Flatten, nn.Identity, nn.Dropout, nn.Unflatten)):
                 names[name] = b._add(_view(b, name, x, shape))
             else:
-                names[name] = b.other(name, tuple(inputs), inplace=bool(getattr(m, "inplace", False)))
+                names[name] = b.other(name, tuple(inputs), inplace=bool(getattr(m, "inplace", False)), shape=shape)
         elif target in (torch.flatten, torch.reshape) or target in ("view", "flatten", "reshape", "contiguous",
                                                                      "squeeze", "unsqueeze"):
             names[name] = b._add(_view(b, name, x, shape))
@@ -124,7 +124,7 @@ def trace_model(model, example_input) -> list:
             names[name] = b.concat(name, inputs)
         else:
             names[name] = b.other(name, tuple(dict.fromkeys(inputs)),
-                                  inplace=isinstance(target, str) and target.endswith("_"))
+                                  inplace=isinstance(target, str) and target.endswith("_"), shape=shape)
         last = name
     if last is None or b.ops[-1].type != "loss":
         raise UnsupportedProblem(f"{type(model).__name__}: the traced graph returns no tensor")

@@ -69,6 +69,7 @@ class Op:
     bytes_moved: float = 0.0      # forward device-memory traffic (the backward step counts twice)
     weight_bytes: int = 0
     conv: ConvProblem | None = None  # the forward problem of a conv
+    module: str = ""              # traced from PyTorch: the qualified name of the module it calls
 
     @property
     def bytes(self) -> int:
@@ -286,24 +287,29 @@ class _Builder:
     def input(self, name: str, shape: tuple[int, ...]) -> str:
         return self._add(Op(name, "input", (), shape))
 
-    def conv(self, name: str, x: str, problem: ConvProblem | None = None) -> str:
+    def conv(self, name: str, x: str, problem: ConvProblem | None = None, module: str = "") -> str:
         p = problem if problem is not None else self.zoo[name]
         if p.x_shape != self.shapes[x]:
             raise AssertionError(f"{name}: input {self.shapes[x]} is not the zoo's {p.x_shape}")
         weight = DTYPE_BYTES * math.prod(p.w_shape)
         traffic = DTYPE_BYTES * (_elements(p.x_shape) + _elements(p.y_shape)) + weight
         return self._add(Op(name, "conv", (x,), p.y_shape, saves=(x,), flops=p.flops, bytes_moved=traffic,
-                            weight_bytes=weight, conv=p.with_kind("fwd")))
+                            weight_bytes=weight, conv=p.with_kind("fwd"), module=module))
 
     def relu(self, name: str, x: str, inplace: bool = True) -> str:
         shape = self.shapes[x]
         return self._add(Op(name, "relu", (x,), shape, inplace=inplace, saves=(name,), flops=_elements(shape),
                             bytes_moved=2 * DTYPE_BYTES * _elements(shape)))
 
-    def other(self, name: str, inputs: tuple[str, ...], inplace: bool = False) -> str:
-        shape = self.shapes[inputs[0]]
-        return self._add(Op(name, "other", inputs, shape, inplace=inplace, saves=inputs, flops=_elements(shape),
-                            bytes_moved=(len(inputs) + 1) * DTYPE_BYTES * _elements(shape)))
+    def other(self, name: str, inputs: tuple[str, ...], inplace: bool = False,
+              shape: tuple[int, ...] | None = None) -> str:
+        """An elementwise-costed op; its output has `shape` (fx knows it: a reduction such as
+        ``mean`` shrinks it), else its first input's."""
+        shape = self.shapes[inputs[0]] if shape is None or inplace else shape
+        moved = sum(_elements(self.shapes[i]) for i in inputs) + _elements(shape)
+        return self._add(Op(name, "other", inputs, shape, inplace=inplace, saves=inputs,
+                            flops=max(_elements(shape), _elements(self.shapes[inputs[0]])),
+                            bytes_moved=DTYPE_BYTES * moved))
 
     def batchnorm(self, name: str, x: str) -> str:
         shape = self.shapes[x]
@@ -338,9 +344,10 @@ class _Builder:
         return self._add(Op(name, "view", (x,), (shape[0], _elements(shape[1:])), inplace=True))
 
     def linear(self, name: str, x: str, out_features: int) -> str:
-        n, in_features = self.shapes[x]
+        *lead, in_features = self.shapes[x]  # nn.Linear maps the last dimension; the others are batch
+        n = math.prod(lead)
         weight = DTYPE_BYTES * (in_features * out_features + out_features)
-        return self._add(Op(name, "linear", (x,), (n, out_features), saves=(x,),
+        return self._add(Op(name, "linear", (x,), (*lead, out_features), saves=(x,),
                             flops=2 * n * in_features * out_features,
                             bytes_moved=DTYPE_BYTES * n * (in_features + out_features) + weight, weight_bytes=weight))
 

@@ -12,6 +12,8 @@ fits wins.
 
 vDNN's static plans (nothing, conv inputs or everything offloaded, fastest or smallest workspaces)
 are simulated too, and win where they fit and run faster (the program's copy queue is conservative).
+On a device whose memory is the host's (a CPU) nothing is offloaded: the program has no offload
+option there and the static plans keep everything.
 
 Each kernel's chosen workspace is its budget for the WD solver (the plan's `conv_workspace`).
 `search` returns the plan with the program's figures: its objective (a model of the step time, a
@@ -107,18 +109,19 @@ def _tables(graph: TrainingGraph, device: DeviceProfile, costs, fronts):
         cost = {"keep": 0.0}
         # offload: resident through its forward life (the copy-out queue Q_t holds what waits longer),
         # and again from the latest step whose compute before the use covers its copy back
-        need = QUEUE_FACTOR * device.copy_ms(b, "h2d")
-        q, left = u, 0.0
-        while q > f + 1 and left < need:
-            q -= 1
-            left += ms[q]
-        prefetch_at[s] = q
-        rows["offload"] = tuple(sorted(set(range(p, f + 1)) | set(range(q, e + 1))))
         last_write = max(st.index for st in steps[:nf] if s in st.writes)
-        # the step after its last forward reader waits for the copy out: what the compute from the
-        # copy's start to that reader does not hide (the copy alone on its stream)
-        hidden_ms = sum(ms[last_write + 1:f + 1])
-        cost["offload"] = max(0.0, device.copy_ms(b, "d2h") - hidden_ms) + _PREFER_KEEP_MS * b / 1e6
+        if not device.shares_host_memory:  # there a copy to the host lands in the same memory
+            need = QUEUE_FACTOR * device.copy_ms(b, "h2d")
+            q, left = u, 0.0
+            while q > f + 1 and left < need:
+                q -= 1
+                left += ms[q]
+            prefetch_at[s] = q
+            rows["offload"] = tuple(sorted(set(range(p, f + 1)) | set(range(q, e + 1))))
+            # the step after its last forward reader waits for the copy out: what the compute from
+            # the copy's start to that reader does not hide (the copy alone on its stream)
+            hidden_ms = sum(ms[last_write + 1:f + 1])
+            cost["offload"] = max(0.0, device.copy_ms(b, "d2h") - hidden_ms) + _PREFER_KEEP_MS * b / 1e6
         producers = graph.producers(s)
         sources = tuple(dict.fromkeys(graph.storage_of(i) for op in producers for i in op.inputs
                                       if graph.storage_of(i) != s))
@@ -162,9 +165,9 @@ def _triggers(graph: TrainingGraph, actions: dict[str, str], prefetch_at: dict[s
 
 
 def search(graph: TrainingGraph, device: DeviceProfile, memory_limit: int, *, devices: int = 1, db=None,
-           time_limit_s: float = 4.0) -> OptimalResult:
+           fronts=None, time_limit_s: float = 4.0) -> OptimalResult:
     """The optimal policy's plan and the program's figures (see the module docstring)."""
-    fronts = conv_fronts(graph, device, db=db)
+    fronts = conv_fronts(graph, device, db=db, given=fronts)
     base = baseline(graph, device, fronts)
     tensors, kernels, fixed, thinned, budget, constant_ms, prefetch_at, drain = _tables(graph, device, base.costs, fronts)
     target = memory_limit
@@ -213,8 +216,10 @@ def search(graph: TrainingGraph, device: DeviceProfile, memory_limit: int, *, de
     small = {k: v[0].workspace for k, v in fronts.items()}
     fast_costs = step_costs(graph, device, workspace=fast, fronts=fronts)
     static = None
-    for mode, workspace, costs in (("none", fast, fast_costs), ("conv", fast, fast_costs), ("all", fast, fast_costs),
-                                   ("all", small, None)):
+    statics = (("none", fast, fast_costs), ("conv", fast, fast_costs), ("all", fast, fast_costs), ("all", small, None))
+    if device.shares_host_memory:
+        statics = (("none", fast, fast_costs), ("none", small, None))
+    for mode, workspace, costs in statics:
         actions = actions_for(graph, mode)
         if costs is None:
             costs = step_costs(graph, device, workspace=workspace, fronts=fronts)
@@ -235,6 +240,6 @@ def search(graph: TrainingGraph, device: DeviceProfile, memory_limit: int, *, de
 
 
 def plan(graph: TrainingGraph, device: DeviceProfile, memory_limit: int, *, devices: int = 1, db=None,
-         time_limit_s: float = 4.0) -> MemoryPlan:
+         fronts=None, time_limit_s: float = 4.0) -> MemoryPlan:
     """The `optimal` policy (see the module docstring)."""
-    return search(graph, device, memory_limit, devices=devices, db=db, time_limit_s=time_limit_s).plan
+    return search(graph, device, memory_limit, devices=devices, db=db, fronts=fronts, time_limit_s=time_limit_s).plan

@@ -7,6 +7,7 @@ returning a `MemoryPlan`; `POLICIES` maps a policy's name to its module, functio
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ from ucudnn.memory.graph import TrainingGraph
 from ucudnn.memory.plan import ConvWorkspace, MemoryPlan, TensorAction
 from ucudnn.memory.simulate import SimResult, StepCost, network_wide_bytes, simulate
 
-__all__ = ["POLICIES", "Baseline", "available_policies", "baseline", "make_plan", "smallest_fitting_limit", "to_plan"]
+__all__ = ["OFFLOADING", "POLICIES", "Baseline", "available_policies", "baseline", "make_plan", "smallest_fitting_limit", "to_plan"]
 
 # name -> (module, function, keyword options)
 POLICIES: dict[str, tuple[str, str, dict]] = {
@@ -29,6 +30,9 @@ POLICIES: dict[str, tuple[str, str, dict]] = {
     "checkpoint": ("ucudnn.memory.checkpoint", "plan", {}),
     "optimal": ("ucudnn.memory.optimal", "plan", {}),
 }
+# The policies that save memory by offloading alone: on a device that shares the host's memory,
+# they plan as vdnn-dyn does there (keep every map, shrink workspaces).
+OFFLOADING = ("vdnn-all", "vdnn-conv", "vdnn-dyn", "swap-multi", "dymem")
 
 
 def _policy_function(name: str):
@@ -54,12 +58,13 @@ def _check_limit(memory_limit: int) -> None:
 
 
 def make_plan(graph: TrainingGraph, device: DeviceProfile | str, memory_limit: int, policy: str, *,
-              devices: int = 1, db=None) -> MemoryPlan:
+              devices: int = 1, db=None, fronts=None) -> MemoryPlan:
     """The plan `policy` makes for `graph` on `devices` copies of `device` within `memory_limit` bytes each.
 
     Policies: vdnn-all, vdnn-conv, vdnn-dyn, swap-multi, dymem, checkpoint, optimal; an unknown or
     unavailable one raises `InvalidInput` naming those available. The plan's `fits` says whether the
-    simulated memory stayed within the limit.
+    simulated memory stayed within the limit. `fronts`: conv kernels' options that the caller
+    measured, (layer, kind) -> `KernelOption`s, used before the cache `db` and shipped figures.
     """
     profile = device if isinstance(device, DeviceProfile) else load_profile(device)
     _check_limit(memory_limit)
@@ -69,7 +74,12 @@ def make_plan(graph: TrainingGraph, device: DeviceProfile | str, memory_limit: i
     if found is None:
         raise InvalidInput(f"unknown or unavailable policy {policy!r}; available: {', '.join(available_policies())}")
     fn, options = found
-    return fn(graph, profile, memory_limit, devices=devices, db=db, **options)
+    if profile.shares_host_memory and policy in OFFLOADING:
+        # offloads would land in the same memory: vDNN's search without them (see ucudnn.memory.vdnn)
+        fn, options = _policy_function("vdnn-dyn")
+        plan = fn(graph, profile, memory_limit, devices=devices, db=db, fronts=fronts, **options)
+        return dataclasses.replace(plan, policy=policy)
+    return fn(graph, profile, memory_limit, devices=devices, db=db, fronts=fronts, **options)
 
 
 @dataclass(frozen=True, slots=True)

@@ -149,15 +149,15 @@ def adapt_triggers(graph: TrainingGraph, device: DeviceProfile, costs: Sequence[
 
 
 def plan(graph: TrainingGraph, device: DeviceProfile, memory_limit: int, *, devices: int = 1, db=None,
-         devices_per_link: int | None = None, stagger: bool = True) -> MemoryPlan:
+         fronts=None, devices_per_link: int | None = None, stagger: bool = True) -> MemoryPlan:
     """Kim et al.'s plan for `devices` GPUs of `device`, `devices_per_link` to a switch; see the module docstring."""
     per_link = device.devices_per_link if devices_per_link is None else devices_per_link
     if isinstance(per_link, bool) or not isinstance(per_link, int) or per_link < 1:
         raise InvalidInput(f"devices_per_link must be a positive integer, got {per_link!r}")
-    fronts = conv_fronts(graph, device)
+    fronts = conv_fronts(graph, device, db=db, given=fronts)
     workspace = {k: fastest(opts).workspace for k, opts in fronts.items()}
     costs = step_costs(graph, device, workspace=workspace, fronts=fronts)
-    base = baseline(graph, device)
+    base = baseline(graph, device, fronts)
     layers = len(swappable(graph))
 
     def attempt(b: int):

@@ -145,18 +145,23 @@ def kernel_front(device: DeviceProfile, problem: ConvProblem,
     return (KernelOption(_roofline(device, problem), 0, "", "roofline"),)
 
 
-def conv_fronts(graph: TrainingGraph, device: DeviceProfile, *,
-                db=None) -> dict[tuple[str, str], tuple[KernelOption, ...]]:
-    """Every conv kernel of `graph` that a step runs: (layer, kind) -> its options. With `db` (a
-    measurement cache), its measurements of this device come before the shipped ones."""
-    measured = measurements_from_db(db, device) if db is not None else None
+def conv_fronts(graph: TrainingGraph, device: DeviceProfile, *, db=None,
+                given: Mapping[tuple[str, str], tuple[KernelOption, ...]] | None = None,
+                ) -> dict[tuple[str, str], tuple[KernelOption, ...]]:
+    """Every conv kernel of `graph` that a step runs: (layer, kind) -> its options. `given` fronts
+    come first (a converted model's own handle measured them: `ucudnn.torch.plan_memory`); then,
+    with `db` (a measurement cache), its measurements of this device; then the shipped ones."""
+    given = given or {}
+    missing = [(step.op, kind) for step in graph.steps for kind in step.kernels if (step.op, kind) not in given]
+    measured = measurements_from_db(db, device) if db is not None and missing else None
     out: dict[tuple[str, str], tuple[KernelOption, ...]] = {}
     for step in graph.steps:
         if step.kernels:
             problem = graph.op(step.op).conv
             assert problem is not None
             for kind in step.kernels:
-                out[(step.op, kind)] = kernel_front(device, problem.with_kind(kind), measured)
+                out[(step.op, kind)] = given.get((step.op, kind)) or kernel_front(device, problem.with_kind(kind),
+                                                                                  measured)
     return out
 
 

@@ -17,6 +17,11 @@ A feature map the backward pass does not read is released after its last forward
 Prefetches follow vDNN: a feature map comes back when the backward step of the conv or linear layer
 before its use starts (`simulate`'s ``prefetch="layer"``). `algorithms` chooses the static modes'
 conv algorithms: ``fastest`` (vDNN's performance-optimal) or ``memory`` (memory-optimal).
+
+On a device whose memory is the host's (`DeviceProfile.shares_host_memory`: a CPU), a copy "to
+the host" lands in the same memory and saves nothing, so every mode keeps its feature maps and only
+the workspaces can give: the fastest options when they fit, else pass (3)'s greedy downgrade, else
+the memory-optimal options; `search` says `NO_OFFLOAD` and what was done.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ __all__ = ["SEARCH_PASSES", "actions_for", "overflowing_kernels", "plan"]
 MODES = ("all", "conv", "dyn")
 # vDNN_dyn's passes, as a plan's `search` names them: pass (1) (also the fallback), (2), (3)
 SEARCH_PASSES = ("all-memory-optimal", "none", "conv", "all", "greedy-conv", "greedy-all")
+NO_OFFLOAD = "no offload (device memory is host memory)"
 
 
 def actions_for(graph: TrainingGraph, mode: str) -> dict[str, str]:
@@ -55,13 +61,13 @@ def actions_for(graph: TrainingGraph, mode: str) -> dict[str, str]:
 
 
 def plan(graph: TrainingGraph, device: DeviceProfile, memory_limit: int, *, devices: int = 1, db=None,
-         mode: str = "dyn", algorithms: str = "fastest") -> MemoryPlan:
+         fronts=None, mode: str = "dyn", algorithms: str = "fastest") -> MemoryPlan:
     """vDNN's plan in `mode` (all, conv, dyn); see the module docstring."""
     if mode not in MODES:
         raise InvalidInput(f"vDNN mode must be one of {', '.join(MODES)}, got {mode!r}")
     if algorithms not in ("fastest", "memory"):
         raise InvalidInput(f"algorithms must be 'fastest' or 'memory', got {algorithms!r}")
-    fronts = conv_fronts(graph, device, db=db)
+    fronts = conv_fronts(graph, device, db=db, given=fronts)
     fast = {k: fastest(opts).workspace for k, opts in fronts.items()}
     small = {k: opts[0].workspace for k, opts in fronts.items()}
     base = baseline(graph, device, fronts)
@@ -75,6 +81,16 @@ def plan(graph: TrainingGraph, device: DeviceProfile, memory_limit: int, *, devi
         return to_plan(graph, device, memory_limit, policy, actions, workspace, result, devices=devices, base=base,
                        search=search)
 
+    if device.shares_host_memory:
+        actions = actions_for(graph, "none")
+        start = fast if mode == "dyn" or algorithms == "fastest" else small
+        _, result = run(actions, start)
+        if result.fits or start is small:
+            return done(actions, start, result, NO_OFFLOAD)
+        workspace, result = _greedy(graph, fronts, fast, lambda ws: run(actions, ws))
+        if result.fits:
+            return done(actions, workspace, result, f"{NO_OFFLOAD}; workspaces reduced")
+        return done(actions, small, run(actions, small)[1], f"{NO_OFFLOAD}; memory-optimal workspaces")
     if mode != "dyn":
         workspace = fast if algorithms == "fastest" else small
         actions = actions_for(graph, mode)

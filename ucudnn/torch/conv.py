@@ -54,7 +54,8 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from ucudnn.backends.base import one_line
-from ucudnn.backends.cpu import NATIVE
+from ucudnn.backends import get_backend
+from ucudnn.backends.cpu import NATIVE, CpuBackend
 from ucudnn.benchmark import interleaved_medians_ms
 from ucudnn.errors import BackendUnavailable, InvalidInput, UnsupportedProblem
 from ucudnn.handle import Handle, Kernel
@@ -187,6 +188,7 @@ class _Route:
     bwd_data: Kernel | None
     bwd_filter: Kernel | None
     direct: bool
+    budgets: dict | None = None  # the memory plan's workspace per kind it was planned under (execute_plan)
 
 
 class _Routes(dict):
@@ -329,11 +331,18 @@ def _probe_route() -> dict[str, float]:
 
 
 def _new_handle(**options: Any) -> Handle:
-    """A Handle for torch layers: on the CPU it charges the measured `route_overhead_ms` unless
-    the options give a `call_overhead` themselves."""
-    handle = Handle(**options)
-    if "call_overhead" in options or handle.backend.name != "cpu":
-        return handle
+    """A Handle for torch layers. On the CPU its NumPy algorithms run on one thread (they run
+    between torch's operations, whose thread pool owns the cores: `CpuBackend`'s docstring says
+    why), and it charges the measured `route_overhead_ms` unless the options give a
+    `call_overhead` themselves."""
+    backend = options.get("backend", "auto")
+    if isinstance(backend, str):
+        backend = get_backend(backend)
+        if backend.name == "cpu":
+            backend = CpuBackend(numpy_threads=1)
+        options = {**options, "backend": backend}
+    if "call_overhead" in options or backend.name != "cpu":
+        return Handle(**options)
     return Handle(**options, call_overhead=route_overhead_ms())
 
 
@@ -365,6 +374,8 @@ class Conv2d(nn.Conv2d):
         self._recording = False
         self._learning: _Learning | None = None  # set by convert for WD without announce
         self._routes = _Routes()
+        # kind -> workspace bytes, set by ucudnn.torch.execute_plan for the span of its block
+        self._budgets: dict[str, int] | None = None
 
     @classmethod
     def from_conv(cls, conv: nn.Conv2d, *, handle: Handle, layer: str | None = None) -> Conv2d:
@@ -427,7 +438,8 @@ class Conv2d(nn.Conv2d):
                grad and input.requires_grad, grad and weight.requires_grad)
         route = self._routes.get(key)
         handle = self.handle
-        if route is None or route.handle is not handle or route.generation != handle.generation:
+        if route is None or route.handle is not handle or route.generation != handle.generation \
+                or route.budgets is not self._budgets:
             route = self._routes[key] = self._route(input, weight, padding, layout, key[-2], key[-1])
         if route.direct:
             return F.conv2d(input, weight, bias, stride, padding, dilation, self.groups)
@@ -461,12 +473,14 @@ class Conv2d(nn.Conv2d):
                 "groups": self.groups, "dtype": dtype, "layout": layout, "layer": self.layer_id}
         with _on_device(input):  # a WD solve allocates the arena: from torch's allocator on CUDA
             handle.register(self.layer_id, self._problem(input, weight, padding, dtype, layout), kinds=kinds)
-            kernels = {kind: handle.kernel(kind, tuple(input.shape), tuple(weight.shape), **conv) for kind in kinds}
+            budgets = self._budgets or {}
+            kernels = {kind: handle.kernel(kind, tuple(input.shape), tuple(weight.shape), budget=budgets.get(kind),
+                                           **conv) for kind in kinds}
         # torch runs a native undivided plan itself (on CPU tensors; the cudnn backend has no native)
         torch_runs = {kind: input.device.type == "cpu" and _native_undivided(k.config) for kind, k in kernels.items()}
         routed = {kind: None if torch_runs[kind] else k for kind, k in kernels.items()}
         return _Route(handle, handle.generation, backend, layout, routed["fwd"], routed.get("bwd_data"),
-                      routed.get("bwd_filter"), direct=all(torch_runs.values()))
+                      routed.get("bwd_filter"), direct=all(torch_runs.values()), budgets=self._budgets)
 
     def _record(self, input, weight, bias, padding) -> torch.Tensor:
         """Announce this layer to the handle and compute with torch's own convolution."""

@@ -59,9 +59,10 @@ running statistics a second time, so the buffers equal those of plain training.
 ``release`` that autograd does save is kept (it must be) and named in `ExecutionStats.kept_released`.
 
 **Workspaces.** Each `ucudnn.torch.Conv2d` whose layer has ``conv_workspace`` entries in the plan
-runs, inside the block, through a WR handle (the same options as its own handle) whose per-kernel
-limit is the smallest of its kernels' budgets: a handle has one limit for its kernels, so a layer
-never exceeds any of its planned budgets. Handles are shared by layers with equal limits.
+runs each kernel, inside the block, with its own handle's fastest configuration within that
+kernel's budget (`Handle.kernel(..., budget=...)`), its workspace held for that run only, as the
+plan counts it. `plan_memory` on a converted model takes each converted kernel's options from its
+handle (`Handle.front`), so the budgets are ones those kernels can run within.
 
 **Checks.** The plan must come from this model at this batch: at the first forward call for an
 input shape, the model is traced with its first input, the others at their defaults
@@ -79,6 +80,7 @@ GPU's memory, pinned copy bandwidth and matmul throughput on CUDA).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import platform
@@ -95,7 +97,6 @@ from torch.utils.checkpoint import checkpoint
 
 from ucudnn.devices import PROFILES, DeviceProfile, load_profile
 from ucudnn.errors import InvalidInput, UnsupportedProblem
-from ucudnn.handle import Handle
 from ucudnn.memory.graph import TrainingGraph, trace
 from ucudnn.memory.plan import MemoryPlan
 from ucudnn.sizes import parse_size
@@ -157,7 +158,8 @@ def measure_profile(device: str = "cpu") -> DeviceProfile:
         return DeviceProfile("host", f"host CPU ({model}, {os.cpu_count()} threads)",
                              os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), h2d_gbps=gbps, d2h_gbps=gbps,
                              duplex_gbps=gbps, devices_per_link=1, fp32_tflops=2 * 1024**3 / mm_ms / 1e9,
-                             memory_gbps=2 * gbps, source="measured by ucudnn.torch.measure_profile")
+                             memory_gbps=2 * gbps, source="measured by ucudnn.torch.measure_profile",
+                             shares_host_memory=True)
     if dev.type != "cuda":
         raise InvalidInput(f"device must be 'cpu' or a CUDA device, got {device!r}")
     return _measure_cuda(dev)  # pragma: no cover - needs a GPU
@@ -224,7 +226,30 @@ def plan_memory(model: nn.Module, example_input: torch.Tensor, memory_limit: int
     limit = profile.memory_bytes if memory_limit is None else parse_size(memory_limit)
     from ucudnn.memory.planner import make_plan
 
-    return make_plan(graph, profile, limit, policy, devices=devices, db=db)
+    return make_plan(graph, profile, limit, policy, devices=devices, db=db,
+                     fronts=_converted_fronts(model, graph, example_input))
+
+
+def _converted_fronts(model: nn.Module, graph: TrainingGraph, example_input: torch.Tensor) -> dict:
+    """The options of each converted conv's kernels as its own handle measures them (through the
+    measurement cache: what the handle measures here, its first step does not measure again), so
+    that the plan's workspace budgets are ones its convolutions can run within."""
+    from ucudnn.memory.timing import KernelOption
+
+    modules = dict(model.named_modules())
+    convs = {op.name: op for op in graph.conv_ops}
+    fronts = {}
+    for step in graph.steps:
+        op = convs.get(step.op)
+        conv = modules.get(op.module) if op is not None else None
+        if not isinstance(conv, Conv2d):
+            continue
+        dtype = "float32" if example_input.dtype == torch.float32 else str(example_input.dtype).removeprefix("torch.")
+        for kind in step.kernels:
+            problem = dataclasses.replace(op.conv, kind=kind, dtype=dtype)
+            fronts[(step.op, kind)] = tuple(KernelOption(c.time, c.workspace, c.describe(), "measured")
+                                            for c in conv.handle.front(problem))
+    return fronts
 
 
 # ---- copies ---------------------------------------------------------------------------------------
@@ -422,9 +447,6 @@ class _Prepared:
                     seen.add(arg)
                     self.last_use.setdefault(i, []).append(arg)
         self.copies: dict[torch.device, tuple[Any, _HostBuffers]] = {}
-        # (id of a conv's own handle, limit) -> (that handle, the budget handle made from it); the
-        # own handle is held, so its id cannot be reused while the entry lives
-        self.budget_handles: dict[tuple[int, int], tuple[Handle, Handle]] = {}
 
     def _check_workspace_layers(self, model_name: str) -> None:
         convs = {n.name: self.modules[n.target] for n in self.nodes
@@ -434,9 +456,9 @@ class _Prepared:
             raise InvalidInput(f"plan for {self.plan.network!r} gives workspace to conv layer(s) "
                                f"{', '.join(unknown[:5])} that {model_name} does not have; "
                                "a plan made for another model?")
-        self.conv_budgets: dict[str, int] = {}
+        self.conv_budgets: dict[str, dict[str, int]] = {}
         for c in self.plan.conv_workspace:
-            self.conv_budgets[c.layer] = min(c.bytes, self.conv_budgets.get(c.layer, c.bytes))
+            self.conv_budgets.setdefault(c.layer, {})[c.kind] = c.bytes
         self.convs = convs
 
     def check_input(self, model: nn.Module, x: Any) -> dict[int, int]:
@@ -464,15 +486,6 @@ class _Prepared:
         segments = dict(_segments(graph, plan, self.index))
         self.shapes_checked[key] = segments
         return segments
-
-    def budget_handle(self, own: Handle, limit: int) -> Handle:
-        """A handle with `own`'s options and `limit` bytes per kernel, made once per (model, plan), so
-        that its plans and its workspace buffer last from step to step."""
-        key = (id(own), limit)
-        if key not in self.budget_handles:
-            _, (options,) = own.__reduce__()  # a handle's options, as its copies get them
-            self.budget_handles[key] = own, Handle(**{**options, "workspace_limit": limit, "total_workspace": None})
-        return self.budget_handles[key][1]
 
     def copies_for(self, device: torch.device) -> tuple[Any, _HostBuffers]:
         """The copier for `device` and its host buffers, made at the first offload to the host."""
@@ -754,18 +767,20 @@ class _Executor:
     # -- workspaces ---------------------------------------------------------------------------------
     @contextlib.contextmanager
     def workspaces(self) -> Iterator[None]:
-        saved: list[tuple[Conv2d, Handle]] = []
+        """Each converted conv runs its kernels within the plan's budgets (its handle's fastest
+        configuration within each; the same dict object each step, so its routes are kept)."""
+        saved: list[tuple[Conv2d, dict | None]] = []
         try:
-            for layer, limit in self.prep.conv_budgets.items():
+            for layer, budgets in self.prep.conv_budgets.items():
                 conv = self.prep.convs[layer]
                 if not isinstance(conv, Conv2d):
                     continue  # torch's own conv: its workspace is torch's business
-                saved.append((conv, conv.handle))
-                conv.handle = self.prep.budget_handle(conv.handle, limit)
+                saved.append((conv, conv._budgets))
+                conv._budgets = budgets
             yield
         finally:
-            for conv, handle in saved:
-                conv.handle = handle
+            for conv, budgets in saved:
+                conv._budgets = budgets
 
 
 class _Tracer(fx.Tracer):
