@@ -25,7 +25,9 @@ Categories (`CATEGORIES`):
   which `ucudnn.torch.memory` does), and, when the tracked device is a GPU, anything in host memory.
 - ``workspace``: the workspace buffers of the ucudnn handles of the model's converted convolutions
   (the handles `execute_plan` swaps in included). They are NumPy or CuPy memory, outside PyTorch's
-  dispatch, so they are read from the handles (`Handle.workspace_bytes`) at every event.
+  dispatch, so they are read from the handles (`Handle.workspace_bytes`, the buffers a handle keeps)
+  at every event, and a workspace held for one run only (a plan's budget) is reported by the handle
+  itself as it is taken and given back (`Handle.workspace_listener`).
 
 The device's bytes are every category but ``host``: what a `MemoryPlan`'s ``peak_bytes`` counts
 (weights, weight gradients, feature maps, gradients and workspaces). `TrackerReport.memory` is
@@ -135,6 +137,8 @@ class StepTracker(TorchDispatchMode):
         self._start = 0.0
         self._convs: list[nn.Module] = []
         self._hooks: list[Any] = []
+        self._listening: list[Any] = []   # handles whose per-run workspaces report to this tracker
+        self._transient = 0               # bytes of those workspaces held now
         self._params: set[int] = set()
         self._report: TrackerReport | None = None
         self._used = False
@@ -159,6 +163,9 @@ class StepTracker(TorchDispatchMode):
             from ucudnn.torch.conv import Conv2d
 
             self._convs = [m for m in self.model.modules() if isinstance(m, Conv2d)]
+            for handle in {id(c.handle): c.handle for c in self._convs}.values():
+                handle.workspace_listener = self._workspace_event
+                self._listening.append(handle)
             for p in self.model.parameters():
                 self.track(p, "weight")
                 self._params.add(id(p))
@@ -176,6 +183,9 @@ class StepTracker(TorchDispatchMode):
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        for handle in self._listening:
+            handle.workspace_listener = None
+        self._listening = []
         witness = None
         if self.device.type == "cuda":  # pragma: no cover - needs a GPU
             torch.cuda.synchronize(self.device)
@@ -251,9 +261,13 @@ class StepTracker(TorchDispatchMode):
             self._see(p.grad, "weight_grad")
             self._sample()
 
+    def _workspace_event(self, delta: int) -> None:
+        self._transient += delta
+        self._sample()
+
     def _workspace_bytes(self) -> int:
         handles = {id(c.handle): c.handle for c in self._convs}
-        return sum(h.workspace_bytes for h in handles.values())
+        return self._transient + sum(h.workspace_bytes for h in handles.values())
 
     def _sample(self) -> None:
         """Record the current bytes (after a change) and move the peaks."""
