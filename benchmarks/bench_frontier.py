@@ -13,8 +13,8 @@ basic residual blocks with batch-norm and in-place ReLUs, a classifier), both `n
   ``--limits`` more fractions of the plain peak.
 
 Peak memory is counted by `ucudnn.torch.tracker.StepTracker` over one step after warm-up steps
-(weights, weight gradients zeroed not freed, feature maps, gradients and temporaries; host copies too,
-as a CPU has one memory). Compiled code runs compiled under the tracker (it ignores compile
+(weights, weight gradients freed between steps as zero_grad() does, feature maps, gradients and
+temporaries; host copies too, as a CPU has one memory). Compiled code runs compiled under the tracker (it ignores compile
 internals); the buffers Inductor's generated C++ kernels allocate themselves bypass PyTorch's dispatch,
 so this script counts them by wrapping Inductor's allocation function before anything compiles.
 Step time: the median over ``--rounds`` rounds in which every variant runs one step, interleaved in
@@ -106,9 +106,8 @@ class Variant:
         self.times: list[float] = []
 
     def step(self, x, y) -> None:
-        for p in self.model.parameters():  # zeroed, not freed: a plan holds weight gradients for the step
-            if p.grad is not None:
-                p.grad.zero_()
+        for p in self.model.parameters():  # freed, as zero_grad() does by default (and check_plan)
+            p.grad = None
         self.run(self.model, x, y)
 
     @property

@@ -153,7 +153,9 @@ def test_check_plan_reports_every_field_and_leaves_the_model_as_it_was():
     assert checked.peak_ratio == checked.peak_bytes / plan.peak_bytes
     assert checked.bytes_moved == checked.predicted_bytes_moved == 0
     data = checked.to_json()
-    assert set(data) == {"policy", "device", "predicted", "achieved", "peak_ratio", "step_ratio"}
+    assert set(data) == {"policy", "device", "plan_device", "memory_limit", "fits", "predicted", "achieved",
+                         "peak_ratio", "step_ratio"}
+    assert data["memory_limit"] == 2**30 and data["fits"] is plan.fits and checked.plan is plan
     assert data["achieved"]["peak_bytes"] == checked.peak_bytes
     assert all(p.grad is None for p in model.parameters())
     for k, v in model.state_dict().items():

@@ -10,8 +10,10 @@
    takes the executor's host buffers and the handles' workspaces, as a training loop's first step does.
 2. One step under a `ucudnn.torch.tracker.StepTracker`: the peak of the device's live storages
    (weights, weight gradients, feature maps, gradients, workspaces), the host copies apart, and
-   memory over the step. Weight gradients are zeroed, not freed, between steps, as the plan holds them
-   for the whole step; the input batch counts as the plan's input feature map does.
+   memory over the step. Weight gradients are freed between steps, as `zero_grad()` does by default
+   (zeroed, a layer's new gradient and its zeroed one would be held at once while autograd adds
+   them: 151 MB more for AlexNet's fc6); the plan holds them for the whole step, an upper bound. The
+   input batch counts as the plan's input feature map does.
 3. ``steps`` timed steps, untracked (the tracker's dispatch costs time): their median is the step time.
 
 Bytes moved are the copies between device and host: offloaded bytes out and the same back, as the
@@ -36,7 +38,7 @@ from ucudnn.memory.plan import MemoryPlan
 from ucudnn.torch.memory import _prepared, execute_plan
 from ucudnn.torch.tracker import StepTracker, TrackerReport
 
-__all__ = ["PlanCheck", "check_plan"]
+__all__ = ["PlanCheck", "check_network", "check_plan"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +56,7 @@ class PlanCheck:
     bytes_moved: int                 # offloaded bytes out and back
     host_peak_bytes: int             # the executor's host copies at their highest
     tracker: TrackerReport
+    plan: MemoryPlan | None = None
 
     @property
     def peak_ratio(self) -> float:
@@ -67,6 +70,9 @@ class PlanCheck:
 
     def to_json(self) -> dict:
         return {"policy": self.policy, "device": self.device,
+                "plan_device": self.plan.device if self.plan else None,
+                "memory_limit": self.plan.memory_limit if self.plan else None,
+                "fits": self.plan.fits if self.plan else None,
                 "predicted": {"peak_bytes": self.predicted_peak_bytes, "step_ms": self.predicted_step_ms,
                               "bytes_moved": self.predicted_bytes_moved},
                 "achieved": {"peak_bytes": self.peak_bytes, "step_ms": self.step_ms,
@@ -113,9 +119,8 @@ def check_plan(model: nn.Module, plan: MemoryPlan, example_input: torch.Tensor, 
     buffers = [b.detach().clone() for b in model.buffers()]
 
     def step() -> Any:
-        for p in params:  # zeroed, not freed: the plan holds weight gradients for the whole step
-            if p.grad is not None:
-                p.grad.zero_()
+        for p in params:  # freed, as zero_grad() does by default: autograd then takes each new
+            p.grad = None  # gradient as it is, where adding it into a zeroed one would hold both at once
         with execute_plan(model, plan) as stats:
             loss_fn(model(example_input), target).backward()
         return stats
@@ -146,4 +151,24 @@ def check_plan(model: nn.Module, plan: MemoryPlan, example_input: torch.Tensor, 
                 b.copy_(old)
     return PlanCheck(plan.policy, str(device), plan.peak_bytes, report.peak_bytes, plan.step_ms,
                      statistics.median(samples), tuple(samples), _predicted_moved(plan), 2 * stats.bytes_offloaded,
-                     report.host_peak_bytes, report)
+                     report.host_peak_bytes, report, plan)
+
+
+def check_network(network: str, batch: int, *, memory_limit: int | None = None, policy: str = "optimal",
+                  device: str | None = None, steps: int = 3) -> PlanCheck:
+    """`check_plan` for zoo network `network`: built in PyTorch (`ucudnn.torch.zoo.model_of`), planned for
+    this machine (`plan_memory` with the example input on `device`: "cuda" where a GPU is at hand,
+    else the CPU) and run, with random inputs and labels."""
+    from ucudnn.memory.graph import from_network
+    from ucudnn.torch.memory import plan_memory
+    from ucudnn.torch.zoo import model_of
+
+    graph = from_network(network, batch)
+    where = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    torch.manual_seed(0)
+    model = model_of(graph).to(where)
+    x = torch.randn(*graph.ops[0].shape, device=where)
+    loss = next(op for op in graph.ops if op.type == "loss")
+    y = torch.randint(0, graph.op(loss.inputs[0]).shape[-1], (batch,), device=where)
+    plan = plan_memory(model, x, memory_limit=memory_limit, policy=policy)
+    return check_plan(model, plan, x, y, steps=steps)
