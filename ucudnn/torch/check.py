@@ -156,12 +156,12 @@ def check_plan(model: nn.Module, plan: MemoryPlan, example_input: torch.Tensor, 
 
 def check_network(network: str, batch: int, *, memory_limit: int | None = None, policy: str = "optimal",
                   device: str | None = None, steps: int = 3) -> PlanCheck:
-    """`check_plan` for zoo network `network`: built in PyTorch (`ucudnn.torch.zoo.model_of`), planned for
+    """`check_plan` for zoo network `network`: built in PyTorch (`ucudnn.torch.graph_model.model_of`), planned for
     this machine (`plan_memory` with the example input on `device`: "cuda" where a GPU is at hand,
     else the CPU) and run, with random inputs and labels."""
     from ucudnn.memory.graph import from_network
     from ucudnn.torch.memory import plan_memory
-    from ucudnn.torch.zoo import model_of
+    from ucudnn.torch.graph_model import model_of
 
     graph = from_network(network, batch)
     where = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))

@@ -1,4 +1,4 @@
-"""A zoo network's training graph as a PyTorch model, so that a plan can be checked against a real step.
+"""A training graph (a zoo network's) as a PyTorch model, so that a plan can be checked against a real step.
 
 `model_of(graph)` builds an `nn.Module` that runs `graph`'s operations in order: each conv from its
 `ConvProblem` (no bias, as the zoo counts no bias), batch-norm, ReLU (in place where the graph's is),
