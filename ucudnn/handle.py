@@ -34,9 +34,12 @@ A Handle is not thread-safe (neither is a cuDNN handle): give each thread its ow
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import operator
+import statistics
 import sys
+import time
 import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -46,6 +49,7 @@ from ucudnn.backends import get_backend
 from ucudnn.backends.base import Backend, one_line
 from ucudnn.benchmark import (BenchStats, Policy, batch_sizes, confirm_faster, device_key, measure_table,
                               parse_policy, policy_name)
+from ucudnn.backends.cpu import NATIVE
 from ucudnn.call_overhead import charged_fronts, native_undivided
 from ucudnn.errors import InvalidInput, UnsupportedProblem
 from ucudnn.execute import PreparedConfiguration
@@ -124,6 +128,30 @@ class _Prepared:
     kernels: PreparedConfiguration  # micro-batch problems, rows and launchers, made once
     out_shape: tuple[int, int, int, int]  # problem.out_shape, which is derived per access
     budget: int | None = None  # planned within a caller's budget: its workspace is taken per run
+    trial: _Trial | None = None  # timed against native undivided where it runs, for its first runs
+
+
+@dataclass(slots=True)
+class _Trial:
+    """A planned kernel against torch's own convolution on the whole batch, timed where the caller
+    runs it (inside its training step, where caches and thread pools are as they really are):
+    the two take turns for the first runs, then the faster stays (`Handle(trial_runs=...)`)."""
+
+    planned: _Prepared
+    native: _Prepared
+    runs: int                       # timed runs of each
+    calls: int = 0
+    planned_ms: list[float] = dataclasses.field(default_factory=list)
+    native_ms: list[float] = dataclasses.field(default_factory=list)
+
+    @property
+    def open(self) -> bool:
+        return len(self.native_ms) < self.runs
+
+
+def native_only(config: Configuration) -> bool:
+    """`native` on the whole batch: torch's own convolution, which a torch caller can run itself."""
+    return len(config.micros) == 1 and config.micros[0].algo == NATIVE
 
 
 def _prepared(backend: Backend, problem: ConvProblem, config: Configuration, offset: int | None,
@@ -317,15 +345,22 @@ class Handle:
         The plans charge it, so they pick a NumPy algorithm only where it wins by more.
         ``ucudnn.torch`` measures it once per process for the handles it makes on the CPU; 0 (the
         default) charges nothing.
+    trial_runs : for callers that run kernels inside a larger step (``ucudnn.torch`` on the CPU):
+        a kernel planned as anything but `native` on the whole batch alternates with native for
+        its first ``2 * (trial_runs + 1)`` runs, timed where they run (the first of each untimed),
+        and keeps native for good unless the plan's median beats native's by more than
+        `call_overhead` (a kernel measured alone can win there and lose inside a step, where
+        caches and thread pools are shared). 0 (the default): no trials.
     """
 
     def __init__(self, *, backend: str | Backend = "auto", policy: Policy = "powerOfTwo",
                  workspace_limit: int | str | None = None, total_workspace: int | str | None = None,
                  db: str | bool | None = None, reps: int = 3, algos: Sequence[str] | None = None,
-                 call_overhead: float = 0.0) -> None:
+                 call_overhead: float = 0.0, trial_runs: int = 0) -> None:
         self._options = {"backend": backend, "policy": policy, "workspace_limit": workspace_limit,
                          "total_workspace": total_workspace, "db": db, "reps": reps,
-                         "algos": tuple(algos) if algos is not None else None, "call_overhead": call_overhead}
+                         "algos": tuple(algos) if algos is not None else None, "call_overhead": call_overhead,
+                         "trial_runs": trial_runs}
         if workspace_limit is not None and total_workspace is not None:
             raise InvalidInput("give workspace_limit (WR, per kernel) or total_workspace (WD, per network), not both")
         self._workspace_limit = None if workspace_limit is None else parse_size(workspace_limit)
@@ -343,6 +378,9 @@ class Handle:
                 or not math.isfinite(call_overhead) or call_overhead < 0):
             raise InvalidInput(f"call_overhead must be a finite number of milliseconds >= 0, got {call_overhead!r}")
         self._call_overhead = float(call_overhead)
+        if isinstance(trial_runs, bool) or not isinstance(trial_runs, int) or trial_runs < 0:
+            raise InvalidInput(f"trial_runs must be a non-negative integer, got {trial_runs!r}")
+        self._trial_runs = trial_runs
         if db is True or not (db is None or db is False or isinstance(db, str) or hasattr(db, "__fspath__")):
             raise InvalidInput(f"db must be None (default cache), a URL or path, ':memory:', or False; got {db!r}")
         self._db = db
@@ -705,11 +743,12 @@ class Handle:
             raise InvalidInput(f"layer must be a non-empty string or None, got {layer!r}")
         name = layer if layer is not None else problem.with_kind("fwd").key
         if budget is not None:
-            return _prepared(self._backend, problem, self._plan_wr(problem, budget=budget).config, None, budget)
+            prep = _prepared(self._backend, problem, self._plan_wr(problem, budget=budget).config, None, budget)
+            return self._with_trial(prep, self._budget_limit(budget))
         if self.mode == "WR":
             plan = self._plan_wr(problem)
             self._wr_seen.setdefault((name, problem.kind, problem.n), problem)
-            prep = _prepared(self._backend, problem, plan.config, None)
+            prep = self._with_trial(_prepared(self._backend, problem, plan.config, None), self._workspace_limit)
         else:
             self._register(name, problem.with_kind("fwd"), frozenset({problem.kind}), stacklevel=5)
             plans = self._wd_plans.get(problem.n)
@@ -718,6 +757,20 @@ class Handle:
             _, plan = plans[name, problem.kind]
             prep = _prepared(self._backend, problem, plan.config, plan.offset)
         return prep
+
+    def _with_trial(self, prep: _Prepared, limit: int | None) -> _Prepared:
+        """`prep` with a trial against native undivided, where trials are asked for and native can
+        run this problem within `limit` (the trial runs it; WD's segments are sized for the plan)."""
+        problem = prep.problem
+        if (not self._trial_runs or native_only(prep.config) or NATIVE not in self._candidates(problem)
+                or self._backend.unsupported_reason(problem, NATIVE) is not None):
+            return prep
+        workspace = self._backend.workspace_size(problem, NATIVE)
+        if limit is not None and workspace > limit:
+            return prep
+        native = _prepared(self._backend, problem, Configuration((MicroConfig(NATIVE, problem.n, 0.0, workspace),)),
+                           None, prep.budget)
+        return dataclasses.replace(prep, trial=_Trial(prep, native, self._trial_runs))
 
     def _candidates(self, problem: ConvProblem) -> list[str]:
         if self._algos is None:
@@ -862,6 +915,8 @@ class Handle:
     # ---- running ------------------------------------------------------------------------
     def _workspace(self, prep: _Prepared) -> Any:
         need = prep.config.workspace
+        if native_only(prep.config):  # torch allocates its own temporaries: its declared size is an estimate
+            return self._backend.empty_workspace(0)
         if prep.budget is not None:  # a plan's budget: held for this run only, as the plan counted it
             return self._backend.empty_workspace(need)
         if prep.offset is not None:
@@ -889,6 +944,10 @@ class Handle:
 
     def _run(self, prep: _Prepared, *, x: Any = None, w: Any = None, dy: Any = None, out: Any,
              alpha: float, beta: float) -> None:
+        trial = prep.trial
+        if trial is not None and trial.open:
+            self._run_trial(prep, trial, x=x, w=w, dy=dy, out=out, alpha=alpha, beta=beta)
+            return
         if not prep.kernels.checked:  # its first run: a configuration that cannot run is re-planned
             self._run_first(prep, x=x, w=w, dy=dy, out=out, alpha=alpha, beta=beta)
             return
@@ -898,6 +957,28 @@ class Handle:
             if beta != 0:  # out already holds part of the blend: no way back to the caller's values
                 raise
             self._run_first(self._replan(prep, exc), x=x, w=w, dy=dy, out=out, alpha=alpha, beta=beta)
+
+    def _run_trial(self, prep: _Prepared, trial: _Trial, **call: Any) -> None:
+        """One run of a trial (see `trial_runs`): the plan and native take turns, the first run of
+        each untimed (it is checked, and may re-plan); at the end native replaces the plan unless
+        the plan's median won by more than the call overhead."""
+        native = trial.calls % 2 == 1
+        trial.calls += 1
+        start = time.perf_counter()
+        self._run(trial.native if native else trial.planned, **call)
+        if trial.calls <= 2:
+            return
+        (trial.native_ms if native else trial.planned_ms).append((time.perf_counter() - start) * 1e3)
+        if not trial.open and statistics.median(trial.planned_ms) + self._call_overhead >= \
+                statistics.median(trial.native_ms):
+            self._switch(prep, trial.native)
+
+    def _switch(self, old: _Prepared, new: _Prepared) -> None:
+        """Every call planned as `old` runs `new` from now on; kernels made before are stale."""
+        for signature, prep in list(self._prepared.items()):
+            if prep is old:
+                self._prepared[signature] = new
+        self._generation += 1
 
     # ---- recovery from planned algorithms that cannot run ----------------------------------
     def _candidate_failures(self) -> tuple[type[BaseException], ...]:

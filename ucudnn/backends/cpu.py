@@ -788,6 +788,7 @@ class CpuBackend(Backend):
     defaults); see the module docstring."""
 
     name = "cpu"
+    numpy_threads: int | None = None
 
     def __init__(self, numpy_threads: int | None = None) -> None:
         if numpy_threads is not None and (isinstance(numpy_threads, bool) or not isinstance(numpy_threads, int)

@@ -38,8 +38,17 @@ def trace_model(model, example_input) -> list:
         gm = fx.symbolic_trace(model)
     except Exception as exc:  # fx raises many kinds (TraceError, TypeError on data-dependent control flow)
         raise UnsupportedProblem(f"torch.fx cannot trace {type(model).__name__}: {exc}") from None
+    # Shapes from fake tensors: the real forward pass costs as much as a training step's forward
+    # (seconds for a large batch on a CPU) and computes nothing used here. A model whose Python
+    # (a hook, say) needs real values gets the real pass.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
     with torch.no_grad():
-        ShapeProp(gm).propagate(example_input)
+        try:
+            fake = FakeTensorMode(allow_non_fake_inputs=True)
+            ShapeProp(gm, fake_mode=fake).propagate(fake.from_tensor(example_input))
+        except Exception:  # noqa: BLE001 - any failure of the fake pass: the real one decides
+            ShapeProp(gm).propagate(example_input)
     modules = dict(gm.named_modules())
     b = _builder_for_fx(int(example_input.shape[0]))
     names: dict[str, str] = {}  # fx node -> the op holding its value (a no-op node maps to its input)

@@ -53,13 +53,15 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from ucudnn.backends.base import one_line
 from ucudnn.backends import get_backend
+from ucudnn.backends.base import one_line
 from ucudnn.backends.cpu import NATIVE, CpuBackend
 from ucudnn.benchmark import interleaved_medians_ms
 from ucudnn.errors import BackendUnavailable, InvalidInput, UnsupportedProblem
 from ucudnn.handle import Handle, Kernel
 from ucudnn.problem import ConvProblem
+from ucudnn.sizes import format_size
+from ucudnn.solver.types import Infeasible
 
 __all__ = ["Conv2d", "announce", "convert"]
 
@@ -131,6 +133,9 @@ _ALLOCATORS: dict[int, Any] = {}
 
 
 _NOTHING = contextlib.nullcontext()
+
+# Timed runs of each side in a kernel's in-step trial against torch's own convolution (CPU handles)
+TRIAL_RUNS = 3
 
 
 def _on_device(t: torch.Tensor):
@@ -333,15 +338,20 @@ def _probe_route() -> dict[str, float]:
 def _new_handle(**options: Any) -> Handle:
     """A Handle for torch layers. On the CPU its NumPy algorithms run on one thread (they run
     between torch's operations, whose thread pool owns the cores: `CpuBackend`'s docstring says
-    why), and it charges the measured `route_overhead_ms` unless the options give a
-    `call_overhead` themselves."""
+    why), each kernel planned as one of them is confirmed against torch's own convolution inside
+    the first training steps (`Handle`'s ``trial_runs``), and it charges the measured
+    `route_overhead_ms` unless the options give a `call_overhead` themselves."""
     backend = options.get("backend", "auto")
     if isinstance(backend, str):
         backend = get_backend(backend)
         if backend.name == "cpu":
             backend = CpuBackend(numpy_threads=1)
         options = {**options, "backend": backend}
-    if "call_overhead" in options or backend.name != "cpu":
+    if backend.name != "cpu":
+        return Handle(**options)
+    # kernels measured alone are confirmed in the step: see Handle's trial_runs
+    options = {"trial_runs": TRIAL_RUNS, **options}
+    if "call_overhead" in options:
         return Handle(**options)
     return Handle(**options, call_overhead=route_overhead_ms())
 
@@ -474,8 +484,16 @@ class Conv2d(nn.Conv2d):
         with _on_device(input):  # a WD solve allocates the arena: from torch's allocator on CUDA
             handle.register(self.layer_id, self._problem(input, weight, padding, dtype, layout), kinds=kinds)
             budgets = self._budgets or {}
-            kernels = {kind: handle.kernel(kind, tuple(input.shape), tuple(weight.shape), budget=budgets.get(kind),
-                                           **conv) for kind in kinds}
+            try:
+                kernels = {kind: handle.kernel(kind, tuple(input.shape), tuple(weight.shape),
+                                               budget=budgets.get(kind), **conv) for kind in kinds}
+            except Infeasible as exc:
+                if not budgets:
+                    raise
+                given = ", ".join(f"{kind} {format_size(b)}" for kind, b in budgets.items())
+                raise Infeasible(f"{self.layer_id}: the memory plan's workspace budgets ({given}) fit none of this "
+                                 f"layer's configurations ({exc}); make the plan with plan_memory on the converted "
+                                 "model, whose budgets come from its layers' own measurements") from exc
         # torch runs a native undivided plan itself (on CPU tensors; the cudnn backend has no native)
         torch_runs = {kind: input.device.type == "cpu" and _native_undivided(k.config) for kind, k in kernels.items()}
         routed = {kind: None if torch_runs[kind] else k for kind, k in kernels.items()}

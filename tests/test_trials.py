@@ -1,0 +1,112 @@
+"""A kernel planned from measurements taken alone is confirmed where it runs: `Handle(trial_runs=N)`.
+
+A backend whose measurements say one thing and whose runs do another (as a kernel timed alone and
+the same kernel inside a training step can): the trial alternates the plan with native undivided on
+the caller's own calls and keeps the one that is faster there.
+"""
+
+import time
+
+import numpy as np
+import pytest
+
+from ucudnn.backends.cpu import NATIVE, CpuBackend
+from ucudnn.handle import Handle
+from ucudnn.problem import ConvProblem
+
+PROBLEM = ConvProblem.parse("n=2,c=3,h=8,w=8,k=4,r=3,s=3,pad=1")
+CONV = {"padding": 1, "layer": "conv"}
+
+
+class Staged(CpuBackend):
+    """Measured times are given; a prepared launch (what a step runs) takes at least its given run
+    time, and a checked `run` (WR's re-timing, a first run) its measured time (ms by algorithm)."""
+
+    def __init__(self, measured: dict[str, float], runs: dict[str, float]) -> None:
+        self.measured, self.runs, self.ran = measured, runs, []
+
+    def time_run_ms(self, problem, algo, operands, workspace, reps, beta=0.0):
+        return [self.measured[algo]] * reps
+
+    def run(self, problem, algo, **kwargs):
+        end = time.perf_counter() + self.measured[algo] / 1e3
+        super().run(problem, algo, **kwargs)
+        time.sleep(max(0.0, end - time.perf_counter()))
+
+    def prepare_run(self, problem, algo):
+        launch = super().prepare_run(problem, algo)
+
+        def slowed(*args):
+            end = time.perf_counter() + self.runs[algo] / 1e3
+            launch(*args)
+            self.ran.append(algo)
+            time.sleep(max(0.0, end - time.perf_counter()))
+        return slowed
+
+
+def _operands():
+    rng = np.random.default_rng(0)
+    return (rng.standard_normal(PROBLEM.x_shape, dtype=np.float32),
+            rng.standard_normal(PROBLEM.w_shape, dtype=np.float32))
+
+
+@pytest.mark.parametrize("runs, kept", [({"im2col_gemm": 30.0, NATIVE: 5.0}, NATIVE),
+                                        ({"im2col_gemm": 5.0, NATIVE: 30.0}, "im2col_gemm")])
+def test_a_trial_keeps_what_is_faster_where_it_runs(runs, kept):
+    backend = Staged({"im2col_gemm": 1.0, NATIVE: 10.0}, runs)  # alone, im2col looks 10x faster
+    handle = Handle(backend=backend, policy="undivided", algos=["im2col_gemm", NATIVE], db=False, reps=1,
+                    trial_runs=2)
+    x, w = _operands()
+    kernel = handle.kernel("fwd", x.shape, w.shape, **CONV)
+    assert kernel.config.micros[0].algo == "im2col_gemm"  # the measurements' choice
+    generation = handle.generation
+    backend.ran.clear()
+    results = []
+    for _ in range(2 * (2 + 1)):  # the trial: each side once untimed, then twice timed
+        out = np.zeros(PROBLEM.out_shape, np.float32)
+        kernel.run(x=x, w=w, out=out)
+        results.append(out)
+    # the timed runs (the first of each side is the checked run, through `run`) take turns
+    assert backend.ran == ["im2col_gemm", NATIVE] * 2
+    for out in results:  # every run of the trial computed the convolution, whichever ran it
+        np.testing.assert_allclose(out, results[0], rtol=1e-5, atol=1e-5)
+    after = handle.kernel("fwd", x.shape, w.shape, **CONV)
+    assert after.config.micros[0].algo == kept
+    assert (handle.generation != generation) == (kept == NATIVE)  # a switch makes older kernels stale
+    backend.ran.clear()
+    after.run(x=x, w=w, out=np.zeros(PROBLEM.out_shape, np.float32))
+    assert backend.ran == [kept]  # the trial is over: one run, of the winner
+
+
+def test_the_plan_must_win_by_more_than_the_call_overhead():
+    backend = Staged({"im2col_gemm": 1.0, NATIVE: 40.0}, {"im2col_gemm": 15.0, NATIVE: 30.0})
+    handle = Handle(backend=backend, policy="undivided", algos=["im2col_gemm", NATIVE], db=False, reps=3,
+                    trial_runs=1, call_overhead=20.0)
+    x, w = _operands()
+    kernel = handle.kernel("fwd", x.shape, w.shape, **CONV)
+    assert kernel.config.micros[0].algo == "im2col_gemm"  # 39 ms ahead alone, charged 20: kept
+    for _ in range(4):
+        kernel.run(x=x, w=w, out=np.zeros(PROBLEM.out_shape, np.float32))
+    # in the step it won by 15 ms, less than the 20 ms its caller pays per call
+    assert handle.kernel("fwd", x.shape, w.shape, **CONV).config.micros[0].algo == NATIVE
+
+
+def test_no_trial_without_trial_runs_or_where_native_cannot_run():
+    backend = Staged({"im2col_gemm": 1.0, NATIVE: 10.0}, {"im2col_gemm": 1.0, NATIVE: 1.0})
+    x, w = _operands()
+    for options in ({}, {"trial_runs": 2, "algos": ["im2col_gemm"]}):
+        options = {"algos": ["im2col_gemm", NATIVE], **options}
+        handle = Handle(backend=backend, policy="undivided", db=False, reps=1, **options)
+        kernel = handle.kernel("fwd", x.shape, w.shape, **CONV)
+        backend.ran.clear()
+        for _ in range(4):
+            kernel.run(x=x, w=w, out=np.zeros(PROBLEM.out_shape, np.float32))
+        assert backend.ran == ["im2col_gemm"] * 3  # the plan, every time (the first run is checked by `run`)
+
+
+def test_bad_trial_runs_are_refused():
+    from ucudnn.errors import InvalidInput
+
+    for bad in (-1, 1.5, True):
+        with pytest.raises(InvalidInput, match="trial_runs"):
+            Handle(backend="cpu", trial_runs=bad, db=False)
