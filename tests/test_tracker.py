@@ -207,3 +207,13 @@ def test_the_count_agrees_with_the_caching_allocator_on_cuda():
     r = tracker.report()
     # the allocator also sees what kernels allocate inside themselves (cuDNN workspaces): never less
     assert r.allocator_peak_bytes is not None and r.allocator_peak_bytes >= r.peak_bytes - 2**20
+
+
+def test_a_tensor_first_read_inside_a_host_label_is_not_filed_as_host():
+    dev = torch.ones(100)  # made before the block
+    with StepTracker() as tracker:
+        with allocated_as("host"):
+            host = torch.empty_like(dev)  # reads `dev` first: it stays a device tensor
+    r = tracker.report()
+    assert r.end_by_category["host"] == 400 and r.end_by_category["tensor"] == 400
+    assert host.shape == dev.shape

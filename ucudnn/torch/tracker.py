@@ -211,25 +211,30 @@ class StepTracker(TorchDispatchMode):
         self._see(t, category)
         self._sample()
 
-    def _category_for(self, t: torch.Tensor) -> str:
-        label = _LABEL.get()
+    def _category_for(self, t: torch.Tensor, labelled: bool) -> str:
+        label = _LABEL.get() if labelled else None
         if label is not None:
             return label
         if t.device != self.device and t.device.type == "cpu":
             return "host"
         return "tensor"
 
-    def _see(self, t: torch.Tensor, category: str | None) -> None:
+    def _see(self, t: torch.Tensor, category: str | None, labelled: bool = True) -> None:
+        """Count `t`'s storage if new (under `category`, else by `allocated_as` when `labelled`, else by
+        device), refile it under `category` if given, and follow a change of its size."""
         if t.device.type == "meta" or t.layout != torch.strided:
             return
-        storage = t.untyped_storage()
+        try:
+            storage = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # a tensor subclass without storage of its own (fake, functional)
+            return
         key = storage._cdata
         entry = self._live.get(key)
         nbytes = storage.nbytes()
         if entry is None:
             if t.device != self.device and t.device.type != "cpu":
                 return  # another accelerator's memory: not this device's, not host memory
-            category = category or self._category_for(t)
+            category = category or self._category_for(t, labelled)
             ref = weakref.ref(storage, self._freed_callback(key))
             self._live[key] = _Entry(category, nbytes, ref)
             self._bytes[category] += nbytes
@@ -291,14 +296,14 @@ class StepTracker(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        for t in inputs:  # a tensor alive before the block counts from its first read
-            self._see(t, None)
+        for t in inputs:  # a tensor alive before the block counts from its first read (unlabelled: made before)
+            self._see(t, None, labelled=False)
         out = func(*args, **kwargs)
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 self._see(t, None)
         if func._schema.is_mutable:  # an in-place or out= operation may have resized its argument's storage
             for t in inputs:
-                self._see(t, None)
+                self._see(t, None, labelled=False)
         self._sample()
         return out
