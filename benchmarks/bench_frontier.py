@@ -18,7 +18,9 @@ temporaries; host copies too, as a CPU has one memory). Compiled code runs compi
 internals); the buffers Inductor's generated C++ kernels allocate themselves bypass PyTorch's dispatch,
 so this script counts them by wrapping Inductor's allocation function before anything compiles.
 Step time: the median over ``--rounds`` rounds in which every variant runs one step, interleaved in
-one process (forward, backward, no optimizer step).
+one process (forward, backward, no optimizer step), as CPU time of this process (all its threads):
+on a machine shared with other work, wall time moved by 2x between identical plans in one run; wall
+time is printed beside it.
 
 Printed: every point, the frontier checks (at each ckpt_seq peak, does ucudnn's plan given that limit
 reach it and is it no slower; is any PyTorch point both smaller and faster than a ucudnn point by more
@@ -108,6 +110,7 @@ class Variant:
         self.name, self.tool, self.model, self.run, self.plan = name, tool, model, run, plan
         self.peak = 0
         self.times: list[float] = []
+        self.cpu_times: list[float] = []
 
     def step(self, x, y) -> None:
         for p in self.model.parameters():  # freed, as zero_grad() does by default (and check_plan)
@@ -116,6 +119,12 @@ class Variant:
 
     @property
     def ms(self) -> float:
+        """The median CPU time of a step (this process's threads): on a machine shared with other work,
+        wall time measures the others' load as much as the step; CPU time much less."""
+        return statistics.median(self.cpu_times)
+
+    @property
+    def wall_ms(self) -> float:
         return statistics.median(self.times)
 
 
@@ -223,16 +232,18 @@ def run_model(name: str, args) -> dict:
     print(f"[{name}] timing {len(everything)} variants, {args.rounds} interleaved rounds", file=sys.stderr)
     for _ in range(args.rounds):
         for v in everything:
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             v.step(x, y)
+            v.cpu_times.append((time.process_time() - cpu) * 1e3)
             v.times.append((time.perf_counter() - start) * 1e3)
 
     rows = []
     for v in everything:
         pred = (f"{v.plan.peak_bytes / MiB:.1f}", f"{v.plan.step_ms:.1f}") if v.plan else ("", "")
-        rows.append([v.name, f"{v.peak / MiB:.1f}", f"{v.ms:.1f}", *pred])
+        rows.append([v.name, f"{v.peak / MiB:.1f}", f"{v.ms:.1f}", f"{v.wall_ms:.1f}", *pred])
     print(f"\n{name}: batch {args.batch}, {args.size}x{args.size}")
-    print(table(["variant", "peak MiB (tracker)", "ms/step", "planned peak MiB", "planned ms"], rows))
+    print(table(["variant", "peak MiB (tracker)", "CPU ms/step", "wall ms/step", "planned peak MiB", "planned ms"],
+                rows))
 
     # at each checkpoint_sequential peak: ucudnn's plan given that limit
     equal = []
@@ -255,7 +266,8 @@ def run_model(name: str, args) -> dict:
     print(f"PyTorch points both smaller and faster than a ucudnn frontier point by more than {SLACK:.0%}: "
           f"{beaten or 'none'}")
     return {"model": name, "batch": args.batch, "size": args.size,
-            "points": [{"name": v.name, "tool": v.tool, "peak_bytes": v.peak, "step_ms": v.ms, "times_ms": v.times,
+            "points": [{"name": v.name, "tool": v.tool, "peak_bytes": v.peak, "step_ms": v.ms, "wall_ms": v.wall_ms,
+                        "cpu_times_ms": v.cpu_times, "times_ms": v.times,
                         "planned_peak_bytes": v.plan.peak_bytes if v.plan else None,
                         "planned_step_ms": v.plan.step_ms if v.plan else None} for v in everything],
             "equal_memory": equal, "beaten": beaten}
@@ -277,7 +289,7 @@ def plot(results: list[dict], path: str) -> None:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=marker, color=color, label=tool,
                     linestyle="-" if tool.startswith("ucudnn") or tool == "checkpoint_sequential" else "none")
         ax.set_xlabel("peak memory, MiB (counted by StepTracker)")
-        ax.set_ylabel("step time, ms (median, interleaved)")
+        ax.set_ylabel("step CPU time, ms (median, interleaved)")
         ax.set_title(f"{res['model']}, batch {res['batch']}, {res['size']}x{res['size']} (CPU)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
