@@ -47,9 +47,9 @@ from typing import Any
 
 from ucudnn.backends import get_backend
 from ucudnn.backends.base import Backend, one_line
+from ucudnn.backends.cpu import NATIVE
 from ucudnn.benchmark import (BenchStats, Policy, batch_sizes, confirm_faster, device_key, measure_table,
                               parse_policy, policy_name)
-from ucudnn.backends.cpu import NATIVE
 from ucudnn.call_overhead import charged_fronts, native_undivided
 from ucudnn.errors import InvalidInput, UnsupportedProblem
 from ucudnn.execute import PreparedConfiguration
