@@ -12,7 +12,7 @@ from tqdm import tqdm
 from ucudnn.cli.options import size_option
 from ucudnn.devices import load_profile
 from ucudnn.errors import InvalidInput
-from ucudnn.sizes import format_size
+from ucudnn.sizes import format_size, format_sizes
 
 _EXIT_NOTHING_FITS = 1
 
@@ -79,8 +79,12 @@ def plot_paths(path: str, policies: list[str], compare: bool) -> dict[str, str]:
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False),
               help="Draw memory over the step and the streams' activity to this PNG; with --compare, one PNG "
                    "per policy, named FILE with the policy added (timeline-vdnn-dyn.png).")
-def plan(network, batch, device_name, memory, policy, devices, devices_per_link, db_url, compare, as_json,
-         plot_path):
+@click.option("--check", "check_step", is_flag=True,
+              help="Build the network in PyTorch, plan it for this machine and run one training step under the "
+                   "plan: predicted against achieved peak (counted from live tensors), step time, bytes moved.")
+@click.pass_context
+def plan(ctx, network, batch, device_name, memory, policy, devices, devices_per_link, db_url, compare, as_json,
+         plot_path, check_step):
     """Plan where each feature map lives (kept, offloaded, recomputed) so NETWORK trains within --memory.
 
     Exit 0 when the plan fits (with --compare: some plan fits), 1 when nothing fits (the message names
@@ -98,6 +102,14 @@ def plan(network, batch, device_name, memory, policy, devices, devices_per_link,
         raise InvalidInput(f"--batch must be a positive integer, got {batch}")
     if devices < 1:
         raise InvalidInput(f"--devices must be a positive integer, got {devices}")
+    if check_step:
+        flags = {"device_name": "--device", "devices": "--devices", "devices_per_link": "--devices-per-link",
+                 "db_url": "--db", "compare": "--compare", "plot_path": "--plot"}
+        given = [flag for name, flag in flags.items()
+                 if ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT]
+        if given:
+            raise InvalidInput(f"--check plans for this machine and runs one step here; leave out {', '.join(given)}")
+        return _check(canonical, batch, memory, policy, as_json)
     profile = load_profile(device_name)
     if devices_per_link is not None:
         if devices_per_link < 1:
@@ -138,6 +150,32 @@ def plan(network, batch, device_name, memory, policy, devices, devices_per_link,
         return 0
     needed = min((smallest_fitting_limit(graph, profile, p.policy, devices=devices, above=limit), p.policy)
                  for p in plans)
-    click.echo(f"ucudnn: failed: nothing fits {format_size(limit)}; the smallest limit that fits is "
-               f"{format_size(needed[0])} ({needed[0]} bytes, {needed[1]})", err=True)
+    shown_limit, shown_needed = format_sizes(limit, needed[0])  # two sizes never read as one
+    click.echo(f"ucudnn: failed: nothing fits {shown_limit}; the smallest limit that fits is "
+               f"{shown_needed} ({needed[0]} bytes, {needed[1]})", err=True)
     return _EXIT_NOTHING_FITS
+
+
+def _check(network: str, batch: int, memory: int | None, policy: str, as_json: bool) -> int:
+    """--check: one step of the network under its plan on this machine (ucudnn.torch.check)."""
+    try:
+        from ucudnn.torch.check import check_network
+    except ImportError as exc:
+        raise InvalidInput(f"--check needs PyTorch: {exc}") from None
+    checked = check_network(network, batch, memory_limit=memory,
+                            policy=policy)
+    if as_json:
+        click.echo(json.dumps({"network": network, "batch": batch, **checked.to_json()}))
+    else:
+        plan = checked.plan
+        click.echo(f"{network} batch {batch}, {checked.policy} plan for {plan.device} within "
+                   f"{format_size(plan.memory_limit)}, one step run on {checked.device}")
+        rows = (("peak", format_size(checked.predicted_peak_bytes), format_size(checked.peak_bytes),
+                 checked.peak_ratio),
+                ("step ms", f"{checked.predicted_step_ms:.1f}", f"{checked.step_ms:.1f}", checked.step_ratio),
+                ("bytes moved", format_size(checked.predicted_bytes_moved), format_size(checked.bytes_moved),
+                 checked.bytes_moved / checked.predicted_bytes_moved if checked.predicted_bytes_moved else None))
+        click.echo(f"{'':12}{'predicted':>12}{'achieved':>12}{'ratio':>8}")
+        for name, pred, got, ratio in rows:
+            click.echo(f"{name:12}{pred:>12}{got:>12}{'' if ratio is None else f'{ratio:.2f}':>8}")
+    return 0 if checked.plan.fits else _EXIT_NOTHING_FITS

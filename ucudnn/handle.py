@@ -405,6 +405,9 @@ class Handle:
         self._wr_seen: dict[tuple[str, str, int], ConvProblem] = {}
         self._buffer: Any = None
         self._buffer_bytes = 0
+        # called with +bytes and -bytes around a run whose workspace is held for that run only (a
+        # plan's budget); set by `ucudnn.torch.tracker.StepTracker` while it counts
+        self.workspace_listener: Any = None
         # WD: layer -> (fwd problem at any batch, kinds); batch -> (layer, kind) -> plan; one arena
         self._layers: dict[str, tuple[ConvProblem, frozenset[str]]] = {}
         self._wd_plans: dict[int, dict[tuple[str, str], tuple[ConvProblem, _Plan]]] = {}
@@ -448,6 +451,12 @@ class Handle:
     def peak_workspace(self) -> int:
         """Most workspace bytes held at once: WR, the shared buffer; WD, the arena bytes in segments."""
         return self._peak_bytes
+
+    @property
+    def workspace_bytes(self) -> int:
+        """Workspace bytes the handle holds now (its WR buffer and its WD arena), for memory accounting."""
+        return (self._buffer_bytes if self._buffer is not None else 0) + \
+            (int(self._arena.nbytes) if self._arena is not None else 0)
 
     @property
     def arena(self) -> Any:
@@ -921,6 +930,18 @@ class Handle:
             self._peak_bytes = max(self._peak_bytes, need)
         return self._buffer[:need]
 
+    def _run_kernels(self, prep: _Prepared, **operands: Any) -> None:
+        workspace = self._workspace(prep)
+        # a budget's workspace lives for this run only: a memory tracker (`workspace_listener`) hears of it
+        held = prep.config.workspace if prep.budget is not None and self.workspace_listener is not None else 0
+        if held:
+            self.workspace_listener(held)
+        try:
+            prep.kernels.run(workspace=workspace, **operands)
+        finally:
+            if held:
+                self.workspace_listener(-held)
+
     def _run(self, prep: _Prepared, *, x: Any = None, w: Any = None, dy: Any = None, out: Any,
              alpha: float, beta: float) -> None:
         trial = prep.trial
@@ -931,7 +952,7 @@ class Handle:
             self._run_first(prep, x=x, w=w, dy=dy, out=out, alpha=alpha, beta=beta)
             return
         try:
-            prep.kernels.run(x=x, w=w, dy=dy, out=out, alpha=alpha, beta=beta, workspace=self._workspace(prep))
+            self._run_kernels(prep, x=x, w=w, dy=dy, out=out, alpha=alpha, beta=beta)
         except self._candidate_failures() as exc:
             if beta != 0:  # out already holds part of the blend: no way back to the caller's values
                 raise
@@ -978,7 +999,7 @@ class Handle:
                 continue
             saved = out.copy() if beta != 0 else None
             try:
-                prep.kernels.run(out=out, beta=beta, workspace=self._workspace(prep), **operands)
+                self._run_kernels(prep, out=out, beta=beta, **operands)
             except self._candidate_failures() as exc:
                 if saved is not None:
                     out[...] = saved

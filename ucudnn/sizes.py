@@ -71,3 +71,22 @@ def format_size(nbytes: int | None) -> str:
             return f"{int(value)} {unit}" if unit == "B" else f"{value:.1f} {unit}"
         value /= 1024
     raise AssertionError("unreachable")
+
+
+def format_sizes(*sizes: int) -> list[str]:
+    """`format_size` of each, with as many decimals as it takes for different sizes to read differently
+    (``10.35 GiB`` and ``10.4 GiB``, never ``10.4 GiB`` twice); plain bytes when six decimals are not enough."""
+    for decimals in range(1, 7):
+        shown = [_with_decimals(b, decimals) for b in sizes]
+        if all(shown[i] != shown[j] for i in range(len(sizes)) for j in range(i) if sizes[i] != sizes[j]):
+            return shown
+    return [f"{b} B" for b in sizes]
+
+
+def _with_decimals(nbytes: int, decimals: int) -> str:
+    value = float(nbytes)
+    for unit in _SHOWN:
+        if abs(value) < 1024 or unit == _SHOWN[-1]:
+            return f"{int(value)} {unit}" if unit == "B" else f"{value:.{decimals}f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")

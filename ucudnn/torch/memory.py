@@ -101,6 +101,7 @@ from ucudnn.memory.graph import TrainingGraph, trace
 from ucudnn.memory.plan import MemoryPlan
 from ucudnn.sizes import parse_size
 from ucudnn.torch.conv import Conv2d
+from ucudnn.torch.tracker import allocated_as
 
 __all__ = ["ExecutionStats", "execute_plan", "measure_profile", "plan_memory"]
 
@@ -272,7 +273,12 @@ class _HostBuffers:
         if free:
             return free.pop()
         self.allocated += 1
-        return torch.empty_like(t, device="cpu", pin_memory=self.pin), None
+        with allocated_as("host"):  # a memory tracker files it as a host copy, also on the CPU
+            return torch.empty_like(t, device="cpu", pin_memory=self.pin), None
+
+    def held(self) -> list[torch.Tensor]:
+        """The buffers in the pool now (taken ones are the executor's until they come back)."""
+        return [host for free in self.free.values() for host, _ in free]
 
     def give(self, key: tuple, host: torch.Tensor, reads: Any) -> None:
         """Take back `host` (taken for a tensor with `key`) once the copy that event `reads` marks is done."""
@@ -710,7 +716,14 @@ class _Executor:
         if p.order is None:
             p.order = sorted(p.entries, key=lambda e: -e.use)
             torch.autograd.Variable._execution_engine.queue_callback(lambda: self._settle(p))
+        # tensors issued at earlier nodes for later ones count against the lookahead too: without them,
+        # every node (those that read nothing offloaded included) would issue one more, and the copies
+        # back would run ahead of their use by as many nodes, holding their memory (a step tracker saw it)
         ahead = 0
+        back = p.cursor - 1
+        while back >= 0 and p.order[back].use < i:
+            ahead += 1
+            back -= 1
         while p.cursor < len(p.order):
             entry = p.order[p.cursor]
             if entry.use < i:

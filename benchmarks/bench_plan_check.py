@@ -1,0 +1,57 @@
+"""Every policy's plan checked against a real step on this machine (CPU): predicted against achieved peak
+(counted by `ucudnn.torch.tracker.StepTracker`), step time and bytes moved, through `check_plan`.
+
+The models are `bench_frontier`'s chain and ResNet-shaped model; each policy plans for this machine
+(`plan_memory`, the measured CPU profile) at a limit of a half of the plain step's feature maps, so that
+recompute plans are exercised (a CPU profile shares the host's memory: no policy offloads there).
+
+    OMP_NUM_THREADS=2 python benchmarks/bench_plan_check.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_frontier import build  # noqa: E402
+from common import table  # noqa: E402
+
+from ucudnn.memory import available_policies  # noqa: E402
+from ucudnn.torch.check import check_plan  # noqa: E402
+from ucudnn.torch.memory import _trace_graph, plan_memory  # noqa: E402
+
+MiB = 2**20
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", default="chain,resnet")
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--blocks", type=int, default=8)
+    ap.add_argument("--channels", type=int, default=32)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--size", type=int, default=32)
+    ap.add_argument("--fraction", type=float, default=0.5, help="limit: weights x2 + this share of the feature maps")
+    ap.add_argument("--steps", type=int, default=5)
+    args = ap.parse_args()
+    for name in args.models.split(","):
+        model, x, y = build(name, args)
+        graph = _trace_graph(model, x)
+        limit = 2 * graph.weight_bytes + int(args.fraction * graph.feature_map_bytes)
+        rows = []
+        for policy in available_policies():
+            plan = plan_memory(model, x, memory_limit=limit, policy=policy)
+            c = check_plan(model, plan, x, y, steps=args.steps)
+            recompute = sum(1 for t in plan.tensors if t.action == "recompute")
+            rows.append([policy, plan.fits, recompute, f"{c.predicted_peak_bytes / MiB:.2f}", f"{c.peak_bytes / MiB:.2f}",
+                         f"{c.peak_ratio:.3f}", f"{c.predicted_step_ms:.1f}", f"{c.step_ms:.1f}", f"{c.step_ratio:.2f}",
+                         f"{c.predicted_bytes_moved / MiB:.1f}", f"{c.bytes_moved / MiB:.1f}"])
+        print(f"\n{name}: batch {args.batch}, {args.size}x{args.size}, limit {limit / MiB:.1f} MiB")
+        print(table(["policy", "fits", "recomputed", "planned peak MiB", "peak MiB (tracker)", "ratio", "planned ms",
+                     "ms (median)", "ratio", "planned moved MiB", "moved MiB"], rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,309 @@
+"""Exact memory accounting of a training step: the bytes of every live tensor storage, by category, over time.
+
+    with StepTracker(model) as tracker:
+        loss = criterion(model(x), y)
+        loss.backward()
+    tracker.report().peak_bytes          # what the simulator's peak counts, exact
+
+A `StepTracker` is a `TorchDispatchMode`: it sees every tensor an operation returns and keys it by its
+storage (`untyped_storage()`), with a weak reference whose callback files the storage's bytes as freed
+when the storage dies. So a view or an in-place result (the same storage) counts once, and memory is
+counted from what is live, never read from RSS (which keeps what the C allocator freed). This is how
+PyTorch's own `torch.distributed._tools.mem_tracker.MemTracker` counts; it is not used itself because
+its categories are fixed (parameter, buffer, gradient, activation, temporary, optimizer state) and it
+keeps peaks, not a timeline, where checking a plan needs the executor's host copies and the handles'
+workspaces as categories of their own and memory over the step as the simulator draws it.
+
+Categories (`CATEGORIES`):
+
+- ``weight``: the model's parameters and buffers; ``weight_grad``: their gradients (a gradient made
+  in the step is refiled from ``tensor`` when autograd accumulates it, by a post-accumulate hook).
+- ``tensor``: every other storage on the tracked device: feature maps, their gradients, what
+  autograd saves, what an operation returns. A tensor alive before the tracker started counts from
+  the first operation that reads it (or from `track`).
+- ``host``: the executor's host copies of offloaded tensors (allocated inside `allocated_as("host")`,
+  which `ucudnn.torch.memory` does), and, when the tracked device is a GPU, anything in host memory.
+- ``workspace``: the workspace buffers of the ucudnn handles of the model's converted convolutions
+  (the handles `execute_plan` swaps in included). They are NumPy or CuPy memory, outside PyTorch's
+  dispatch, so they are read from the handles (`Handle.workspace_bytes`, the buffers a handle keeps)
+  at every event, and a workspace held for one run only (a plan's budget) is reported by the handle
+  itself as it is taken and given back (`Handle.workspace_listener`).
+
+The device's bytes are every category but ``host``: what a `MemoryPlan`'s ``peak_bytes`` counts
+(weights, weight gradients, feature maps, gradients and workspaces). `TrackerReport.memory` is
+``(time_ms, bytes)`` at every change, as `ucudnn.memory.simulate.DeviceResult.memory`.
+
+Not counted, as in MemTracker: memory an operator allocates and frees inside its own kernel (an
+im2col buffer of PyTorch's CPU convolution), and tensors made under ``no_dispatch``. On CUDA the caching
+allocator's own peak (`torch.cuda.max_memory_allocated`, which sees those too) is reported beside
+the count as a second witness (`TrackerReport.allocator_peak_bytes`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import time
+import weakref
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from ucudnn.errors import InvalidInput
+
+__all__ = ["CATEGORIES", "DEVICE_CATEGORIES", "StepTracker", "TrackerReport", "allocated_as"]
+
+CATEGORIES = ("weight", "weight_grad", "tensor", "workspace", "host")
+DEVICE_CATEGORIES = ("weight", "weight_grad", "tensor", "workspace")
+
+# The category a storage allocated now is filed under (None: by its device). A context variable,
+# not tracker state, so that the executor can label its host buffers without knowing of trackers.
+_LABEL: contextvars.ContextVar[str | None] = contextvars.ContextVar("ucudnn_tracker_label", default=None)
+
+
+@contextlib.contextmanager
+def allocated_as(category: str) -> Iterator[None]:
+    """File the storages allocated inside this block under `category` (one of `CATEGORIES`)."""
+    if category not in CATEGORIES:
+        raise InvalidInput(f"category must be one of {', '.join(CATEGORIES)}, got {category!r}")
+    token = _LABEL.set(category)
+    try:
+        yield
+    finally:
+        _LABEL.reset(token)
+
+
+@dataclass(frozen=True, slots=True)
+class TrackerReport:
+    """What one tracked block held: peaks, the categories at the device's peak, and memory over time."""
+
+    device: str
+    peak_bytes: int                          # the device's (every category but host) at its highest
+    peak_by_category: dict[str, int]         # each category at the moment of the device's peak
+    max_by_category: dict[str, int]         # each category at its own highest
+    host_peak_bytes: int
+    total_peak_bytes: int                    # every category, host copies included (on a CPU, one memory)
+    memory: tuple[tuple[float, int], ...]    # (ms since the start, device bytes) at every change
+    host_memory: tuple[tuple[float, int], ...]
+    end_by_category: dict[str, int]          # what was still live when the block ended
+    allocator_peak_bytes: int | None = None  # CUDA: torch.cuda.max_memory_allocated in the block
+
+    def to_json(self) -> dict:
+        return {"device": self.device, "peak_bytes": self.peak_bytes, "peak_by_category": self.peak_by_category,
+                "max_by_category": self.max_by_category, "host_peak_bytes": self.host_peak_bytes,
+                "total_peak_bytes": self.total_peak_bytes,
+                "end_by_category": self.end_by_category, "allocator_peak_bytes": self.allocator_peak_bytes,
+                "memory": [list(m) for m in self.memory]}
+
+
+class _Entry:
+    __slots__ = ("category", "nbytes", "ref")
+
+    def __init__(self, category: str, nbytes: int, ref: weakref.ref) -> None:
+        self.category, self.nbytes, self.ref = category, nbytes, ref
+
+
+class StepTracker(TorchDispatchMode):
+    """Counts the live storages of a block, by category (see the module docstring).
+
+    `model`: its parameters and buffers are ``weight``, their gradients ``weight_grad``, and its
+    ucudnn convolutions' handles give ``workspace``. `device`: the device whose memory is counted
+    (default: the model's parameters', else the CPU). One use per tracker.
+    """
+
+    def __init__(self, model: nn.Module | None = None, *, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        if model is not None and not isinstance(model, nn.Module):
+            raise InvalidInput(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        if device is None:
+            first = next(iter(model.parameters()), None) if model is not None else None
+            device = first.device if first is not None else torch.device("cpu")
+        self.device = torch.device(device)
+        self.model = model
+        self._live: dict[int, _Entry] = {}  # StorageImpl address -> entry, while the storage lives
+        self._bytes = dict.fromkeys(CATEGORIES, 0)
+        self._max = dict.fromkeys(CATEGORIES, 0)
+        self._peak = 0
+        self._peak_by = dict.fromkeys(CATEGORIES, 0)
+        self._host_peak = 0
+        self._total_peak = 0
+        self._memory: list[tuple[float, int]] = []
+        self._host_memory: list[tuple[float, int]] = []
+        self._start = 0.0
+        self._convs: list[nn.Module] = []
+        self._hooks: list[Any] = []
+        self._listening: list[Any] = []   # handles whose per-run workspaces report to this tracker
+        self._transient = 0               # bytes of those workspaces held now
+        self._params: set[int] = set()
+        self._report: TrackerReport | None = None
+        self._used = False
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """Let `torch.compile`d code run compiled while tracked (by default Dynamo falls back to eager
+        under a dispatch mode): its aten calls are counted; the buffers its generated kernels allocate
+        themselves (Inductor's ``empty_strided_cpu``) bypass dispatch and are not, unless `track`ed."""
+        return True
+
+    # ---- entering and leaving ------------------------------------------------------------------
+    def __enter__(self) -> StepTracker:
+        if self._used:
+            raise InvalidInput("a StepTracker counts one block; make a new one for the next")
+        self._used = True
+        self._start = time.perf_counter()
+        if self.device.type == "cuda":  # pragma: no cover - needs a GPU
+            torch.cuda.synchronize(self.device)  # measuring: the witness below starts from here
+            torch.cuda.reset_peak_memory_stats(self.device)
+        if self.model is not None:
+            from ucudnn.torch.conv import Conv2d
+
+            self._convs = [m for m in self.model.modules() if isinstance(m, Conv2d)]
+            for handle in {id(c.handle): c.handle for c in self._convs}.values():
+                handle.workspace_listener = self._workspace_event
+                self._listening.append(handle)
+            for p in self.model.parameters():
+                self.track(p, "weight")
+                self._params.add(id(p))
+                if p.grad is not None:
+                    self.track(p.grad, "weight_grad")
+                if p.requires_grad:
+                    self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_accumulated))
+            for b in self.model.buffers():
+                self.track(b, "weight")
+        self._sample()
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        for handle in self._listening:
+            handle.workspace_listener = None
+        self._listening = []
+        witness = None
+        if self.device.type == "cuda":  # pragma: no cover - needs a GPU
+            torch.cuda.synchronize(self.device)
+            witness = int(torch.cuda.max_memory_allocated(self.device))
+        self._sample()
+        self._report = TrackerReport(str(self.device), self._peak, dict(self._peak_by), dict(self._max),
+                                     self._host_peak, self._total_peak, tuple(self._memory), tuple(self._host_memory),
+                                     dict(self._bytes), witness)
+        # stop counting: the callbacks of storages that die later find nothing to change
+        self._live = {}
+
+    def report(self) -> TrackerReport:
+        """The counts of the block (after it ended)."""
+        if self._report is None:
+            raise InvalidInput("the tracker's block has not ended yet: call report() after the with block")
+        return self._report
+
+    # ---- counting --------------------------------------------------------------------------------
+    def track(self, t: torch.Tensor, category: str | None = None) -> None:
+        """Count `t`'s storage (a tensor alive before the block) under `category` (default: by its device)."""
+        if category is not None and category not in CATEGORIES:
+            raise InvalidInput(f"category must be one of {', '.join(CATEGORIES)}, got {category!r}")
+        self._see(t, category)
+        self._sample()
+
+    def _category_for(self, t: torch.Tensor, labelled: bool) -> str:
+        label = _LABEL.get() if labelled else None
+        if label is not None:
+            return label
+        if t.device != self.device and t.device.type == "cpu":
+            return "host"
+        return "tensor"
+
+    def _see(self, t: torch.Tensor, category: str | None, labelled: bool = True) -> None:
+        """Count `t`'s storage if new (under `category`, else by `allocated_as` when `labelled`, else by
+        device), refile it under `category` if given, and follow a change of its size."""
+        if t.device.type == "meta" or t.layout != torch.strided:
+            return
+        try:
+            storage = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # a tensor subclass without storage of its own (fake, functional)
+            return
+        key = storage._cdata
+        entry = self._live.get(key)
+        nbytes = storage.nbytes()
+        if entry is None:
+            if t.device != self.device and t.device.type != "cpu":
+                return  # another accelerator's memory: not this device's, not host memory
+            category = category or self._category_for(t, labelled)
+            ref = weakref.ref(storage, self._freed_callback(key))
+            self._live[key] = _Entry(category, nbytes, ref)
+            self._bytes[category] += nbytes
+        else:
+            if category is not None and category != entry.category:
+                self._bytes[entry.category] -= entry.nbytes
+                self._bytes[category] += entry.nbytes
+                entry.category = category
+            if nbytes != entry.nbytes:  # resized in place (an out= operation, resize_)
+                self._bytes[entry.category] += nbytes - entry.nbytes
+                entry.nbytes = nbytes
+
+    def _freed_callback(self, key: int):
+        tracker = weakref.ref(self)  # the storages' callbacks must not keep the tracker alive
+
+        def freed(_: Any) -> None:
+            me = tracker()
+            if me is None:
+                return
+            entry = me._live.pop(key, None)
+            if entry is not None:
+                me._bytes[entry.category] -= entry.nbytes
+                me._sample()
+
+        return freed
+
+    def _grad_accumulated(self, p: torch.Tensor) -> None:
+        if p.grad is not None:
+            self._see(p.grad, "weight_grad")
+            self._sample()
+
+    def _workspace_event(self, delta: int) -> None:
+        self._transient += delta
+        self._sample()
+
+    def _workspace_bytes(self) -> int:
+        handles = {id(c.handle): c.handle for c in self._convs}
+        return self._transient + sum(h.workspace_bytes for h in handles.values())
+
+    def _sample(self) -> None:
+        """Record the current bytes (after a change) and move the peaks."""
+        if self._convs:
+            self._bytes["workspace"] = self._workspace_bytes()
+        device = sum(self._bytes[c] for c in DEVICE_CATEGORIES)
+        host = self._bytes["host"]
+        now = (time.perf_counter() - self._start) * 1e3
+        if not self._memory or self._memory[-1][1] != device:
+            self._memory.append((now, device))
+        if not self._host_memory or self._host_memory[-1][1] != host:
+            self._host_memory.append((now, host))
+        for c, b in self._bytes.items():
+            self._max[c] = max(self._max[c], b)
+        if device > self._peak:
+            self._peak = device
+            self._peak_by = dict(self._bytes)
+        self._host_peak = max(self._host_peak, host)
+        self._total_peak = max(self._total_peak, device + host)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        for t in inputs:  # a tensor alive before the block counts from its first read (unlabelled: made before)
+            self._see(t, None, labelled=False)
+        out = func(*args, **kwargs)
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self._see(t, None)
+        if func._schema.is_mutable:  # an in-place or out= operation may have resized its argument's storage
+            for t in inputs:
+                self._see(t, None, labelled=False)
+        self._sample()
+        return out
