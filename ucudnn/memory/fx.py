@@ -9,6 +9,7 @@ their input's storage. A loss op named ``loss`` closes the graph, as in the zoo.
 
 from __future__ import annotations
 
+import contextlib
 import operator
 
 from ucudnn.errors import UnsupportedProblem
@@ -27,16 +28,23 @@ def _conv_problem(module, shape: tuple[int, ...]) -> ConvProblem:
 
 def trace_model(model, example_input) -> list:
     """The ops of `model` run on `example_input`, in fx node order (see `ucudnn.memory.graph.trace`)."""
+    with plain_convs(model):
+        return _trace(model, example_input)
+
+
+@contextlib.contextmanager
+def plain_convs(model):
+    """ucudnn's own Conv2d (ucudnn.torch, which this layer does not import) has Python branches fx
+    cannot trace, and would plan its kernels on a shape pass's tensors: inside this block it is the
+    nn.Conv2d it derives from."""
     from torch import nn
 
-    # ucudnn's own Conv2d (ucudnn.torch, which this layer does not import) has Python branches fx
-    # cannot trace and would plan on the shape pass's tensors: for the trace it is the nn.Conv2d it is.
     converted = [(m, type(m)) for m in model.modules()
                  if isinstance(m, nn.Conv2d) and type(m).__module__.startswith("ucudnn.")]
     try:
         for m, _ in converted:
             m.__class__ = nn.Conv2d
-        return _trace(model, example_input)
+        yield
     finally:
         for m, cls in converted:
             m.__class__ = cls

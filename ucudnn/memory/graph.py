@@ -70,6 +70,7 @@ class Op:
     weight_bytes: int = 0
     conv: ConvProblem | None = None  # the forward problem of a conv
     module: str = ""              # traced from PyTorch: the qualified name of the module it calls
+    measured_ms: float | None = None  # its forward pass timed on the planned device, where it was
 
     @property
     def bytes(self) -> int:

@@ -84,6 +84,7 @@ import dataclasses
 import math
 import os
 import platform
+import statistics
 import time
 import weakref
 from collections.abc import Iterator
@@ -95,8 +96,10 @@ import torch
 from torch import fx, nn
 from torch.utils.checkpoint import checkpoint
 
+from ucudnn.backends.cpu import NATIVE, CpuBackend
 from ucudnn.devices import PROFILES, DeviceProfile, load_profile
 from ucudnn.errors import InvalidInput, UnsupportedProblem
+from ucudnn.handle import Handle
 from ucudnn.memory.graph import TrainingGraph, trace
 from ucudnn.memory.plan import MemoryPlan
 from ucudnn.sizes import parse_size
@@ -219,30 +222,69 @@ def plan_memory(model: nn.Module, example_input: torch.Tensor, memory_limit: int
     limit = profile.memory_bytes if memory_limit is None else parse_size(memory_limit)
     from ucudnn.memory.planner import make_plan
 
+    native = None
+    if example_input.device.type == "cpu" and profile.shares_host_memory:  # planning for this very CPU
+        graph = _timed_ops(model, graph, example_input)
+        native = Handle(backend=CpuBackend(numpy_threads=1), policy="undivided", algos=[NATIVE], db=db)
     return make_plan(graph, profile, limit, policy, devices=devices, db=db,
-                     fronts=_converted_fronts(model, graph, example_input))
+                     fronts=_conv_fronts(model, graph, example_input, native))
 
 
-def _converted_fronts(model: nn.Module, graph: TrainingGraph, example_input: torch.Tensor) -> dict:
-    """The options of each converted conv's kernels as its own handle measures them (through the
-    measurement cache: what the handle measures here, its first step does not measure again), so
-    that the plan's workspace budgets are ones its convolutions can run within."""
+def _conv_fronts(model: nn.Module, graph: TrainingGraph, example_input: torch.Tensor, native: Handle | None) -> dict:
+    """The options of each conv's kernels: a converted conv's as its own handle measures them (so
+    that the plan's workspace budgets are ones its kernels run within), and where `native` is given
+    (planning for this CPU), a torch conv's as that handle measures torch's own convolution. Through
+    the measurement cache: what is measured here, a converted layer's first step does not measure again."""
     from ucudnn.memory.timing import KernelOption
 
     modules = dict(model.named_modules())
     convs = {op.name: op for op in graph.conv_ops}
+    dtype = "float32" if example_input.dtype == torch.float32 else str(example_input.dtype).removeprefix("torch.")
     fronts = {}
     for step in graph.steps:
         op = convs.get(step.op)
         conv = modules.get(op.module) if op is not None else None
-        if not isinstance(conv, Conv2d):
+        converted = isinstance(conv, Conv2d)
+        handle = conv.handle if converted else native if isinstance(conv, nn.Conv2d) else None
+        if handle is None:
             continue
-        dtype = "float32" if example_input.dtype == torch.float32 else str(example_input.dtype).removeprefix("torch.")
         for kind in step.kernels:
             problem = dataclasses.replace(op.conv, kind=kind, dtype=dtype)
-            fronts[(step.op, kind)] = tuple(KernelOption(c.time, c.workspace, c.describe(), "measured")
-                                            for c in conv.handle.front(problem))
+            # torch's own layer allocates its temporaries inside its kernels, out of the plan's reach
+            # (execute_plan leaves them to torch): its option has its time and no workspace
+            fronts[(step.op, kind)] = tuple(KernelOption(c.time, c.workspace if converted else 0, c.describe(),
+                                                         "measured") for c in handle.front(problem))
     return fronts
+
+
+def _timed_ops(model: nn.Module, graph: TrainingGraph, example_input: torch.Tensor, reps: int = 3) -> TrainingGraph:
+    """`graph` with each non-conv op's forward time measured on this CPU (the median of `reps`
+    forward passes, node by node, in eval mode so that no running statistics move): the roofline of
+    a host profile is far from what PyTorch's CPU kernels take (4x on ResNet-18)."""
+    from ucudnn.memory.fx import plain_convs
+
+    gm = fx.GraphModule(model, _Tracer().trace(model))
+    samples: dict[str, list[float]] = {}
+
+    class Timed(fx.Interpreter):
+        def run_node(self, n):
+            start = time.perf_counter()
+            result = super().run_node(n)
+            samples.setdefault(n.name, []).append((time.perf_counter() - start) * 1e3)
+            return result
+
+    flags = {m: m.training for m in model.modules()}
+    try:
+        model.eval()
+        with plain_convs(gm), torch.no_grad():
+            for _ in range(reps):
+                Timed(gm).run(example_input)
+    finally:
+        for module, flag in flags.items():
+            module.training = flag
+    ops = tuple(dataclasses.replace(op, measured_ms=statistics.median(samples[op.name]))
+                if op.type not in ("conv", "input", "loss") and op.name in samples else op for op in graph.ops)
+    return dataclasses.replace(graph, ops=ops)
 
 
 # ---- copies ---------------------------------------------------------------------------------------
