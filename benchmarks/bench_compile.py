@@ -41,41 +41,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import interleaved_medians_ms, table  # noqa: E402
 
-from ucudnn.torch import Conv2d, convert  # noqa: E402
-
-
-class BasicBlock(nn.Module):
-    def __init__(self, c_in: int, c_out: int, stride: int) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(c_in, c_out, 3, stride=stride, padding=1, bias=False)
-        self.bn1 = nn.BatchNorm2d(c_out)
-        self.conv2 = nn.Conv2d(c_out, c_out, 3, padding=1, bias=False)
-        self.bn2 = nn.BatchNorm2d(c_out)
-        self.downsample = None
-        if stride != 1 or c_in != c_out:
-            self.downsample = nn.Sequential(nn.Conv2d(c_in, c_out, 1, stride=stride, bias=False), nn.BatchNorm2d(c_out))
-
-    def forward(self, x):
-        out = torch.relu(self.bn1(self.conv1(x)))
-        out = self.bn2(self.conv2(out))
-        return torch.relu(out + (x if self.downsample is None else self.downsample(x)))
-
-
-class ResNet18(nn.Module):
-    def __init__(self, num_classes: int = 1000) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(3, 64, 7, stride=2, padding=3, bias=False)
-        self.bn1 = nn.BatchNorm2d(64)
-        blocks, c_in = [], 64
-        for i, c in enumerate((64, 128, 256, 512)):
-            blocks += [BasicBlock(c_in, c, 1 if i == 0 else 2), BasicBlock(c, c, 1)]
-            c_in = c
-        self.layers = nn.Sequential(*blocks)
-        self.fc = nn.Linear(512, num_classes)
-
-    def forward(self, x):
-        x = F.max_pool2d(torch.relu(self.bn1(self.conv1(x))), 3, 2, 1)
-        return self.fc(self.layers(x).mean((2, 3)))
+from ucudnn.torch import Conv2d, convert, zoo  # noqa: E402
 
 
 def make_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, sync):
@@ -128,7 +94,7 @@ def main() -> int:
     device = torch.device(args.device)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     torch.manual_seed(0)
-    plain = ResNet18().to(device)
+    plain = zoo.build("resnet18").to(device)
     options = {"algos": args.algos.split(",")} if args.algos else {}
     ours = convert(copy.deepcopy(plain), backend="cudnn" if cuda else "cpu", policy=args.policy, **options)
     g = torch.Generator().manual_seed(1)

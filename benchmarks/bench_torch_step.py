@@ -1,7 +1,7 @@
 """One training step (forward, backward, SGD) of plain PyTorch against ucudnn WR and WD, in one run.
 
-Models (torchvision is not required: the two real ones are defined here with torchvision's layer
-shapes, so the script runs wherever torch does):
+Models (torchvision is not required: the two real ones come from `ucudnn.torch.zoo`, with
+torchvision's layer shapes, so the script runs wherever torch does):
   - tiny: two 3x3 convolutions (3->8->8) and a linear head, batch 2 on 8x8 (host overhead dominates).
   - resnet50: ResNet-50 v1.5 as torchvision builds it (7x7/2 stem, bottlenecks [3, 4, 6, 3] with the
     stride on the 3x3 convolution, 1x1 projections, batch norm, 1000-way FC).
@@ -48,7 +48,7 @@ from common import table  # noqa: E402
 
 from ucudnn.handle import SEGMENT_ALIGN_BYTES  # noqa: E402
 from ucudnn.sizes import format_size, parse_size  # noqa: E402
-from ucudnn.torch import convert  # noqa: E402
+from ucudnn.torch import convert, zoo  # noqa: E402
 
 
 class Tiny(nn.Module):
@@ -62,70 +62,8 @@ class Tiny(nn.Module):
         return self.fc(F.relu(self.conv2(F.relu(self.conv1(x)))).mean((2, 3)))
 
 
-class Bottleneck(nn.Module):
-    expansion = 4
-
-    def __init__(self, c_in: int, width: int, stride: int) -> None:
-        super().__init__()
-        c_out = width * self.expansion
-        self.conv1 = nn.Conv2d(c_in, width, 1, bias=False)
-        self.bn1 = nn.BatchNorm2d(width)
-        self.conv2 = nn.Conv2d(width, width, 3, stride=stride, padding=1, bias=False)
-        self.bn2 = nn.BatchNorm2d(width)
-        self.conv3 = nn.Conv2d(width, c_out, 1, bias=False)
-        self.bn3 = nn.BatchNorm2d(c_out)
-        self.downsample = None
-        if stride != 1 or c_in != c_out:
-            self.downsample = nn.Sequential(nn.Conv2d(c_in, c_out, 1, stride=stride, bias=False), nn.BatchNorm2d(c_out))
-
-    def forward(self, x):
-        out = F.relu(self.bn1(self.conv1(x)))
-        out = F.relu(self.bn2(self.conv2(out)))
-        out = self.bn3(self.conv3(out))
-        return F.relu(out + (x if self.downsample is None else self.downsample(x)))
-
-
-class ResNet50(nn.Module):
-    def __init__(self, num_classes: int = 1000) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(3, 64, 7, stride=2, padding=3, bias=False)
-        self.bn1 = nn.BatchNorm2d(64)
-        stages, c_in = [], 64
-        for width, blocks, stride in ((64, 3, 1), (128, 4, 2), (256, 6, 2), (512, 3, 2)):
-            layers = []
-            for b in range(blocks):
-                layers.append(Bottleneck(c_in, width, stride if b == 0 else 1))
-                c_in = width * Bottleneck.expansion
-            stages.append(nn.Sequential(*layers))
-        self.layer1, self.layer2, self.layer3, self.layer4 = stages
-        self.fc = nn.Linear(2048, num_classes)
-
-    def forward(self, x):
-        x = F.max_pool2d(F.relu(self.bn1(self.conv1(x))), 3, 2, 1)
-        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
-        return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
-
-
-class VGG16(nn.Module):
-    CONFIG = (64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "M", 512, 512, 512, "M")
-
-    def __init__(self, num_classes: int = 1000) -> None:
-        super().__init__()
-        layers, c_in = [], 3
-        for v in self.CONFIG:
-            if v == "M":
-                layers.append(nn.MaxPool2d(2, 2))
-            else:
-                layers += [nn.Conv2d(c_in, v, 3, padding=1), nn.ReLU(inplace=True)]
-                c_in = v
-        self.features = nn.Sequential(*layers)
-        self.classifier = nn.Sequential(nn.Linear(512 * 7 * 7, 256), nn.ReLU(inplace=True), nn.Linear(256, num_classes))
-
-    def forward(self, x):
-        return self.classifier(torch.flatten(F.adaptive_avg_pool2d(self.features(x), 7), 1))
-
-
-MODELS = {"tiny": (Tiny, 2, 8, 4), "resnet50": (ResNet50, 2, 64, 1000), "vgg16": (VGG16, 2, 32, 1000)}
+MODELS = {"tiny": (Tiny, 2, 8, 4), "resnet50": (lambda: zoo.build("resnet50"), 2, 64, 1000),
+          "vgg16": (lambda: zoo.build("vgg16"), 2, 32, 1000)}
 # (class, CPU batch, CPU resolution, classes); on CUDA the defaults are batch 64 at 224x224.
 
 

@@ -45,7 +45,7 @@ import contextlib
 import contextvars
 import time
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
