@@ -732,6 +732,10 @@ def _blas_version(config: dict) -> str:
 
 
 _THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+# Part of every measurement's key: raised when the way of measuring changes what a timing means, so
+# that older timings are not reused. 2: the verification reference runs on one BLAS thread (before,
+# its pool still spun while the next candidate was timed).
+MEASUREMENT_PROTOCOL = 2
 
 
 @functools.cache
@@ -802,6 +806,12 @@ class CpuBackend(Backend):
     def settings(self) -> dict[str, str]:
         return {} if self.numpy_threads is None else {"numpy_threads": str(self.numpy_threads)}
 
+    def trusted_result(self, problem: ConvProblem, inputs: dict[str, Any]) -> Any:
+        # The float64 reference is BLAS work too, and a BLAS pool spins for a while after it: the
+        # candidate timed next (torch's own, on its own pool) measured 2x slow. One thread leaves none.
+        with _numpy_threads(1):
+            return super().trusted_result(problem, inputs)
+
     @property
     def device(self) -> DeviceInfo:
         return _device_info()
@@ -814,6 +824,7 @@ class CpuBackend(Backend):
         # the thread-count variables. So installing torch keeps every NumPy measurement.
         own = ("torch",) if algo == NATIVE else ("numpy", "numpy-blas", "scipy", "scipy-blas")
         key = ",".join(f"{lib}={ver}" for lib, ver in self.device.versions if lib in own or lib in _THREAD_VARIABLES)
+        key += f",protocol={MEASUREMENT_PROTOCOL}"
         if algo != NATIVE and self.numpy_threads is not None:  # default keys stay as they were
             key += f",numpy-threads={self.numpy_threads}"
         return key
