@@ -7,13 +7,14 @@ state_dict, these contenders train (forward, backward, SGD) on the same batch:
   - WR: `convert(model)` with its defaults and a 64 MiB per-kernel limit;
   - WD: `convert(model, total_workspace=W)`, W the sum of the WR plans' workspaces;
   - plan:P for each policy P: the WR model, `plan_memory(model, x, memory_limit=L, policy=P)` and
-    every step under `execute_plan` (L: `--memory-limit`, by default half of what plain training adds
-    above the parameters, as PyTorch's MemTracker counts it).
+    every step under `execute_plan` (L: `--memory-limit`; by default the weights and their
+    gradients plus half of what plain training needs beyond them, as PyTorch's MemTracker counts it).
 
 After a warm-up (the first steps measure and plan), the contenders' steps run alternately, the
 order swapped every round, and the medians are compared: the ratios are what a user gets, measured
 side by side. Each plan's step is also counted by `torch.distributed._tools.mem_tracker.MemTracker`
-(live tensor storages, exact) and set beside the plan's prediction.
+(live tensor storages, exact; less the optimizer's momentum, which plans do not count) and set
+beside the plan's prediction.
 
     python benchmarks/bench_model_step.py [--models resnet18,resnet50,vgg16,densenet] [--batch 8]
         [--size 64] [--reps 7] [--policies checkpoint,optimal,vdnn-all] [--db URL] [--json FILE]
@@ -58,16 +59,15 @@ def step_fn(model, x, y, plan=None):
     return step
 
 
-def counted_peak(model, step) -> int:
-    """Bytes of live tensor storage at the step's peak, above what was live before it (parameters,
-    buffers, momentum), as MemTracker counts it."""
+def counted_peak(model, step, optimizer_bytes: int) -> int:
+    """Bytes of live tensor storage at the step's peak as MemTracker counts it, less the optimizer's
+    momentum (a plan counts weights, their gradients, feature maps and workspaces, not optimizer state)."""
     tracker = MemTracker()
     tracker.track_external(model)
     with tracker:
-        before = _total(tracker.get_tracker_snapshot("current"))
         step()
         peak = _total(tracker.get_tracker_snapshot("peak"))
-    return peak - before
+    return peak - optimizer_bytes
 
 
 def _total(snapshot) -> int:
@@ -97,8 +97,11 @@ def bench(name: str, args) -> list[dict]:
     steps["WD"](), steps["WD"]()
 
     steps["torch"]()  # momentum exists from here on, as it will in every counted step
-    plain_peak = counted_peak(reference, steps["torch"])
-    limit = parse_size(args.memory_limit) if args.memory_limit else plain_peak // 2
+    weights = sum(p.numel() * p.element_size() for p in reference.parameters())
+    momentum = weights  # SGD keeps one buffer per parameter
+    plain_peak = counted_peak(reference, steps["torch"], momentum)
+    # default: weights and their gradients, and half of what the step needs beyond them
+    limit = parse_size(args.memory_limit) if args.memory_limit else 2 * weights + (plain_peak - 2 * weights) // 2
     plans = {}
     for policy in args.policies.split(","):
         start = time.perf_counter()
@@ -111,7 +114,7 @@ def bench(name: str, args) -> list[dict]:
         steps[key](), steps[key]()
         log(f"{policy}: planned in {time.perf_counter() - start:.1f} s, fits {plan.fits}, {plan.search or ''}")
 
-    peaks = {key: counted_peak(models[key], steps[key]) for key in steps if key.startswith("plan:")}
+    peaks = {key: counted_peak(models[key], steps[key], momentum) for key in steps if key.startswith("plan:")}
     peaks["torch"] = plain_peak
     for _ in range(args.warmup):
         for step in steps.values():

@@ -755,12 +755,14 @@ class Handle:
             if plans is None:
                 plans = self._solve_wd(problem.n)
             _, plan = plans[name, problem.kind]
+            # a trial's native run needs no segment (torch allocates for itself): within the total
             prep = _prepared(self._backend, problem, plan.config, plan.offset)
+            prep = self._with_trial(prep, self._total_workspace)
         return prep
 
     def _with_trial(self, prep: _Prepared, limit: int | None) -> _Prepared:
         """`prep` with a trial against native undivided, where trials are asked for and native can
-        run this problem within `limit` (the trial runs it; WD's segments are sized for the plan)."""
+        run this problem within `limit` (the trial runs it)."""
         problem = prep.problem
         if (not self._trial_runs or native_only(prep.config) or NATIVE not in self._candidates(problem)
                 or self._backend.unsupported_reason(problem, NATIVE) is not None):

@@ -141,7 +141,7 @@ def _tables(graph: TrainingGraph, device: DeviceProfile, costs, fronts):
         thinned[(layer, kind)] = opts
         row = next(st.index for st in steps if st.op == layer and kind in st.kernels)
         kernels.append(memplan.Kernel(f"{layer}\t{kind}", row, tuple(o.time_ms for o in opts),
-                                      tuple(o.workspace for o in opts)))
+                                      tuple(o.memory for o in opts)))
     fwd_ms = sum(ms[:nf])
     bwd_ms = sum(ms[nf:])
     budget = min(fwd_ms * device.d2h_gbps, bwd_ms * device.h2d_gbps) * 1e6  # bytes (GB/s x ms = MB)

@@ -101,9 +101,16 @@ class KernelOption:
     """One configuration of one conv kernel: its time and workspace, and what it runs."""
 
     time_ms: float
-    workspace: int
+    workspace: int                # the budget it needs: what a plan gives the kernel
     config: str = ""              # `Configuration.describe()` where measured
     source: str = "roofline"      # measured, scaled or roofline
+    held: int | None = None       # bytes the step holds for it, where not its workspace (torch's own
+                                  # convolution run by torch: its temporaries are torch's, never ours)
+
+    @property
+    def memory(self) -> int:
+        """Workspace bytes the step holds while this option runs."""
+        return self.workspace if self.held is None else self.held
 
 
 @lru_cache(maxsize=None)
@@ -252,7 +259,7 @@ def step_costs(graph: TrainingGraph, device: DeviceProfile, *,
                 budget = workspace.get((step.op, kind)) if isinstance(workspace, Mapping) else workspace
                 o = fastest(fronts[(step.op, kind)], budget)
                 ms += o.time_ms
-                ws = max(ws, o.workspace)
+                ws = max(ws, o.memory)
             costs.append(StepCost(ms, ws))
         elif op.type == "input":
             costs.append(StepCost(0.0))

@@ -99,7 +99,7 @@ from torch.utils.checkpoint import checkpoint
 from ucudnn.backends.cpu import NATIVE, CpuBackend
 from ucudnn.devices import PROFILES, DeviceProfile, load_profile
 from ucudnn.errors import InvalidInput, UnsupportedProblem
-from ucudnn.handle import Handle
+from ucudnn.handle import Handle, native_only
 from ucudnn.memory.graph import TrainingGraph, trace
 from ucudnn.memory.plan import MemoryPlan
 from ucudnn.sizes import parse_size
@@ -250,10 +250,12 @@ def _conv_fronts(model: nn.Module, graph: TrainingGraph, example_input: torch.Te
             continue
         for kind in step.kernels:
             problem = dataclasses.replace(op.conv, kind=kind, dtype=dtype)
-            # torch's own layer allocates its temporaries inside its kernels, out of the plan's reach
-            # (execute_plan leaves them to torch): its option has its time and no workspace
-            fronts[(step.op, kind)] = tuple(KernelOption(c.time, c.workspace if converted else 0, c.describe(),
-                                                         "measured") for c in handle.front(problem))
+            # torch's own convolution run by torch (a torch layer, or a converted layer whose plan is
+            # native on the whole batch) allocates its temporaries inside its kernels, out of the
+            # plan's reach: the step holds no workspace for it, whatever its budget
+            fronts[(step.op, kind)] = tuple(
+                KernelOption(c.time, c.workspace if converted else 0, c.describe(), "measured",
+                             held=0 if native_only(c) else None) for c in handle.front(problem))
         if set(step.kernels) == {"bwd_data", "bwd_filter"}:
             _fuse_native_backward(fronts, step.op, dataclasses.replace(op.conv, dtype=dtype), example_input.device)
     return fronts
