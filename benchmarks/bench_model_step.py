@@ -8,13 +8,13 @@ state_dict, these contenders train (forward, backward, SGD) on the same batch:
   - WD: `convert(model, total_workspace=W)`, W the sum of the WR plans' workspaces;
   - plan:P for each policy P: the WR model, `plan_memory(model, x, memory_limit=L, policy=P)` and
     every step under `execute_plan` (L: `--memory-limit`; by default the weights and their
-    gradients plus half of what plain training needs beyond them, as PyTorch's MemTracker counts it).
+    gradients plus half of what plain training needs beyond them, as counted below).
 
-After a warm-up (the first steps measure and plan), the contenders' steps run alternately, the
+After a warm-up (the first steps measure and plan, and the next ones run each NumPy-planned kernel's
+in-step trial against PyTorch's own convolution), the contenders' steps run alternately, the
 order swapped every round, and the medians are compared: the ratios are what a user gets, measured
-side by side. Each plan's step is also counted by `torch.distributed._tools.mem_tracker.MemTracker`
-(live tensor storages, exact; less the optimizer's momentum, which plans do not count) and set
-beside the plan's prediction.
+side by side. Each plan's step is also counted by `ucudnn.torch.StepTracker` (live tensor storages
+and the handles' workspaces, exact) and set beside the plan's prediction.
 
     python benchmarks/bench_model_step.py [--models resnet18,resnet50,vgg16,densenet] [--batch 8]
         [--size 64] [--reps 7] [--policies checkpoint,optimal,vdnn-all] [--db URL] [--json FILE]
@@ -32,14 +32,14 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch.distributed._tools.mem_tracker import MemTracker
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import table  # noqa: E402
 
 from ucudnn.handle import SEGMENT_ALIGN_BYTES  # noqa: E402
 from ucudnn.sizes import format_size, parse_size  # noqa: E402
-from ucudnn.torch import Conv2d, convert, execute_plan, plan_memory, zoo  # noqa: E402
+from ucudnn.torch import Conv2d, StepTracker, convert, execute_plan, plan_memory, zoo  # noqa: E402
+from ucudnn.torch.conv import TRIAL_RUNS  # noqa: E402
 
 MIB = 2**20
 
@@ -48,7 +48,9 @@ def step_fn(model, x, y, plan=None):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
 
     def step() -> None:
-        optimizer.zero_grad(set_to_none=True)
+        # gradients stay allocated from step to step, as the planner counts them (weights' gradients
+        # resident through the whole step)
+        optimizer.zero_grad(set_to_none=False)
         if plan is None:
             F.cross_entropy(model(x), y).backward()
         else:
@@ -59,19 +61,19 @@ def step_fn(model, x, y, plan=None):
     return step
 
 
-def counted_peak(model, step, optimizer_bytes: int) -> int:
-    """Bytes of live tensor storage at the step's peak as MemTracker counts it, less the optimizer's
-    momentum (a plan counts weights, their gradients, feature maps and workspaces, not optimizer state)."""
-    tracker = MemTracker()
-    tracker.track_external(model)
-    with tracker:
-        step()
-        peak = _total(tracker.get_tracker_snapshot("peak"))
-    return peak - optimizer_bytes
-
-
-def _total(snapshot) -> int:
-    return sum(by_kind.get("Total", 0) for by_kind in snapshot.values())
+def counted_peak(model, x, y, plan=None) -> int:
+    """Bytes at the peak of a forward and backward pass (what a plan covers; the optimizer's step
+    and its momentum are not in it), as `ucudnn.torch.StepTracker` counts them from live storages:
+    weights, their gradients, other tensors and the handles' workspaces. PyTorch's MemTracker sees no
+    NumPy workspace, and here reported the same peak for every plan."""
+    model.zero_grad(set_to_none=False)
+    with StepTracker(model) as tracker:
+        if plan is None:
+            F.cross_entropy(model(x), y).backward()
+        else:
+            with execute_plan(model, plan):
+                F.cross_entropy(model(x), y).backward()
+    return tracker.report().peak_bytes
 
 
 def bench(name: str, args) -> list[dict]:
@@ -98,8 +100,7 @@ def bench(name: str, args) -> list[dict]:
 
     steps["torch"]()  # momentum exists from here on, as it will in every counted step
     weights = sum(p.numel() * p.element_size() for p in reference.parameters())
-    momentum = weights  # SGD keeps one buffer per parameter
-    plain_peak = counted_peak(reference, steps["torch"], momentum)
+    plain_peak = counted_peak(reference, x, y)
     # default: weights and their gradients, and half of what the step needs beyond them
     limit = parse_size(args.memory_limit) if args.memory_limit else 2 * weights + (plain_peak - 2 * weights) // 2
     plans = {}
@@ -114,7 +115,7 @@ def bench(name: str, args) -> list[dict]:
         steps[key](), steps[key]()
         log(f"{policy}: planned in {time.perf_counter() - start:.1f} s, fits {plan.fits}, {plan.search or ''}")
 
-    peaks = {key: counted_peak(models[key], steps[key], momentum) for key in steps if key.startswith("plan:")}
+    peaks = {key: counted_peak(models[key], x, y, plans[key]) for key in steps if key.startswith("plan:")}
     peaks["torch"] = plain_peak
     for _ in range(args.warmup):
         for step in steps.values():
@@ -145,7 +146,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--size", type=int, default=64)
     ap.add_argument("--reps", type=int, default=7, help="timed steps per contender, interleaved")
-    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--warmup", type=int, default=2 * (TRIAL_RUNS + 1),
+                    help="untimed rounds (default: as many as a kernel's in-step trial takes)")
     ap.add_argument("--policies", default="checkpoint,optimal,vdnn-all")
     ap.add_argument("--memory-limit", help="the plans' limit (default: half of plain training's counted peak)")
     ap.add_argument("--db", default=None, help="measurement cache (default: the user's; sqlite:// for a fresh one)")
@@ -156,7 +158,7 @@ def main(argv=None) -> int:
     def mib(b):
         return "-" if b is None else format_size(b)
 
-    print(table(["model", "contender", "ms/step", "vs torch", "peak (MemTracker)", "predicted", "offloads", "fits"],
+    print(table(["model", "contender", "ms/step", "vs torch", "peak (counted)", "predicted", "offloads", "fits"],
                 [[r["model"], r["contender"], f"{r['ms']:.1f}", f"{r['ratio']:.3f}", mib(r["counted_peak_bytes"]),
                   mib(r["predicted_peak_bytes"]), "-" if r["offloaded"] is None else r["offloaded"],
                   "-" if r["fits"] is None else r["fits"]] for r in rows]))
