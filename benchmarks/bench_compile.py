@@ -35,25 +35,12 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import interleaved_medians_ms, table  # noqa: E402
+from common import interleaved_medians_ms, make_step, table  # noqa: E402
 
 from ucudnn.torch import Conv2d, convert, zoo  # noqa: E402
-
-
-def make_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, sync):
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-
-    def step() -> None:
-        optimizer.zero_grad(set_to_none=True)
-        F.cross_entropy(model(x), y).backward()
-        optimizer.step()
-        sync()
-
-    return step
 
 
 def first_step_s(model: nn.Module, x, y, mode: str, sync) -> float:

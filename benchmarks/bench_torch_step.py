@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import table  # noqa: E402
+from common import make_step, table  # noqa: E402
 
 from ucudnn.handle import SEGMENT_ALIGN_BYTES  # noqa: E402
 from ucudnn.sizes import format_size, parse_size  # noqa: E402
@@ -65,18 +65,6 @@ class Tiny(nn.Module):
 MODELS = {"tiny": (Tiny, 2, 8, 4), "resnet50": (lambda: zoo.build("resnet50"), 2, 64, 1000),
           "vgg16": (lambda: zoo.build("vgg16"), 2, 32, 1000)}
 # (class, CPU batch, CPU resolution, classes); on CUDA the defaults are batch 64 at 224x224.
-
-
-def make_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, sync):
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-
-    def step() -> None:
-        optimizer.zero_grad(set_to_none=True)
-        F.cross_entropy(model(x), y).backward()
-        optimizer.step()
-        sync()
-
-    return step
 
 
 def timed_ms(fn) -> float:

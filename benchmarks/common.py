@@ -4,7 +4,24 @@ from __future__ import annotations
 
 from ucudnn.benchmark import interleaved_medians_ms
 
-__all__ = ["interleaved_medians_ms", "table"]
+__all__ = ["interleaved_medians_ms", "make_step", "table"]
+
+
+def make_step(model, x, y, sync):
+    """One SGD training step (forward, cross-entropy, backward, update) of `model` on (x, y), then `sync()`.
+    torch is imported here: the other pieces of this module need only the package."""
+    import torch
+    import torch.nn.functional as F
+
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+        sync()
+
+    return step
 
 
 def table(header: list[str], rows: list[list[object]]) -> str:
