@@ -53,22 +53,32 @@ def _assert_same(ref, got):
         torch.testing.assert_close(got[k], ref[k], rtol=1e-7, atol=1e-9, msg=lambda m, k=k: f"{k}: {m}")
 
 
-@pytest.fixture(scope="module", params=list(SHAPES))
-def model_case(request, tmp_path_factory):
-    """A model, plain training's result, and one measurement cache for all its policies (as a user's
-    cache would be: each policy's handle reads what the first one measured)."""
-    name, size = request.param, SHAPES[request.param]
-    torch.manual_seed(0)
-    plain = zoo.build(name, num_classes=10).double()
-    reference = _train(copy.deepcopy(plain), size)
-    return name, size, plain, reference, f"sqlite:///{tmp_path_factory.mktemp(name)}/cache.db"
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """Per model, made once: the model, plain training's result, and one measurement cache for all
+    its policies (as a user's cache would be: each policy's handle reads what the first measured)."""
+    made = {}
+
+    def get(name):
+        if name not in made:
+            torch.manual_seed(0)
+            plain = zoo.build(name, num_classes=10).double()
+            made[name] = (plain, _train(copy.deepcopy(plain), SHAPES[name]),
+                          f"sqlite:///{tmp_path_factory.mktemp(name)}/cache.db")
+        return made[name]
+
+    return get
 
 
-@pytest.mark.parametrize("policy", list(POLICIES))
-def test_converted_planned_and_executed_trains_like_plain_pytorch(model_case, policy, request):
-    name, size, plain, reference, db = model_case
-    if name == "resnet50" and policy != "optimal" and "slow" not in request.config.getoption("-m"):
-        pytest.skip("ResNet-50 under the heuristic policies runs with -m slow (a minute each on 2 cores)")
+# ResNet-50 under every policy but optimal takes about a minute each on 2 cores: behind -m slow
+CASES = [pytest.param(name, policy, marks=[pytest.mark.slow] if name == "resnet50" and policy != "optimal" else [])
+         for name in SHAPES for policy in POLICIES]
+
+
+@pytest.mark.parametrize("name, policy", CASES)
+def test_converted_planned_and_executed_trains_like_plain_pytorch(trained, name, policy):
+    plain, reference, db = trained(name)
+    size = SHAPES[name]
     model = convert(copy.deepcopy(plain), backend="cpu", workspace_limit=64 * 2**20, policy="undivided", reps=1,
                     db=db)
     x = _data(size, 0)[0]
