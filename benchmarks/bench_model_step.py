@@ -48,9 +48,7 @@ def step_fn(model, x, y, plan=None):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
 
     def step() -> None:
-        # gradients stay allocated from step to step, as the planner counts them (weights' gradients
-        # resident through the whole step)
-        optimizer.zero_grad(set_to_none=False)
+        optimizer.zero_grad(set_to_none=True)
         if plan is None:
             F.cross_entropy(model(x), y).backward()
         else:
@@ -66,7 +64,9 @@ def counted_peak(model, x, y, plan=None) -> int:
     and its momentum are not in it), as `ucudnn.torch.StepTracker` counts them from live storages:
     weights, their gradients, other tensors and the handles' workspaces. PyTorch's MemTracker sees no
     NumPy workspace, and here reported the same peak for every plan."""
-    model.zero_grad(set_to_none=False)
+    # PyTorch's default: gradients freed between steps (kept, each layer's new gradient would sit
+    # beside the old one while autograd adds them: a transient of the largest one the plan does not hold)
+    model.zero_grad(set_to_none=True)
     with StepTracker(model) as tracker:
         if plan is None:
             F.cross_entropy(model(x), y).backward()
