@@ -400,8 +400,8 @@ class Handle:
         # call signature -> what to run; WD re-solves clear it
         self._prepared: dict[tuple, _Prepared] = {}
         self._generation = 0  # bumped whenever _prepared is dropped: Kernel objects made before are stale
-        # WR: (problem.key, batch) -> plan; one workspace buffer shared by every kernel
-        self._wr_plans: dict[tuple[str, int], _Plan] = {}
+        # WR: (problem.key, batch, limit) -> plan; one workspace buffer shared by every kernel
+        self._wr_plans: dict[tuple[str, int, int | None], _Plan] = {}
         self._wr_seen: dict[tuple[str, str, int], ConvProblem] = {}
         self._buffer: Any = None
         self._buffer_bytes = 0
@@ -488,7 +488,7 @@ class Handle:
         out: list[KernelChoice] = []
         if self.mode == "WR":
             for (layer, kind, batch), problem in self._wr_seen.items():
-                plan = self._wr_plans[problem.key, batch]
+                plan = self._wr_plans[problem.key, batch, self._workspace_limit]
                 out.append(KernelChoice(layer, kind, batch, problem, plan.config, plan.baseline, None))
         else:
             for batch, plans in self._wd_plans.items():
@@ -744,11 +744,11 @@ class Handle:
         name = layer if layer is not None else problem.with_kind("fwd").key
         if budget is not None:
             prep = _prepared(self._backend, problem, self._plan_wr(problem, budget=budget).config, None, budget)
-            return self._with_trial(prep, self._budget_limit(budget))
+            return self._with_trial(prep, self._wr_limit(budget))
         if self.mode == "WR":
             plan = self._plan_wr(problem)
             self._wr_seen.setdefault((name, problem.kind, problem.n), problem)
-            prep = self._with_trial(_prepared(self._backend, problem, plan.config, None), self._workspace_limit)
+            prep = self._with_trial(_prepared(self._backend, problem, plan.config, None), self._wr_limit(None))
         else:
             self._register(name, problem.with_kind("fwd"), frozenset({problem.kind}), stacklevel=5)
             plans = self._wd_plans.get(problem.n)
@@ -813,16 +813,17 @@ class Handle:
             parts["call_overhead_ms"] = round(self._call_overhead, 3)
         return plan_key(self._backend, policy=policy_name(self._policy), algos=self._algos, **parts)
 
-    def _budget_limit(self, budget: int) -> int:
-        """The limit a kernel with a plan's `budget` is solved within: the budget, and a WR handle's
-        own limit too (WD's division is what the plan's budgets replace)."""
+    def _wr_limit(self, budget: int | None) -> int | None:
+        """The limit a WR plan is solved within: the handle's own, or a memory plan's `budget` capped
+        by it (a WD handle has none: the plan's budgets are what replace its division)."""
+        if budget is None:
+            return self._workspace_limit
         return budget if self._workspace_limit is None else min(self._workspace_limit, budget)
 
     def _plan_wr(self, problem: ConvProblem, fresh: bool = False, budget: int | None = None) -> _Plan:
-        """WR: the fastest configuration within the handle's limit, or within `budget` (a memory
-        plan's, capped by a WR limit) where given."""
-        limit = self._workspace_limit if budget is None else self._budget_limit(budget)
-        memo = (problem.key, problem.n) if budget is None else (problem.key, problem.n, limit)
+        """WR: the fastest configuration within `_wr_limit(budget)`."""
+        limit = self._wr_limit(budget)
+        memo = (problem.key, problem.n, limit)
         plan = self._wr_plans.get(memo)
         if plan is not None:
             return plan
@@ -935,7 +936,9 @@ class Handle:
     def _run_kernels(self, prep: _Prepared, **operands: Any) -> None:
         workspace = self._workspace(prep)
         # a budget's workspace lives for this run only: a memory tracker (`workspace_listener`) hears of it
-        held = prep.config.workspace if prep.budget is not None and self.workspace_listener is not None else 0
+        # (torch's own convolution takes none from us: `_workspace`)
+        held = prep.config.workspace if prep.budget is not None and self.workspace_listener is not None \
+            and not native_only(prep.config) else 0
         if held:
             self.workspace_listener(held)
         try:
@@ -1035,13 +1038,10 @@ class Handle:
                 stacklevel=5)
         self._prepared.clear()
         self._generation += 1  # Kernel objects holding the failed plan are stale
-        if prep.budget is not None:
-            self._wr_plans.pop((problem.key, problem.n, self._budget_limit(prep.budget)), None)
+        if prep.budget is not None or self.mode == "WR":
+            self._wr_plans.pop((problem.key, problem.n, self._wr_limit(prep.budget)), None)
             return _prepared(self._backend, problem, self._plan_wr(problem, fresh=True, budget=prep.budget).config,
                              None, prep.budget)
-        if self.mode == "WR":
-            self._wr_plans.pop((problem.key, problem.n), None)
-            return _prepared(self._backend, problem, self._plan_wr(problem, fresh=True).config, None)
         self._wd_plans.pop(problem.n, None)
         plans = self._solve_wd(problem.n, fresh=True)
         plan = next(plan for p, plan in plans.values() if p == problem)

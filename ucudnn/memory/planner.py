@@ -18,7 +18,8 @@ from ucudnn.memory.graph import TrainingGraph
 from ucudnn.memory.plan import ConvWorkspace, MemoryPlan, TensorAction
 from ucudnn.memory.simulate import SimResult, StepCost, network_wide_bytes, simulate
 
-__all__ = ["OFFLOADING", "POLICIES", "Baseline", "available_policies", "baseline", "make_plan", "smallest_fitting_limit", "to_plan"]
+__all__ = ["OFFLOADING", "POLICIES", "Baseline", "available_policies", "baseline", "make_plan", "smallest_fitting_limit",
+           "to_plan"]
 
 # name -> (module, function, keyword options)
 POLICIES: dict[str, tuple[str, str, dict]] = {
@@ -77,9 +78,8 @@ def make_plan(graph: TrainingGraph, device: DeviceProfile | str, memory_limit: i
     if profile.shares_host_memory and policy in OFFLOADING:
         # offloads would land in the same memory: vDNN's search without them (see ucudnn.memory.vdnn)
         fn, options = _policy_function("vdnn-dyn")
-        plan = fn(graph, profile, memory_limit, devices=devices, db=db, fronts=fronts, **options)
-        return dataclasses.replace(plan, policy=policy)
-    return fn(graph, profile, memory_limit, devices=devices, db=db, fronts=fronts, **options)
+    plan = fn(graph, profile, memory_limit, devices=devices, db=db, fronts=fronts, **options)
+    return plan if plan.policy == policy else dataclasses.replace(plan, policy=policy)
 
 
 @dataclass(frozen=True, slots=True)

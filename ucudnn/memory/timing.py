@@ -44,7 +44,7 @@ stream hides, and the steps are what a plan predicts.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from functools import lru_cache
 from importlib import resources
@@ -56,8 +56,8 @@ from ucudnn.memory.simulate import StepCost
 from ucudnn.problem import ConvProblem
 from ucudnn.solver.types import MicroConfig
 
-__all__ = ["CALIBRATIONS", "Calibration", "KernelOption", "calibration", "conv_fronts", "fastest", "kernel_front", "measured_devices", "measurements_from_db",
-           "other_ms", "step_costs"]
+__all__ = ["CALIBRATIONS", "Calibration", "KernelOption", "calibration", "conv_fronts", "fastest", "front_of",
+           "kernel_front", "measured_devices", "measurements_from_db", "other_ms", "step_costs"]
 
 _DATA_FILES = {"h100": "h100_convs.json"}
 
@@ -146,12 +146,16 @@ def _equal_micro_front(bench: dict[int, tuple[MicroConfig, ...]] | None, batch: 
     ResNet-152 at batch 256 took seconds."""
     if not bench:
         return ()
-    candidates = [(m.time * (batch // size), m.workspace, f"{batch // size}x{size}:{m.algo}")
-                  for size, micros in bench.items() if size <= batch and batch % size == 0 for m in micros]
+    return front_of(KernelOption(m.time * (batch // size), m.workspace, f"{batch // size}x{size}:{m.algo}", "measured")
+                    for size, micros in bench.items() if size <= batch and batch % size == 0 for m in micros)
+
+
+def front_of(options: Iterable[KernelOption]) -> tuple[KernelOption, ...]:
+    """The options no other dominates, by ascending workspace and strictly descending time."""
     front: list[KernelOption] = []
-    for ms, ws, config in sorted(candidates, key=lambda c: (c[1], c[0])):
-        if not front or ms < front[-1].time_ms:
-            front.append(KernelOption(ms, ws, config, "measured"))
+    for o in sorted(options, key=lambda o: (o.workspace, o.time_ms)):
+        if not front or o.time_ms < front[-1].time_ms:
+            front.append(o)
     return tuple(front)
 
 

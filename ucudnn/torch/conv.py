@@ -180,6 +180,17 @@ def _out_size(size: int, r: int, stride: int, pad: int, dilation: int) -> int:
     return (size + 2 * pad - dilation * (r - 1) - 1) // stride + 1
 
 
+def _memory_format(layout: str) -> torch.memory_format:
+    return torch.channels_last if layout == "NHWC" else torch.contiguous_format
+
+
+def _launch(kernel: Kernel, backend: str, out: torch.Tensor, **operands: torch.Tensor) -> torch.Tensor:
+    """Run a planned kernel on tensors (viewed as the handle's arrays) into `out`; returns `out`."""
+    with _on_device(out):
+        kernel.run(out=_as_array(out, backend), **{name: _as_array(t, backend) for name, t in operands.items()})
+    return out
+
+
 @dataclass(frozen=True, slots=True)
 class _Route:
     """How one layer runs at one input: the handle's prepared kernel of each kind, or None where
@@ -243,8 +254,7 @@ class _Conv2dFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, route: _Route, stride, padding, dilation, groups):
         # x comes in the route's layout; the filter is made to match it
-        weight = weight.contiguous(memory_format=torch.channels_last if route.layout == "NHWC"
-                                   else torch.contiguous_format)
+        weight = weight.contiguous(memory_format=_memory_format(route.layout))
         ctx.save_for_backward(x, weight)
         ctx.route, ctx.conv, ctx.has_bias = route, (stride, padding, dilation, groups), bias is not None
         if route.fwd is None:
@@ -253,11 +263,8 @@ class _Conv2dFunction(torch.autograd.Function):
         k, _, r, s = weight.shape
         shape = (n, k, _out_size(h, r, stride[0], padding[0], dilation[0]),
                  _out_size(w, s, stride[1], padding[1], dilation[1]))
-        fmt = torch.channels_last if route.layout == "NHWC" else torch.contiguous_format
-        y = torch.empty(shape, dtype=x.dtype, device=x.device, memory_format=fmt)
-        with _on_device(x):
-            route.fwd.run(x=_as_array(x, route.backend), w=_as_array(weight, route.backend),
-                          out=_as_array(y, route.backend))
+        y = _launch(route.fwd, route.backend, torch.empty(shape, dtype=x.dtype, device=x.device,
+                                                          memory_format=_memory_format(route.layout)), x=x, w=weight)
         if bias is not None:
             y.add_(bias.view(1, -1, 1, 1))
         return y
@@ -268,7 +275,8 @@ class _Conv2dFunction(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         route = ctx.route
         stride, padding, dilation, groups = ctx.conv
-        dy = dy.contiguous(memory_format=torch.channels_last if route.layout == "NHWC" else torch.contiguous_format)
+        fmt = _memory_format(route.layout)
+        dy = dy.contiguous(memory_format=fmt)
         need_dx, need_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         dx = dw = db = None
         native_dx = need_dx and route.bwd_data is None
@@ -277,16 +285,10 @@ class _Conv2dFunction(torch.autograd.Function):
             dx, dw, _ = torch.ops.aten.convolution_backward(
                 dy, x, weight, None, list(stride), list(padding), list(dilation), False, [0, 0], groups,
                 [native_dx, native_dw, False])
-        fmt = torch.channels_last if route.layout == "NHWC" else torch.contiguous_format
-        with _on_device(dy):
-            if need_dx and not native_dx:
-                dx = torch.empty_like(x, memory_format=fmt)
-                route.bwd_data.run(dy=_as_array(dy, route.backend), w=_as_array(weight, route.backend),
-                                   out=_as_array(dx, route.backend))
-            if need_dw and not native_dw:
-                dw = torch.empty_like(weight, memory_format=fmt)
-                route.bwd_filter.run(x=_as_array(x, route.backend), dy=_as_array(dy, route.backend),
-                                     out=_as_array(dw, route.backend))
+        if need_dx and not native_dx:
+            dx = _launch(route.bwd_data, route.backend, torch.empty_like(x, memory_format=fmt), dy=dy, w=weight)
+        if need_dw and not native_dw:
+            dw = _launch(route.bwd_filter, route.backend, torch.empty_like(weight, memory_format=fmt), x=x, dy=dy)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             db = dy.sum((0, 2, 3))
         return dx, dw, db, None, None, None, None, None
@@ -352,9 +354,9 @@ def _new_handle(**options: Any) -> Handle:
         return Handle(**options)
     # kernels measured alone are confirmed in the step: see Handle's trial_runs
     options = {"trial_runs": TRIAL_RUNS, **options}
-    if "call_overhead" in options:
-        return Handle(**options)
-    return Handle(**options, call_overhead=route_overhead_ms())
+    if "call_overhead" not in options:
+        options["call_overhead"] = route_overhead_ms()
+    return Handle(**options)
 
 
 class Conv2d(nn.Conv2d):
@@ -448,7 +450,7 @@ class Conv2d(nn.Conv2d):
         stride, dilation = tuple(self.stride), tuple(self.dilation)
         # compiling: the operators read the learning state when the graph runs, not while it is traced
         compiling = torch.compiler.is_compiling()
-        if not compiling and (self._recording or (self._learning is not None and self._learning.active)):
+        if not compiling and self._learning_now():
             return self._record(input, weight, bias, padding)
         if input.shape[0] == 0:  # an empty batch: nothing to plan; torch returns the empty result
             return F.conv2d(input, weight, bias, stride, padding, dilation, self.groups)

@@ -97,11 +97,13 @@ from torch import fx, nn
 from torch.utils.checkpoint import checkpoint
 
 from ucudnn.backends.cpu import NATIVE, CpuBackend
+from ucudnn.benchmark import interleaved_medians_ms
 from ucudnn.devices import PROFILES, DeviceProfile, load_profile
 from ucudnn.errors import InvalidInput, UnsupportedProblem
 from ucudnn.handle import Handle, native_only
 from ucudnn.memory.graph import TrainingGraph, trace
 from ucudnn.memory.plan import MemoryPlan
+from ucudnn.memory.timing import KernelOption, front_of
 from ucudnn.sizes import parse_size
 from ucudnn.torch.conv import Conv2d
 from ucudnn.torch.tracker import allocated_as
@@ -115,10 +117,18 @@ def _trace_graph(model: nn.Module, example_input: torch.Tensor) -> TrainingGraph
     move batch-norm running statistics); every module's training flag is restored."""
     if not isinstance(example_input, torch.Tensor) or example_input.dim() < 1:
         raise InvalidInput(f"example_input must be a batched tensor, got {type(example_input).__name__}")
+    with _eval_mode(model):
+        return trace(model, example_input)
+
+
+@contextlib.contextmanager
+def _eval_mode(model: nn.Module) -> Iterator[None]:
+    """`model` in eval mode (a pass that must not move batch-norm statistics); every module's own
+    training flag comes back afterwards."""
     flags = {m: m.training for m in model.modules()}
     try:
         model.eval()
-        return trace(model, example_input)
+        yield
     finally:
         for module, flag in flags.items():
             module.training = flag
@@ -235,11 +245,9 @@ def _conv_fronts(model: nn.Module, graph: TrainingGraph, example_input: torch.Te
     that the plan's workspace budgets are ones its kernels run within), and where `native` is given
     (planning for this CPU), a torch conv's as that handle measures torch's own convolution. Through
     the measurement cache: what is measured here, a converted layer's first step does not measure again."""
-    from ucudnn.memory.timing import KernelOption
-
     modules = dict(model.named_modules())
     convs = {op.name: op for op in graph.conv_ops}
-    dtype = "float32" if example_input.dtype == torch.float32 else str(example_input.dtype).removeprefix("torch.")
+    dtype = str(example_input.dtype).removeprefix("torch.")
     fronts = {}
     for step in graph.steps:
         op = convs.get(step.op)
@@ -274,29 +282,16 @@ def _fuse_native_backward(fronts: dict, layer: str, problem, device: torch.devic
     dy = torch.randn(problem.y_shape, device=device)
     stride, padding, dilation = [problem.stride_h, problem.stride_w], [problem.pad_h, problem.pad_w], \
         [problem.dilation_h, problem.dilation_w]
-    fused_ms = _median_ms(lambda: torch.ops.aten.convolution_backward(
-        dy, x, w, None, stride, padding, dilation, False, [0, 0], problem.groups, [True, True, False]))
-    scale = fused_ms / sum(o.time_ms for o in options)
+    def fused() -> None:
+        torch.ops.aten.convolution_backward(dy, x, w, None, stride, padding, dilation, False, [0, 0], problem.groups,
+                                            [True, True, False])
+
+    scale = interleaved_medians_ms({"fused": fused}, reps=5)["fused"] / sum(o.time_ms for o in options)
     if scale >= 1:
         return
-    for kind in ("bwd_data", "bwd_filter"):
-        scaled = sorted((dataclasses.replace(o, time_ms=o.time_ms * scale) if o.config == f"1x{problem.n}:{NATIVE}"
-                         else o for o in fronts[(layer, kind)]), key=lambda o: (o.workspace, o.time_ms))
-        front = []  # still a front: ascending workspace, strictly descending time
-        for o in scaled:
-            if not front or o.time_ms < front[-1].time_ms:
-                front.append(o)
-        fronts[(layer, kind)] = tuple(front)
-
-
-def _median_ms(fn, reps: int = 5) -> float:
-    fn()  # warm
-    samples = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        samples.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(samples)
+    for kind in ("bwd_data", "bwd_filter"):  # a cheaper native option may now dominate others
+        fronts[(layer, kind)] = front_of(dataclasses.replace(o, time_ms=o.time_ms * scale) if o in options else o
+                                         for o in fronts[(layer, kind)])
 
 
 def _timed_ops(model: nn.Module, graph: TrainingGraph, example_input: torch.Tensor, reps: int = 3) -> TrainingGraph:
@@ -315,15 +310,9 @@ def _timed_ops(model: nn.Module, graph: TrainingGraph, example_input: torch.Tens
             samples.setdefault(n.name, []).append((time.perf_counter() - start) * 1e3)
             return result
 
-    flags = {m: m.training for m in model.modules()}
-    try:
-        model.eval()
-        with plain_convs(gm), torch.no_grad():
-            for _ in range(reps):
-                Timed(gm).run(example_input)
-    finally:
-        for module, flag in flags.items():
-            module.training = flag
+    with _eval_mode(model), plain_convs(gm), torch.no_grad():
+        for _ in range(reps):
+            Timed(gm).run(example_input)
     ops = tuple(dataclasses.replace(op, measured_ms=statistics.median(samples[op.name]))
                 if op.type not in ("conv", "input", "loss") and op.name in samples else op for op in graph.ops)
     return dataclasses.replace(graph, ops=ops)

@@ -36,7 +36,8 @@ import torch
 import torch.nn.functional as F
 
 from ucudnn.errors import InvalidInput
-from ucudnn.torch.conv import _as_array, _on_device  # conv imports this module last: no cycle at import time
+# conv imports this module last: no cycle at import time
+from ucudnn.torch.conv import _launch, _memory_format, _out_size
 
 if TYPE_CHECKING:
     from ucudnn.torch.conv import Conv2d
@@ -66,14 +67,6 @@ def _layer(key: int) -> Conv2d:
         raise InvalidInput(f"ucudnn operators: no live ucudnn.torch.Conv2d has key {key}; a compiled graph or "
                            "exported program runs only in the process, and while the model lives, that made it")
     return conv
-
-
-def _format(layout: str) -> torch.memory_format:
-    return torch.channels_last if layout == "NHWC" else torch.contiguous_format
-
-
-def _out_size(size, r, stride: int, pad: int, dilation: int):
-    return (size + 2 * pad - dilation * (r - 1) - 1) // stride + 1
 
 
 def _check_conv(x_shape: Sequence, w_shape: Sequence, stride, padding, dilation, groups: int, layout: str) -> None:
@@ -119,7 +112,7 @@ def conv2d(x: torch.Tensor, weight: torch.Tensor, layer: int, stride: Sequence[i
            dilation: Sequence[int], groups: int, layout: str, need_dx: bool, need_dw: bool) -> torch.Tensor:
     """y = conv2d(x, weight) as layer `layer` plans it (no bias)."""
     _check_conv(x.shape, weight.shape, stride, padding, dilation, groups, layout)
-    conv, fmt = _layer(layer), _format(layout)
+    conv, fmt = _layer(layer), _memory_format(layout)
     x, weight = x.contiguous(memory_format=fmt), weight.contiguous(memory_format=fmt)
     stride, padding, dilation = tuple(stride), tuple(padding), tuple(dilation)
     if conv._learning_now():  # WD's learning pass, or announce: register, and torch computes
@@ -132,17 +125,14 @@ def conv2d(x: torch.Tensor, weight: torch.Tensor, layer: int, stride: Sequence[i
         return F.conv2d(x, weight, None, stride, padding, dilation, groups).contiguous(memory_format=fmt)
     y = torch.empty(_y_shape(x.shape, weight.shape, stride, padding, dilation), dtype=x.dtype, device=x.device,
                     memory_format=fmt)
-    with _on_device(x):
-        route.fwd.run(x=_as_array(x, route.backend), w=_as_array(weight, route.backend),
-                      out=_as_array(y, route.backend))
-    return y
+    return _launch(route.fwd, route.backend, y, x=x, w=weight)
 
 
 @conv2d.register_fake
 def _conv2d_fake(x, weight, layer, stride, padding, dilation, groups, layout, need_dx, need_dw):
     _check_conv(x.shape, weight.shape, stride, padding, dilation, groups, layout)
     return torch.empty(_y_shape(x.shape, weight.shape, stride, padding, dilation), dtype=x.dtype, device=x.device,
-                       memory_format=_format(layout))
+                       memory_format=_memory_format(layout))
 
 
 @torch.library.custom_op("ucudnn::conv2d_backward_data", mutates_args=(),
@@ -153,7 +143,7 @@ def conv2d_backward_data(dy: torch.Tensor, weight: torch.Tensor, layer: int, x_s
                          layout: str, need_dw: bool) -> torch.Tensor:
     """dx of layer `layer` for an input of `x_shape`, as the layer plans it."""
     _check_conv(x_shape, weight.shape, stride, padding, dilation, groups, layout)
-    conv, fmt = _layer(layer), _format(layout)
+    conv, fmt = _layer(layer), _memory_format(layout)
     dy, weight = dy.contiguous(memory_format=fmt), weight.contiguous(memory_format=fmt)
     x = _shaped(dy, x_shape)
     route = _route(conv, x, weight, padding, layout, True, need_dw)
@@ -162,16 +152,13 @@ def conv2d_backward_data(dy: torch.Tensor, weight: torch.Tensor, layer: int, x_s
                                                        False, [0, 0], groups, [True, False, False])
         return dx.contiguous(memory_format=fmt)
     dx = torch.empty(tuple(x_shape), dtype=dy.dtype, device=dy.device, memory_format=fmt)
-    with _on_device(dy):
-        route.bwd_data.run(dy=_as_array(dy, route.backend), w=_as_array(weight, route.backend),
-                           out=_as_array(dx, route.backend))
-    return dx
+    return _launch(route.bwd_data, route.backend, dx, dy=dy, w=weight)
 
 
 @conv2d_backward_data.register_fake
 def _conv2d_backward_data_fake(dy, weight, layer, x_shape, stride, padding, dilation, groups, layout, need_dw):
     _check_conv(x_shape, weight.shape, stride, padding, dilation, groups, layout)
-    return torch.empty(tuple(x_shape), dtype=dy.dtype, device=dy.device, memory_format=_format(layout))
+    return torch.empty(tuple(x_shape), dtype=dy.dtype, device=dy.device, memory_format=_memory_format(layout))
 
 
 @torch.library.custom_op("ucudnn::conv2d_backward_filter", mutates_args=(),
@@ -181,7 +168,7 @@ def conv2d_backward_filter(x: torch.Tensor, dy: torch.Tensor, weight: torch.Tens
                            layout: str, need_dx: bool) -> torch.Tensor:
     """dw of layer `layer` (`weight` gives its shape, dtype and the route's key), as the layer plans it."""
     _check_conv(x.shape, weight.shape, stride, padding, dilation, groups, layout)
-    conv, fmt = _layer(layer), _format(layout)
+    conv, fmt = _layer(layer), _memory_format(layout)
     x, dy = x.contiguous(memory_format=fmt), dy.contiguous(memory_format=fmt)
     weight = weight.contiguous(memory_format=fmt)
     route = _route(conv, x, weight, padding, layout, need_dx, True)
@@ -190,16 +177,13 @@ def conv2d_backward_filter(x: torch.Tensor, dy: torch.Tensor, weight: torch.Tens
                                                        False, [0, 0], groups, [False, True, False])
         return dw.contiguous(memory_format=fmt)
     dw = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device, memory_format=fmt)
-    with _on_device(dy):
-        route.bwd_filter.run(x=_as_array(x, route.backend), dy=_as_array(dy, route.backend),
-                             out=_as_array(dw, route.backend))
-    return dw
+    return _launch(route.bwd_filter, route.backend, dw, x=x, dy=dy)
 
 
 @conv2d_backward_filter.register_fake
 def _conv2d_backward_filter_fake(x, dy, weight, layer, stride, padding, dilation, groups, layout, need_dx):
     _check_conv(x.shape, weight.shape, stride, padding, dilation, groups, layout)
-    return torch.empty(weight.shape, dtype=weight.dtype, device=weight.device, memory_format=_format(layout))
+    return torch.empty(weight.shape, dtype=weight.dtype, device=weight.device, memory_format=_memory_format(layout))
 
 
 def _setup_context(ctx, inputs, output) -> None:
