@@ -27,9 +27,9 @@ from common import interleaved_medians_ms, table  # noqa: E402
 
 from ucudnn.backends.cpu import CpuBackend  # noqa: E402
 from ucudnn.db import Cache  # noqa: E402
-from ucudnn.execute import run_configuration  # noqa: E402
-from ucudnn.networks import layers  # noqa: E402
-from ucudnn.optimize import expand_kernels, optimize  # noqa: E402
+from ucudnn.kernel.run import run_configuration  # noqa: E402
+from ucudnn.network.zoo import layers  # noqa: E402
+from ucudnn.network.optimize import expand_kernels, optimize  # noqa: E402
 from ucudnn.solver.types import Configuration  # noqa: E402
 
 MIB = 2**20

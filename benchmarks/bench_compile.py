@@ -13,7 +13,7 @@ Figures, each a ratio ucudnn / torch measured in this process:
   step before (planning measures kernels: that is not compiling); its compiled graph finds the
   plans in the layers' route caches.
 - step: a compiled training step (forward, backward, SGD), the two contenders alternately,
-  `--reps` times after warm-up; medians (`ucudnn.benchmark.interleaved_medians_ms`).
+  `--reps` times after warm-up; medians (`ucudnn.kernel.measure.interleaved_medians_ms`).
 - eager step: the same without compiling (for reference).
 - on CUDA, host: the time a compiled step takes to return to Python without a device
   synchronisation, medians (what CUDA graphs remove: with `--mode reduce-overhead` the converted

@@ -66,8 +66,8 @@ def import_seconds(source: Path, folder: Path, checked: bool, round_: int) -> fl
 
 def precheck_us(rounds: int) -> tuple[int, float]:
     from ucudnn.backends.cpu import CpuBackend
-    from ucudnn.networks import layers
-    from ucudnn.resources import check_can_run
+    from ucudnn.network.zoo import layers
+    from ucudnn.kernel.resources import check_can_run
 
     backend = CpuBackend()
     problems = {p.key: p for layer in layers("resnet50", 32) for p in (layer.problem.with_kind(k) for k in KINDS)}

@@ -5,7 +5,7 @@ Models:
     3 basic blocks at 16, 32 and 64 channels (32x32, 16x16, 8x8), the first block of stages 2 and
     3 strided; parameter-free identity shortcuts (the paper's option A: subsample, zero-pad the
     new channels); global average pool and a 10-way FC. 19 convolutions. Batch 128, 32x32 input.
-  - AlexNet with the convolutions of `ucudnn.networks` ("alexnet": Caffe's bvlc_alexnet shapes,
+  - AlexNet with the convolutions of `ucudnn.network.zoo` ("alexnet": Caffe's bvlc_alexnet shapes,
     227x227, grouped conv2/4/5), ReLU and 3x3/2 max-pools between them, and a small FC head
     (9216 -> 256 -> 10). Batch 32.
 
@@ -41,7 +41,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import table  # noqa: E402
 
-from ucudnn.networks import layers as network_layers  # noqa: E402
+from ucudnn.network.zoo import layers as network_layers  # noqa: E402
 from ucudnn.sizes import format_size, parse_size  # noqa: E402
 from ucudnn.torch import convert  # noqa: E402
 
@@ -93,7 +93,7 @@ class ResNet20(nn.Module):
 
 
 class AlexNet(nn.Module):
-    """The zoo's AlexNet convolutions (ucudnn.networks "alexnet") with a small FC head."""
+    """The zoo's AlexNet convolutions (ucudnn.network.zoo "alexnet") with a small FC head."""
 
     def __init__(self, num_classes: int = 10) -> None:
         super().__init__()

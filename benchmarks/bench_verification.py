@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import table  # noqa: E402
 
 from ucudnn.backends.cpu import CpuBackend  # noqa: E402
-from ucudnn.benchmark import batch_sizes, measure_table  # noqa: E402
+from ucudnn.kernel.measure import batch_sizes, measure_table  # noqa: E402
 from ucudnn.problem import KINDS, ConvProblem  # noqa: E402
 
 

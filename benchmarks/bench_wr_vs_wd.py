@@ -22,8 +22,8 @@ from common import table  # noqa: E402
 
 from ucudnn.backends.cpu import CpuBackend  # noqa: E402
 from ucudnn.db import Cache  # noqa: E402
-from ucudnn.networks import layers  # noqa: E402
-from ucudnn.optimize import expand_kernels, optimize  # noqa: E402
+from ucudnn.network.zoo import layers  # noqa: E402
+from ucudnn.network.optimize import expand_kernels, optimize  # noqa: E402
 from ucudnn.solver.types import Infeasible  # noqa: E402
 
 MIB = 2**20

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ucudnn.benchmark import interleaved_medians_ms
+from ucudnn.kernel.measure import interleaved_medians_ms
 
 __all__ = ["interleaved_medians_ms", "make_step", "table"]
 

@@ -13,7 +13,7 @@ from ucudnn.backends.base import NOISY_SPREAD_FRACTION
 from ucudnn.cli.options import size_option as _size_option
 from ucudnn.errors import InvalidInput
 from ucudnn.problem import KINDS, ConvProblem
-from ucudnn.resources import check_can_run
+from ucudnn.kernel.resources import check_can_run
 from ucudnn.sizes import format_size
 
 # Timed runs per measurement; more only adds time (the median of 1000 runs is already stable).
@@ -53,12 +53,12 @@ def bench(layer_specs, network, batch, workspace, total_workspace, policy, backe
     network, at one batch size.
     """
     from ucudnn.backends import get_backend
-    from ucudnn.benchmark import batch_sizes, parse_policy
+    from ucudnn.kernel.measure import batch_sizes, parse_policy
     from ucudnn.db import Cache
-    from ucudnn.optimize import expand_kernels, optimize
+    from ucudnn.network.optimize import expand_kernels, optimize
 
     if workers > 1:  # the same optimize, after N worker processes have filled the cache
-        from ucudnn.parallel_bench import parallel_optimize
+        from ucudnn.network.parallel import parallel_optimize
         optimize = parallel_optimize(workers, db_url)
 
     if bool(layer_specs) == bool(network):
@@ -75,7 +75,7 @@ def bench(layer_specs, network, batch, workspace, total_workspace, policy, backe
     algo_list = list(dict.fromkeys(a.strip() for a in algos.split(",") if a.strip())) if algos else None
 
     if network:
-        from ucudnn.networks import layers as network_layers
+        from ucudnn.network.zoo import layers as network_layers
         layers = [(layer.name, layer.problem) for layer in network_layers(network, batch)]
     else:
         problems = [ConvProblem.parse(spec, unused=_UNUSED_LAYER_KEYS) for spec in layer_specs]
@@ -118,7 +118,7 @@ def bench(layer_specs, network, batch, workspace, total_workspace, policy, backe
         cache.close()
 
     if plot_path:
-        from ucudnn.plot import plot_wd
+        from ucudnn.network.plot import plot_wd
         plot_wd(report, plot_path)
     if as_json:
         click.echo(json.dumps(report.to_json(), indent=2))
@@ -129,7 +129,7 @@ def bench(layer_specs, network, batch, workspace, total_workspace, policy, backe
 
 def format_report(report, verbose: bool = False, layer_specs=None) -> str:
     """A table a person can read: one row per kernel, then totals, what the columns mean, the headline."""
-    from ucudnn.optimize import BASELINE_LEAST_WORKSPACE, configuration_notation
+    from ucudnn.network.optimize import BASELINE_LEAST_WORKSPACE, configuration_notation
 
     limit = (f"workspace limit {format_size(report.workspace_limit)} per kernel" if report.mode == "WR"
              else f"total workspace {format_size(report.total_workspace)}")

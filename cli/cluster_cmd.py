@@ -30,7 +30,7 @@ def cluster(network, batch, devices_text, db_url, policy, workspace, as_json, pl
     Devices with measurements in the cache use their WR times; the others a roofline estimate from
     their profile (convolutions only).
     """
-    from ucudnn.cluster import plan_cluster
+    from ucudnn.network.cluster import plan_cluster
 
     devices = [d.strip() for d in devices_text.split(",")]
     if not all(devices):
@@ -39,7 +39,7 @@ def cluster(network, batch, devices_text, db_url, policy, workspace, as_json, pl
     plan = plan_cluster(batch, devices, network=network, db=db_url, policy=policy,
                         workspace_limit=workspace)
     if plot_path:
-        from ucudnn.plot import plot_cluster
+        from ucudnn.network.plot import plot_cluster
         plot_cluster(plan, plot_path)
     click.echo(json.dumps(plan.to_json(), indent=2) if as_json else format_plan(plan))
 

@@ -6,7 +6,7 @@ import json
 
 import click
 
-from ucudnn.networks import DEFAULT_BATCH, NETWORKS, Layer, canonical_name, layers, unique_problems
+from ucudnn.network.zoo import DEFAULT_BATCH, NETWORKS, Layer, canonical_name, layers, unique_problems
 
 _GIGA = 1e9
 

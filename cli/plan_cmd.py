@@ -93,7 +93,7 @@ def plan(ctx, network, batch, device_name, memory, policy, devices, devices_per_
     from ucudnn.memory import available_policies, make_plan
     from ucudnn.memory.graph import from_network
     from ucudnn.memory.planner import smallest_fitting_limit
-    from ucudnn.networks import DEFAULT_BATCH, canonical_name
+    from ucudnn.network.zoo import DEFAULT_BATCH, canonical_name
 
     canonical = canonical_name(network)
     if batch is None:

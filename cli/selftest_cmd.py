@@ -29,7 +29,7 @@ def selftest(backend_name, dtype, layer_specs, as_json):
     """
     from ucudnn.backends import get_backend
     from ucudnn.problem import ConvProblem
-    from ucudnn.selftest import DEFAULT_PROBLEMS, SelftestFailed, run_selftest
+    from ucudnn.kernel.selftest import DEFAULT_PROBLEMS, SelftestFailed, run_selftest
 
     problems = [ConvProblem.parse(spec, unused={"kind": "selftest checks every kind"})
                 for spec in layer_specs] or list(DEFAULT_PROBLEMS)

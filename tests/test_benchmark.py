@@ -1,6 +1,6 @@
 import pytest
 
-from ucudnn.benchmark import batch_sizes, measure_table, parse_policy
+from ucudnn.kernel.measure import batch_sizes, measure_table, parse_policy
 from ucudnn.errors import InvalidInput
 from ucudnn.problem import ConvProblem
 
@@ -38,7 +38,7 @@ def test_confirm_faster_keeps_the_configuration_that_runs_faster():
     import time
 
     from ucudnn.backends.cpu import CpuBackend
-    from ucudnn.benchmark import confirm_faster
+    from ucudnn.kernel.measure import confirm_faster
     from ucudnn.solver.types import Configuration, MicroConfig
 
     class SlowShift(CpuBackend):

@@ -13,7 +13,7 @@ import pytest
 
 from ucudnn import Handle, InvalidInput
 from ucudnn.backends.cpu import NATIVE, CpuBackend
-from ucudnn.call_overhead import charged_fronts, native_undivided
+from ucudnn.kernel.call_overhead import charged_fronts, native_undivided
 from ucudnn.problem import ConvProblem
 from ucudnn.solver import wd
 from ucudnn.solver.types import Configuration, MicroConfig

@@ -6,10 +6,10 @@ import pytest
 
 import ucudnn
 from ucudnn.cli.main import main
-from ucudnn.cluster import candidate_sizes, plan_cluster
+from ucudnn.network.cluster import candidate_sizes, plan_cluster
 from ucudnn.db import Cache
 from ucudnn.errors import InvalidInput
-from ucudnn.networks import kernels
+from ucudnn.network.zoo import kernels
 from ucudnn.solver import Infeasible
 from ucudnn.solver.types import MicroConfig
 

@@ -28,7 +28,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from ucudnn import selftest
+from ucudnn.kernel import selftest
 from ucudnn.backends import cudnn as cudnn_backend
 from ucudnn.backends.cudnn import CUDNN_API_USED, EngineConfig, declare_graph, layout_strides
 from ucudnn.errors import BackendUnavailable, InvalidInput, UnsupportedProblem
@@ -600,7 +600,7 @@ def test_selftest_through_the_backend_passes(fake_gpu, dtype):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_nhwc_operands_run_undivided_and_micro_batched(fake_gpu, kind):
-    from ucudnn.execute import run_configuration
+    from ucudnn.kernel.run import run_configuration
     from ucudnn.solver.types import Configuration, MicroConfig
 
     backend = cudnn_backend.CudnnBackend()
@@ -678,7 +678,7 @@ def test_more_problems_than_the_caches_hold_run_without_error(fake_gpu, monkeypa
 
 
 def test_a_wrong_engine_is_excluded_by_measurement_selftest_and_optimize(fake_gpu):
-    from ucudnn.optimize import expand_kernels, optimize
+    from ucudnn.network.optimize import expand_kernels, optimize
 
     fake_gpu.calls["stale_workspace"].add(2)
     backend = cudnn_backend.CudnnBackend()
@@ -737,7 +737,7 @@ def test_prepared_launches_check_operands_once(fake_gpu, kind, monkeypatch):
     # A micro-batched configuration run three times: the first run checks every operand through
     # `run`, later ones go through `prepare_run`'s launchers (unaligned slices and bwd_filter's
     # accumulation still take the copying / blending path) and give the same results.
-    from ucudnn.execute import PreparedConfiguration
+    from ucudnn.kernel.run import PreparedConfiguration
     from ucudnn.solver.types import Configuration, MicroConfig
 
     backend = cudnn_backend.CudnnBackend()

@@ -312,7 +312,7 @@ def test_bare_postgresql_url_gets_psycopg(pg_server) -> None:  # noqa: F811
 def test_second_benchmark_run_measures_nothing(db_url: str, kind: str) -> None:  # noqa: F811
     """Issue 1 end to end: the CPU backend measures through the cache, twice."""
     from ucudnn.backends import get_backend
-    from ucudnn.benchmark import measure_table
+    from ucudnn.kernel.measure import measure_table
 
     backend = get_backend("cpu")
     problem = dataclasses.replace(ConvProblem.parse("n=4,c=3,h=8,w=8,k=4,r=3,s=3,pad=1"), kind=kind)

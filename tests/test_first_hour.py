@@ -12,7 +12,7 @@ from ucudnn.backends.cpu import CpuBackend
 from ucudnn.cli.main import main
 from ucudnn.db import Cache
 from ucudnn.errors import InvalidInput
-from ucudnn.optimize import BASELINE_FASTEST, BASELINE_LEAST_WORKSPACE, expand_kernels, optimize
+from ucudnn.network.optimize import BASELINE_FASTEST, BASELINE_LEAST_WORKSPACE, expand_kernels, optimize
 from ucudnn.problem import ConvProblem
 from ucudnn.sizes import exact_bytes, parse_size
 
@@ -182,7 +182,7 @@ class StallAlways(StallOnce):
 
 def test_a_ratio_that_stays_doubtful_after_re_measuring_is_marked(tmp_path, capsys):
     from ucudnn.cli.bench import format_report
-    from ucudnn.optimize import REMEASURE_ATTEMPTS
+    from ucudnn.network.optimize import REMEASURE_ATTEMPTS
 
     backend = StallAlways()
     calls = []

@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 
 from ucudnn.errors import BackendUnavailable
-from ucudnn.execute import run_configuration
+from ucudnn.kernel.run import run_configuration
 from ucudnn.problem import KINDS, ConvProblem
-from ucudnn.selftest import DEFAULT_PROBLEMS, TOLERANCE, reference, relative_error, run_selftest, to_host_float64
+from ucudnn.kernel.selftest import DEFAULT_PROBLEMS, TOLERANCE, run_selftest
+from ucudnn.reference import reference, relative_error, to_host_float64
 from ucudnn.solver.types import Configuration, MicroConfig
 
 pytestmark = pytest.mark.gpu

@@ -27,7 +27,7 @@ def test_arguments(run_all, tmp_path):
 
 
 def test_deepbench_forward_kernels_are_the_training_set_at_four_times_its_batch(run_all):
-    from ucudnn.networks import layers
+    from ucudnn.network.zoo import layers
 
     own = layers("deepbench")
     half = run_all.deepbench_forward_kernels("float16")

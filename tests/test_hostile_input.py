@@ -233,7 +233,7 @@ def test_problems_too_big_for_the_machine_are_refused_first(argv: list[str], wor
 
 def test_handle_and_convert_refuse_with_the_bytes_not_a_memory_error(monkeypatch: pytest.MonkeyPatch) -> None:
     from ucudnn import Handle, resources
-    from ucudnn.resources import NotEnoughMemory
+    from ucudnn.kernel.resources import NotEnoughMemory
 
     handle = Handle(backend="cpu", policy="undivided", reps=1, db="sqlite://")
     with pytest.raises(NotEnoughMemory, match="needs .* TiB .* available"):
@@ -403,7 +403,7 @@ def test_a_cache_on_a_read_only_mount_is_read(tmp_path: Path, capsys: pytest.Cap
 def test_installing_torch_keeps_the_numpy_measurements(monkeypatch: pytest.MonkeyPatch) -> None:
     from ucudnn.backends import cpu
     from ucudnn.backends.base import DeviceInfo
-    from ucudnn.benchmark import measure_table
+    from ucudnn.kernel.measure import measure_table
 
     backend = cpu.CpuBackend()
     problem = ConvProblem.parse(SMALL)
@@ -431,8 +431,8 @@ def test_installing_torch_keeps_the_numpy_measurements(monkeypatch: pytest.Monke
 
 
 def _wd_report(layers: int, baseline: bool = True):
-    from ucudnn.benchmark import BenchStats
-    from ucudnn.optimize import KernelPlan, Report
+    from ucudnn.kernel.measure import BenchStats
+    from ucudnn.network.optimize import KernelPlan, Report
     from ucudnn.solver.types import Configuration
 
     problem = ConvProblem.parse(SMALL)
@@ -455,7 +455,7 @@ def test_a_total_without_a_baseline_prints_a_dash_not_inf() -> None:
 
 def test_the_wd_plot_of_159_kernels_has_readable_labels(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
-    from ucudnn.plot import MAX_TICK_LABELS, layer_ticks, plot_wd
+    from ucudnn.network.plot import MAX_TICK_LABELS, layer_ticks, plot_wd
 
     layers = [f"layer{i}" for i in range(53) for _ in range(3)]  # ResNet-50: 53 layers, 159 kernels
     positions, labels = layer_ticks(layers)
@@ -476,7 +476,7 @@ def test_readme_and_docs_stand_alone() -> None:
 
 
 def test_the_memory_check_counts_the_smallest_workspace_near_the_limit(monkeypatch: pytest.MonkeyPatch) -> None:
-    from ucudnn import resources
+    from ucudnn.kernel import resources
     from ucudnn.backends.cpu import CpuBackend
 
     backend, problem = CpuBackend(), ConvProblem.parse(SMALL)

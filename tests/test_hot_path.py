@@ -13,7 +13,7 @@ import pytest
 from conv_reference import assert_close, reference
 from ucudnn import Handle, InvalidInput
 from ucudnn.backends.cpu import ALGORITHMS, CpuBackend
-from ucudnn.execute import PreparedConfiguration, run_configuration
+from ucudnn.kernel.run import PreparedConfiguration, run_configuration
 from ucudnn.problem import KINDS, ConvProblem
 from ucudnn.solver.types import Configuration, MicroConfig
 

@@ -4,7 +4,7 @@ import pytest
 
 from ucudnn.errors import InvalidInput
 from ucudnn.memory.graph import from_network, trace
-from ucudnn.networks import layers
+from ucudnn.network.zoo import layers
 
 ZOO = ["alexnet", "vgg16", "resnet18", "resnet50", "resnet152", "densenet40", "googlenet"]
 

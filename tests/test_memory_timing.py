@@ -8,7 +8,7 @@ import pytest
 from ucudnn.devices import PROFILES
 from ucudnn.memory.graph import from_network
 from ucudnn.memory.timing import conv_fronts, kernel_front, step_costs
-from ucudnn.networks import layers
+from ucudnn.network.zoo import layers
 from ucudnn.problem import ConvProblem
 from ucudnn.solver.types import MicroConfig
 

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from ucudnn.errors import InvalidInput
-from ucudnn.networks import (DEFAULT_BATCH, DENSENET40_GROWTH, NETWORKS, Layer, canonical_name,
+from ucudnn.network.zoo import (DEFAULT_BATCH, DENSENET40_GROWTH, NETWORKS, Layer, canonical_name,
                              kernels, layers, unique_problems)
 from ucudnn.problem import KINDS, ConvProblem
 

@@ -7,7 +7,7 @@ import pytest
 
 from ucudnn.cli.main import main
 from ucudnn.errors import InvalidInput, UcudnnError
-from ucudnn.parallel_bench import _work, partition, worker_environments
+from ucudnn.network.parallel import _work, partition, worker_environments
 from ucudnn.problem import ConvProblem
 
 LAYERS = ["--layer", "n=4,c=4,h=10,w=10,k=4,r=3,s=3,pad=1", "--layer", "n=4,c=4,h=6,w=6,k=8,r=1,s=1"]

@@ -15,12 +15,12 @@ import pytest
 
 from ucudnn import Handle
 from ucudnn.backends.cpu import CpuBackend
-from ucudnn.benchmark import device_key
+from ucudnn.kernel.measure import device_key
 from ucudnn.db import Cache
 from ucudnn.errors import UnsupportedProblem
 from ucudnn.handle import PlanFailureWarning
 from ucudnn.problem import ConvProblem
-from ucudnn.selftest import reference
+from ucudnn.reference import reference
 
 ALGOS = ("shift_gemm", "im2col_gemm")
 PROBLEM = ConvProblem.parse("n=8,c=3,h=10,w=10,k=4,r=3,s=3,pad=1")

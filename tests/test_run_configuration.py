@@ -8,7 +8,7 @@ import pytest
 from conv_reference import assert_close, reference
 from ucudnn.backends.cpu import ALGORITHMS, CpuBackend
 from ucudnn.errors import InvalidInput
-from ucudnn.execute import run_configuration
+from ucudnn.kernel.run import run_configuration
 from ucudnn.problem import KINDS, ConvProblem
 from ucudnn.solver.types import Configuration, MicroConfig
 

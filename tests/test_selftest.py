@@ -13,17 +13,15 @@ from ucudnn.backends.base import Backend, DeviceInfo, wall_clock_samples_ms
 from ucudnn.cli.main import main
 from ucudnn.problem import KINDS, ConvProblem
 from ucudnn.solver.types import MicroConfig
-from ucudnn.selftest import (
+from ucudnn.kernel.selftest import (
     ALPHA,
     BETA,
     DEFAULT_PROBLEMS,
     TOLERANCE,
     micro_batches,
-    reference,
-    relative_error,
     run_selftest,
-    to_host_float64,
 )
+from ucudnn.reference import reference, relative_error, to_host_float64
 
 PROBLEMS = [ConvProblem.parse(spec) for spec in DEFAULT_PROBLEMS]
 

@@ -13,9 +13,9 @@ import pytest
 
 from ucudnn.backends.base import reduction_length, verification_tolerance
 from ucudnn.backends.cpu import CpuBackend
-from ucudnn.benchmark import measure_table
+from ucudnn.kernel.measure import measure_table
 from ucudnn.db import Cache
-from ucudnn.optimize import expand_kernels, optimize
+from ucudnn.network.optimize import expand_kernels, optimize
 from ucudnn.problem import KINDS, ConvProblem
 from ucudnn.solver import wr
 

@@ -48,14 +48,14 @@ from typing import Any
 from ucudnn.backends import get_backend
 from ucudnn.backends.base import Backend, one_line
 from ucudnn.backends.cpu import NATIVE
-from ucudnn.benchmark import (BenchStats, Policy, batch_sizes, confirm_faster, device_key, measure_table,
+from ucudnn.kernel.measure import (BenchStats, Policy, batch_sizes, confirm_faster, device_key, measure_table,
                               parse_policy, policy_name)
-from ucudnn.call_overhead import charged_fronts, native_undivided
+from ucudnn.kernel.call_overhead import charged_fronts, native_undivided
 from ucudnn.errors import InvalidInput, UnsupportedProblem
-from ucudnn.execute import PreparedConfiguration
-from ucudnn.optimize import micro_from_json, micro_to_json, pareto_fronts, plan_key, undivided_baseline
+from ucudnn.kernel.run import PreparedConfiguration
+from ucudnn.network.optimize import micro_from_json, micro_to_json, pareto_fronts, plan_key, undivided_baseline
 from ucudnn.problem import KINDS, ConvProblem
-from ucudnn.resources import check_can_run
+from ucudnn.kernel.resources import check_can_run
 from ucudnn.sizes import parse_size
 from ucudnn.solver import pareto, wr
 from ucudnn.solver.types import Configuration, Infeasible, MicroConfig
@@ -341,7 +341,7 @@ class Handle:
         filter tap in bwd_filter) and `winograd` over its 2x2 output tiles; leave them out where
         NaN or Inf must stay where the convolution puts it.
     call_overhead : host time (ms) its caller pays per kernel call for every configuration other
-        than `native` on the whole batch, which the caller runs itself (`ucudnn.call_overhead`).
+        than `native` on the whole batch, which the caller runs itself (`ucudnn.kernel.call_overhead`).
         The plans charge it, so they pick a NumPy algorithm only where it wins by more.
         ``ucudnn.torch`` measures it once per process for the handles it makes on the CPU; 0 (the
         default) charges nothing.

@@ -6,7 +6,7 @@ Prints one line per figure and writes OUT_DIR/figures.json (and each bench repor
 
 - selftest: `run_selftest` on the cudnn backend (float32): checks passed, failed, excluded (wrong
   engines caught by verification, e.g. eng70 bwd_filter on the stride-2 h=9,w=8 problem);
-- deepbench_fwd_float16 / _float32: DeepBench's training set (ucudnn.networks "deepbench"), forward
+- deepbench_fwd_float16 / _float32: DeepBench's training set (ucudnn.network.zoo "deepbench"), forward
   only, each problem at 4x its own batch, WR at 64 MiB per kernel: mean and max speedup over the
   undivided baseline (the paper's V100, float16: 1.60x mean, 4.54x max);
 - alexnet_b256_wr_{8,64,512}MiB: WR plans of AlexNet at batch 256, with each plan executed back to
@@ -50,7 +50,7 @@ def deepbench_forward_kernels(dtype: str, factor: int = 4, limit: int | None = N
     """DeepBench training problems, forward, at `factor` times their own batch, in `dtype`."""
     import dataclasses
 
-    from ucudnn.networks import layers
+    from ucudnn.network.zoo import layers
 
     chosen = layers("deepbench")[:limit]
     return [(layer.name, dataclasses.replace(layer.problem, n=layer.problem.n * factor, kind="fwd", dtype=dtype))
@@ -106,7 +106,7 @@ def back_to_back_ms(work: Callable[[], None], reps: int = 10) -> float:
 
 def execute_report(backend, report) -> dict:
     """A bench report's plan executed back to back (every kernel, every micro-batch) vs its prediction."""
-    from ucudnn.execute import run_configuration
+    from ucudnn.kernel.run import run_configuration
 
     jobs = []
     for k in report.kernels:
@@ -122,7 +122,7 @@ def execute_report(backend, report) -> dict:
 
 
 def bench(backend, kernels, out_dir: Path, name: str, *, cache, reps: int, policy="powerOfTwo", **limits):
-    from ucudnn.optimize import optimize
+    from ucudnn.network.optimize import optimize
 
     report = optimize(backend, kernels, policy=policy, cache=cache, reps=reps, **limits)
     (out_dir / f"{name}.json").write_text(json.dumps(report.to_json(), indent=2))
@@ -152,8 +152,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     from ucudnn.backends.cudnn import CudnnBackend
     from ucudnn.db import Cache
-    from ucudnn.networks import kernels as network_kernels
-    from ucudnn.selftest import run_selftest
+    from ucudnn.network.zoo import kernels as network_kernels
+    from ucudnn.kernel.selftest import run_selftest
 
     backend = CudnnBackend()
     cache = Cache(args.db)

@@ -155,13 +155,13 @@ class Backend(abc.ABC):
 
         Here on the host in NumPy; a device backend overrides it to compute where the data is.
         """
-        from ucudnn.selftest import reference, to_host_float64
+        from ucudnn.reference import reference, to_host_float64
 
         return reference(problem, **{name: to_host_float64(a, problem.dtype) for name, a in inputs.items()})
 
     def result_error(self, problem: ConvProblem, out: Any, trusted: Any) -> float:
         """Normwise relative error of `out` against `trusted_result` (inf for NaN or inf)."""
-        from ucudnn.selftest import relative_error, to_host_float64
+        from ucudnn.reference import relative_error, to_host_float64
 
         return relative_error(to_host_float64(out, problem.dtype), trusted)
 

@@ -697,7 +697,7 @@ class CudnnBackend(Backend):
         """The float64 reference computed on the GPU with CuPy (the same direct summation as NumPy's)."""
         import cupy
 
-        from ucudnn.selftest import reference
+        from ucudnn.reference import reference
 
         with cupy.cuda.Device(self._device_id):
             wide = {name: _widen(cupy, array, problem.dtype).astype(cupy.float64) for name, array in inputs.items()}

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from ucudnn.errors import InvalidInput
-from ucudnn.networks import canonical_name, layers
+from ucudnn.network.zoo import canonical_name, layers
 from ucudnn.problem import ConvProblem
 
 __all__ = ["DTYPE_BYTES", "OP_TYPES", "TENSOR_KINDS", "Op", "Step", "Tensor", "TrainingGraph", "from_network", "trace"]
@@ -470,7 +470,7 @@ _ZOO = {
 
 
 def from_network(name: str, batch: int) -> TrainingGraph:
-    """The training graph of zoo network `name` at `batch`: its convolutions (`ucudnn.networks`) and
+    """The training graph of zoo network `name` at `batch`: its convolutions (`ucudnn.network.zoo`) and
     the layers between them. Max-pools after ReLUs, classifiers (AlexNet/VGG fc6-fc8, the ResNets' and
     GoogLeNet's global average pool and fc), and a softmax cross-entropy loss. ReLUs write in place,
     as in Caffe and torchvision; dropout and LRN are left out (they change

@@ -62,7 +62,7 @@ from torch.autograd.function import once_differentiable
 from ucudnn.backends import get_backend
 from ucudnn.backends.base import one_line
 from ucudnn.backends.cpu import NATIVE, CpuBackend
-from ucudnn.benchmark import interleaved_medians_ms
+from ucudnn.kernel.measure import interleaved_medians_ms
 from ucudnn.errors import BackendUnavailable, InvalidInput, UnsupportedProblem
 from ucudnn.handle import Handle, Kernel, native_only
 from ucudnn.problem import ConvProblem

@@ -97,7 +97,7 @@ from torch import fx, nn
 from torch.utils.checkpoint import checkpoint
 
 from ucudnn.backends.cpu import NATIVE, CpuBackend
-from ucudnn.benchmark import interleaved_medians_ms
+from ucudnn.kernel.measure import interleaved_medians_ms
 from ucudnn.devices import PROFILES, DeviceProfile, load_profile
 from ucudnn.errors import InvalidInput, UnsupportedProblem
 from ucudnn.handle import Handle, native_only

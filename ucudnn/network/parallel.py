@@ -6,7 +6,7 @@ worker measures its units with `measure_table` and stores them in the shared cac
 mode, or PostgreSQL). Then the ordinary `optimize` runs in this process and finds every measurement
 cached, so its report is the one a single worker would give, and no row is measured twice.
 
-Workers are separate interpreters (`python -m ucudnn.parallel_bench`), so each gets its own
+Workers are separate interpreters (`python -m ucudnn.network.parallel`), so each gets its own
 environment before anything is imported: on the `cudnn` backend `CUDA_VISIBLE_DEVICES` names one GPU
 per worker. CPU workers share the machine's cores, so their timings are taken under each other's
 load (the thread settings stay as they are: they are part of the cpu backend's cache key).
@@ -27,7 +27,7 @@ import time
 from collections.abc import Mapping, Sequence
 from queue import Queue
 
-from ucudnn.benchmark import BenchStats, Policy, batch_sizes, device_key, measure_table
+from ucudnn.kernel.measure import BenchStats, Policy, batch_sizes, device_key, measure_table
 from ucudnn.errors import InvalidInput, UcudnnError
 from ucudnn.problem import ConvProblem
 
@@ -83,7 +83,7 @@ def prefill(backend, kernels: Sequence[tuple[str, ConvProblem]], *, workers: int
                 "reps": reps, "workspace_limit": workspace_limit,
                 "units": [[dataclasses.asdict(p), size] for p, size in share]}
         errors = tempfile.TemporaryFile(mode="w+")
-        proc = subprocess.Popen([sys.executable, "-m", "ucudnn.parallel_bench"], stdin=subprocess.PIPE,
+        proc = subprocess.Popen([sys.executable, "-m", "ucudnn.network.parallel"], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=errors, env=envs[i], text=True)
         proc.stdin.write(json.dumps(spec))
         proc.stdin.close()
@@ -116,11 +116,11 @@ def prefill(backend, kernels: Sequence[tuple[str, ConvProblem]], *, workers: int
 
 
 def parallel_optimize(workers: int, db_url: str | None):
-    """`ucudnn.optimize.optimize` with the measuring done first by `workers` processes.
+    """`ucudnn.network.optimize.optimize` with the measuring done first by `workers` processes.
 
     The report is `optimize`'s on the filled cache; its counts say what the workers measured.
     """
-    from ucudnn.optimize import optimize
+    from ucudnn.network.optimize import optimize
 
     def run(backend, kernels, *, policy, workspace_limit=None, total_workspace=None, cache=None, algos=None,
             reps=3, progress=None):

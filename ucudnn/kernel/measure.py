@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from ucudnn.backends.base import Backend
 from ucudnn.errors import InvalidInput
-from ucudnn.execute import run_configuration
+from ucudnn.kernel.run import run_configuration
 from ucudnn.problem import ConvProblem
 from ucudnn.solver.types import Configuration, MicroConfig
 

@@ -22,10 +22,10 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ucudnn.benchmark import Policy, batch_sizes, parse_policy
+from ucudnn.kernel.measure import Policy, batch_sizes, parse_policy
 from ucudnn.devices import PROFILES, DeviceProfile, load_profile
 from ucudnn.errors import InvalidInput
-from ucudnn.networks import canonical_name, kernels
+from ucudnn.network.zoo import canonical_name, kernels
 from ucudnn.problem import ConvProblem
 from ucudnn.solver import cluster, wr
 from ucudnn.solver.types import Infeasible, MicroConfig

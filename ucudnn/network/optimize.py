@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ucudnn.backends.base import NOISY_SPREAD_FRACTION, Backend, is_noisy
-from ucudnn.benchmark import BenchStats, Policy, batch_sizes, device_key, measure_table, policy_name, remeasure
+from ucudnn.kernel.measure import BenchStats, Policy, batch_sizes, device_key, measure_table, policy_name, remeasure
 from ucudnn.errors import InvalidInput
 from ucudnn.problem import KINDS, ConvProblem
 from ucudnn.solver import wr
