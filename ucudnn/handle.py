@@ -53,7 +53,7 @@ from ucudnn.kernel.measure import (BenchStats, Policy, batch_sizes, confirm_fast
 from ucudnn.kernel.call_overhead import charged_fronts, native_undivided
 from ucudnn.errors import InvalidInput, UnsupportedProblem
 from ucudnn.kernel.run import PreparedConfiguration
-from ucudnn.network.optimize import micro_from_json, micro_to_json, pareto_fronts, plan_key, undivided_baseline
+from ucudnn.kernel.plans import micro_from_json, micro_to_json, pareto_fronts, plan_key, undivided_baseline
 from ucudnn.problem import KINDS, ConvProblem
 from ucudnn.kernel.resources import check_can_run
 from ucudnn.sizes import parse_size

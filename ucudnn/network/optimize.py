@@ -3,18 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ucudnn.backends.base import NOISY_SPREAD_FRACTION, Backend, is_noisy
-from ucudnn.kernel.measure import BenchStats, Policy, batch_sizes, device_key, measure_table, policy_name, remeasure
+from ucudnn.kernel.measure import BenchStats, Policy, batch_sizes, measure_table, policy_name, remeasure
+from ucudnn.kernel.plans import micro_to_json, pareto_fronts, undivided_baseline
 from ucudnn.errors import InvalidInput
 from ucudnn.problem import KINDS, ConvProblem
 from ucudnn.solver import wr
-from ucudnn.solver.types import Configuration, Infeasible, MicroConfig
+from ucudnn.solver.types import Configuration, MicroConfig
 
 
 # How a kernel's baseline was chosen (KernelPlan.baseline_rule; `chosen_by` in the JSON).
@@ -44,15 +43,6 @@ def configuration_notation(example: Configuration | None = None) -> str:
             f"sample{'' if first.batch == 1 else 's'} run by the algorithm {first.algo}"
             + (", then the groups after `+`" if " + " in text else "")
             + ", one after another; ms is their sum, workspace the largest (they share one buffer)")
-
-
-def micro_to_json(m: MicroConfig) -> dict:
-    """The JSON form of a micro-config, as in `ucudnn bench --json` and stored plans."""
-    return {"algo": m.algo, "batch": m.batch, "time_ms": m.time, "workspace": m.workspace}
-
-
-def micro_from_json(d: Mapping) -> MicroConfig:
-    return MicroConfig(d["algo"], int(d["batch"]), float(d["time_ms"]), int(d["workspace"]))
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,12 +198,6 @@ def expand_kernels(layers: Sequence[tuple[str, ConvProblem]], batch: int,
     return [(name, problem.with_batch(batch).with_kind(kind)) for name, problem in layers for kind in kinds]
 
 
-def plan_key(backend: Backend, **parts) -> str:
-    """A cache key for a solved plan: a hash of everything the plan was solved from."""
-    text = json.dumps({**device_key(backend), **backend.settings(), **parts}, sort_keys=True, default=str)
-    return hashlib.sha256(text.encode()).hexdigest()
-
-
 def optimize(backend: Backend, kernels: Sequence[tuple[str, ConvProblem]], *, policy: Policy,
              workspace_limit: int | None = None, total_workspace: int | None = None, cache=None,
              algos: Sequence[str] | None = None, reps: int = 3, progress=None) -> Report:
@@ -365,25 +349,6 @@ def _findings(table: Mapping[int, Sequence[MicroConfig]]) -> tuple[tuple[MicroCo
     micros = [m for row in table.values() for m in row]
     return (tuple(m for m in micros if m.reason.startswith("wrong result")),
             tuple(m for m in micros if m.usable and is_noisy(m.time, m.spread)))
-
-
-def undivided_baseline(table: Mapping[int, Sequence[MicroConfig]], batch: int, limit: int | None) -> MicroConfig | None:
-    """cuDNN-style selection: the fastest algorithm at the whole batch within the limit."""
-    return wr.fastest_within({batch: table.get(batch, [])}, limit).get(batch)
-
-
-def pareto_fronts(problems: Sequence[ConvProblem], tables, batch: int, total_workspace: int) -> dict[str, list[Configuration]]:
-    """One front per distinct problem (by key): kernels of the same shape share it."""
-    from ucudnn.solver import pareto
-
-    fronts: dict[str, list[Configuration]] = {}
-    for p in problems:
-        if p.key not in fronts:
-            try:
-                fronts[p.key] = pareto.front(tables[p.key], batch, total_workspace)
-            except Infeasible as exc:
-                raise Infeasible(f"{p.spec} ({p.kind}): {exc}") from exc
-    return fronts
 
 
 def _solve_wd(kernels, fronts, total_workspace: int) -> list[Configuration]:
