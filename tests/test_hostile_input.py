@@ -232,7 +232,8 @@ def test_problems_too_big_for_the_machine_are_refused_first(argv: list[str], wor
 
 
 def test_handle_and_convert_refuse_with_the_bytes_not_a_memory_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    from ucudnn import Handle, resources
+    from ucudnn import Handle
+    from ucudnn.kernel import resources
     from ucudnn.kernel.resources import NotEnoughMemory
 
     handle = Handle(backend="cpu", policy="undivided", reps=1, db="sqlite://")
