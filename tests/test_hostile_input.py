@@ -402,7 +402,7 @@ def test_a_cache_on_a_read_only_mount_is_read(tmp_path: Path, capsys: pytest.Cap
 
 
 def test_installing_torch_keeps_the_numpy_measurements(monkeypatch: pytest.MonkeyPatch) -> None:
-    from ucudnn.backends import cpu
+    from ucudnn.backends.cpu import backend as cpu
     from ucudnn.backends.base import DeviceInfo
     from ucudnn.kernel.measure import measure_table
 

@@ -11,7 +11,7 @@ import torch
 from threadpoolctl import threadpool_info, threadpool_limits
 from torch import nn
 
-from ucudnn.backends import cpu
+from ucudnn.backends.cpu import backend as cpu
 from ucudnn.handle import Handle
 from ucudnn.torch import convert
 

@@ -85,7 +85,7 @@ def back_to_back_ms(work: Callable[[], None], reps: int = 10) -> float:
     import cupy
     import numpy
 
-    from ucudnn.backends.cudnn import _hold_kernel
+    from ucudnn.backends.cuda_timing import _hold_kernel
 
     work()
     cupy.cuda.get_current_stream().synchronize()

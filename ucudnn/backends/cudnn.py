@@ -39,13 +39,19 @@ of an odd-sized tensor) is copied to an aligned buffer first.
 
 Timing: one sample is several launches back to back between two CUDA events, queued behind a
 short spin kernel that holds the stream while the host enqueues them, so the ~50 us of Python per
-launch never sits between kernels (`time_run_ms`).
+launch never sits between kernels (`time_run_ms`; the launch count and the spin kernel are in
+`cuda_timing`, the CuPy dtype handling and blend kernels in `cupy_arrays`).
+
+Why this module stays over 600 lines: it is the one place that touches the cuDNN frontend, and
+tests/test_cudnn_api.py checks that touch by reading this one file (every `cudnn.X`, `graph.X` and
+`*_t.X` against `CUDNN_API_USED`, and every entry used). Declaring graphs, planning, naming engine
+configs and executing plans all call the frontend, so they stay here together; what runs on CuPy
+alone has moved out.
 """
 
 from __future__ import annotations
 
 import collections
-import functools
 import logging
 import math
 import re
@@ -55,6 +61,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from ucudnn.backends.base import Backend, DeviceInfo, one_line
+from ucudnn.backends.cuda_timing import HOST_MS_PER_LAUNCH, MAX_HOLD_MS, _hold_kernel, launches_per_sample
+from ucudnn.backends.cuda_timing import MAX_LAUNCHES_PER_SAMPLE as MAX_LAUNCHES_PER_SAMPLE  # re-exported
+from ucudnn.backends.cuda_timing import SAMPLE_TARGET_MS as SAMPLE_TARGET_MS  # re-exported
+from ucudnn.backends.cupy_arrays import _blend_kernels, _narrow, _storage_dtype, _widen
 from ucudnn.errors import BackendUnavailable, InvalidInput, UnsupportedProblem
 from ucudnn.problem import ConvProblem
 
@@ -88,13 +98,6 @@ ALIGNMENT_BYTES = 16
 # Engine ids below this are cuDNN backend engines; 10_000 and up are the frontend's own C++ and
 # Python engines, which need other runtimes (cudnn/engines/engine_ids.py).
 BACKEND_ENGINE_ID_LIMIT = 10_000
-# Back-to-back timing: launches per sample so that one sample spans about this much kernel time,
-# at most this many; the stream is held for HOST_MS_PER_LAUNCH per launch (capped) while the host
-# queues them.
-SAMPLE_TARGET_MS = 2.0
-MAX_LAUNCHES_PER_SAMPLE = 64
-HOST_MS_PER_LAUNCH = 0.1
-MAX_HOLD_MS = 10.0
 PROMOTED_SUFFIX = "+fp32acc"
 # The knob_type member the heuristics list beside real knobs; it sets nothing and cannot be passed back.
 PLACEHOLDER_KNOB = "NOT_SET"
@@ -286,71 +289,11 @@ class _Lru:
         return len(self._items)
 
 
-def launches_per_sample(single_ms: float) -> int:
-    """Back-to-back launches per timing sample for a kernel that took `single_ms` alone."""
-    if not single_ms > 0:
-        return MAX_LAUNCHES_PER_SAMPLE
-    return max(1, min(MAX_LAUNCHES_PER_SAMPLE, math.ceil(SAMPLE_TARGET_MS / single_ms)))
-
-
 def _release(caches: Sequence[_Lru], cudnn: Any, handle: Any) -> None:
     # Graphs first: they were lowered with this handle.
     for cache in caches:
         cache.clear()
     cudnn.destroy_handle(handle)
-
-
-def _storage_dtype(cupy: Any, dtype: str) -> Any:
-    # CuPy 14 has no bfloat16: such tensors live in uint16 arrays holding the bits, which is all
-    # the frontend reads (it takes raw pointers and the graph's declared type).
-    return {"float32": cupy.float32, "float16": cupy.float16, "float64": cupy.float64,
-            "bfloat16": cupy.uint16}[dtype]
-
-
-def _widen(cupy: Any, array: Any, dtype: str) -> Any:
-    """float32 (float64 for float64) values of an array of `dtype`."""
-    if dtype == "bfloat16":
-        return (array.astype(cupy.uint32) << 16).view(cupy.float32)
-    return array.astype(cupy.float64 if dtype == "float64" else cupy.float32)
-
-
-def _narrow(cupy: Any, values: Any, dtype: str) -> Any:
-    """`values` (float32 or float64) in the storage of `dtype`, rounding to nearest even."""
-    if dtype == "bfloat16":
-        bits = values.astype(cupy.float32).view(cupy.uint32)
-        return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(cupy.uint16)
-    return values.astype(_storage_dtype(cupy, dtype))
-
-
-@functools.cache
-def _blend_kernels() -> tuple[Any, Any]:
-    """(scale, blend) elementwise kernels: out = alpha * tmp, and out = alpha * tmp + beta * out.
-
-    W is the arithmetic type (float32, float64 for float64 data); T the storage type. Scaling is
-    its own kernel so that beta = 0 never reads `out`, which may hold NaN.
-    """
-    import cupy
-
-    scale = cupy.ElementwiseKernel("T tmp, W alpha", "T out", "out = (T)(alpha * (W)tmp)", "ucudnn_scale")
-    blend = cupy.ElementwiseKernel("T tmp, W alpha, W beta", "T out", "out = (T)(alpha * (W)tmp + beta * (W)out)",
-                                   "ucudnn_blend")
-    return scale, blend
-
-
-_HOLD_SOURCE = r"""
-extern "C" __global__ void ucudnn_hold(long long cycles) {
-    long long start = clock64();
-    while (clock64() - start < cycles) { }
-}
-"""
-
-
-@functools.cache
-def _hold_kernel() -> Any:
-    """A one-thread kernel that spins for a number of clock cycles, holding the stream."""
-    import cupy
-
-    return cupy.RawKernel(_HOLD_SOURCE, "ucudnn_hold")
 
 
 class CudnnBackend(Backend):

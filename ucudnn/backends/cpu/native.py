@@ -1,0 +1,60 @@
+"""`native`: PyTorch's own convolution as a launcher, offered only when torch is installed. torch
+allocates its own temporaries, so it has no workspace layout."""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import importlib.util
+
+from ucudnn.backends.cpu.common import _blend
+from ucudnn.problem import ConvProblem
+
+
+@functools.cache
+def _torch_version() -> str | None:
+    """PyTorch's version when it is installed, found without importing it (that takes seconds,
+    which a run served entirely from the cache should not pay)."""
+    if importlib.util.find_spec("torch") is None:
+        return None
+    try:
+        return importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _native_launcher(p: ConvProblem):
+    """`native` as a launcher, its torch call fixed once: aten's convolution and
+    convolution_backward directly (torch.nn.grad's wrappers re-derive their arguments per call),
+    and the result copied into `out` by torch when no scaling is asked for. Operands from NumPy
+    need no gradient, so no autograd graph is built."""
+    import torch
+
+    stride, padding, dilation = [p.stride_h, p.stride_w], [p.pad_h, p.pad_w], [p.dilation_h, p.dilation_w]
+    mask = [p.kind == "bwd_data", p.kind == "bwd_filter", False]
+    backward = torch.ops.aten.convolution_backward
+    x_shape, w_shape = list(p.x_shape), list(p.w_shape)
+
+    def launch(x, w, dy, out, workspace, alpha, beta):
+        if p.kind == "fwd":
+            result = torch.conv2d(torch.from_numpy(x), torch.from_numpy(w), None, stride, padding, dilation, p.groups)
+        elif p.kind == "bwd_data":
+            tdy = torch.from_numpy(dy)
+            result = backward(tdy, _shaped(tdy, x_shape), torch.from_numpy(w), None, stride, padding, dilation, False,
+                              [0, 0], p.groups, mask)[0]
+        else:
+            tdy = torch.from_numpy(dy)
+            result = backward(tdy, torch.from_numpy(x), _shaped(tdy, w_shape), None, stride, padding, dilation, False,
+                              [0, 0], p.groups, mask)[1]
+        if alpha == 1.0 and beta == 0.0:
+            torch.from_numpy(out).copy_(result)
+        else:
+            _blend(out, result.contiguous().numpy(), alpha, beta)
+
+    return launch
+
+
+def _shaped(like, shape):
+    """A tensor of `shape` holding one element (a stride-0 view), as torch.nn.grad passes the operand
+    whose gradient is not asked for: convolution_backward reads only its shape."""
+    return like.new_empty(1).expand(shape)
