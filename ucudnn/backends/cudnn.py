@@ -42,7 +42,7 @@ short spin kernel that holds the stream while the host enqueues them, so the ~50
 launch never sits between kernels (`time_run_ms`; the launch count and the spin kernel are in
 `cuda_timing`, the CuPy dtype handling and blend kernels in `cupy_arrays`).
 
-Why this module stays over 600 lines: it is the one place that touches the cuDNN frontend, and
+One module because it is the one place that touches the cuDNN frontend, and
 tests/test_cudnn_api.py checks that touch by reading this one file (every `cudnn.X`, `graph.X` and
 `*_t.X` against `CUDNN_API_USED`, and every entry used). Declaring graphs, planning, naming engine
 configs and executing plans all call the frontend, so they stay here together; what runs on CuPy
