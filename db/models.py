@@ -17,7 +17,7 @@ from sqlalchemy import (BigInteger, DateTime, Double, ForeignKey, Integer, Strin
                         UniqueConstraint)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-# Bump when a table or column changes, and add a step to `ucudnn.db.cache._MIGRATIONS` that
+# Bump when a table or column changes, and add a step to `ucudnn.db.schema._MIGRATIONS` that
 # takes a cache of the previous version to this one.
 SCHEMA_VERSION = 1
 SCHEMA_VERSION_KEY = "schema_version"

@@ -3,7 +3,7 @@
 The export is one JSON object per line: a header, then every measurement with its full key, then
 every plan, each in key order, so the same cache always exports to the same bytes (apart from
 the header's `exported_at`). A measurement that could not run has `"time_ms": null` and its
-reason. Import merges by `MERGE_RULE` (see `ucudnn.db.cache`).
+reason. Import merges by `MERGE_RULE` (see `ucudnn.db.merge`).
 """
 
 from __future__ import annotations
@@ -22,8 +22,10 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import IO, Any
 
-from ucudnn.db.cache import (SQLITE_HEADER, Cache, MeasurementRecord, MergeReport, PlanRecord,
-                             _kind_of, _now, _plan_json)
+from ucudnn.db.cache import Cache
+from ucudnn.db.merge import MeasurementRecord, MergeReport, PlanRecord
+from ucudnn.db.opening import SQLITE_HEADER
+from ucudnn.db.rows import _kind_of, _now, _plan_json
 from ucudnn.db.models import SCHEMA_VERSION
 from ucudnn.errors import DatabaseError, InvalidInput
 

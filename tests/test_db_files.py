@@ -18,7 +18,7 @@ from sqlalchemy import create_engine, text
 
 from ucudnn.cli.main import main
 from ucudnn.db import SCHEMA_VERSION, Cache
-from ucudnn.db import cache as cache_module
+from ucudnn.db import schema as cache_module
 from ucudnn.errors import DatabaseError
 from ucudnn.solver.types import MicroConfig
 
