@@ -30,6 +30,8 @@ configuration (like cudnnGet*Algorithm); `choices()` lists every planned kernel 
 configuration, baseline and (WD) segment; `stats` says how much benchmarking it took.
 
 A Handle is not thread-safe (neither is a cuDNN handle): give each thread its own.
+
+This module is the Handle's surface, tying together the package's parts (its mixins and helpers).
 """
 
 from __future__ import annotations
