@@ -1,0 +1,52 @@
+"""Where a kernel's workspace lives: WD segments placed aligned and disjoint in one arena, WR's one
+shared buffer grown to the largest kernel, or a memory plan's budget taken for one run."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from ucudnn.handle.kernel import _Prepared, native_only
+from ucudnn.solver.types import Configuration
+
+# WD segments start at multiples of this: cuDNN wants aligned workspace pointers, and on the CPU an
+# aligned start keeps float views of a segment on cache-line (and SIMD) boundaries.
+SEGMENT_ALIGN_BYTES = 256
+
+
+def _align_up(nbytes: int) -> int:
+    return -(-nbytes // SEGMENT_ALIGN_BYTES) * SEGMENT_ALIGN_BYTES
+
+
+def _place_segments(configs: Sequence[Configuration]) -> tuple[list[int], int]:
+    """Aligned, disjoint arena offsets for the kernels' workspaces, and the bytes they span."""
+    offsets, end = [], 0
+    for config in configs:
+        if config.workspace == 0:
+            offsets.append(0)  # an empty segment; it overlaps nothing
+            continue
+        start = _align_up(end)
+        offsets.append(start)
+        end = start + config.workspace
+    return offsets, end
+
+
+class _Workspaces:
+    """The Handle's workspace for each run (a mixin of `Handle`, whose buffer and arena it holds)."""
+
+    def _workspace(self, prep: _Prepared) -> Any:
+        need = prep.config.workspace
+        if native_only(prep.config):  # torch allocates its own temporaries: its declared size is an estimate
+            return self._backend.empty_workspace(0)
+        if prep.budget is not None:  # a plan's budget: held for this run only, as the plan counted it
+            return self._backend.empty_workspace(need)
+        if prep.offset is not None:
+            if self._arena is None:  # freed by close(); the plans still hold
+                self._arena = self._backend.empty_workspace(self._total_workspace)
+            return self._arena[prep.offset:prep.offset + need]
+        if self._buffer is None or need > self._buffer_bytes:
+            self._buffer = None  # release the old buffer before taking the larger one
+            self._buffer = self._backend.empty_workspace(need)
+            self._buffer_bytes = need
+            self._peak_bytes = max(self._peak_bytes, need)
+        return self._buffer[:need]

@@ -1,0 +1,515 @@
+"""`Handle`: what a framework holds instead of a cuDNN handle.
+
+A `Handle` runs the three convolution kernels (`conv_forward`, `conv_backward_data`,
+`conv_backward_filter`) on NumPy arrays (CuPy on a GPU). The first time it sees a kernel it
+measures the candidate algorithms at the micro-batch sizes of its policy (through the
+measurement cache), solves for the fastest configuration within its workspace budget, stores the
+plan in the cache, and from then on runs that plan.
+
+Two budgets, as in the paper:
+
+- **WR** (``workspace_limit=M``, or no limit at all): each kernel independently gets the fastest
+  configuration whose workspace is at most ``M`` (`wr.solve`). Kernels run one after another, so
+  they reuse *one* workspace buffer: it is allocated for the first kernel and grown (never shrunk)
+  when a later kernel needs more. ``peak_workspace`` is its size, at most ``M``.
+- **WD** (``total_workspace=W``): one arena of ``W`` bytes (a single `empty_workspace` buffer) is
+  divided among all kernels of the network: each kernel owns a segment (a slice of the arena)
+  whose size the network-wide program `wd.solve` chose over each kernel's Pareto front. The
+  framework first *announces* its layers with `register` (``ucudnn.torch.announce`` does it
+  with one recording forward pass); the first real convolution then solves the whole network at
+  once. A layer that is first seen after that solve (or one whose shape changed) is registered
+  on the fly, with a `LateRegistrationWarning`, and the next convolution re-solves the network.
+  ``peak_workspace`` is the number of arena bytes assigned to segments, at most ``W``.
+
+Plans are keyed per mini-batch size: the last, smaller batch of an epoch gets its own plan (in
+WD, a plan of the same registered layers at that batch). Layers with the same shape share their
+measurements and (in WR) their plans, in memory and in the database.
+
+`prepare(kind, x_shape, w_shape, ...)` plans a kernel without running it and returns its
+configuration (like cudnnGet*Algorithm); `choices()` lists every planned kernel with its
+configuration, baseline and (WD) segment; `stats` says how much benchmarking it took.
+
+A Handle is not thread-safe (neither is a cuDNN handle): give each thread its own.
+
+This module is the Handle's surface, tying together the package's parts (its mixins and helpers).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ucudnn.backends import get_backend
+from ucudnn.backends.base import Backend
+from ucudnn.errors import InvalidInput
+from ucudnn.handle.arena import _Workspaces
+from ucudnn.handle.arguments import (_Pair, _check_groups, _contiguous, _dtype_name, _infer_w_shape, _infer_x_shape,
+                                     _output, _pair, _same_dtype, _shape4)
+from ucudnn.handle.kernel import Kernel, _Launching, _Prepared, _prepared
+from ucudnn.handle.planning import _Plan, _Planning
+from ucudnn.handle.replan import _Recovery
+from ucudnn.handle.trials import _Trials
+from ucudnn.kernel.call_overhead import charged_fronts
+from ucudnn.kernel.measure import BenchStats, Policy, parse_policy, policy_name
+from ucudnn.problem import KINDS, ConvProblem
+from ucudnn.sizes import parse_size
+from ucudnn.solver import pareto
+from ucudnn.solver.types import Configuration, Infeasible, MicroConfig
+
+
+class LateRegistrationWarning(UserWarning):
+    """A WD layer was announced after the network was solved; the network is solved again."""
+
+
+@dataclass(frozen=True, slots=True)
+class KernelChoice:
+    """One planned kernel: what runs for `layer`'s `kind` kernel at mini-batch `batch`.
+
+    `baseline` is plain cuDNN-style selection (the fastest algorithm at the whole batch within the
+    same limit: ``M`` in WR, an equal share ``W / K`` in WD), or None when nothing fits undivided.
+    `offset` is the byte offset of the kernel's segment in the WD arena (None in WR); the segment
+    is ``arena[offset : offset + config.workspace]``.
+    """
+
+    layer: str
+    kind: str
+    batch: int
+    problem: ConvProblem
+    config: Configuration
+    baseline: MicroConfig | None
+    offset: int | None
+
+    @property
+    def micro_batched(self) -> bool:
+        """Whether the plan runs the mini-batch as more than one micro-batch."""
+        return len(self.config.micros) > 1
+
+
+class Handle(_Planning, _Trials, _Recovery, _Workspaces, _Launching):
+    """Runs convolution kernels with micro-batched, workspace-bounded configurations.
+
+    Parameters (all keyword-only)
+    ----------
+    backend : "auto" (cudnn when usable, else cpu), "cpu", "cudnn", or a `Backend` instance.
+    policy : micro-batch sizes to measure: "powerOfTwo" (default), "all", "undivided", a string
+        such as "1,4,16", or a tuple of sizes.
+    workspace_limit : WR limit ``M`` per kernel, bytes or a size string ("64MiB"); None = no limit.
+    total_workspace : WD budget ``W`` for the whole network, bytes or a size string. Give at most
+        one of the two limits.
+    db : where measurements and plans persist: None for the default cache (``$UCUDNN_DB`` or the
+        user cache folder), a SQLAlchemy URL or SQLite file path, ":memory:" / "sqlite://" for a
+        database that lives as long as the handle, or False for no database at all.
+    reps : timed runs per measurement (the median is kept).
+    algos : restrict the candidate algorithms (default: every algorithm of the backend). On the
+        cpu backend, `fft` spreads a non-finite input value over the whole sample (over every
+        filter tap in bwd_filter) and `winograd` over its 2x2 output tiles; leave them out where
+        NaN or Inf must stay where the convolution puts it.
+    call_overhead : host time (ms) its caller pays per kernel call for every configuration other
+        than `native` on the whole batch, which the caller runs itself (`ucudnn.kernel.call_overhead`).
+        The plans charge it, so they pick a NumPy algorithm only where it wins by more.
+        ``ucudnn.torch`` measures it once per process for the handles it makes on the CPU; 0 (the
+        default) charges nothing.
+    trial_runs : for callers that run kernels inside a larger step (``ucudnn.torch`` on the CPU):
+        a kernel planned as anything but `native` on the whole batch alternates with native for
+        its first ``2 * (trial_runs + 1)`` runs, timed where they run (the first of each untimed),
+        and keeps native for good unless the plan's median beats native's by more than
+        `call_overhead` (a kernel measured alone can win there and lose inside a step, where
+        caches and thread pools are shared). 0 (the default): no trials.
+    """
+
+    def __init__(self, *, backend: str | Backend = "auto", policy: Policy = "powerOfTwo",
+                 workspace_limit: int | str | None = None, total_workspace: int | str | None = None,
+                 db: str | bool | None = None, reps: int = 3, algos: Sequence[str] | None = None,
+                 call_overhead: float = 0.0, trial_runs: int = 0) -> None:
+        self._options = {"backend": backend, "policy": policy, "workspace_limit": workspace_limit,
+                         "total_workspace": total_workspace, "db": db, "reps": reps,
+                         "algos": tuple(algos) if algos is not None else None, "call_overhead": call_overhead,
+                         "trial_runs": trial_runs}
+        if workspace_limit is not None and total_workspace is not None:
+            raise InvalidInput("give workspace_limit (WR, per kernel) or total_workspace (WD, per network), not both")
+        self._workspace_limit = None if workspace_limit is None else parse_size(workspace_limit)
+        self._total_workspace = None if total_workspace is None else parse_size(total_workspace)
+        if isinstance(policy, str):
+            self._policy: Policy = parse_policy(policy)
+        elif isinstance(policy, tuple) and policy and all(isinstance(s, int) and s >= 1 for s in policy):
+            self._policy = tuple(sorted(set(policy)))
+        else:
+            raise InvalidInput(f"policy must be a policy name or a tuple of positive sizes, got {policy!r}")
+        if not isinstance(reps, int) or isinstance(reps, bool) or reps < 1:
+            raise InvalidInput(f"reps must be a positive integer, got {reps!r}")
+        self._reps = reps
+        if (isinstance(call_overhead, bool) or not isinstance(call_overhead, (int, float))
+                or not math.isfinite(call_overhead) or call_overhead < 0):
+            raise InvalidInput(f"call_overhead must be a finite number of milliseconds >= 0, got {call_overhead!r}")
+        self._call_overhead = float(call_overhead)
+        if isinstance(trial_runs, bool) or not isinstance(trial_runs, int) or trial_runs < 0:
+            raise InvalidInput(f"trial_runs must be a non-negative integer, got {trial_runs!r}")
+        self._trial_runs = trial_runs
+        if db is True or not (db is None or db is False or isinstance(db, str) or hasattr(db, "__fspath__")):
+            raise InvalidInput(f"db must be None (default cache), a URL or path, ':memory:', or False; got {db!r}")
+        self._db = db
+        if isinstance(backend, str):
+            self._backend = get_backend(backend)
+        elif isinstance(backend, Backend):
+            self._backend = backend
+        else:
+            raise InvalidInput(f"backend must be a backend name or a Backend instance, got {backend!r}")
+        self._algos = self._options["algos"]
+        if self._algos is not None and not self._algos:
+            raise InvalidInput("algos must name at least one algorithm (or be None for all)")
+
+        self._cache: Any = None           # opened on first use
+        self._cache_open = False
+        self._stats = BenchStats()
+        # call signature -> what to run; WD re-solves clear it
+        self._prepared: dict[tuple, _Prepared] = {}
+        self._generation = 0  # bumped whenever _prepared is dropped: Kernel objects made before are stale
+        # WR: (problem.key, batch, limit) -> plan; one workspace buffer shared by every kernel
+        self._wr_plans: dict[tuple[str, int, int | None], _Plan] = {}
+        self._wr_seen: dict[tuple[str, str, int], ConvProblem] = {}
+        self._buffer: Any = None
+        self._buffer_bytes = 0
+        # called with +bytes and -bytes around a run whose workspace is held for that run only (a
+        # plan's budget); set by `ucudnn.torch.tracker.StepTracker` while it counts
+        self.workspace_listener: Any = None
+        # WD: layer -> (fwd problem at any batch, kinds); batch -> (layer, kind) -> plan; one arena
+        self._layers: dict[str, tuple[ConvProblem, frozenset[str]]] = {}
+        self._wd_plans: dict[int, dict[tuple[str, str], tuple[ConvProblem, _Plan]]] = {}
+        self._wd_solved = False
+        self._arena: Any = None
+        self._peak_bytes = 0
+        # Recovery from planned algorithms that cannot run (see _run): failures recorded this
+        # session ((problem key, algo, batch) -> unusable MicroConfig), and whether the one warning
+        # was given.
+        self._failed: dict[tuple[str, str, int], MicroConfig] = {}
+        self._warned_failure = False
+
+    # ---- introspection ------------------------------------------------------------------
+    @property
+    def backend(self) -> Backend:
+        return self._backend
+
+    @property
+    def mode(self) -> str:
+        """"WD" with a total workspace, else "WR"."""
+        return "WD" if self._total_workspace is not None else "WR"
+
+    @property
+    def workspace_limit(self) -> int | None:
+        return self._workspace_limit
+
+    @property
+    def total_workspace(self) -> int | None:
+        return self._total_workspace
+
+    @property
+    def policy(self) -> Policy:
+        return self._policy
+
+    @property
+    def call_overhead(self) -> float:
+        """Host time (ms) charged per kernel call to every plan but native undivided (0: none)."""
+        return self._call_overhead
+
+    @property
+    def peak_workspace(self) -> int:
+        """Most workspace bytes held at once: WR, the shared buffer; WD, the arena bytes in segments."""
+        return self._peak_bytes
+
+    @property
+    def workspace_bytes(self) -> int:
+        """Workspace bytes the handle holds now (its WR buffer and its WD arena), for memory accounting."""
+        return (self._buffer_bytes if self._buffer is not None else 0) + \
+            (int(self._arena.nbytes) if self._arena is not None else 0)
+
+    @property
+    def arena(self) -> Any:
+        """The WD arena (one buffer of `total_workspace` bytes, allocated at the first solve), else None."""
+        return self._arena
+
+    @property
+    def generation(self) -> int:
+        """Changes whenever prepared kernels become stale (a WD re-solve); see `Kernel`."""
+        return self._generation
+
+    @property
+    def wd_solved(self) -> bool:
+        """WD: whether the workspace division has been solved (layers announced later re-solve it)."""
+        return self._wd_solved
+
+    @property
+    def stats(self) -> BenchStats:
+        """Benchmark work so far: micro-configs measured, taken from the cache, and seconds spent."""
+        return self._stats
+
+    @property
+    def layers(self) -> dict[str, tuple[ConvProblem, frozenset[str]]]:
+        """WD registry: layer -> (its forward problem, the kinds announced). A copy."""
+        return dict(self._layers)
+
+    def choices(self) -> list[KernelChoice]:
+        """Every kernel planned so far (WR: those that ran; WD: every registered kernel per solved batch)."""
+        out: list[KernelChoice] = []
+        if self.mode == "WR":
+            for (layer, kind, batch), problem in self._wr_seen.items():
+                plan = self._wr_plans[problem.key, batch, self._workspace_limit]
+                out.append(KernelChoice(layer, kind, batch, problem, plan.config, plan.baseline, None))
+        else:
+            for batch, plans in self._wd_plans.items():
+                for (layer, kind), (problem, plan) in plans.items():
+                    out.append(KernelChoice(layer, kind, batch, problem, plan.config, plan.baseline, plan.offset))
+        return out
+
+    def __repr__(self) -> str:
+        limit = (f"workspace_limit={self._workspace_limit}" if self.mode == "WR"
+                 else f"total_workspace={self._total_workspace}")
+        return (f"Handle(backend={self._backend.name!r}, mode={self.mode}, {limit}, "
+                f"policy={policy_name(self._policy)!r})")
+
+    # ---- lifetime -----------------------------------------------------------------------
+    def close(self) -> None:
+        """Close the database connection and free the workspace; plans made so far are kept in memory."""
+        if self._cache is not None:
+            self._cache.close()
+        self._cache = None
+        self._cache_open = False
+        self._buffer = None
+        self._buffer_bytes = 0
+        self._arena = None
+
+    def __enter__(self) -> Handle:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __reduce__(self):
+        # A copy (pickle, copy.deepcopy of a model) is a fresh handle with the same options: the
+        # database connection and the workspace cannot travel, and plans come back from the DB.
+        return (_rebuild_handle, (self._options,))
+
+    # ---- announcing layers (WD) -----------------------------------------------------------
+    def register(self, layer: str, problem: ConvProblem, *, kinds: Iterable[str] = KINDS) -> None:
+        """Announce that `layer` runs `problem`'s convolution with these kernel kinds.
+
+        `problem` describes the layer's geometry; its `kind` and batch `n` are ignored (plans are
+        solved per batch as batches arrive). In WD, announce every layer before the first
+        convolution: that convolution solves the network. Announcing a new layer, a new kind or a
+        new shape for a known layer after a solve warns (`LateRegistrationWarning`) and makes the
+        next convolution solve again. In WR, kernels are planned independently and this only
+        checks its arguments.
+        """
+        if not isinstance(layer, str) or not layer:
+            raise InvalidInput(f"layer must be a non-empty string, got {layer!r}")
+        if not isinstance(problem, ConvProblem):
+            raise InvalidInput(f"problem must be a ConvProblem, got {type(problem).__name__}")
+        kinds = frozenset(kinds)
+        unknown = kinds - set(KINDS)
+        if not kinds or unknown:
+            raise InvalidInput(f"kinds must be a non-empty subset of {', '.join(KINDS)}, got {sorted(kinds)}")
+        if self.mode == "WR":
+            return
+        self._register(layer, problem.with_kind("fwd"), kinds, stacklevel=3)
+
+    def _register(self, layer: str, template: ConvProblem, kinds: frozenset[str], stacklevel: int) -> None:
+        known = self._layers.get(layer)
+        if known is not None and known[0].key == template.key:
+            if kinds <= known[1]:
+                return
+            kinds = kinds | known[1]
+            what = f"kernel kind(s) {', '.join(sorted(kinds - known[1]))} of layer {layer!r}"
+        elif known is not None:
+            what = f"a new shape for layer {layer!r} ({template.spec}, was {known[0].spec})"
+        else:
+            what = f"layer {layer!r}"
+        self._layers[layer] = (template, kinds)
+        if self._wd_solved:
+            warnings.warn(LateRegistrationWarning(
+                f"ucudnn WD: {what} was announced after the workspace division was solved; the network "
+                f"({len(self._layers)} layers) is solved again. Announce every layer before the first "
+                "convolution (Handle.register, or ucudnn.torch.announce)."), stacklevel=stacklevel)
+            self._wd_plans.clear()
+            self._prepared.clear()
+            self._generation += 1
+
+
+    # ---- the three kernels --------------------------------------------------------------
+    def conv_forward(self, x: Any, w: Any, *, stride: _Pair = 1, padding: _Pair = 0, dilation: _Pair = 1,
+                     groups: int = 1, alpha: float = 1.0, beta: float = 0.0, out: Any = None,
+                     layer: str | None = None) -> Any:
+        """y = alpha * conv2d(x, w) + beta * out, for x (n, c, h, w) and w (k, c/groups, r, s).
+
+        Without `out`, a new y is allocated and returned (`beta` must then be 0). With `out` (a
+        contiguous array of y's shape and dtype), the result is written into it and `out` is
+        returned. `layer` names the layer (WD gives each layer's kernels their own segment; None
+        uses the shape as the name, so layers of one shape share a segment).
+        """
+        xs, ws = _shape4("x", x), _shape4("w", w)
+        _same_dtype(x, w)
+        prep = self._lookup("fwd", layer, xs, ws, stride, padding, dilation, groups, _dtype_name(x.dtype))
+        out = _output(out, prep, beta, x, x=x, w=w)
+        self._run(prep, x=_contiguous(x), w=_contiguous(w), out=out, alpha=alpha, beta=beta)
+        return out
+
+    def conv_backward_data(self, dy: Any, w: Any, *, x_shape: Sequence[int] | None = None, stride: _Pair = 1,
+                           padding: _Pair = 0, dilation: _Pair = 1, groups: int = 1, alpha: float = 1.0,
+                           beta: float = 0.0, out: Any = None, layer: str | None = None) -> Any:
+        """dx = alpha * (gradient of conv2d w.r.t. its input, given dy) + beta * out.
+
+        The input shape comes from `x_shape`, or from `out`'s shape; without either it is inferred
+        where that is unambiguous (stride 1 on both axes). The rest is as in `conv_forward`.
+        """
+        dys, ws = _shape4("dy", dy), _shape4("w", w)
+        _same_dtype(dy, w)
+        if x_shape is None:
+            x_shape = out.shape if out is not None else _infer_x_shape(dys, ws, stride, padding, dilation, groups)
+        prep = self._lookup("bwd_data", layer, _shape4("x_shape", x_shape), ws, stride, padding, dilation, groups,
+                            _dtype_name(dy.dtype))
+        if dys != prep.problem.y_shape:
+            raise InvalidInput(f"dy has shape {dys}, but the convolution of an input {prep.problem.x_shape} with "
+                               f"w {ws} writes {prep.problem.y_shape}")
+        out = _output(out, prep, beta, dy, dy=dy, w=w)
+        self._run(prep, dy=_contiguous(dy), w=_contiguous(w), out=out, alpha=alpha, beta=beta)
+        return out
+
+    def conv_backward_filter(self, x: Any, dy: Any, *, w_shape: Sequence[int] | None = None, stride: _Pair = 1,
+                             padding: _Pair = 0, dilation: _Pair = 1, groups: int = 1, alpha: float = 1.0,
+                             beta: float = 0.0, out: Any = None, layer: str | None = None) -> Any:
+        """dw = alpha * (gradient of conv2d w.r.t. its filter, given x and dy) + beta * out.
+
+        The filter shape comes from `w_shape`, or from `out`'s shape; without either it is inferred
+        where that is unambiguous (stride 1 on both axes). Micro-batch gradients are summed into
+        the result. The rest is as in `conv_forward`.
+        """
+        xs, dys = _shape4("x", x), _shape4("dy", dy)
+        _same_dtype(x, dy)
+        if w_shape is None:
+            w_shape = out.shape if out is not None else _infer_w_shape(xs, dys, stride, padding, dilation, groups)
+        prep = self._lookup("bwd_filter", layer, xs, _shape4("w_shape", w_shape), stride, padding, dilation, groups,
+                            _dtype_name(x.dtype))
+        if dys != prep.problem.y_shape:
+            raise InvalidInput(f"dy has shape {dys}, but the convolution of x {xs} with a filter "
+                               f"{prep.problem.w_shape} writes {prep.problem.y_shape}")
+        out = _output(out, prep, beta, x, x=x, dy=dy)
+        self._run(prep, x=_contiguous(x), dy=_contiguous(dy), out=out, alpha=alpha, beta=beta)
+        return out
+
+    def prepare(self, kind: str, x_shape: Sequence[int], w_shape: Sequence[int], *, stride: _Pair = 1,
+                padding: _Pair = 0, dilation: _Pair = 1, groups: int = 1, dtype: str = "float32",
+                layer: str | None = None) -> Configuration:
+        """Plan a kernel now (measuring and solving if needed) and return the configuration it runs.
+
+        The arguments describe the convolution as the kernel calls do: `x_shape` (n, c, h, w) and
+        `w_shape` (k, c/groups, r, s) for every kind. The call that follows with the same arguments
+        runs exactly this configuration; like cudnnGet*Algorithm, this lets a framework plan during
+        setup, or inspect the plan. (WD: the first `prepare` solves the network, as a convolution
+        would.) The workspace is taken when the kernel first runs through the handle.
+        """
+        if kind not in KINDS:
+            raise InvalidInput(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
+        return self._lookup(kind, layer, _shape4("x_shape", x_shape), _shape4("w_shape", w_shape), stride, padding,
+                            dilation, groups, str(dtype)).config
+
+    def kernel(self, kind: str, x_shape: Sequence[int], w_shape: Sequence[int], *, stride: _Pair = 1,
+               padding: _Pair = 0, dilation: _Pair = 1, groups: int = 1, dtype: str = "float32",
+               layout: str = "NCHW", layer: str | None = None, budget: int | None = None) -> Kernel:
+        """`prepare`, returning the planned kernel itself, ready to run without a lookup.
+
+        For frameworks that call one layer's kernels many times (``ucudnn.torch`` holds one per
+        layer and shape): `Kernel.run` skips the per-call lookup and checks, and `layout`
+        ("NHWC": channels-last operands, logical NCHW shapes) and `dtype` (say "bfloat16", whose
+        arrays hold raw 16-bit words) describe operands whose array dtype does not say it.
+
+        `budget` (bytes): a memory plan's workspace for this kernel. The kernel then runs the
+        fastest configuration within it (and within the handle's own WR limit), WR-style in either
+        mode, and takes its workspace for each run rather than from the handle's shared buffer or
+        arena: the plan counted that memory at this kernel's step only.
+        """
+        if kind not in KINDS:
+            raise InvalidInput(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 0):
+            raise InvalidInput(f"budget must be a non-negative number of bytes or None, got {budget!r}")
+        prep = self._lookup(kind, layer, _shape4("x_shape", x_shape), _shape4("w_shape", w_shape), stride, padding,
+                            dilation, groups, str(dtype), layout, budget)
+        return Kernel(self, prep, self._generation)
+
+    def front(self, problem: ConvProblem) -> list[Configuration]:
+        """The kernel's options as its caller pays for them: the Pareto front of time against
+        workspace (ascending workspace, strictly descending time) within the handle's limit (WR's
+        per kernel, WD's total), measuring what the cache lacks. With a `call_overhead`, each
+        configuration but native undivided carries the charge in its time. A memory planner picks
+        one of these per kernel as its budget (`kernel(..., budget=...)` then runs it)."""
+        limit = self._workspace_limit if self.mode == "WR" else self._total_workspace
+        table = self._measure(problem, limit)
+        try:
+            front = pareto.front(table, problem.n, limit)
+        except Infeasible as exc:
+            raise Infeasible(f"{problem.spec} ({problem.kind}): {exc}") from exc
+        if not self._call_overhead:
+            return front
+        charged, _ = charged_fronts({problem.key: front}, {problem.key: table}, problem.n, limit, self._call_overhead)
+        # the charge can make a member dominated (native undivided, uncharged, may now beat it)
+        kept: list[Configuration] = []
+        for config in sorted(charged[problem.key], key=lambda c: (c.workspace, c.time)):
+            if not kept or config.time < kept[-1].time:
+                kept.append(config)
+        return kept
+
+    def _lookup(self, kind: str, layer: str | None, x_shape: tuple[int, ...], w_shape: tuple[int, ...], stride: _Pair,
+                padding: _Pair, dilation: _Pair, groups: int, dtype: str, layout: str = "NCHW",
+                budget: int | None = None) -> _Prepared:
+        """What to run for this call: a dict hit on repeated calls, else the problem is built and planned."""
+        signature = (kind, layer, x_shape, w_shape, stride, padding, dilation, groups, dtype, layout, budget)
+        try:
+            prep = self._prepared.get(signature)
+        except TypeError:  # an unhashable argument (a list for stride, ...): normalised below
+            prep = None
+        if prep is not None:
+            return prep
+        stride, padding, dilation = (_pair("stride", stride, 1), _pair("padding", padding, 0),
+                                     _pair("dilation", dilation, 1))
+        _check_groups(groups, x_shape[1], w_shape)
+        n, c, h, w = x_shape
+        problem = ConvProblem(kind=kind, n=n, c=c, h=h, w=w, k=w_shape[0], r=w_shape[2], s=w_shape[3],
+                              pad_h=padding[0], pad_w=padding[1], stride_h=stride[0], stride_w=stride[1],
+                              dilation_h=dilation[0], dilation_w=dilation[1], groups=groups, dtype=dtype,
+                              layout=layout)
+        prep = self._prepare(layer, problem, budget)
+        try:
+            self._prepared[signature] = prep
+        except TypeError:
+            pass
+        # the normalised spelling too, so that equal calls spelled differently hit the same entry
+        self._prepared[(kind, layer, x_shape, w_shape, stride, padding, dilation, groups, dtype, layout, budget)] = prep
+        return prep
+
+
+    # ---- planning -----------------------------------------------------------------------
+    def _prepare(self, layer: str | None, problem: ConvProblem, budget: int | None = None) -> _Prepared:
+        if layer is not None and (not isinstance(layer, str) or not layer):
+            raise InvalidInput(f"layer must be a non-empty string or None, got {layer!r}")
+        name = layer if layer is not None else problem.with_kind("fwd").key
+        if budget is not None:
+            prep = _prepared(self._backend, problem, self._plan_wr(problem, budget=budget).config, None, budget)
+            return self._with_trial(prep, self._wr_limit(budget))
+        if self.mode == "WR":
+            plan = self._plan_wr(problem)
+            self._wr_seen.setdefault((name, problem.kind, problem.n), problem)
+            prep = self._with_trial(_prepared(self._backend, problem, plan.config, None), self._wr_limit(None))
+        else:
+            self._register(name, problem.with_kind("fwd"), frozenset({problem.kind}), stacklevel=5)
+            plans = self._wd_plans.get(problem.n)
+            if plans is None:
+                plans = self._solve_wd(problem.n)
+            _, plan = plans[name, problem.kind]
+            # a trial's native run needs no segment (torch allocates for itself): within the total
+            prep = _prepared(self._backend, problem, plan.config, plan.offset)
+            prep = self._with_trial(prep, self._total_workspace)
+        return prep
+
+
+def _rebuild_handle(options: dict) -> Handle:
+    return Handle(**options)

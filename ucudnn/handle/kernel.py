@@ -1,0 +1,118 @@
+"""The prepared kernel: what a repeated call runs, made once, and its launch. This is the hot path
+(`Kernel.run` per layer per step), so it holds only records and the few steps every run takes; the
+first run's checks, re-plans and trials branch off to their own modules."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from ucudnn.backends.base import Backend
+from ucudnn.backends.cpu import NATIVE
+from ucudnn.kernel.run import PreparedConfiguration
+from ucudnn.problem import ConvProblem
+from ucudnn.solver.types import Configuration
+
+
+@dataclass(frozen=True, slots=True)
+class _Prepared:
+    """What a repeated call needs, looked up by the call's shapes and parameters alone."""
+
+    problem: ConvProblem
+    config: Configuration
+    offset: int | None  # WD segment offset; None in WR (the shared buffer)
+    kernels: PreparedConfiguration  # micro-batch problems, rows and launchers, made once
+    out_shape: tuple[int, int, int, int]  # problem.out_shape, which is derived per access
+    budget: int | None = None  # planned within a caller's budget: its workspace is taken per run
+    trial: _Trial | None = None  # timed against native undivided where it runs, for its first runs
+
+
+@dataclass(slots=True)
+class _Trial:
+    """A planned kernel against torch's own convolution on the whole batch, timed where the caller
+    runs it (inside its training step, where caches and thread pools are as they really are):
+    the two take turns for the first runs, then the faster stays (`Handle(trial_runs=...)`)."""
+
+    planned: _Prepared
+    native: _Prepared
+    runs: int                       # timed runs of each
+    calls: int = 0
+    planned_ms: list[float] = dataclasses.field(default_factory=list)
+    native_ms: list[float] = dataclasses.field(default_factory=list)
+
+    @property
+    def open(self) -> bool:
+        return len(self.native_ms) < self.runs
+
+
+def native_only(config: Configuration) -> bool:
+    """`native` on the whole batch: torch's own convolution, which a torch caller can run itself."""
+    return len(config.micros) == 1 and config.micros[0].algo == NATIVE
+
+
+def _prepared(backend: Backend, problem: ConvProblem, config: Configuration, offset: int | None,
+              budget: int | None = None) -> _Prepared:
+    return _Prepared(problem, config, offset, PreparedConfiguration(backend, problem, config), problem.out_shape,
+                     budget)
+
+
+class Kernel:
+    """One planned kernel, prepared to run again and again without a lookup (`Handle.kernel`).
+
+    `run` takes operands of exactly the shapes, dtype and layout it was made for (the first run
+    checks them in the backend; later runs only launch). It is valid while `handle.generation`
+    equals `generation`: a WD re-solve moves segments and makes older kernels stale.
+    """
+
+    __slots__ = ("_handle", "_prep", "generation")
+
+    def __init__(self, handle: _Launching, prep: _Prepared, generation: int) -> None:
+        self._handle, self._prep, self.generation = handle, prep, generation
+
+    @property
+    def problem(self) -> ConvProblem:
+        return self._prep.problem
+
+    @property
+    def config(self) -> Configuration:
+        return self._prep.config
+
+    def run(self, *, x: Any = None, w: Any = None, dy: Any = None, out: Any, alpha: float = 1.0,
+            beta: float = 0.0) -> None:
+        """out = alpha * kernel(...) + beta * out, with the handle's workspace."""
+        self._handle._run(self._prep, x=x, w=w, dy=dy, out=out, alpha=alpha, beta=beta)
+
+
+class _Launching:
+    """The Handle's launch of a prepared kernel (a mixin of `Handle`, whose state it reads)."""
+
+    def _run_kernels(self, prep: _Prepared, **operands: Any) -> None:
+        workspace = self._workspace(prep)
+        # a budget's workspace lives for this run only: a memory tracker (`workspace_listener`) hears of it
+        # (torch's own convolution takes none from us: `_workspace`)
+        held = prep.config.workspace if prep.budget is not None and self.workspace_listener is not None \
+            and not native_only(prep.config) else 0
+        if held:
+            self.workspace_listener(held)
+        try:
+            prep.kernels.run(workspace=workspace, **operands)
+        finally:
+            if held:
+                self.workspace_listener(-held)
+
+    def _run(self, prep: _Prepared, *, x: Any = None, w: Any = None, dy: Any = None, out: Any,
+             alpha: float, beta: float) -> None:
+        trial = prep.trial
+        if trial is not None and trial.open:
+            self._run_trial(prep, trial, x=x, w=w, dy=dy, out=out, alpha=alpha, beta=beta)
+            return
+        if not prep.kernels.checked:  # its first run: a configuration that cannot run is re-planned
+            self._run_first(prep, x=x, w=w, dy=dy, out=out, alpha=alpha, beta=beta)
+            return
+        try:
+            self._run_kernels(prep, x=x, w=w, dy=dy, out=out, alpha=alpha, beta=beta)
+        except self._candidate_failures() as exc:
+            if beta != 0:  # out already holds part of the blend: no way back to the caller's values
+                raise
+            self._run_first(self._replan(prep, exc), x=x, w=w, dy=dy, out=out, alpha=alpha, beta=beta)

@@ -1,0 +1,179 @@
+"""Planning a kernel: measuring its candidates (through the cache), then solving WR (each kernel the
+fastest within its limit, memoised) or WD (the whole network's division of one arena), loading a
+stored plan where the cache has one."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from ucudnn.errors import InvalidInput
+from ucudnn.handle.arena import _place_segments
+from ucudnn.kernel.call_overhead import charged_fronts, native_undivided
+from ucudnn.kernel.measure import batch_sizes, confirm_faster, measure_table, policy_name
+from ucudnn.kernel.plans import micro_from_json, micro_to_json, pareto_fronts, plan_key, undivided_baseline
+from ucudnn.kernel.resources import check_can_run
+from ucudnn.problem import ConvProblem
+from ucudnn.solver import wr
+from ucudnn.solver.types import Configuration, Infeasible, MicroConfig
+
+# Databases spelled as "keep nothing across processes": mapped to SQLAlchemy's in-memory SQLite.
+_IN_MEMORY_DB = (":memory:", "sqlite://", "sqlite:///:memory:")
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """A kernel's solved configuration, its baseline and (WD) its arena offset."""
+
+    config: Configuration
+    baseline: MicroConfig | None
+    offset: int | None = None
+
+
+def _config_from_dict(items: Iterable[dict]) -> Configuration:
+    return Configuration(tuple(micro_from_json(d) for d in items))
+
+
+class _Planning:
+    """The Handle's planning (a mixin of `Handle`, whose plans and cache it keeps)."""
+
+    def _candidates(self, problem: ConvProblem) -> list[str]:
+        if self._algos is None:
+            return self._backend.algorithms(problem)
+        known = self._backend.algorithms(problem)
+        unknown = [a for a in self._algos if a not in known]
+        if unknown:
+            raise InvalidInput(f"unknown algorithm(s) {', '.join(unknown)} for backend {self._backend.name} "
+                               f"({problem.kind}); known: {', '.join(known)}")
+        return list(self._algos)
+
+    def _open_cache(self):
+        if not self._cache_open:
+            self._cache_open = True
+            if self._db is not False:
+                from ucudnn.db import Cache
+                url = self._db
+                if isinstance(url, str) and url in _IN_MEMORY_DB:
+                    url = "sqlite://"
+                elif url is not None:
+                    url = str(url)
+                self._cache = Cache(url)
+        return self._cache
+
+    def _measure(self, problem: ConvProblem, limit: int | None) -> dict[int, list[MicroConfig]]:
+        check_can_run(self._backend, problem, algos=self._candidates(problem), workspace_limit=limit)
+        table, stats = measure_table(self._backend, problem, batch_sizes(self._policy, problem.n),
+                                     cache=self._open_cache(), algos=self._candidates(problem), reps=self._reps,
+                                     workspace_limit=limit)
+        self._stats += stats
+        if self._failed:  # algorithms that failed in a plan this session, also without a cache
+            table = {size: [self._failed.get((problem.key, m.algo, size), m) for m in row]
+                     for size, row in table.items()}
+        return table
+
+    def _plan_key(self, **parts) -> str:
+        if self._call_overhead:  # charged plans differ; uncharged ones keep their old keys
+            parts["call_overhead_ms"] = round(self._call_overhead, 3)
+        return plan_key(self._backend, policy=policy_name(self._policy), algos=self._algos, **parts)
+
+    def _wr_limit(self, budget: int | None) -> int | None:
+        """The limit a WR plan is solved within: the handle's own, or a memory plan's `budget` capped
+        by it (a WD handle has none: the plan's budgets are what replace its division)."""
+        if budget is None:
+            return self._workspace_limit
+        return budget if self._workspace_limit is None else min(self._workspace_limit, budget)
+
+    def _plan_wr(self, problem: ConvProblem, fresh: bool = False, budget: int | None = None) -> _Plan:
+        """WR: the fastest configuration within `_wr_limit(budget)`."""
+        limit = self._wr_limit(budget)
+        memo = (problem.key, problem.n, limit)
+        plan = self._wr_plans.get(memo)
+        if plan is not None:
+            return plan
+        key = self._plan_key(mode="WR", workspace_limit=limit, problem=problem.key, batch=problem.n)
+        cache = self._open_cache()
+        stored = cache.get_plan(key) if cache is not None and not fresh else None
+        if stored is not None:
+            plan = _Plan(_config_from_dict(stored["config"]),
+                         micro_from_json(stored["baseline"]) if stored.get("baseline") else None)
+        else:
+            table = self._measure(problem, limit)
+            try:
+                config = wr.solve(table, problem.n, limit)
+            except Infeasible as exc:
+                raise Infeasible(f"{problem.spec} ({problem.kind}): {exc}") from exc
+            baseline = undivided_baseline(table, problem.n, limit)
+            native = native_undivided(table, problem.n, limit) if self._call_overhead else None
+            if native is None or native.micros != (baseline,):
+                config = confirm_faster(self._backend, problem, config, baseline, self._reps)
+            if native is not None:  # the caller runs native undivided itself: others must win by the charge
+                config = confirm_faster(self._backend, problem, config, native.micros[0], self._reps,
+                                        charge_ms=self._call_overhead)
+            plan = _Plan(config, baseline)
+            if cache is not None:
+                cache.put_plan(key, {"mode": "WR", "problem": problem.key, "batch": problem.n,
+                                     "config": [micro_to_json(m) for m in config.micros],
+                                     "baseline": micro_to_json(baseline) if baseline else None})
+        self._wr_plans[memo] = plan
+        return plan
+
+    def _solve_wd(self, batch: int, fresh: bool = False) -> dict[tuple[str, str], tuple[ConvProblem, _Plan]]:
+        """Solve (or load) the workspace division of every registered kernel at this batch."""
+        total = self._total_workspace
+        assert total is not None
+        # A canonical kernel order, so that networks with the same multiset of kernels share a plan.
+        kernels = sorted(((layer, kind, template.with_batch(batch).with_kind(kind))
+                          for layer, (template, kinds) in self._layers.items() for kind in kinds),
+                         key=lambda t: (t[2].key, t[0]))
+        problem_keys = [p.key for _, _, p in kernels]
+        key = self._plan_key(mode="WD", total_workspace=total, batch=batch, kernels=problem_keys)
+        cache = self._open_cache()
+        stored = cache.get_plan(key) if cache is not None and not fresh else None
+        if stored is not None and len(stored.get("kernels", ())) == len(kernels):
+            configs = [_config_from_dict(k["config"]) for k in stored["kernels"]]
+            baselines = [micro_from_json(k["baseline"]) if k.get("baseline") else None for k in stored["kernels"]]
+            offsets, end = _place_segments(configs)
+        else:
+            configs, baselines, offsets, end = self._solve_wd_fresh([p for _, _, p in kernels], total)
+            if cache is not None:
+                cache.put_plan(key, {"mode": "WD", "total_workspace": total, "batch": batch, "kernels": [
+                    {"problem": p, "config": [micro_to_json(m) for m in c.micros],
+                     "baseline": micro_to_json(b) if b else None}
+                    for p, c, b in zip(problem_keys, configs, baselines, strict=True)]})
+        if end > total:  # only a corrupt stored plan gets here; a fresh solve places within the total
+            raise Infeasible(f"the stored WD plan needs {end} B of arena, over the total {total} B")
+        if self._arena is None:
+            self._arena = self._backend.empty_workspace(total)
+        self._peak_bytes = max(self._peak_bytes, end)
+        plans = {(layer, kind): (p, _Plan(c, b, o))
+                 for (layer, kind, p), c, b, o in zip(kernels, configs, baselines, offsets, strict=True)}
+        self._wd_plans[batch] = plans
+        self._wd_solved = True
+        return plans
+
+    def _solve_wd_fresh(self, problems: list[ConvProblem], total: int):
+        from ucudnn.solver import wd
+
+        batch = problems[0].n
+        tables: dict[str, dict[int, list[MicroConfig]]] = {}
+        for p in problems:
+            if p.key not in tables:
+                tables[p.key] = self._measure(p, total)
+        fronts = pareto_fronts(problems, tables, batch, total)
+        originals: dict[int, Configuration] = {}
+        if self._call_overhead:
+            fronts, originals = charged_fronts(fronts, tables, batch, total, self._call_overhead)
+        share = total // len(problems)  # the baseline: an equal share, what a framework without WD gives
+        baselines = [undivided_baseline(tables[p.key], batch, share) for p in problems]
+        # Aligning segment starts can push the placed span past the total by up to K * align bytes;
+        # solve again with the overshoot taken off the budget until the placement fits.
+        budget = total
+        while True:
+            chosen = wd.solve({i: fronts[p.key] for i, p in enumerate(problems)}, budget)
+            configs = [originals.get(id(chosen[i]), chosen[i]) for i in range(len(problems))]
+            offsets, end = _place_segments(configs)
+            if end <= total:
+                return configs, baselines, offsets, end
+            budget -= end - total
+            if budget < 0:
+                raise Infeasible(f"aligned WD segments do not fit the total workspace {total} B")

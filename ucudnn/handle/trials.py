@@ -1,0 +1,54 @@
+"""In-step trials: a kernel measured alone can win against torch's own convolution and lose inside a
+training step, where caches and thread pools are shared; so a planned kernel takes turns with native
+where the caller runs it, and the faster stays."""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from typing import Any
+
+from ucudnn.backends.cpu import NATIVE
+from ucudnn.handle.kernel import _Prepared, _prepared, _Trial, native_only
+from ucudnn.solver.types import Configuration, MicroConfig
+
+
+class _Trials:
+    """The Handle's trials (a mixin of `Handle`; `Handle(trial_runs=...)` asks for them)."""
+
+    def _with_trial(self, prep: _Prepared, limit: int | None) -> _Prepared:
+        """`prep` with a trial against native undivided, where trials are asked for and native can
+        run this problem within `limit` (the trial runs it)."""
+        problem = prep.problem
+        if (not self._trial_runs or native_only(prep.config) or NATIVE not in self._candidates(problem)
+                or self._backend.unsupported_reason(problem, NATIVE) is not None):
+            return prep
+        workspace = self._backend.workspace_size(problem, NATIVE)
+        if limit is not None and workspace > limit:
+            return prep
+        native = _prepared(self._backend, problem, Configuration((MicroConfig(NATIVE, problem.n, 0.0, workspace),)),
+                           None, prep.budget)
+        return dataclasses.replace(prep, trial=_Trial(prep, native, self._trial_runs))
+
+    def _run_trial(self, prep: _Prepared, trial: _Trial, **call: Any) -> None:
+        """One run of a trial (see `trial_runs`): the plan and native take turns, the first run of
+        each untimed (it is checked, and may re-plan); at the end native replaces the plan unless
+        the plan's median won by more than the call overhead."""
+        native = trial.calls % 2 == 1
+        trial.calls += 1
+        start = time.perf_counter()
+        self._run(trial.native if native else trial.planned, **call)
+        if trial.calls <= 2:
+            return
+        (trial.native_ms if native else trial.planned_ms).append((time.perf_counter() - start) * 1e3)
+        if not trial.open and statistics.median(trial.planned_ms) + self._call_overhead >= \
+                statistics.median(trial.native_ms):
+            self._switch(prep, trial.native)
+
+    def _switch(self, old: _Prepared, new: _Prepared) -> None:
+        """Every call planned as `old` runs `new` from now on; kernels made before are stale."""
+        for signature, prep in list(self._prepared.items()):
+            if prep is old:
+                self._prepared[signature] = new
+        self._generation += 1
