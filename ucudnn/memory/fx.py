@@ -13,6 +13,7 @@ import contextlib
 import operator
 
 from ucudnn.errors import UnsupportedProblem
+from ucudnn.memory.ops import Op, OpBuilder
 from ucudnn.problem import ConvProblem
 
 
@@ -56,8 +57,6 @@ def _trace(model, example_input) -> list:
     from torch.nn import functional as F
     from torch.fx.passes.shape_prop import ShapeProp
 
-    from ucudnn.memory.graph import _builder_for_fx
-
     try:
         gm = fx.symbolic_trace(model)
     except Exception as exc:  # fx raises many kinds (TraceError, TypeError on data-dependent control flow)
@@ -74,7 +73,7 @@ def _trace(model, example_input) -> list:
         except Exception:  # noqa: BLE001 - any failure of the fake pass: the real one decides
             ShapeProp(gm).propagate(example_input)
     modules = dict(gm.named_modules())
-    b = _builder_for_fx(int(example_input.shape[0]))
+    b = OpBuilder(int(example_input.shape[0]))
     names: dict[str, str] = {}  # fx node -> the op holding its value (a no-op node maps to its input)
     last = None
 
@@ -165,6 +164,4 @@ def _trace(model, example_input) -> list:
 
 
 def _view(b, name: str, x: str, shape: tuple[int, ...]):
-    from ucudnn.memory.graph import Op
-
     return Op(name, "view", (x,), shape, inplace=True)

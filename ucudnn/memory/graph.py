@@ -27,20 +27,18 @@ the fx node that produces it, as ``layer1_0_conv1``).
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
 from ucudnn.errors import InvalidInput
+from ucudnn.memory.fx import trace_model
+from ucudnn.memory.ops import DTYPE_BYTES, OP_TYPES, Op, OpBuilder
 from ucudnn.network.zoo import canonical_name, layers
-from ucudnn.problem import ConvProblem
 
 __all__ = ["DTYPE_BYTES", "OP_TYPES", "TENSOR_KINDS", "Op", "Step", "Tensor", "TrainingGraph", "from_network", "trace"]
 
-OP_TYPES = ("input", "conv", "relu", "pool", "batchnorm", "linear", "add", "concat", "view", "loss", "other")
 TENSOR_KINDS = ("feature", "gradient", "weight", "weight_grad")
-DTYPE_BYTES = 4  # float32 throughout: the zoo and the measurements are float32
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,28 +51,6 @@ class Tensor:
     producer: str | None          # the op that writes it (forward for features, backward for gradients)
     storage: str                  # the feature map owning its memory (itself unless written in place)
     shape: tuple[int, ...] = ()
-
-
-@dataclass(frozen=True, slots=True)
-class Op:
-    """One operation. `inputs` are feature-map names; its own feature map is named `name`."""
-
-    name: str
-    type: str                     # one of OP_TYPES
-    inputs: tuple[str, ...]
-    shape: tuple[int, ...]        # of its output feature map
-    inplace: bool = False         # writes into inputs[0]'s storage
-    saves: tuple[str, ...] = ()   # feature maps its backward step reads
-    flops: float = 0.0            # forward arithmetic (the backward step counts twice this)
-    bytes_moved: float = 0.0      # forward device-memory traffic (the backward step counts twice)
-    weight_bytes: int = 0
-    conv: ConvProblem | None = None  # the forward problem of a conv
-    module: str = ""              # traced from PyTorch: the qualified name of the module it calls
-    measured_ms: float | None = None  # its forward pass timed on the planned device, where it was
-
-    @property
-    def bytes(self) -> int:
-        return DTYPE_BYTES * math.prod(self.shape)
 
 
 @dataclass(frozen=True, slots=True)
@@ -265,115 +241,8 @@ class TrainingGraph:
         """The ops whose forward steps write `storage`: its owner, then in-place writers, in order."""
         return tuple(op for op in self.ops if self._storage[op.name] == storage)
 
-
-# ---- costs of the ops between convolutions ---------------------------------------------------------
-def _elements(shape: Sequence[int]) -> int:
-    return math.prod(shape)
-
-
-class _Builder:
-    """Appends ops with their shapes, flops and traffic; convolutions come from the zoo's layer list."""
-
-    def __init__(self, batch: int, zoo: Iterable | None = None) -> None:
-        self.batch = batch
-        self.ops: list[Op] = []
-        self.shapes: dict[str, tuple[int, ...]] = {}
-        self.zoo = {layer.name: layer.problem for layer in zoo} if zoo is not None else {}
-
-    def _add(self, op: Op) -> str:
-        self.ops.append(op)
-        self.shapes[op.name] = op.shape
-        return op.name
-
-    def input(self, name: str, shape: tuple[int, ...]) -> str:
-        return self._add(Op(name, "input", (), shape))
-
-    def conv(self, name: str, x: str, problem: ConvProblem | None = None, module: str = "") -> str:
-        p = problem if problem is not None else self.zoo[name]
-        if p.x_shape != self.shapes[x]:
-            raise AssertionError(f"{name}: input {self.shapes[x]} is not the zoo's {p.x_shape}")
-        weight = DTYPE_BYTES * math.prod(p.w_shape)
-        traffic = DTYPE_BYTES * (_elements(p.x_shape) + _elements(p.y_shape)) + weight
-        return self._add(Op(name, "conv", (x,), p.y_shape, saves=(x,), flops=p.flops, bytes_moved=traffic,
-                            weight_bytes=weight, conv=p.with_kind("fwd"), module=module))
-
-    def relu(self, name: str, x: str, inplace: bool = True) -> str:
-        shape = self.shapes[x]
-        return self._add(Op(name, "relu", (x,), shape, inplace=inplace, saves=(name,), flops=_elements(shape),
-                            bytes_moved=2 * DTYPE_BYTES * _elements(shape)))
-
-    def other(self, name: str, inputs: tuple[str, ...], inplace: bool = False,
-              shape: tuple[int, ...] | None = None) -> str:
-        """An elementwise-costed op; its output has `shape` (fx knows it: a reduction such as
-        ``mean`` shrinks it), else its first input's."""
-        shape = self.shapes[inputs[0]] if shape is None or inplace else shape
-        moved = sum(_elements(self.shapes[i]) for i in inputs) + _elements(shape)
-        return self._add(Op(name, "other", inputs, shape, inplace=inplace, saves=inputs,
-                            flops=max(_elements(shape), _elements(self.shapes[inputs[0]])),
-                            bytes_moved=DTYPE_BYTES * moved))
-
-    def batchnorm(self, name: str, x: str) -> str:
-        shape = self.shapes[x]
-        return self._add(Op(name, "batchnorm", (x,), shape, saves=(x,), flops=8 * _elements(shape),
-                            bytes_moved=3 * DTYPE_BYTES * _elements(shape), weight_bytes=2 * DTYPE_BYTES * shape[1]))
-
-    def pool(self, name: str, x: str, shape: tuple[int, ...], window: int, kind: str = "max") -> str:
-        saves = (x, name) if kind == "max" else ()
-        return self._add(Op(name, "pool", (x,), shape, saves=saves, flops=window * window * _elements(shape),
-                            bytes_moved=DTYPE_BYTES * (_elements(self.shapes[x]) + _elements(shape))))
-
-    def pooled(self, name: str, x: str, kernel: int, stride: int, pad: int = 0, *, ceil: bool = False,
-               kind: str = "max") -> str:
-        n, c, h, w = self.shapes[x]
-
-        def size(v: int) -> int:
-            span = v + 2 * pad - kernel
-            out = (math.ceil(span / stride) if ceil else span // stride) + 1
-            # PyTorch and Caffe both drop a last window that starts inside the right padding
-            if ceil and (out - 1) * stride >= v + pad:
-                out -= 1
-            return out
-
-        return self.pool(name, x, (n, c, size(h), size(w)), kernel, kind)
-
-    def global_pool(self, name: str, x: str) -> str:
-        n, c, h, w = self.shapes[x]
-        return self.pool(name, x, (n, c, 1, 1), h, kind="avg")
-
-    def flatten(self, name: str, x: str) -> str:
-        shape = self.shapes[x]
-        return self._add(Op(name, "view", (x,), (shape[0], _elements(shape[1:])), inplace=True))
-
-    def linear(self, name: str, x: str, out_features: int) -> str:
-        *lead, in_features = self.shapes[x]  # nn.Linear maps the last dimension; the others are batch
-        n = math.prod(lead)
-        weight = DTYPE_BYTES * (in_features * out_features + out_features)
-        return self._add(Op(name, "linear", (x,), (*lead, out_features), saves=(x,),
-                            flops=2 * n * in_features * out_features,
-                            bytes_moved=DTYPE_BYTES * n * (in_features + out_features) + weight, weight_bytes=weight))
-
-    def add(self, name: str, a: str, b: str, inplace: bool = True) -> str:
-        shape = self.shapes[a]
-        if self.shapes[b] != shape:
-            raise AssertionError(f"{name}: adding {shape} and {self.shapes[b]}")
-        return self._add(Op(name, "add", (a, b), shape, inplace=inplace, flops=_elements(shape),
-                            bytes_moved=3 * DTYPE_BYTES * _elements(shape)))
-
-    def concat(self, name: str, inputs: Sequence[str]) -> str:
-        shapes = [self.shapes[i] for i in inputs]
-        n, _, h, w = shapes[0]
-        shape = (n, sum(s[1] for s in shapes), h, w)
-        return self._add(Op(name, "concat", tuple(inputs), shape, bytes_moved=2 * DTYPE_BYTES * _elements(shape)))
-
-    def loss(self, *xs: str, name: str = "loss") -> str:
-        """The loss over the network's outputs (a model may return several, e.g. auxiliary heads)."""
-        elements = sum(_elements(self.shapes[x]) for x in xs)
-        return self._add(Op(name, "loss", xs, (1,), saves=xs, flops=5 * elements,
-                            bytes_moved=2 * DTYPE_BYTES * elements))
-
-
 # ---- the zoo's networks with their layers between convolutions --------------------------------------
-def _alexnet(b: _Builder) -> None:
+def _alexnet(b: OpBuilder) -> None:
     x = b.input("input", (b.batch, 3, 227, 227))
     x = b.pooled("pool1", b.relu("relu1", b.conv("conv1", x)), 3, 2)
     x = b.pooled("pool2", b.relu("relu2", b.conv("conv2", x)), 3, 2)
@@ -385,7 +254,7 @@ def _alexnet(b: _Builder) -> None:
     b.loss(b.linear("fc8", x, 1000))
 
 
-def _vgg16(b: _Builder) -> None:
+def _vgg16(b: OpBuilder) -> None:
     x = b.input("input", (b.batch, 3, 224, 224))
     for stage, count in enumerate((2, 2, 3, 3, 3), start=1):
         for i in range(1, count + 1):
@@ -396,7 +265,7 @@ def _vgg16(b: _Builder) -> None:
     b.loss(b.linear("fc8", x, 1000))
 
 
-def _resnet(b: _Builder, blocks: Sequence[int], bottleneck: bool) -> None:
+def _resnet(b: OpBuilder, blocks: Sequence[int], bottleneck: bool) -> None:
     x = b.input("input", (b.batch, 3, 224, 224))
     x = b.relu("relu", b.batchnorm("bn1", b.conv("conv1", x)))
     x = b.pooled("maxpool", x, 3, 2, 1)
@@ -417,7 +286,7 @@ def _resnet(b: _Builder, blocks: Sequence[int], bottleneck: bool) -> None:
     b.loss(b.linear("fc", x, 1000))
 
 
-def _densenet40(b: _Builder) -> None:
+def _densenet40(b: OpBuilder) -> None:
     x = b.input("input", (b.batch, 3, 32, 32))
     x = b.conv("conv0", x)
     for block in range(1, 4):
@@ -435,7 +304,7 @@ def _densenet40(b: _Builder) -> None:
     b.loss(b.linear("fc", x, 10))
 
 
-def _googlenet(b: _Builder) -> None:
+def _googlenet(b: OpBuilder) -> None:
     x = b.input("input", (b.batch, 3, 224, 224))
     x = b.pooled("pool1", b.relu("conv1.relu", b.conv("conv1", x)), 3, 2, ceil=True)
     x = b.relu("conv2.3x3_reduce.relu", b.conv("conv2.3x3_reduce", x))
@@ -481,7 +350,7 @@ def from_network(name: str, batch: int) -> TrainingGraph:
         raise InvalidInput(f"network {name!r} has no training graph; choose one of {', '.join(_ZOO)}")
     if not isinstance(batch, int) or isinstance(batch, bool) or batch < 1:
         raise InvalidInput(f"batch must be a positive integer, got {batch!r}")
-    builder = _Builder(batch, layers(canonical, batch))
+    builder = OpBuilder(batch, layers(canonical, batch))
     _ZOO[canonical](builder)
     built = {op.name for op in builder.ops if op.type == "conv"}
     missing = sorted(set(builder.zoo) - built)
@@ -493,13 +362,6 @@ def from_network(name: str, batch: int) -> TrainingGraph:
 def trace(model, example_input, *, name: str | None = None) -> TrainingGraph:
     """The training graph of a PyTorch model, traced with `torch.fx` on `example_input` (its batch is
     the graph's batch). A feature map is named after the fx node that produces it."""
-    from ucudnn.memory.fx import trace_model
-
     ops = trace_model(model, example_input)
     return TrainingGraph(name or type(model).__name__, int(example_input.shape[0]), tuple(ops))
-
-
-def _builder_for_fx(batch: int) -> _Builder:
-    """The op constructors `ucudnn.memory.fx` uses (one place computes shapes, flops and traffic)."""
-    return _Builder(batch)
 
