@@ -253,7 +253,7 @@ def test_empty_batch_returns_what_nn_conv2d_returns():
 def test_out_of_memory_in_torchs_allocator_reaches_the_handle_as_a_memory_error(monkeypatch):
     # On CUDA, CuPy allocates from torch's caching allocator, whose OutOfMemoryError is a RuntimeError:
     # the handle took it for a lasting failure and recorded the planned algorithm unusable in the cache.
-    from ucudnn.torch import conv as conv_module
+    from ucudnn.torch import launch as conv_module
 
     def empty(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")

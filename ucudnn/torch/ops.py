@@ -30,37 +30,34 @@ from __future__ import annotations
 import itertools
 import weakref
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from ucudnn.errors import InvalidInput
-# conv imports this module last: no cycle at import time
-from ucudnn.torch.conv import _launch, _memory_format, _out_size
-
-if TYPE_CHECKING:
-    from ucudnn.torch.conv import Conv2d
+from ucudnn.torch.launch import _launch, _memory_format, _out_size
 
 __all__ = ["conv2d", "conv2d_backward_data", "conv2d_backward_filter", "layer_key", "register_layer"]
 
+# Layers are ucudnn.torch.Conv2d, named here by their base class: conv imports this module, not the reverse.
 _LAYERS: dict[int, weakref.ref] = {}
 _KEYS = itertools.count(1)
 
 
-def register_layer(conv: Conv2d) -> int:
+def register_layer(conv: nn.Conv2d) -> int:
     """A new key for `conv`, valid until the module is collected."""
     key = next(_KEYS)
     _LAYERS[key] = weakref.ref(conv, lambda _, key=key: _LAYERS.pop(key, None))
     return key
 
 
-def layer_key(conv: Conv2d) -> int:
+def layer_key(conv: nn.Conv2d) -> int:
     """The key the operators name `conv` by."""
     return conv._key
 
 
-def _layer(key: int) -> Conv2d:
+def _layer(key: int) -> nn.Conv2d:
     ref = _LAYERS.get(key)
     conv = ref() if ref is not None else None
     if conv is None:
@@ -90,7 +87,8 @@ def _y_shape(x_shape, w_shape, stride, padding, dilation) -> list:
     return shape
 
 
-def _route(conv: Conv2d, x: torch.Tensor, weight: torch.Tensor, padding, layout: str, need_dx: bool, need_dw: bool):
+def _route(conv: nn.Conv2d, x: torch.Tensor, weight: torch.Tensor, padding, layout: str, need_dx: bool,
+           need_dw: bool):
     # the route cache is eager mode's: a shape planned in one mode runs prepared in the other
     return conv._planned(x, weight, tuple(padding), layout, need_dx, need_dw)
 
