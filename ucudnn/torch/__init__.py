@@ -2,14 +2,17 @@
 memory plans in training: `plan_memory(model, example_input, ...)` and `execute_plan(model, plan)`.
 
 Submodules: `conv` (the drop-in), `ops` (its kernels as torch.library operators, for torch.compile
-and torch.export), `memory` (plans in training), `zoo` (torchvision-shaped models written by hand),
+and torch.export), `launch` (a planned kernel run on torch tensors), `planning` (`plan_memory`),
+`memory` (running a plan in training: `execute_plan`), `offload` (its host copies and saved-tensor
+hooks), `recompute` (its checkpoint segments), `zoo` (torchvision-shaped models written by hand),
 `distributed` (uneven batches), `tracker` (a step's memory counted from live storages), `check` (a
 plan's predictions against one real step: `check_plan`), `graph_model` (a training graph as a PyTorch
 model). This package imports torch; ``import ucudnn`` does not import it.
 """
 
 from ucudnn.torch.conv import Conv2d, announce, convert
-from ucudnn.torch.memory import ExecutionStats, execute_plan, measure_profile, plan_memory
+from ucudnn.torch.memory import ExecutionStats, execute_plan
+from ucudnn.torch.planning import measure_profile, plan_memory
 from ucudnn.torch import zoo
 from ucudnn.torch.check import PlanCheck, check_plan
 from ucudnn.torch.tracker import StepTracker

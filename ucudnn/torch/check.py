@@ -160,7 +160,7 @@ def check_network(network: str, batch: int, *, memory_limit: int | None = None, 
     this machine (`plan_memory` with the example input on `device`: "cuda" where a GPU is at hand,
     else the CPU) and run, with random inputs and labels."""
     from ucudnn.memory.graph import from_network
-    from ucudnn.torch.memory import plan_memory
+    from ucudnn.torch.planning import plan_memory
     from ucudnn.torch.graph_model import model_of
 
     graph = from_network(network, batch)

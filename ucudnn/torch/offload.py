@@ -1,0 +1,284 @@
+"""Offloading saved feature maps to the host and prefetching them back ahead of the backward pass: pooled host
+buffers, the copy streams, and the saved-tensor hooks with which a plan's executor (`ucudnn.torch.memory`)
+copies a tensor out and back.
+
+**Offload.** `pack` copies the tensor into a pooled host buffer (pinned memory on CUDA; reused from
+step to step, see `_HostBuffers`) on a dedicated device-to-host stream, records an event, and keeps
+the device tensor referenced until the forward pass has run the last node that reads its storage;
+then the compute stream waits for the copy's event and the reference goes, so that the caching
+allocator gives the memory to the compute stream's next allocations, ordered after the copy (nothing
+waits on the host; polling the event instead would free nothing while the host runs ahead of the
+GPU, which it does by up to a whole forward pass). One storage saved by several ops (a ReLU's
+output, saved by the ReLU and by the next conv) is copied once.
+Each offloaded tensor's *use* is the last node (in forward order) that saved it: the first to need it
+in the backward pass. **Prefetch.** A backward hook on every node's output fires just before that
+node's backward step; at node i it issues the host-to-device copies of every offloaded tensor used at
+i or later that is not issued yet, and of the `prefetch_ahead` tensors needed next. `unpack` makes
+the compute stream wait for its copy's event (no host synchronisation); a tensor whose prefetch was
+not issued yet is fetched on the spot and counted in `ExecutionStats.late_prefetches`. On the CPU
+the same code runs with plain copies (no streams or events), so that the order can be tested.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+from torch import fx
+
+from ucudnn.errors import UnsupportedProblem
+from ucudnn.torch.tracker import allocated_as
+
+
+class _HostBuffers:
+    """Host buffers for offloaded tensors, reused from step to step.
+
+    A step's offloaded tensors have the same shapes every step, so the first step allocates one buffer
+    per offloaded tensor (the plan's offloaded bytes in all) and later steps take them back: steady
+    training allocates no host memory. A buffer comes back when the backward pass has unpacked the
+    last save of its tensor, with the event of the host-to-device copy still reading it; the next
+    device-to-host copy into it waits for that event on its stream (the host never waits). Pinned
+    (page-locked) memory where the copies go to and from a CUDA device, so that they run
+    asynchronously; pageable memory on the CPU, where the same code runs with plain copies.
+    """
+
+    def __init__(self, pin: bool) -> None:
+        self.pin = pin
+        self.free: dict[tuple, list[tuple[torch.Tensor, Any]]] = {}
+        self.allocated = 0
+
+    @staticmethod
+    def key(t: torch.Tensor) -> tuple:
+        return tuple(t.shape), t.stride(), t.dtype
+
+    def take(self, t: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """A host buffer shaped like `t` and the event after which it may be written (None: at once)."""
+        free = self.free.get(self.key(t))
+        if free:
+            return free.pop()
+        self.allocated += 1
+        with allocated_as("host"):  # a memory tracker files it as a host copy, also on the CPU
+            return torch.empty_like(t, device="cpu", pin_memory=self.pin), None
+
+    def held(self) -> list[torch.Tensor]:
+        """The buffers in the pool now (taken ones are the executor's until they come back)."""
+        return [host for free in self.free.values() for host, _ in free]
+
+    def give(self, key: tuple, host: torch.Tensor, reads: Any) -> None:
+        """Take back `host` (taken for a tensor with `key`) once the copy that event `reads` marks is done."""
+        self.free.setdefault(key, []).append((host, reads))
+
+
+class _HostCopier:
+    """Offload on the CPU: the "device" is the host, a copy is a plain copy and is done when it returns."""
+
+    pin = False
+
+    def to_host(self, t: torch.Tensor, host: torch.Tensor, free_after: Any) -> None:
+        host.copy_(t)
+
+    def to_device(self, host: torch.Tensor, device: torch.device, after: Any) -> tuple[torch.Tensor, None]:
+        return host.clone(), None  # a copy as on a GPU: the host buffer goes back to the pool
+
+    def wait(self, event: Any, device: torch.device) -> None:
+        pass
+
+
+class _CudaCopier:  # pragma: no cover - needs a GPU
+    """Copies on two dedicated streams (device-to-host, host-to-device) ordered by events; no host waits."""
+
+    pin = True
+
+    def __init__(self, device: torch.device) -> None:
+        self.d2h = torch.cuda.Stream(device)
+        self.h2d = torch.cuda.Stream(device)
+
+    def to_host(self, t: torch.Tensor, host: torch.Tensor, free_after: Any) -> Any:
+        self.d2h.wait_stream(torch.cuda.current_stream(t.device))  # t is computed
+        if free_after is not None:
+            self.d2h.wait_event(free_after)  # the last step's host-to-device copy has read the buffer
+        with torch.cuda.stream(self.d2h):
+            host.copy_(t, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.d2h)
+        return event
+
+    def to_device(self, host: torch.Tensor, device: torch.device, after: Any) -> tuple[torch.Tensor, Any]:
+        # Allocated on the compute stream, which reads it after waiting for the copy's event, so the
+        # caching allocator cannot hand the block to anyone before the compute stream is done with it.
+        dev = torch.empty_like(host, device=device)
+        self.h2d.wait_stream(torch.cuda.current_stream(device))
+        if after is not None:
+            self.h2d.wait_event(after)  # the device-to-host copy has landed
+        with torch.cuda.stream(self.h2d):
+            dev.copy_(host, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.h2d)
+        return dev, event
+
+    def wait(self, event: Any, device: torch.device) -> None:
+        """The compute stream of `device` waits for `event` (the host does not)."""
+        if event is not None:
+            torch.cuda.current_stream(device).wait_event(event)
+
+
+def _copier_for(device: torch.device):
+    return _CudaCopier(device) if device.type == "cuda" else _HostCopier()
+
+
+class _Offloaded:
+    """One storage view copied to the host: shared by every save of it in one forward pass."""
+
+    __slots__ = ("name", "key", "host", "d2h", "device", "use", "saves", "dev", "ready", "issued", "storage")
+
+    def __init__(self, name: str, key: tuple, host: torch.Tensor, d2h: Any, device: torch.device, use: int,
+                 storage) -> None:
+        self.name, self.key, self.host, self.d2h, self.device, self.use = name, key, host, d2h, device, use
+        self.storage = storage    # weak reference: the dedup key is valid while the storage lives
+        self.saves = 0            # packed handles not yet unpacked
+        self.dev: torch.Tensor | None = None
+        self.ready: Any = None
+        self.issued = False
+
+
+class _Pass:
+    """Book-keeping of one forward pass and its backward: offloaded tensors and the prefetch cursor."""
+
+    def __init__(self) -> None:
+        self.entries: list[_Offloaded] = []
+        self.by_key: dict[tuple, _Offloaded] = {}
+        self.order: list[_Offloaded] | None = None  # entries by descending use, built at the first backward hook
+        self.cursor = 0
+
+
+class _OffloadHooks:
+    """The executor's saved-tensor hooks (`pack`, `unpack`) and prefetches. A base of
+    `ucudnn.torch.memory._Executor`, whose state they share: `prep`, `stats`, `pass_`, `current`,
+    `forward_running`, `prefetch_ahead`, `copier`, `buffers`, `pending` and `_name_of`."""
+
+    # -- saved-tensor hooks ---------------------------------------------------------------------------
+    def pack(self, t: torch.Tensor) -> Any:
+        if not self.forward_running or t.numel() == 0:
+            return t
+        name = self._name_of(t)
+        action = self.prep.actions.get(name, "keep") if name is not None else "keep"
+        if action == "release":
+            self.stats.kept_released.add(name)
+        if action != "offload":
+            # detached: autograd would hold the tensor object, and through its grad_fn (an op saving its
+            # own output) itself, a cycle the garbage collector cannot see into when no backward frees it
+            return t.detach()
+        p = self.pass_
+        storage = t.untyped_storage()
+        key = (storage.data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+        entry = p.by_key.get(key)
+        if entry is None or entry.storage() is not storage:
+            if self.copier is None:
+                self.copier, self.buffers = self.prep.copies_for(t.device)
+            allocated = self.buffers.allocated
+            host, free_after = self.buffers.take(t)
+            self.stats.host_buffers_allocated += self.buffers.allocated - allocated
+            event = self.copier.to_host(t, host, free_after)
+            entry = _Offloaded(name, _HostBuffers.key(t), host, event, t.device, self.current, weakref.ref(storage))
+            if event is not None:
+                self.pending.append((event, t))  # the copy reads it: see _release
+            p.by_key[key] = entry
+            p.entries.append(entry)
+            self.stats.offloaded += 1
+            self.stats.bytes_offloaded += t.numel() * t.element_size()
+            self.stats.events.append(("offload", name))
+        entry.use = max(entry.use, self.current)
+        entry.saves += 1
+        return entry
+
+    def unpack(self, saved: Any) -> torch.Tensor:
+        if not isinstance(saved, _Offloaded):
+            return saved
+        if saved.host is None:  # every save was unpacked once: its host buffer went back to the pool
+            raise UnsupportedProblem(f"the offloaded tensor {saved.name!r} was already used by a backward pass; "
+                                     "under execute_plan run backward once per forward (no retain_graph=True "
+                                     "for a second backward through offloaded tensors)")
+        if not saved.issued:
+            self.stats.late_prefetches += 1
+            self._prefetch(saved)
+        self.copier.wait(saved.ready, saved.device)
+        self.stats.events.append(("unpack", saved.name))
+        t = saved.dev
+        saved.saves -= 1
+        if saved.saves == 0:  # the last save is unpacked: autograd holds the tensor, the host buffer is free
+            self.buffers.give(saved.key, saved.host, saved.ready)
+            saved.dev = saved.host = None
+        return t
+
+    def _prefetch(self, entry: _Offloaded) -> None:
+        entry.dev, entry.ready = self.copier.to_device(entry.host, entry.device, entry.d2h)
+        entry.issued = True
+        self.stats.prefetched += 1
+        self.stats.events.append(("prefetch", entry.name))
+
+    def reached(self, p: _Pass, i: int) -> None:
+        """Backward is about to run node `i`: prefetch what it and the next nodes need."""
+        if p.order is None:
+            p.order = sorted(p.entries, key=lambda e: -e.use)
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: self._settle(p))
+        # tensors issued at earlier nodes for later ones count against the lookahead too: without them,
+        # every node (those that read nothing offloaded included) would issue one more, and the copies
+        # back would run ahead of their use by as many nodes, holding their memory (a step tracker saw it)
+        ahead = 0
+        back = p.cursor - 1
+        while back >= 0 and p.order[back].use < i:
+            ahead += 1
+            back -= 1
+        while p.cursor < len(p.order):
+            entry = p.order[p.cursor]
+            if entry.use < i:
+                if ahead >= self.prefetch_ahead:
+                    break
+                ahead += 1
+            if not entry.issued:
+                self._prefetch(entry)
+            p.cursor += 1
+
+    def _settle(self, p: _Pass) -> None:
+        """At the end of a backward pass: the compute stream waits for every prefetch no unpack waited
+        for (a tensor saved for a value the loss does not read), so that its device copy, freed later
+        to the compute stream, is never handed out while the copy still writes it."""
+        for entry in p.entries:
+            if entry.issued and entry.dev is not None:
+                self.copier.wait(entry.ready, entry.device)
+
+    def _release(self, env: dict | None) -> None:
+        """Drop the offloaded device tensors whose storages no value in `env` (None: the forward pass is
+        over) lives in, after making the compute stream wait for their copies: the allocator hands
+        their memory to later work of the compute stream, which now runs after the copy."""
+        if not self.pending:
+            return
+        live = _storages(tuple(env.values())) if env is not None else set()
+        still = []
+        for event, t in self.pending:
+            if t.untyped_storage().data_ptr() in live:
+                still.append((event, t))
+            else:
+                self.copier.wait(event, t.device)
+        self.pending = still
+
+
+class _PrefetchHook:
+    """A gradient hook on a node's output: fires just before that node's backward step."""
+
+    __slots__ = ("executor", "pass_", "index")
+
+    def __init__(self, executor: _OffloadHooks, pass_: _Pass, index: int) -> None:
+        self.executor, self.pass_, self.index = executor, pass_, index
+
+    def __call__(self, grad: torch.Tensor) -> None:
+        self.executor.reached(self.pass_, self.index)
+
+
+def _storages(values: Any) -> set[int]:
+    """The addresses of the storages of the tensors in `values` (nested tuples, lists and dicts)."""
+    found: set[int] = set()
+    fx.node.map_aggregate(values, lambda v: found.add(v.untyped_storage().data_ptr())
+                          if isinstance(v, torch.Tensor) else None)
+    return found
