@@ -22,7 +22,8 @@ A `TrainingGraph` is one training step of one network at one batch size:
 Build one from the network zoo with `from_network(name, batch)` (the zoo's convolutions plus the
 layers between them: activations, pooling, batch-norm, the classifier and the loss) or from a
 PyTorch model with `trace(model, example_input)` (through `torch.fx`; a feature map is named after
-the fx node that produces it, as ``layer1_0_conv1``).
+the fx node that produces it, as ``layer1_0_conv1``). An op and what it costs (`Op`, the builder both
+sources use) are `ucudnn.memory.ops`, below this module and the tracer (`ucudnn.memory.fx`).
 """
 
 from __future__ import annotations
