@@ -111,7 +111,7 @@ def _sequential_plan(model, x, segments: int):
     """checkpoint_sequential's layout as a ucudnn plan, for a Sequential whose modules make one storage
     each (the chain): keep each segment's output, recompute the rest, run the last segment plainly."""
     from ucudnn.memory.plan import MemoryPlan, TensorAction
-    from ucudnn.torch.memory import _trace_graph
+    from ucudnn.torch.planning import _trace_graph
 
     graph = _trace_graph(model, x)
     size = len(model) // segments  # checkpoint_sequential's segment length
@@ -133,7 +133,8 @@ def run_variant(spec: dict) -> dict:
     from torch import nn
     from torch.utils.checkpoint import checkpoint_sequential
 
-    from ucudnn.torch.memory import _trace_graph, execute_plan, plan_memory
+    from ucudnn.torch.memory import execute_plan
+    from ucudnn.torch.planning import _trace_graph, plan_memory
 
     torch.manual_seed(0)
     dev = torch.device(spec["device"])

@@ -20,7 +20,7 @@ from common import table  # noqa: E402
 
 from ucudnn.memory import available_policies  # noqa: E402
 from ucudnn.torch.check import check_plan  # noqa: E402
-from ucudnn.torch.memory import _trace_graph, plan_memory  # noqa: E402
+from ucudnn.torch.planning import _trace_graph, plan_memory  # noqa: E402
 
 MiB = 2**20
 
