@@ -144,3 +144,12 @@ def test_public_names_import_from_where_they_did(module):
     imported = importlib.import_module(module)
     missing = [name for name in PUBLIC[module] if not _from_import(imported, name)]
     assert not missing, f"{module} lost {missing}"
+
+
+def test_every_package_is_in_the_wheel():
+    # setuptools ships only the packages pyproject lists: one left out imports here (editable) and not from a wheel.
+    import tomllib
+
+    listed = set(tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    packages = {name for name, path in MODULES.items() if path.name == "__init__.py"}
+    assert packages == listed, f"not in pyproject: {sorted(packages - listed)}; no such package: {sorted(listed - packages)}"
