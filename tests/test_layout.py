@@ -80,8 +80,9 @@ def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
             targets = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
-            if node.level:
-                base = ".".join([*package.split(".")[:len(package.split(".")) - node.level + 1], *filter(None, [base])])
+            if node.level:  # relative: `from .x` is in this package, each further dot one package up
+                parents = package.split(".")
+                base = ".".join(parents[:len(parents) - node.level + 1] + ([base] if base else []))
             targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base for alias in node.names]
         else:
             continue
