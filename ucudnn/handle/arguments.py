@@ -73,9 +73,18 @@ def _check_no_overlap(out: Any, **inputs: Any) -> None:
                                f"reads; give a separate out")
 
 
-def _check_groups(groups: Any, c: int, w_shape: Sequence[int]) -> None:
+def _geometry(stride: _Pair, padding: _Pair, dilation: _Pair) -> tuple[tuple[int, int], ...]:
+    """stride, padding and dilation as checked (height, width) pairs."""
+    return _pair("stride", stride, 1), _pair("padding", padding, 0), _pair("dilation", dilation, 1)
+
+
+def _positive_groups(groups: Any) -> None:
     if not isinstance(groups, int) or isinstance(groups, bool) or groups < 1:
         raise InvalidInput(f"groups must be a positive integer, got {groups!r}")
+
+
+def _check_groups(groups: Any, c: int, w_shape: Sequence[int]) -> None:
+    _positive_groups(groups)
     if w_shape[1] * groups != c:
         raise InvalidInput(f"the filter's input channels ({w_shape[1]}) times groups ({groups}) must equal "
                            f"the input's channels ({c})")
@@ -85,9 +94,8 @@ def _check_groups(groups: Any, c: int, w_shape: Sequence[int]) -> None:
 
 def _infer_x_shape(dy_shape, w_shape, stride, padding, dilation, groups) -> tuple[int, int, int, int]:
     """The input shape of a convolution from its output and filter, where that is unambiguous."""
-    stride, padding, dilation = _pair("stride", stride, 1), _pair("padding", padding, 0), _pair("dilation", dilation, 1)
-    if not isinstance(groups, int) or isinstance(groups, bool) or groups < 1:
-        raise InvalidInput(f"groups must be a positive integer, got {groups!r}")
+    stride, padding, dilation = _geometry(stride, padding, dilation)
+    _positive_groups(groups)
     if stride != (1, 1):
         # out = (h + 2p - d(r-1) - 1) // stride + 1 fixes h only when the stride is 1
         raise InvalidInput("conv_backward_data cannot tell the input size from dy when the stride is above 1; "
@@ -98,9 +106,8 @@ def _infer_x_shape(dy_shape, w_shape, stride, padding, dilation, groups) -> tupl
 
 def _infer_w_shape(x_shape, dy_shape, stride, padding, dilation, groups) -> tuple[int, int, int, int]:
     """The filter shape of a convolution from its input and output, where that is unambiguous."""
-    stride, padding, dilation = _pair("stride", stride, 1), _pair("padding", padding, 0), _pair("dilation", dilation, 1)
-    if not isinstance(groups, int) or isinstance(groups, bool) or groups < 1:
-        raise InvalidInput(f"groups must be a positive integer, got {groups!r}")
+    stride, padding, dilation = _geometry(stride, padding, dilation)
+    _positive_groups(groups)
     if stride != (1, 1):
         raise InvalidInput("conv_backward_filter cannot tell the filter size from x and dy when the stride is "
                            "above 1; give w_shape or out")

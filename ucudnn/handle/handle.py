@@ -46,8 +46,8 @@ from ucudnn.backends import get_backend
 from ucudnn.backends.base import Backend
 from ucudnn.errors import InvalidInput
 from ucudnn.handle.arena import _Workspaces
-from ucudnn.handle.arguments import (_Pair, _check_groups, _contiguous, _dtype_name, _infer_w_shape, _infer_x_shape,
-                                     _output, _pair, _same_dtype, _shape4)
+from ucudnn.handle.arguments import (_Pair, _check_groups, _contiguous, _dtype_name, _geometry, _infer_w_shape,
+                                     _infer_x_shape, _output, _same_dtype, _shape4)
 from ucudnn.handle.kernel import Kernel, _Launching, _Prepared, _prepared
 from ucudnn.handle.planning import _Plan, _Planning
 from ucudnn.handle.replan import _Recovery
@@ -469,8 +469,7 @@ class Handle(_Planning, _Trials, _Recovery, _Workspaces, _Launching):
             prep = None
         if prep is not None:
             return prep
-        stride, padding, dilation = (_pair("stride", stride, 1), _pair("padding", padding, 0),
-                                     _pair("dilation", dilation, 1))
+        stride, padding, dilation = _geometry(stride, padding, dilation)
         _check_groups(groups, x_shape[1], w_shape)
         n, c, h, w = x_shape
         problem = ConvProblem(kind=kind, n=n, c=c, h=h, w=w, k=w_shape[0], r=w_shape[2], s=w_shape[3],
