@@ -710,7 +710,7 @@ def test_timing_launches_back_to_back_behind_a_hold(fake_gpu):
 
 
 def test_launches_per_sample():
-    from ucudnn.backends.cudnn import MAX_LAUNCHES_PER_SAMPLE, SAMPLE_TARGET_MS, launches_per_sample
+    from ucudnn.backends.cuda_timing import MAX_LAUNCHES_PER_SAMPLE, SAMPLE_TARGET_MS, launches_per_sample
 
     assert launches_per_sample(SAMPLE_TARGET_MS * 2) == 1
     assert launches_per_sample(SAMPLE_TARGET_MS / 10) == 10

@@ -62,8 +62,6 @@ from typing import Any
 
 from ucudnn.backends.base import Backend, DeviceInfo, one_line
 from ucudnn.backends.cuda_timing import HOST_MS_PER_LAUNCH, MAX_HOLD_MS, _hold_kernel, launches_per_sample
-from ucudnn.backends.cuda_timing import MAX_LAUNCHES_PER_SAMPLE as MAX_LAUNCHES_PER_SAMPLE  # re-exported
-from ucudnn.backends.cuda_timing import SAMPLE_TARGET_MS as SAMPLE_TARGET_MS  # re-exported
 from ucudnn.backends.cupy_arrays import _blend_kernels, _narrow, _storage_dtype, _widen
 from ucudnn.errors import BackendUnavailable, InvalidInput, UnsupportedProblem
 from ucudnn.problem import ConvProblem
