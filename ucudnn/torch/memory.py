@@ -1,5 +1,5 @@
 """Memory plans in PyTorch training: offload saved feature maps to the host, prefetch them ahead of the
-backward pass, recompute checkpoint segments, and give converted convolutions their planned workspace.
+backward pass, recompute dropped ones, and give converted convolutions their planned workspace.
 
     plan = ucudnn.torch.plan_memory(model, example_input, memory_limit="2GiB", policy="optimal")
     with ucudnn.torch.execute_plan(model, plan) as run:
@@ -9,13 +9,13 @@ backward pass, recompute checkpoint segments, and give converted convolutions th
 
 This module runs a plan (`execute_plan`). Making one is `ucudnn.torch.planning` (`plan_memory` and
 `measure_profile` stay importable from here); the offload and prefetch copies and their saved-tensor
-hooks are `ucudnn.torch.offload`, recompute segments `ucudnn.torch.recompute`.
+hooks are `ucudnn.torch.offload`, recomputation `ucudnn.torch.recompute`.
 
 **Running the model.** Inside the block, `model.forward` is replaced by a loop over the model's
 `torch.fx` graph (the same trace the planner named its tensors after), so that the executor knows
 which fx node is running. fx's own `Interpreter` runs a whole graph in one call; the loop here is
-hand-written because recompute segments must run a range of nodes inside one checkpoint call. It
-frees each value after its last use, as the Interpreter does. Inputs bind to the graph's placeholders
+hand-written because the executor acts between nodes (tagging each output, saving what a
+recomputation will read). It frees each value after its last use, as the Interpreter does. Inputs bind to the graph's placeholders
 as Python binds a call's arguments: by position, by keyword, else the parameter's default.
 
 **Prepared once.** The fx graph, each value's last use, the plan's check per input shape (a traced,
@@ -67,9 +67,9 @@ from torch import fx, nn
 from ucudnn.errors import InvalidInput, UnsupportedProblem
 from ucudnn.memory.plan import MemoryPlan
 from ucudnn.torch.conv import Conv2d
-from ucudnn.torch.offload import _copier_for, _HostBuffers, _OffloadHooks, _Pass, _PrefetchHook
+from ucudnn.torch.offload import _copier_for, _HostBuffers, _Offloaded, _OffloadHooks, _Pass, _PrefetchHook
 from ucudnn.torch.planning import _trace_graph, _Tracer, measure_profile, plan_memory
-from ucudnn.torch.recompute import _RecomputeSegments, _segments
+from ucudnn.torch.recompute import _Dropped, _Program, _programs, _Rebuilds, _Recompute
 
 __all__ = ["ExecutionStats", "execute_plan", "measure_profile", "plan_memory"]
 
@@ -78,6 +78,7 @@ __all__ = ["ExecutionStats", "execute_plan", "measure_profile", "plan_memory"]
 @dataclass
 class ExecutionStats:
     """What `execute_plan` did, summed over the forward and backward passes run in its block.
+    `recomputed` counts the storages rebuilt in backward passes.
 
     `events` is the order of copies and uses: ``("offload", name)``, ``("prefetch", name)`` and
     ``("unpack", name)``.
@@ -87,7 +88,7 @@ class ExecutionStats:
     bytes_offloaded: int = 0
     prefetched: int = 0
     late_prefetches: int = 0
-    segments: int = 0
+    recomputed: int = 0
     host_buffers_allocated: int = 0
     kept_released: set[str] = field(default_factory=set)
     events: list[tuple[str, str]] = field(default_factory=list)
@@ -101,7 +102,7 @@ def _fingerprint(model: nn.Module) -> tuple:
 
 class _Prepared:
     """What running a model under a plan needs that stays the same from step to step: the fx graph,
-    each value's last use, the checked input shapes and their segments, the conv budgets, and the
+    each value's last use, the checked input shapes and their recompute programs, the conv budgets, and the
     copiers with their host buffers. Holds the model's modules, not the model (see `_prepared`)."""
 
     def __init__(self, model: nn.Module, plan: MemoryPlan) -> None:
@@ -116,7 +117,7 @@ class _Prepared:
         self.placeholders = [n for n in self.nodes if n.op == "placeholder"]
         self.actions = {t.name: t.action for t in plan.tensors}
         self._check_workspace_layers(type(model).__name__)
-        self.shapes_checked: dict[tuple, dict[int, int]] = {}  # input shape -> its segments, first -> last node
+        self.shapes_checked: dict[tuple, dict[str, _Program]] = {}  # input shape -> its recompute programs
         # last use of each value, as fx.Interpreter computes it: free a value after its last reader
         self.last_use: dict[int, list[fx.Node]] = {}
         seen: set[fx.Node] = set()
@@ -140,8 +141,8 @@ class _Prepared:
             self.conv_budgets.setdefault(c.layer, {})[c.kind] = c.bytes
         self.convs = convs
 
-    def check_input(self, model: nn.Module, x: Any) -> dict[int, int]:
-        """The checkpoint segments for input `x` (first node -> last node); traces `model` once per shape."""
+    def check_input(self, model: nn.Module, x: Any) -> dict[str, _Program]:
+        """The recompute programs for input `x` (by storage); traces `model` once per shape."""
         if not isinstance(x, torch.Tensor):
             raise InvalidInput(f"execute_plan runs models whose first input is a tensor, got {type(x).__name__}")
         key = (tuple(x.shape), x.dtype)
@@ -162,9 +163,9 @@ class _Prepared:
             t, planned, actual = wrong[0]
             raise InvalidInput(f"plan for {plan.network!r}: tensor {t} has {planned} bytes in the plan but "
                                f"{actual} with input shape {tuple(x.shape)}; a plan made for another input size?")
-        segments = dict(_segments(graph, plan, self.index))
-        self.shapes_checked[key] = segments
-        return segments
+        programs = _programs(graph, plan, self.nodes)
+        self.shapes_checked[key] = programs
+        return programs
 
     def copies_for(self, device: torch.device) -> tuple[Any, _HostBuffers]:
         """The copier for `device` and its host buffers, made at the first offload to the host."""
@@ -193,8 +194,9 @@ def _prepared(model: nn.Module, plan: MemoryPlan) -> _Prepared:
     return prep
 
 
-class _Executor(_OffloadHooks, _RecomputeSegments):
-    """One `execute_plan` block: runs the prepared graph and names, offloads and prefetches saved tensors."""
+class _Executor(_OffloadHooks, _Recompute):
+    """One `execute_plan` block: runs the prepared graph, names saved tensors and keeps, offloads or
+    drops each as the plan says."""
 
     def __init__(self, model: nn.Module, prep: _Prepared, prefetch_ahead: int) -> None:
         self.model, self.prep, self.prefetch_ahead = model, prep, prefetch_ahead
@@ -234,8 +236,12 @@ class _Executor(_OffloadHooks, _RecomputeSegments):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         inputs = self._bind(args, kwargs)
         prep = self.prep
-        segments = prep.check_input(self.model, inputs[prep.placeholders[0]] if prep.placeholders else None)
-        self.pass_ = _Pass()
+        self.programs = prep.check_input(self.model, inputs[prep.placeholders[0]] if prep.placeholders else None)
+        self.producing = {}
+        for program in self.programs.values():
+            for node in program.nodes:
+                self.producing.setdefault(node, []).append(program)
+        self.pass_, self.rebuilds = _Pass(), _Rebuilds()
         self.forward_running = True
         try:
             env: dict[fx.Node, Any] = {}
@@ -248,13 +254,12 @@ class _Executor(_OffloadHooks, _RecomputeSegments):
                 elif node.op == "output":
                     self._release(None)
                     return fx.node.map_arg(node.args[0], env.__getitem__)
-                elif i in segments:
-                    self._run_segment(i, segments[i], env)
-                    i = segments[i]
                 else:
                     self.current = i
+                    self._before_node(node)
                     env[node] = self._run_node(node, env, recomputing=False)
                     self._tag(node, env[node], i)
+                    self._after_node(node, env)
                 for dead in prep.last_use.get(i, ()):
                     env.pop(dead, None)
                 self._release(env)
@@ -270,9 +275,8 @@ class _Executor(_OffloadHooks, _RecomputeSegments):
         if node.op == "call_module":
             module = self.prep.modules[node.target]
             if recomputing and isinstance(module, nn.modules.batchnorm._BatchNorm) and module.training:
-                # The forward pass has updated the running statistics: run the layer as it ran then (the
-                # checkpoint compares what it saves) and put the statistics back afterwards, also when
-                # the checkpoint stops the recomputation early by raising from inside the layer.
+                # The forward pass has updated the running statistics: run the layer as it ran then
+                # (normalising with the batch's statistics) and put the statistics back afterwards.
                 before = [b.clone() for b in module.buffers(recurse=False)]
                 try:
                     return module(*args, **kwargs)
@@ -289,6 +293,29 @@ class _Executor(_OffloadHooks, _RecomputeSegments):
             return _fetch_attr(self.prep.gm, node.target)
         raise UnsupportedProblem(f"fx node {node.name}: op {node.op!r} is not supported")
 
+    # -- saved-tensor hooks ---------------------------------------------------------------------------
+    def pack(self, t: torch.Tensor) -> Any:
+        if not self.forward_running or t.numel() == 0:
+            return t
+        name = self._name_of(t)
+        action = self.prep.actions.get(name, "keep") if name is not None else "keep"
+        if action == "offload":
+            return self._offload(name, t)
+        if action == "recompute" and name in self.programs:
+            return self._drop(name, t, tagged=self._tagged_name(t) is not None)
+        if action == "release":
+            self.stats.kept_released.add(name)
+        # detached: autograd would hold the tensor object, and through its grad_fn (an op saving its
+        # own output) itself, a cycle the garbage collector cannot see into when no backward frees it
+        return t.detach()
+
+    def unpack(self, saved: Any) -> torch.Tensor:
+        if isinstance(saved, _Offloaded):
+            return self._fetch(saved)
+        if isinstance(saved, _Dropped):
+            return self._unpack_dropped(saved)
+        return saved
+
     # -- naming saved tensors ------------------------------------------------------------------------
     def _tag(self, node: fx.Node, value: Any, i: int) -> None:
         if not isinstance(value, torch.Tensor):
@@ -301,14 +328,20 @@ class _Executor(_OffloadHooks, _RecomputeSegments):
         if value.requires_grad:
             value.register_hook(_PrefetchHook(self, self.pass_, i))
 
-    def _name_of(self, t: torch.Tensor) -> str | None:
+    def _tagged_name(self, t: torch.Tensor) -> str | None:
+        """The plan name of the tagged storage `t` lives in (None: a parameter, or not tagged)."""
         storage = t.untyped_storage()
         ptr = storage.data_ptr()
-        if ptr in self.params:
-            return None
         known = self.tags.get(ptr)
-        if known is not None and known[1]() is storage:
-            return known[0]
+        if ptr in self.params or known is None or known[1]() is not storage:
+            return None
+        return known[0]
+
+    def _name_of(self, t: torch.Tensor) -> str | None:
+        """The tagged storage's name, else the running node's (its own result, or an internal)."""
+        name = self._tagged_name(t)
+        if name is not None or t.untyped_storage().data_ptr() in self.params:
+            return name
         if self.forward_running and self.current is not None:
             return self.prep.nodes[self.current].name
         return None

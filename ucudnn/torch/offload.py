@@ -153,22 +153,13 @@ class _Pass:
 
 
 class _OffloadHooks:
-    """The executor's saved-tensor hooks (`pack`, `unpack`) and prefetches. A base of
-    `ucudnn.torch.memory._Executor`, whose state they share: `prep`, `stats`, `pass_`, `current`,
-    `forward_running`, `prefetch_ahead`, `copier`, `buffers`, `pending` and `_name_of`."""
+    """The executor's offloads (`_offload`, `_fetch`, called from its saved-tensor hooks) and prefetches.
+    A base of `ucudnn.torch.memory._Executor`, whose state they share: `prep`, `stats`, `pass_`,
+    `current`, `prefetch_ahead`, `copier`, `buffers` and `pending`."""
 
-    # -- saved-tensor hooks ---------------------------------------------------------------------------
-    def pack(self, t: torch.Tensor) -> Any:
-        if not self.forward_running or t.numel() == 0:
-            return t
-        name = self._name_of(t)
-        action = self.prep.actions.get(name, "keep") if name is not None else "keep"
-        if action == "release":
-            self.stats.kept_released.add(name)
-        if action != "offload":
-            # detached: autograd would hold the tensor object, and through its grad_fn (an op saving its
-            # own output) itself, a cycle the garbage collector cannot see into when no backward frees it
-            return t.detach()
+    # -- what the saved-tensor hooks do with a tensor planned offload -------------------------------
+    def _offload(self, name: str, t: torch.Tensor) -> _Offloaded:
+        """Copy `t` out (once per storage view and forward pass); its handle for autograd to save."""
         p = self.pass_
         storage = t.untyped_storage()
         key = (storage.data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
@@ -192,9 +183,8 @@ class _OffloadHooks:
         entry.saves += 1
         return entry
 
-    def unpack(self, saved: Any) -> torch.Tensor:
-        if not isinstance(saved, _Offloaded):
-            return saved
+    def _fetch(self, saved: _Offloaded) -> torch.Tensor:
+        """The device copy of an offloaded tensor, for a backward step that unpacks it."""
         if saved.host is None:  # every save was unpacked once: its host buffer went back to the pool
             raise UnsupportedProblem(f"the offloaded tensor {saved.name!r} was already used by a backward pass; "
                                      "under execute_plan run backward once per forward (no retain_graph=True "

@@ -1,70 +1,211 @@
-"""Recomputing checkpoint segments: which fx nodes a plan's ``recompute`` storages make into segments, and
-how the executor (`ucudnn.torch.memory`) runs one under `torch.utils.checkpoint`.
+"""Recomputing the storages a plan drops: what the executor (`ucudnn.torch.memory`) saves in their place
+in the forward pass, and how it rebuilds them in the backward pass, as the simulator schedules it
+(`ucudnn.memory.simulate.expand`).
 
-**Recompute.** A storage planned ``recompute`` makes a segment of the nodes from its producer to its
-last forward reader; overlapping segments merge; each segment runs under non-reentrant
-`torch.utils.checkpoint.checkpoint`, which keeps only the segment's inputs (kept or offloaded as the
-plan says) and reruns the segment when its backward needs what it saved. A tensor planned ``keep``
-whose every use lies inside such a segment is recomputed too (a checkpoint keeps only its inputs).
-While recomputing, batch-norm layers normalise with the batch statistics without updating their
-running statistics a second time, so the buffers equal those of plain training.
+**Dropped.** A tensor that autograd saves and that lives in a storage planned ``recompute`` is saved
+as a `_Dropped` handle: the storage's name and the tensor's place in it (size, stride, offset), no
+data. The storage's memory goes when the forward pass no longer reads it, as a released one does.
+
+**Rebuilt.** The first backward step that unpacks such a handle runs the storage's producing fx nodes
+again (its owner, then its in-place writers and views, in forward order), without recording a graph,
+from the values those nodes read outside the storage. The forward pass saved those *sources* when each
+producer ran, through the same hooks as autograd's saves: a kept source is held, an offloaded one
+is copied out and prefetched back, a dropped one is itself rebuilt first (which is how a chain of
+recomputed maps comes back). A rebuilt storage stays until the last handle saved for it is unpacked,
+so each storage is rebuilt once per step and each producer runs once more at most: what the
+simulator charges. (`torch.utils.checkpoint` was the executor's tool before: a checkpoint segment
+must hold every reader of what it drops, since a reader outside would save its input, so it ran
+those readers again too, which no plan counted.)
+
+**Faithful.** Batch-norm layers normalise with the batch's statistics and leave their running
+statistics as the forward pass left them. Each producer runs with the random-number state it ran
+with in the forward pass (a dropout draws the same mask). A source modified in place after a
+producer read it is refused: the rebuilt storage would differ.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
-from torch.utils.checkpoint import checkpoint
+import torch
+from torch import fx
 
+from ucudnn.errors import UnsupportedProblem
 from ucudnn.memory.graph import TrainingGraph
 from ucudnn.memory.plan import MemoryPlan
 
 
-def _segments(graph: TrainingGraph, plan: MemoryPlan, index: dict[str, int]) -> list[tuple[int, int]]:
-    """Node ranges [first, last] (fx node indices) to run as checkpoint segments."""
-    ranges = []
-    for t in plan.tensors:
-        if t.action != "recompute":
+@dataclass(frozen=True)
+class _Program:
+    """How to rebuild one storage: its producing fx nodes in forward order, and the index of the last
+    forward node that reads it (backward needs it from that node's step on: its sources' `use`)."""
+
+    storage: str
+    nodes: tuple[fx.Node, ...]
+    late: int
+
+
+def _programs(graph: TrainingGraph, plan: MemoryPlan, nodes: Iterable[fx.Node]) -> dict[str, _Program]:
+    """A program for every storage the plan recomputes, but the inputs (kept), and for every released
+    storage that one of those programs reads (the simulator rebuilds those too)."""
+    by_name = {n.name: n for n in nodes}
+    index = {n: i for i, n in enumerate(by_name.values())}
+    actions = {t.name: t.action for t in plan.tensors}
+    out: dict[str, _Program] = {}
+    pending = [s for s, a in actions.items() if a == "recompute"]
+    while pending:
+        storage = pending.pop()
+        if storage in out:
             continue
-        producers = [op.name for op in graph.producers(t.name)]
-        readers = [op.name for op in graph.ops
-                   if op.type != "loss" and any(graph.storage_of(i) == t.name for i in op.inputs)]
-        nodes = [index[n] for n in producers + readers if n in index]
-        if producers and graph.op(producers[0]).type != "input" and nodes:
-            ranges.append((min(nodes), max(nodes)))
-    merged: list[tuple[int, int]] = []
-    for a, b in sorted(ranges):
-        if merged and a <= merged[-1][1]:
-            merged[-1] = (merged[-1][0], max(b, merged[-1][1]))
+        producers = tuple(by_name[op.name] for op in graph.producers(storage) if op.name in by_name)
+        if not producers or producers[0].op == "placeholder":
+            continue  # an input: nothing rebuilds it, so it is kept
+        readers = [index[by_name[op.name]] for op in graph.ops if op.name in by_name
+                   and any(graph.storage_of(i) == storage for i in op.inputs)]
+        out[storage] = _Program(storage, producers, max(readers, default=index[producers[-1]]))
+        for node in producers:
+            for source in node.all_input_nodes:
+                src = _storage_of(graph, source)
+                if src is not None and src != storage and actions.get(src) == "release":
+                    pending.append(src)
+    return out
+
+
+def _storage_of(graph: TrainingGraph, node: fx.Node) -> str | None:
+    """The storage `node`'s value lives in (None: not a feature map, such as a size)."""
+    return graph.storage_of(node.name) if node.name in graph.op_index else None
+
+
+class _Dropped:
+    """What a saved tensor of a dropped storage leaves behind: where it lies in the storage. Until its
+    node has returned, a tensor saved by a node for its own output (or internals such as max-pool
+    indices) is held in `tensor`; the executor then drops it if it is the output (`_confirm`)."""
+
+    __slots__ = ("name", "size", "stride", "offset", "tensor")
+
+    def __init__(self, name: str, t: torch.Tensor, held: bool) -> None:
+        self.name, self.size, self.stride, self.offset = name, t.size(), t.stride(), t.storage_offset()
+        self.tensor = t.detach() if held else None
+
+
+class _Rebuilds:
+    """One forward pass's dropped storages: the sources saved for their programs, the random-number
+    states their producers ran with, and, in the backward pass, the rebuilt storages in use."""
+
+    def __init__(self) -> None:
+        self.sources: dict[tuple[str, fx.Node], tuple[Any, int | None]] = {}  # (storage, node) -> saved, version
+        self.rng: dict[fx.Node, tuple] = {}
+        self.unresolved: list[_Dropped] = []
+        self.handles: dict[str, int] = {}  # storage -> handles not yet unpacked
+        self.rebuilt: dict[str, torch.Tensor] = {}
+
+
+class _Recompute:
+    """The executor's recomputation. A base of `ucudnn.torch.memory._Executor`, whose state and hooks
+    it uses: `prep`, `stats`, `current`, `pack`, `unpack`, `_run_node` and `_name_of`; `programs` (storage
+    -> `_Program`) and `producing` (fx node -> the programs it is a producer in) are set per input shape."""
+
+    programs: dict[str, _Program]
+    producing: dict[fx.Node, list[_Program]]
+    rebuilds: _Rebuilds
+
+    # -- the forward pass ---------------------------------------------------------------------------
+    def _drop(self, name: str, t: torch.Tensor, tagged: bool) -> _Dropped:
+        """The handle saved in place of `t`, in dropped storage `name`."""
+        r = self.rebuilds
+        dropped = _Dropped(name, t, held=not tagged)
+        if tagged:
+            r.handles[name] = r.handles.get(name, 0) + 1
         else:
-            merged.append((a, b))
-    return merged
+            r.unresolved.append(dropped)
+        return dropped
+
+    def _before_node(self, node: fx.Node) -> None:
+        if node in self.producing:
+            self.rebuilds.rng[node] = _rng_state()
+
+    def _after_node(self, node: fx.Node, env: dict) -> None:
+        """`node` has run and its output is tagged: settle what it saved, and save the sources of the
+        programs it is a producer in."""
+        r = self.rebuilds
+        output = _data_ptr(env.get(node))
+        for dropped in r.unresolved:
+            if dropped.tensor.untyped_storage().data_ptr() == output:
+                dropped.tensor = None  # the node's own output: rebuilt in the backward pass
+                r.handles[dropped.name] = r.handles.get(dropped.name, 0) + 1
+        r.unresolved.clear()
+        current = self.current
+        try:
+            for program in self.producing.get(node, ()):
+                self.current = program.late  # an offloaded source is used when backward rebuilds
+                for source in node.all_input_nodes:
+                    key = (program.storage, source)
+                    if key not in r.sources and source not in program.nodes:
+                        value = env[source]
+                        version = value._version if isinstance(value, torch.Tensor) else None
+                        r.sources[key] = fx.node.map_aggregate(value, self._save_source), version
+        finally:
+            self.current = current
+
+    def _save_source(self, value: Any) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return value
+        name = self._name_of(value)
+        if name is not None and self.prep.actions.get(name) == "release" and name in self.programs:
+            return self._drop(name, value, tagged=True)
+        return self.pack(value)
+
+    # -- the backward pass --------------------------------------------------------------------------
+    def _unpack_dropped(self, dropped: _Dropped) -> torch.Tensor:
+        if dropped.tensor is not None:
+            return dropped.tensor
+        r = self.rebuilds
+        base = r.rebuilt.get(dropped.name)
+        if base is None:
+            base = r.rebuilt[dropped.name] = self._rebuild(self.programs[dropped.name])
+        r.handles[dropped.name] -= 1
+        if r.handles[dropped.name] <= 0:  # its last handle: whoever unpacked it holds it now
+            del r.rebuilt[dropped.name]
+        return base.as_strided(dropped.size, dropped.stride, dropped.offset)
+
+    def _rebuild(self, program: _Program) -> torch.Tensor:
+        r = self.rebuilds
+        local: dict[fx.Node, Any] = {}
+        for node in program.nodes:
+            for source in node.all_input_nodes:
+                if source in local or source in program.nodes:
+                    continue
+                saved, version = r.sources.pop((program.storage, source))
+                value = fx.node.map_aggregate(saved, self.unpack)
+                if version is not None and isinstance(saved, torch.Tensor) and value._version != version:
+                    raise UnsupportedProblem(
+                        f"{source.name} was modified in place after {node.name} read it in the forward pass, so "
+                        f"{program.storage!r} cannot be recomputed from it; keep {program.storage!r} in the plan")
+                local[source] = value
+            before = _rng_state()
+            _set_rng(r.rng[node])
+            try:
+                with torch.no_grad():
+                    local[node] = self._run_node(node, local, recomputing=True)
+            finally:
+                _set_rng(before)
+        self.stats.recomputed += 1
+        return local[program.nodes[-1]]
 
 
-class _RecomputeSegments:
-    """The executor's checkpoint segments. A base of `ucudnn.torch.memory._Executor`, whose state and
-    node runner it uses: `prep`, `stats`, `current`, `_run_node` and `_tag`."""
+def _data_ptr(value: Any) -> int | None:
+    return value.untyped_storage().data_ptr() if isinstance(value, torch.Tensor) else None
 
-    def _run_segment(self, first: int, last: int, env: dict) -> None:
-        inside = self.prep.nodes[first:last + 1]
-        members = set(inside)
-        inputs = list(dict.fromkeys(a for n in inside for a in n.all_input_nodes if a not in members))
-        outputs = [n for n in inside if any(u not in members for u in n.users)]
-        calls = [0]
 
-        def run(*values: Any) -> tuple:
-            local = dict(zip(inputs, values))
-            recomputing = calls[0] > 0
-            calls[0] += 1
-            for i, node in enumerate(inside, first):
-                local[node] = self._run_node(node, local, recomputing)
-                for dead in self.prep.last_use.get(i, ()):  # free as the main loop does: the segment may be long
-                    local.pop(dead, None)
-            return tuple(local[n] for n in outputs)
+def _rng_state() -> tuple:
+    """The random-number generators' states: the CPU's and, where CUDA is in use, every device's."""
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    return torch.get_rng_state(), cuda
 
-        self.current = last  # the segment's inputs are needed when its last node's backward recomputes it
-        results = checkpoint(run, *(env[a] for a in inputs), use_reentrant=False)
-        self.stats.segments += 1
-        for node, value in zip(outputs, results):
-            env[node] = value
-            self._tag(node, value, self.prep.index[node.name])
+
+def _set_rng(state: tuple) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state_all(state[1])
