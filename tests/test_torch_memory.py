@@ -267,6 +267,86 @@ def test_batch_norm_statistics_move_once_per_step_under_recomputation():
     _assert_same_state(ref_state, state)
 
 
+def test_recompute_reruns_the_producers_of_what_the_plan_drops_and_nothing_else():
+    """Each dropped ReLU output is rebuilt once, by its ReLU; the convs reading it do not run again."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[m for _ in range(4) for m in (nn.Conv2d(4, 4, 3, padding=1), nn.ReLU())])
+    reference = copy.deepcopy(model)
+    x = torch.randn(2, 4, 8, 8)
+    graph = tm._trace_graph(model, x)
+    dropped = {s for s in graph.storages if graph.op(s).type == "relu"}
+    assert len(dropped) == 4
+    plan = _hand_plan(model, x, {s: "recompute" for s in dropped})
+    calls = []
+    for name, m in model.named_children():
+        m.register_forward_hook(lambda m, i, o, name=name: calls.append(name))
+    with execute_plan(model, plan) as stats:
+        model(x).square().mean().backward()
+    reference(x).square().mean().backward()
+    relus = [n for n, m in model.named_children() if isinstance(m, nn.ReLU)]
+    convs = [n for n, m in model.named_children() if isinstance(m, nn.Conv2d)]
+    assert all(calls.count(n) == 2 for n in relus), calls
+    assert all(calls.count(n) == 1 for n in convs), calls
+    assert stats.recomputed == 4
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=RTOL, atol=ATOL)
+
+
+class DropoutNet(nn.Module):
+    """Dropouts between convs: recomputing their outputs must draw the masks of the forward pass."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.conv2 = nn.Conv2d(8, 8, 3, padding=1)
+        self.fc = nn.Linear(8 * 8 * 8, 10)
+
+    def forward(self, x):
+        x = nn.functional.dropout(torch.relu(self.conv1(x)), 0.5, self.training)
+        x = nn.functional.dropout(torch.relu(self.conv2(x)), 0.3, self.training)
+        return self.fc(torch.flatten(x, 1))
+
+
+def test_recomputed_dropouts_draw_the_masks_of_the_forward_pass():
+    torch.manual_seed(0)
+    model = DropoutNet()
+    plan = _hand_plan(model, _data()[0], HAND_PLANS["recompute-all"])
+    assert any(t.name.startswith("dropout") and t.action == "recompute" for t in plan.tensors)
+    torch.manual_seed(1)
+    ref_state, _ = _train(copy.deepcopy(model))
+    torch.manual_seed(1)
+    state, stats = _train(model, plan)
+    assert stats.recomputed > 0
+    _assert_same_state(ref_state, state)
+
+
+class RewritesASource(nn.Module):
+    """Modifies a conv's output in place after a ReLU read it: plain autograd allows this (the ReLU
+    saves its result), but the ReLU's output cannot be recomputed from the changed input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.conv2 = nn.Conv2d(8, 8, 3, padding=1)
+
+    def forward(self, x):
+        a = self.conv1(x)
+        b = torch.relu(a)
+        a.mul_(2)
+        return self.conv2(b) + a
+
+
+def test_a_source_changed_after_it_was_read_is_refused_not_recomputed_wrongly():
+    model = RewritesASource()
+    x = _data()[0]
+    graph = tm._trace_graph(model, x)
+    relu = next(s for s in graph.storages if graph.op(s).type == "relu")
+    plan = _hand_plan(model, x, {relu: "recompute"})
+    with pytest.raises(UnsupportedProblem, match="modified in place"):
+        with execute_plan(model, plan):
+            model(x).sum().backward()
+
+
 def test_converted_convs_run_each_kernel_within_its_planned_budget(monkeypatch):
     ref_state, _ = _train(_model())
     model = convert(_model(), backend="cpu", policy="undivided", reps=1, db="sqlite://")

@@ -4,7 +4,7 @@ memory plans in training: `plan_memory(model, example_input, ...)` and `execute_
 Submodules: `conv` (the drop-in), `ops` (its kernels as torch.library operators, for torch.compile
 and torch.export), `launch` (a planned kernel run on torch tensors), `planning` (`plan_memory`),
 `memory` (running a plan in training: `execute_plan`), `offload` (its host copies and saved-tensor
-hooks), `recompute` (its checkpoint segments), `zoo` (torchvision-shaped models written by hand),
+hooks), `recompute` (dropped storages rebuilt), `zoo` (torchvision-shaped models written by hand),
 `distributed` (uneven batches), `tracker` (a step's memory counted from live storages), `check` (a
 plan's predictions against one real step: `check_plan`), `graph_model` (a training graph as a PyTorch
 model). This package imports torch; ``import ucudnn`` does not import it.

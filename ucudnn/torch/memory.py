@@ -15,8 +15,9 @@ hooks are `ucudnn.torch.offload`, recomputation `ucudnn.torch.recompute`.
 `torch.fx` graph (the same trace the planner named its tensors after), so that the executor knows
 which fx node is running. fx's own `Interpreter` runs a whole graph in one call; the loop here is
 hand-written because the executor acts between nodes (tagging each output, saving what a
-recomputation will read). It frees each value after its last use, as the Interpreter does. Inputs bind to the graph's placeholders
-as Python binds a call's arguments: by position, by keyword, else the parameter's default.
+recomputation will read). It frees each value after its last use, as the Interpreter does. Inputs
+bind to the graph's placeholders as Python binds a call's arguments: by position, by keyword, else
+the parameter's default.
 
 **Prepared once.** The fx graph, each value's last use, the plan's check per input shape (a traced,
 shape-propagating forward pass) and the host buffers belong to the (model, plan) pair: they are made
@@ -69,7 +70,7 @@ from ucudnn.memory.plan import MemoryPlan
 from ucudnn.torch.conv import Conv2d
 from ucudnn.torch.offload import _copier_for, _HostBuffers, _Offloaded, _OffloadHooks, _Pass, _PrefetchHook
 from ucudnn.torch.planning import _trace_graph, _Tracer, measure_profile, plan_memory
-from ucudnn.torch.recompute import _Dropped, _Program, _programs, _Rebuilds, _Recompute
+from ucudnn.torch.recompute import _Dropped, _programs, _Programs, _Rebuilds, _Recompute
 
 __all__ = ["ExecutionStats", "execute_plan", "measure_profile", "plan_memory"]
 
@@ -117,7 +118,7 @@ class _Prepared:
         self.placeholders = [n for n in self.nodes if n.op == "placeholder"]
         self.actions = {t.name: t.action for t in plan.tensors}
         self._check_workspace_layers(type(model).__name__)
-        self.shapes_checked: dict[tuple, dict[str, _Program]] = {}  # input shape -> its recompute programs
+        self.shapes_checked: dict[tuple, _Programs] = {}  # input shape -> its recompute programs
         # last use of each value, as fx.Interpreter computes it: free a value after its last reader
         self.last_use: dict[int, list[fx.Node]] = {}
         seen: set[fx.Node] = set()
@@ -141,7 +142,7 @@ class _Prepared:
             self.conv_budgets.setdefault(c.layer, {})[c.kind] = c.bytes
         self.convs = convs
 
-    def check_input(self, model: nn.Module, x: Any) -> dict[str, _Program]:
+    def check_input(self, model: nn.Module, x: Any) -> _Programs:
         """The recompute programs for input `x` (by storage); traces `model` once per shape."""
         if not isinstance(x, torch.Tensor):
             raise InvalidInput(f"execute_plan runs models whose first input is a tensor, got {type(x).__name__}")
@@ -236,12 +237,8 @@ class _Executor(_OffloadHooks, _Recompute):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         inputs = self._bind(args, kwargs)
         prep = self.prep
-        self.programs = prep.check_input(self.model, inputs[prep.placeholders[0]] if prep.placeholders else None)
-        self.producing = {}
-        for program in self.programs.values():
-            for node in program.nodes:
-                self.producing.setdefault(node, []).append(program)
-        self.pass_, self.rebuilds = _Pass(), _Rebuilds()
+        programs = prep.check_input(self.model, inputs[prep.placeholders[0]] if prep.placeholders else None)
+        self.pass_, self.rebuilds = _Pass(), _Rebuilds(programs)
         self.forward_running = True
         try:
             env: dict[fx.Node, Any] = {}
@@ -301,7 +298,7 @@ class _Executor(_OffloadHooks, _Recompute):
         action = self.prep.actions.get(name, "keep") if name is not None else "keep"
         if action == "offload":
             return self._offload(name, t)
-        if action == "recompute" and name in self.programs:
+        if action == "recompute" and name in self.rebuilds.programs.by_storage:
             return self._drop(name, t, tagged=self._tagged_name(t) is not None)
         if action == "release":
             self.stats.kept_released.add(name)

@@ -47,7 +47,18 @@ class _Program:
     late: int
 
 
-def _programs(graph: TrainingGraph, plan: MemoryPlan, nodes: Iterable[fx.Node]) -> dict[str, _Program]:
+class _Programs:
+    """The programs of a plan for one input shape: by storage, and by fx node (those it is a producer in)."""
+
+    def __init__(self, programs: dict[str, _Program]) -> None:
+        self.by_storage = programs
+        self.by_node: dict[fx.Node, list[_Program]] = {}
+        for program in programs.values():
+            for node in program.nodes:
+                self.by_node.setdefault(node, []).append(program)
+
+
+def _programs(graph: TrainingGraph, plan: MemoryPlan, nodes: Iterable[fx.Node]) -> _Programs:
     """A program for every storage the plan recomputes, but the inputs (kept), and for every released
     storage that one of those programs reads (the simulator rebuilds those too)."""
     by_name = {n.name: n for n in nodes}
@@ -70,7 +81,7 @@ def _programs(graph: TrainingGraph, plan: MemoryPlan, nodes: Iterable[fx.Node]) 
                 src = _storage_of(graph, source)
                 if src is not None and src != storage and actions.get(src) == "release":
                     pending.append(src)
-    return out
+    return _Programs(out)
 
 
 def _storage_of(graph: TrainingGraph, node: fx.Node) -> str | None:
@@ -83,10 +94,11 @@ class _Dropped:
     node has returned, a tensor saved by a node for its own output (or internals such as max-pool
     indices) is held in `tensor`; the executor then drops it if it is the output (`_confirm`)."""
 
-    __slots__ = ("name", "size", "stride", "offset", "tensor")
+    __slots__ = ("rebuilds", "name", "size", "stride", "offset", "tensor")
 
-    def __init__(self, name: str, t: torch.Tensor, held: bool) -> None:
-        self.name, self.size, self.stride, self.offset = name, t.size(), t.stride(), t.storage_offset()
+    def __init__(self, rebuilds: _Rebuilds, name: str, t: torch.Tensor, held: bool) -> None:
+        self.rebuilds, self.name = rebuilds, name
+        self.size, self.stride, self.offset = t.size(), t.stride(), t.storage_offset()
         self.tensor = t.detach() if held else None
 
 
@@ -94,7 +106,8 @@ class _Rebuilds:
     """One forward pass's dropped storages: the sources saved for their programs, the random-number
     states their producers ran with, and, in the backward pass, the rebuilt storages in use."""
 
-    def __init__(self) -> None:
+    def __init__(self, programs: _Programs) -> None:
+        self.programs = programs
         self.sources: dict[tuple[str, fx.Node], tuple[Any, int | None]] = {}  # (storage, node) -> saved, version
         self.rng: dict[fx.Node, tuple] = {}
         self.unresolved: list[_Dropped] = []
@@ -104,18 +117,16 @@ class _Rebuilds:
 
 class _Recompute:
     """The executor's recomputation. A base of `ucudnn.torch.memory._Executor`, whose state and hooks
-    it uses: `prep`, `stats`, `current`, `pack`, `unpack`, `_run_node` and `_name_of`; `programs` (storage
-    -> `_Program`) and `producing` (fx node -> the programs it is a producer in) are set per input shape."""
+    it uses: `prep`, `stats`, `current`, `pack`, `unpack`, `_run_node` and `_name_of`; `rebuilds` is the
+    forward pass's (a handle keeps its own: two forward passes may precede their backward passes)."""
 
-    programs: dict[str, _Program]
-    producing: dict[fx.Node, list[_Program]]
     rebuilds: _Rebuilds
 
     # -- the forward pass ---------------------------------------------------------------------------
     def _drop(self, name: str, t: torch.Tensor, tagged: bool) -> _Dropped:
         """The handle saved in place of `t`, in dropped storage `name`."""
         r = self.rebuilds
-        dropped = _Dropped(name, t, held=not tagged)
+        dropped = _Dropped(r, name, t, held=not tagged)
         if tagged:
             r.handles[name] = r.handles.get(name, 0) + 1
         else:
@@ -123,7 +134,7 @@ class _Recompute:
         return dropped
 
     def _before_node(self, node: fx.Node) -> None:
-        if node in self.producing:
+        if node in self.rebuilds.programs.by_node:
             self.rebuilds.rng[node] = _rng_state()
 
     def _after_node(self, node: fx.Node, env: dict) -> None:
@@ -138,7 +149,7 @@ class _Recompute:
         r.unresolved.clear()
         current = self.current
         try:
-            for program in self.producing.get(node, ()):
+            for program in r.programs.by_node.get(node, ()):
                 self.current = program.late  # an offloaded source is used when backward rebuilds
                 for source in node.all_input_nodes:
                     key = (program.storage, source)
@@ -153,7 +164,7 @@ class _Recompute:
         if not isinstance(value, torch.Tensor):
             return value
         name = self._name_of(value)
-        if name is not None and self.prep.actions.get(name) == "release" and name in self.programs:
+        if name is not None and self.prep.actions.get(name) == "release" and name in self.rebuilds.programs.by_storage:
             return self._drop(name, value, tagged=True)
         return self.pack(value)
 
@@ -161,22 +172,26 @@ class _Recompute:
     def _unpack_dropped(self, dropped: _Dropped) -> torch.Tensor:
         if dropped.tensor is not None:
             return dropped.tensor
-        r = self.rebuilds
+        r = dropped.rebuilds
         base = r.rebuilt.get(dropped.name)
         if base is None:
-            base = r.rebuilt[dropped.name] = self._rebuild(self.programs[dropped.name])
+            base = r.rebuilt[dropped.name] = self._rebuild(r, r.programs.by_storage[dropped.name])
         r.handles[dropped.name] -= 1
         if r.handles[dropped.name] <= 0:  # its last handle: whoever unpacked it holds it now
             del r.rebuilt[dropped.name]
         return base.as_strided(dropped.size, dropped.stride, dropped.offset)
 
-    def _rebuild(self, program: _Program) -> torch.Tensor:
-        r = self.rebuilds
+    def _rebuild(self, r: _Rebuilds, program: _Program) -> torch.Tensor:
         local: dict[fx.Node, Any] = {}
         for node in program.nodes:
             for source in node.all_input_nodes:
                 if source in local or source in program.nodes:
                     continue
+                if (program.storage, source) not in r.sources:  # popped by the first rebuild
+                    raise UnsupportedProblem(
+                        f"{program.storage!r} was already recomputed for a backward pass; under execute_plan run "
+                        "backward once per forward (no retain_graph=True for a second backward through "
+                        "recomputed tensors)")
                 saved, version = r.sources.pop((program.storage, source))
                 value = fx.node.map_aggregate(saved, self.unpack)
                 if version is not None and isinstance(saved, torch.Tensor) and value._version != version:
