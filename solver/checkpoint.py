@@ -16,7 +16,10 @@ one forward pass. Three ways to choose K:
 
 - `sqrt_n(n)`: every ceil(sqrt n)-th stage (section 4.3), for stages of equal size;
 - `greedy(sizes, budget)`: Algorithm 3, with `budget_search(sizes)`, Appendix A's search over B;
-- `optimal(sizes)`: the exact minimum of peak(K), for checking how far the paper's search is.
+- `optimal(sizes)`: the exact minimum of peak(K), for checking how far the paper's search is;
+- `even_segments(sizes, k)`: k segments of (nearly) equal stage count, as PyTorch's
+  `checkpoint_sequential` splits a model: not the smallest peak, but the least recompute at many peaks
+  between the smallest and keeping everything, which the three searches above never aim for.
 
 Pure NumPy-free math; no graph and no I/O.
 """
@@ -30,7 +33,7 @@ from dataclasses import dataclass
 
 from ucudnn.errors import InvalidInput
 
-__all__ = ["Segmentation", "budget_search", "evaluate", "greedy", "optimal", "sqrt_n"]
+__all__ = ["Segmentation", "budget_search", "evaluate", "even_segments", "greedy", "optimal", "sqrt_n"]
 
 # Appendix A: "a size 6 grid on [B/sqrt 2, sqrt 2 B] can already give good memory plans".
 GRID_POINTS = 6
@@ -96,6 +99,17 @@ def sqrt_n(n: int) -> tuple[int, ...]:
         raise InvalidInput(f"n must be a positive number of stages, got {n!r}")
     step = math.ceil(math.sqrt(n))
     return tuple(sorted({*range(step - 1, n, step), n - 1}))
+
+
+def even_segments(sizes: Sequence[int], segments: int, costs: Sequence[float] | None = None, *,
+                  candidates: Sequence[int] | None = None) -> Segmentation:
+    """`segments` runs of (nearly) equal length over the candidate stages; keep the last stage of each run."""
+    s = _check_sizes(sizes)
+    allowed = sorted(set(range(len(s)) if candidates is None else candidates))
+    if isinstance(segments, bool) or not isinstance(segments, int) or not 1 <= segments <= max(len(allowed), 1):
+        raise InvalidInput(f"segments must be an integer in 1..{max(len(allowed), 1)}, got {segments!r}")
+    ends = [allowed[j * len(allowed) // segments - 1] for j in range(1, segments)]
+    return evaluate(s, ends, costs)
 
 
 def greedy(sizes: Sequence[int], budget: float, candidates: Sequence[int] | None = None) -> tuple[tuple[int, ...], int, int]:

@@ -93,3 +93,19 @@ def test_the_residency_check_catches_a_missing_recompute():
     # a schedule without its rebuild (the one for keeping it) reads it after the forward pass dropped it
     with pytest.raises(AssertionError, match="holds no data"):
         assert_resident_when_used(graph, dropped, schedule=expand(graph, actions))
+
+
+def test_a_looser_limit_buys_less_recompute():
+    # Between the smallest peak and keeping everything, the policy trades memory for recompute as
+    # checkpoint_sequential does with fewer segments: it recomputes less than the smallest-peak plan.
+    graph, device = from_network("resnet50", 64), load_profile("k40")
+    tightest = checkpoint.plan(graph, device, 1, search="optimal")
+    everything = checkpoint.plan(graph, device, 2**62).peak_bytes  # nothing recomputed
+    limit = (tightest.peak_bytes + everything) // 2
+    looser = checkpoint.plan(graph, device, limit)
+    assert looser.fits and looser.peak_bytes <= limit
+    def recomputed(plan):
+        return sum(t.action == "recompute" for t in plan.tensors)
+
+    assert 0 < recomputed(looser) < recomputed(tightest)
+    assert looser.step_ms < tightest.step_ms

@@ -118,3 +118,19 @@ def test_optimal_with_candidates_matches_brute_force(seed):
     assert set(exact.checkpoints) <= {*candidates, n - 1}
     assert exact.peak_bytes == best.peak_bytes
     assert exact.recompute_cost == pytest.approx(best.recompute_cost)
+
+
+def test_even_segments_split_like_checkpoint_sequential():
+    sizes = [4] * 12
+    # 3 runs of 4 stages: keep stages 3, 7 and the last; 8 dropped stages recomputed, 12 bytes per run dropped
+    three = checkpoint.even_segments(sizes, 3, [1.0] * 12)
+    assert three.checkpoints == (3, 7, 11)
+    assert three.peak_bytes == 3 * 4 + 3 * 4 and three.recompute_cost == 9.0
+    assert checkpoint.even_segments(sizes, 1).checkpoints == (11,)
+    assert checkpoint.even_segments(sizes, 12).checkpoints == tuple(range(12))
+    # over candidates only, and uneven counts split as evenly as they go
+    assert checkpoint.even_segments(sizes, 2, candidates=[1, 5, 9]).checkpoints == (1, 11)
+    with pytest.raises(InvalidInput, match="segments"):
+        checkpoint.even_segments(sizes, 13)
+    with pytest.raises(InvalidInput, match="segments"):
+        checkpoint.even_segments(sizes, 0)

@@ -13,9 +13,11 @@ kept storage before its first backward use, each op once (one extra forward pass
 one reads after the forward pass is released.
 
 `search` picks the checkpoints: ``sqrt`` (every ceil(sqrt m)-th of the m candidates, section 4.3),
-``greedy`` (Algorithm 3 with Appendix A's budget grid), ``optimal`` (the exact minimum of equation 1)
-or ``auto`` (default): keeping everything when that fits, else the fastest of the three that fits,
-else the one with the smallest simulated peak. Convs run their fastest algorithms.
+``greedy`` (Algorithm 3 with Appendix A's budget grid), ``optimal`` (the exact minimum of equation 1),
+``segments`` (k runs of equal length for every k, as `checkpoint_sequential` splits a model: the least
+recompute that fits a limit between the smallest peak and keeping everything) or ``auto`` (default):
+keeping everything when that fits, else the fastest of all four that fits, else the one with the
+smallest simulated peak. Convs run their fastest algorithms.
 """
 
 from __future__ import annotations
@@ -34,7 +36,11 @@ from ucudnn.solver import checkpoint as chain
 
 __all__ = ["SEARCHES", "actions_for", "articulation_storages", "chain_of", "forward_ms", "plan"]
 
-SEARCHES = ("auto", "sqrt", "greedy", "optimal")
+SEARCHES = ("auto", "sqrt", "greedy", "optimal", "segments")
+# Of the equal-run segmentations that equation (1) says fit, at most this many, least recompute first, are
+# simulated: the first that fits is as fast as any (a step differs by its recompute alone), and simulating
+# all ~55 of a ResNet-152 would cost a second per plan.
+SEGMENTS_SIMULATED = 4
 
 
 def articulation_storages(graph: TrainingGraph) -> tuple[str, ...]:
@@ -124,7 +130,13 @@ def plan(graph: TrainingGraph, device: DeviceProfile, memory_limit: int, *, devi
         if tried[0][1].fits:
             return to_plan(graph, device, memory_limit, "checkpoint", keep_all, workspace, tried[0][1],
                            devices=devices, base=base)
-    for seg in _segmentations(sizes, forward_costs, candidates, search).values():
+    segmentations = list(_segmentations(sizes, forward_costs, candidates, search).values())
+    if search in ("segments", "auto") and candidates:
+        even = {chain.even_segments(sizes, k, forward_costs, candidates=candidates)
+                for k in range(1, len(candidates) + 1)}
+        fitting = sorted((seg for seg in even if seg.peak_bytes <= memory_limit), key=lambda seg: seg.recompute_cost)
+        segmentations += fitting[:SEGMENTS_SIMULATED] or [min(even, key=lambda seg: seg.peak_bytes)]
+    for seg in dict.fromkeys(segmentations):
         actions = actions_for(graph, [storages[k] for k in seg.checkpoints])
         tried.append((actions, run(actions)))
     fitting = [t for t in tried if t[1].fits]
