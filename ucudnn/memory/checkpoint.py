@@ -38,9 +38,8 @@ __all__ = ["SEARCHES", "actions_for", "articulation_storages", "chain_of", "forw
 
 SEARCHES = ("auto", "sqrt", "greedy", "optimal", "segments")
 # Of the equal-run segmentations that equation (1) says fit, at most this many, least recompute first, are
-# simulated: the first that fits is as fast as any (a step differs by its recompute alone), and simulating
-# all ~55 of a ResNet-152 would cost a second per plan.
-SEGMENTS_SIMULATED = 4
+# simulated until one fits: simulating all ~55 of a ResNet-152 would cost a second per plan.
+SEGMENTS_SIMULATED = 8
 
 
 def articulation_storages(graph: TrainingGraph) -> tuple[str, ...]:
@@ -130,15 +129,23 @@ def plan(graph: TrainingGraph, device: DeviceProfile, memory_limit: int, *, devi
         if tried[0][1].fits:
             return to_plan(graph, device, memory_limit, "checkpoint", keep_all, workspace, tried[0][1],
                            devices=devices, base=base)
-    segmentations = list(_segmentations(sizes, forward_costs, candidates, search).values())
+    def kept(seg: chain.Segmentation) -> dict[str, str]:
+        return actions_for(graph, [storages[k] for k in seg.checkpoints])
+
+    for seg in _segmentations(sizes, forward_costs, candidates, search).values():
+        tried.append((kept(seg), run(kept(seg))))
     if search in ("segments", "auto") and candidates:
-        even = {chain.even_segments(sizes, k, forward_costs, candidates=candidates)
-                for k in range(1, len(candidates) + 1)}
-        fitting = sorted((seg for seg in even if seg.peak_bytes <= memory_limit), key=lambda seg: seg.recompute_cost)
-        segmentations += fitting[:SEGMENTS_SIMULATED] or [min(even, key=lambda seg: seg.peak_bytes)]
-    for seg in dict.fromkeys(segmentations):
-        actions = actions_for(graph, [storages[k] for k in seg.checkpoints])
-        tried.append((actions, run(actions)))
+        # Equation (1) counts the maps backward reads and nothing else (weights, gradients, workspaces):
+        # that rest is what the everything-kept simulation peaks at beyond its equation (1) peak.
+        everything = tried[0][1] if search == "auto" else run(actions_for(graph, storages))
+        rest = everything.peak_bytes - chain.evaluate(sizes, range(len(sizes))).peak_bytes
+        even = sorted({chain.even_segments(sizes, k, forward_costs, candidates=candidates)
+                       for k in range(1, len(candidates) + 1)}, key=lambda seg: seg.recompute_cost)
+        likely = [seg for seg in even if seg.peak_bytes + rest <= memory_limit][:SEGMENTS_SIMULATED]
+        for seg in likely or [min(even, key=lambda seg: seg.peak_bytes)]:
+            tried.append((kept(seg), run(kept(seg))))
+            if tried[-1][1].fits:
+                break  # the least recompute that fits: the others differ from it by more recompute only
     fitting = [t for t in tried if t[1].fits]
     actions, result = (min(fitting, key=lambda t: t[1].step_ms) if fitting
                        else min(tried, key=lambda t: t[1].peak_bytes))
