@@ -129,11 +129,14 @@ def plan(graph: TrainingGraph, device: DeviceProfile, memory_limit: int, *, devi
         if tried[0][1].fits:
             return to_plan(graph, device, memory_limit, "checkpoint", keep_all, workspace, tried[0][1],
                            devices=devices, base=base)
-    def kept(seg: chain.Segmentation) -> dict[str, str]:
-        return actions_for(graph, [storages[k] for k in seg.checkpoints])
+    def attempt(seg: chain.Segmentation) -> bool:
+        """Simulate keeping `seg`'s checkpoints; whether that fits."""
+        actions = actions_for(graph, [storages[k] for k in seg.checkpoints])
+        tried.append((actions, run(actions)))
+        return tried[-1][1].fits
 
     for seg in _segmentations(sizes, forward_costs, candidates, search).values():
-        tried.append((kept(seg), run(kept(seg))))
+        attempt(seg)
     if search in ("segments", "auto") and candidates:
         # Equation (1) counts the maps backward reads and nothing else (weights, gradients, workspaces):
         # that rest is what the everything-kept simulation peaks at beyond its equation (1) peak.
@@ -143,8 +146,7 @@ def plan(graph: TrainingGraph, device: DeviceProfile, memory_limit: int, *, devi
                        for k in range(1, len(candidates) + 1)}, key=lambda seg: seg.recompute_cost)
         likely = [seg for seg in even if seg.peak_bytes + rest <= memory_limit][:SEGMENTS_SIMULATED]
         for seg in likely or [min(even, key=lambda seg: seg.peak_bytes)]:
-            tried.append((kept(seg), run(kept(seg))))
-            if tried[-1][1].fits:
+            if attempt(seg):
                 break  # the least recompute that fits: the others differ from it by more recompute only
     fitting = [t for t in tried if t[1].fits]
     actions, result = (min(fitting, key=lambda t: t[1].step_ms) if fitting
