@@ -27,7 +27,7 @@ def test_evaluate_hand_computed():
     plan = checkpoint.evaluate([10, 20, 30, 40, 50], [1], costs=[1, 2, 3, 4, 5])
     assert plan.checkpoints == (1, 4)
     assert plan.peak_bytes == 20 + 50 + 70
-    assert plan.recompute_cost == 1 + 3 + 4
+    assert plan.recompute_cost == 1  # stage 0; the segment after the last checkpoint, {2, 3}, is kept
     # keeping everything: the sum, nothing recomputed
     everything = checkpoint.evaluate([10, 20, 30], [0, 1, 2], costs=[1, 1, 1])
     assert (everything.peak_bytes, everything.recompute_cost) == (60, 0)
@@ -120,17 +120,37 @@ def test_optimal_with_candidates_matches_brute_force(seed):
     assert exact.recompute_cost == pytest.approx(best.recompute_cost)
 
 
-def test_even_segments_split_like_checkpoint_sequential():
-    sizes = [4] * 12
-    # 3 runs of 4 stages: keep stages 3, 7 and the last; 8 dropped stages recomputed, 12 bytes per run dropped
-    three = checkpoint.even_segments(sizes, 3, [1.0] * 12)
-    assert three.checkpoints == (3, 7, 11)
-    assert three.peak_bytes == 3 * 4 + 3 * 4 and three.recompute_cost == 9.0
-    assert checkpoint.even_segments(sizes, 1).checkpoints == (11,)
-    assert checkpoint.even_segments(sizes, 12).checkpoints == tuple(range(12))
-    # over candidates only, and uneven counts split as evenly as they go
-    assert checkpoint.even_segments(sizes, 2, candidates=[1, 5, 9]).checkpoints == (1, 11)
-    with pytest.raises(InvalidInput, match="segments"):
-        checkpoint.even_segments(sizes, 13)
-    with pytest.raises(InvalidInput, match="segments"):
-        checkpoint.even_segments(sizes, 0)
+@pytest.mark.parametrize("seed", range(20))
+def test_frontier_is_the_front_of_every_checkpoint_set(seed):
+    rng = random.Random(300 + seed)
+    n = rng.randint(2, 10)
+    sizes = [rng.randint(0, 30) for _ in range(n)]
+    costs = [rng.uniform(0, 3) for _ in range(n)]
+    candidates = sorted(rng.sample(range(n - 1), rng.randint(0, n - 1)))
+    front = checkpoint.frontier(sizes, costs, candidates=candidates)
+    every = [checkpoint.evaluate(sizes, kept, costs)
+             for r in range(len(candidates) + 1) for kept in itertools.combinations(candidates, r)]
+    # ascending peak, descending recompute, each point exact and on the candidates
+    assert [p.peak_bytes for p in front] == sorted({p.peak_bytes for p in front})
+    assert all(a.recompute_cost > b.recompute_cost for a, b in zip(front, front[1:]))
+    for p in front:
+        assert set(p.checkpoints) <= {*candidates, n - 1}
+        assert p == checkpoint.evaluate(sizes, p.checkpoints, costs)
+    # its ends: the smallest peak there is, and nothing recomputed (everything kept)
+    assert front[0].peak_bytes == min(p.peak_bytes for p in every)
+    assert front[-1].recompute_cost == 0
+    # at every limit, no more recompute than checkpoint_sequential's split (k equal runs) within it
+    evens = [checkpoint.evaluate(sizes, [candidates[j * len(candidates) // k - 1] for j in range(1, k)], costs)
+             for k in range(1, len(candidates) + 1)]
+    for e in evens:
+        assert min(p.recompute_cost for p in front if p.peak_bytes <= e.peak_bytes) <= e.recompute_cost + 1e-9
+
+
+def test_frontier_keeps_the_last_segment_as_checkpoint_sequential_does():
+    sizes, costs = [4] * 12, [1.0] * 12
+    # keep stage 5: stages 0-4 are recomputed, 6-10 (the last segment) are kept
+    plan = checkpoint.evaluate(sizes, [5], costs)
+    assert plan.peak_bytes == 4 + 4 + 5 * 4 and plan.recompute_cost == 5.0
+    front = checkpoint.frontier(sizes, costs)
+    assert plan.peak_bytes in {p.peak_bytes for p in front}
+    assert min(p.recompute_cost for p in front if p.peak_bytes <= plan.peak_bytes) <= 5.0

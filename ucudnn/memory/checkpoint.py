@@ -14,8 +14,8 @@ one reads after the forward pass is released.
 
 `search` picks the checkpoints: ``sqrt`` (every ceil(sqrt m)-th of the m candidates, section 4.3),
 ``greedy`` (Algorithm 3 with Appendix A's budget grid), ``optimal`` (the exact minimum of equation 1),
-``segments`` (k runs of equal length for every k, as `checkpoint_sequential` splits a model: the least
-recompute that fits a limit between the smallest peak and keeping everything) or ``auto`` (default):
+``frontier`` (the least recompute on the front of equation 1's peak against recompute that fits a
+limit between the smallest peak and keeping everything) or ``auto`` (default):
 keeping everything when that fits, else the fastest of all four that fits, else the one with the
 smallest simulated peak. Convs run their fastest algorithms.
 """
@@ -36,10 +36,10 @@ from ucudnn.solver import checkpoint as chain
 
 __all__ = ["SEARCHES", "actions_for", "articulation_storages", "chain_of", "forward_ms", "plan"]
 
-SEARCHES = ("auto", "sqrt", "greedy", "optimal", "segments")
-# Of the equal-run segmentations that equation (1) says fit, at most this many, least recompute first, are
-# simulated until one fits: simulating all ~55 of a ResNet-152 would cost a second per plan.
-SEGMENTS_SIMULATED = 8
+SEARCHES = ("auto", "sqrt", "greedy", "optimal", "frontier")
+# Of the front's sets that equation (1) says fit, at most this many, least recompute first, are simulated
+# until one fits: simulating all of a ResNet-152's would cost seconds per plan.
+FRONT_SIMULATED = 8
 
 
 def articulation_storages(graph: TrainingGraph) -> tuple[str, ...]:
@@ -75,11 +75,20 @@ def chain_of(graph: TrainingGraph, costs: Sequence[StepCost]) -> tuple[list[int]
 
 
 def actions_for(graph: TrainingGraph, kept: Sequence[str]) -> dict[str, str]:
-    """Keep `kept` and the input; recompute what backward, or a recomputed op, reads; release the rest."""
+    """Keep `kept`, the input and what follows the last of `kept`; recompute what backward, or a
+    recomputed op, reads; release the rest.
+
+    The last segment stays (as `checkpoint_sequential` runs its last segment): the backward pass
+    starts by reading it, so rebuilding it would hold the same memory at that moment and cost its
+    forward pass again."""
     backward = {r for s in graph.steps if s.phase == "bwd" for r in s.reads}
     keep = set(kept) | {op.name for op in graph.ops if op.type == "input"}
     loss_inputs = {graph.storage_of(i) for op in graph.ops if op.type == "loss" for i in op.inputs}
     keep |= loss_inputs  # the backward pass starts there at once
+    storages = graph.storages
+    last = max((k for k, s in enumerate(storages)
+                if s in keep and s not in loss_inputs and graph.op(s).type != "loss"), default=0)
+    keep |= set(storages[last + 1:])
     recompute = {s for s in graph.storages if s in backward and s not in keep}
     # walk back from what is recomputed: the storages its producers read must be rebuilt too
     pending = list(recompute)
@@ -129,6 +138,7 @@ def plan(graph: TrainingGraph, device: DeviceProfile, memory_limit: int, *, devi
         if tried[0][1].fits:
             return to_plan(graph, device, memory_limit, "checkpoint", keep_all, workspace, tried[0][1],
                            devices=devices, base=base)
+
     def attempt(seg: chain.Segmentation) -> bool:
         """Simulate keeping `seg`'s checkpoints; whether that fits."""
         actions = actions_for(graph, [storages[k] for k in seg.checkpoints])
@@ -137,15 +147,14 @@ def plan(graph: TrainingGraph, device: DeviceProfile, memory_limit: int, *, devi
 
     for seg in _segmentations(sizes, forward_costs, candidates, search).values():
         attempt(seg)
-    if search in ("segments", "auto") and candidates:
+    if search in ("frontier", "auto") and candidates:
         # Equation (1) counts the maps backward reads and nothing else (weights, gradients, workspaces):
         # that rest is what the everything-kept simulation peaks at beyond its equation (1) peak.
         everything = tried[0][1] if search == "auto" else run(actions_for(graph, storages))
         rest = everything.peak_bytes - chain.evaluate(sizes, range(len(sizes))).peak_bytes
-        even = sorted({chain.even_segments(sizes, k, forward_costs, candidates=candidates)
-                       for k in range(1, len(candidates) + 1)}, key=lambda seg: seg.recompute_cost)
-        likely = [seg for seg in even if seg.peak_bytes + rest <= memory_limit][:SEGMENTS_SIMULATED]
-        for seg in likely or [min(even, key=lambda seg: seg.peak_bytes)]:
+        front = chain.frontier(sizes, forward_costs, candidates=candidates)  # peak up, recompute down
+        likely = [seg for seg in reversed(front) if seg.peak_bytes + rest <= memory_limit][:FRONT_SIMULATED]
+        for seg in likely or front[:1]:
             if attempt(seg):
                 break  # the least recompute that fits: the others differ from it by more recompute only
     fitting = [t for t in tried if t[1].fits]
