@@ -74,3 +74,21 @@ def test_a_measurement_cache_comes_first(tmp_path):
     fronts = conv_fronts(from_network("alexnet", 16), PROFILES["k40"], db=str(db))
     assert [(o.time_ms, o.workspace) for o in fronts[("conv3", "fwd")]] == [(9.0, 0), (1.0, 1 << 20)]
     assert fronts[("conv3", "bwd_data")][0].source != "measured"  # not in the cache: scaled from the H100
+
+
+def test_an_op_measured_on_the_device_costs_what_was_measured_each_way():
+    import dataclasses
+
+    g = from_network("resnet18", 4)
+    ops = tuple(dataclasses.replace(op, measured_ms=1.5, measured_bwd_ms=0.25) if op.type == "batchnorm"
+                else dataclasses.replace(op, measured_ms=2.0) if op.type == "relu" else op for op in g.ops)
+    costs = step_costs(dataclasses.replace(g, ops=ops), PROFILES["h100"])
+    seen = set()
+    for step, cost in zip(g.steps, costs):
+        kind = g.op(step.op).type
+        if kind == "batchnorm":
+            assert cost.ms == (1.5 if step.phase == "fwd" else 0.25)
+        elif kind == "relu":
+            assert cost.ms == (2.0 if step.phase == "fwd" else 4.0)  # no backward measured: twice the forward
+        seen.add((kind, step.phase))
+    assert {("batchnorm", "fwd"), ("batchnorm", "bwd"), ("relu", "fwd"), ("relu", "bwd")} <= seen

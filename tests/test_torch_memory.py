@@ -23,6 +23,7 @@ from ucudnn.memory.graph import trace  # noqa: E402
 from ucudnn.memory.plan import ConvWorkspace, MemoryPlan, TensorAction  # noqa: E402
 from ucudnn.torch import convert  # noqa: E402
 from ucudnn.torch import memory as tm  # noqa: E402
+from ucudnn.torch import planning  # noqa: E402
 from ucudnn.torch.memory import ExecutionStats, execute_plan, plan_memory  # noqa: E402
 
 RTOL, ATOL = 1e-5, 1e-6
@@ -347,6 +348,24 @@ def test_a_source_changed_after_it_was_read_is_refused_not_recomputed_wrongly():
     with pytest.raises(UnsupportedProblem, match="modified in place"):
         with execute_plan(model, plan):
             model(x).sum().backward()
+
+
+def test_planning_on_this_cpu_times_each_op_both_ways_and_leaves_the_model_and_rng_alone():
+    model = DropoutNet()
+    model.bn = nn.BatchNorm2d(8)  # unused by forward: its buffers must stay too
+    small = _model()
+    x = _data()[0]
+    for m in (model, small):
+        before = copy.deepcopy(m.state_dict())
+        rng = torch.get_rng_state()
+        graph = planning._timed_ops(m, tm._trace_graph(m, x), x)
+        assert torch.equal(torch.get_rng_state(), rng)
+        _assert_same_state(before, m.state_dict())
+        assert all(p.grad is None for p in m.parameters())
+        assert all(module.training for module in m.modules())
+        timed = {op.type for op in graph.ops if op.measured_ms is not None and op.measured_bwd_ms is not None}
+        assert timed >= ({"relu", "linear", "other"} if m is model else {"relu", "batchnorm", "add", "pool", "linear"})
+        assert all(op.measured_ms is None for op in graph.ops if op.type in ("conv", "input", "loss"))
 
 
 def test_converted_convs_run_each_kernel_within_its_planned_budget(monkeypatch):

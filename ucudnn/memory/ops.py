@@ -32,7 +32,8 @@ class Op:
     weight_bytes: int = 0
     conv: ConvProblem | None = None  # the forward problem of a conv
     module: str = ""              # traced from PyTorch: the qualified name of the module it calls
-    measured_ms: float | None = None  # its forward pass timed on the planned device, where it was
+    measured_ms: float | None = None  # its forward step timed on the planned device, where it was
+    measured_bwd_ms: float | None = None  # and its backward step (None: twice the forward's)
 
     @property
     def bytes(self) -> int:

@@ -269,7 +269,9 @@ def step_costs(graph: TrainingGraph, device: DeviceProfile, *,
             costs.append(StepCost(0.0))
         else:
             factor = 1 if step.phase == "fwd" else 2
-            if op.measured_ms is not None:  # timed on the device itself (`ucudnn.torch.plan_memory` on a CPU)
+            if step.phase != "fwd" and op.measured_bwd_ms is not None:
+                costs.append(StepCost(op.measured_bwd_ms))
+            elif op.measured_ms is not None:  # timed on the device itself (`ucudnn.torch.plan_memory` on a CPU)
                 costs.append(StepCost(factor * op.measured_ms))
             else:
                 costs.append(StepCost(other_ms(device, factor * op.flops, factor * op.bytes_moved)))

@@ -221,28 +221,79 @@ def _fuse_native_backward(fronts: dict, layer: str, problem, device: torch.devic
                                          for o in fronts[(layer, kind)])
 
 
-def _timed_ops(model: nn.Module, graph: TrainingGraph, example_input: torch.Tensor, reps: int = 3) -> TrainingGraph:
-    """`graph` with each non-conv op's forward time measured on this CPU (the median of `reps`
-    forward passes, node by node, in eval mode so that no running statistics move): the roofline of
-    a host profile is far from what PyTorch's CPU kernels take (4x on ResNet-18)."""
+def _timed_ops(model: nn.Module, graph: TrainingGraph, example_input: torch.Tensor, reps: int = 5) -> TrainingGraph:
+    """`graph` with each non-conv op's forward and backward times measured on this CPU: each op alone,
+    in training mode, on the values it reads in a forward pass (the median of `reps` rounds over all
+    ops, after an untimed one). The roofline
+    of a host profile is far from what PyTorch's CPU kernels take (4x on ResNet-18), and an op trains
+    differently from inference: batch-norm computes the batch's statistics, and a backward step is
+    not twice its forward (an addition's only passes its gradient on). The model's parameters,
+    buffers (running statistics) and random-number state are as they were."""
     from ucudnn.memory.fx import plain_convs
 
     gm = fx.GraphModule(model, _Tracer().trace(model))
-    samples: dict[str, list[float]] = {}
+    names = {op.name for op in graph.ops if op.type not in ("conv", "input", "loss")}
+    modules = dict(gm.named_modules())
+    values: dict[fx.Node, Any] = {}
 
-    class Timed(fx.Interpreter):
+    class Recorded(fx.Interpreter):
         def run_node(self, n):
-            start = time.perf_counter()
-            result = super().run_node(n)
-            samples.setdefault(n.name, []).append((time.perf_counter() - start) * 1e3)
-            return result
+            values[n] = super().run_node(n)
+            return values[n]
 
-    with _eval_mode(model), plain_convs(gm), torch.no_grad():
-        for _ in range(reps):
-            Timed(gm).run(example_input)
-    ops = tuple(dataclasses.replace(op, measured_ms=statistics.median(samples[op.name]))
-                if op.type not in ("conv", "input", "loss") and op.name in samples else op for op in graph.ops)
+    forward: dict[str, list[float]] = {}
+    backward: dict[str, list[float]] = {}
+    buffers = [(b, b.clone()) for b in model.buffers()]
+    with plain_convs(gm), torch.random.fork_rng(devices=[]):
+        try:
+            with torch.no_grad():
+                Recorded(gm).run(example_input)
+            nodes = [(n, list(modules[n.target].parameters()) if n.op == "call_module" else [])
+                     for n in gm.graph.nodes if n.name in names]
+            for rep in range(reps + 1):  # interleaved, so that the machine's ups and downs spread over all ops
+                for node, params in nodes:
+                    fwd, bwd = _time_node(gm, node, values, params)
+                    if rep == 0:
+                        continue  # untimed: a first call sets up kernels and memory
+                    forward.setdefault(node.name, []).append(fwd)
+                    if bwd is not None:
+                        backward.setdefault(node.name, []).append(bwd)
+        finally:
+            with torch.no_grad():
+                for b, old in buffers:
+                    b.copy_(old)
+    ops = tuple(dataclasses.replace(op, measured_ms=statistics.median(forward[op.name]),
+                                    measured_bwd_ms=statistics.median(backward[op.name])
+                                    if op.name in backward else None)
+                if op.name in forward else op for op in graph.ops)
     return dataclasses.replace(graph, ops=ops)
+
+
+def _time_node(gm: fx.GraphModule, node: fx.Node, values: dict, params: list) -> tuple[float, float | None]:
+    """One forward and backward run of fx `node` on the recorded `values`, in ms (backward None: the
+    node's output has no gradient). Each float tensor it reads becomes a new leaf, and the node reads a
+    copy of it made before the clock starts (an in-place op may not write into a leaf)."""
+    leaves: list[torch.Tensor] = []
+
+    def fresh(v: Any) -> Any:
+        if isinstance(v, torch.Tensor) and v.is_floating_point():
+            leaves.append(v.detach().clone().requires_grad_())
+            return leaves[-1].clone()
+        return v
+
+    args = fx.node.map_arg(node.args, lambda a: fx.node.map_aggregate(values[a], fresh))
+    kwargs = fx.node.map_arg(node.kwargs, lambda a: fx.node.map_aggregate(values[a], fresh))
+    interpreter = fx.Interpreter(gm)
+    start = time.perf_counter()
+    out = getattr(interpreter, node.op)(node.target, args, kwargs)
+    fwd = (time.perf_counter() - start) * 1e3
+    wrt = [t for t in leaves + params if t.requires_grad]
+    if not isinstance(out, torch.Tensor) or out.grad_fn is None or not wrt:
+        return fwd, None
+    grad = torch.ones_like(out)
+    start = time.perf_counter()
+    torch.autograd.grad(out, wrt, grad, allow_unused=True)
+    return fwd, (time.perf_counter() - start) * 1e3
 
 
 class _Tracer(fx.Tracer):
