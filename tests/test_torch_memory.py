@@ -359,6 +359,7 @@ def test_planning_on_this_cpu_times_each_op_both_ways_and_leaves_the_model_and_r
         before = copy.deepcopy(m.state_dict())
         rng = torch.get_rng_state()
         graph = planning._timed_ops(m, tm._trace_graph(m, x), x)
+        assert planning._timed_ops(m, tm._trace_graph(m, x), x) == graph  # measured once: the same figures
         assert torch.equal(torch.get_rng_state(), rng)
         _assert_same_state(before, m.state_dict())
         assert all(p.grad is None for p in m.parameters())

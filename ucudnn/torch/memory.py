@@ -69,7 +69,7 @@ from ucudnn.errors import InvalidInput, UnsupportedProblem
 from ucudnn.memory.plan import MemoryPlan
 from ucudnn.torch.conv import Conv2d
 from ucudnn.torch.offload import _copier_for, _HostBuffers, _Offloaded, _OffloadHooks, _Pass, _PrefetchHook
-from ucudnn.torch.planning import _trace_graph, _Tracer, measure_profile, plan_memory
+from ucudnn.torch.planning import _fingerprint, _trace_graph, _Tracer, measure_profile, plan_memory
 from ucudnn.torch.recompute import _Dropped, _programs, _Programs, _Rebuilds, _Recompute
 
 __all__ = ["ExecutionStats", "execute_plan", "measure_profile", "plan_memory"]
@@ -96,11 +96,6 @@ class ExecutionStats:
 
 
 # ---- the executor --------------------------------------------------------------------------------
-def _fingerprint(model: nn.Module) -> tuple:
-    """What a prepared run of `model` depends on: its modules, by identity and class."""
-    return tuple((name, id(m), type(m)) for name, m in model.named_modules())
-
-
 class _Prepared:
     """What running a model under a plan needs that stays the same from step to step: the fx graph,
     each value's last use, the checked input shapes and their recompute programs, the conv budgets, and the

@@ -18,6 +18,7 @@ import os
 import platform
 import statistics
 import time
+import weakref
 from collections.abc import Iterator
 from functools import lru_cache
 from typing import Any
@@ -221,79 +222,96 @@ def _fuse_native_backward(fronts: dict, layer: str, problem, device: torch.devic
                                          for o in fronts[(layer, kind)])
 
 
-def _timed_ops(model: nn.Module, graph: TrainingGraph, example_input: torch.Tensor, reps: int = 5) -> TrainingGraph:
-    """`graph` with each non-conv op's forward and backward times measured on this CPU: each op alone,
-    in training mode, on the values it reads in a forward pass (the median of `reps` rounds over all
-    ops, after an untimed one). The roofline
-    of a host profile is far from what PyTorch's CPU kernels take (4x on ResNet-18), and an op trains
-    differently from inference: batch-norm computes the batch's statistics, and a backward step is
-    not twice its forward (an addition's only passes its gradient on). The model's parameters,
-    buffers (running statistics) and random-number state are as they were."""
+def _fingerprint(model: nn.Module) -> tuple:
+    """What a model's trace depends on: its modules, by identity and class."""
+    return tuple((name, id(m), type(m)) for name, m in model.named_modules())
+
+
+# model -> {(input shape, dtype, fingerprint): {op: (forward ms, backward ms)}}, weak on the model: its
+# ops are timed once per input shape, so that every plan made for it rests on the same figures
+_OP_TIMES: weakref.WeakKeyDictionary[nn.Module, dict[tuple, dict]] = weakref.WeakKeyDictionary()
+
+
+def _timed_ops(model: nn.Module, graph: TrainingGraph, example_input: torch.Tensor) -> TrainingGraph:
+    """`graph` with each non-conv op's forward and backward times on this CPU (`_op_times`, measured
+    once per model and input shape)."""
+    key = (tuple(example_input.shape), example_input.dtype, _fingerprint(model))
+    times = _OP_TIMES.setdefault(model, {})
+    if key not in times:
+        times[key] = _op_times(model, graph, example_input)
+    ops = tuple(dataclasses.replace(op, measured_ms=times[key][op.name][0], measured_bwd_ms=times[key][op.name][1])
+                if op.name in times[key] else op for op in graph.ops)
+    return dataclasses.replace(graph, ops=ops)
+
+
+def _op_times(model: nn.Module, graph: TrainingGraph, example_input: torch.Tensor, reps: int = 5) -> dict:
+    """Each non-conv op's forward and backward ms (None: no backward) measured on this CPU inside real
+    training steps (forward and backward; the median of `reps`, after an untimed step). A roofline is
+    far from what PyTorch's CPU kernels take (4x on ResNet-18), and an op timed alone misses what a
+    step adds: batch-norm computes the batch's statistics, and a backward step also sums the gradients
+    of a tensor that several ops read (a residual block's input) and allocates fresh memory.
+
+    Forward: each fx node run by an `fx.Interpreter`, timed. Backward: hooks on the autograd node
+    that made each fx node's output; the autograd engine runs a CPU backward pass on one thread, node
+    after node, so each node's time runs from its start to the next node's start (its gradient sums
+    and its weights' gradients included). The steps are plain training steps: measuring needs the
+    memory of one. The model's parameters, their gradients, its buffers (running statistics) and the
+    random-number state are as they were."""
     from ucudnn.memory.fx import plain_convs
 
     gm = fx.GraphModule(model, _Tracer().trace(model))
     names = {op.name for op in graph.ops if op.type not in ("conv", "input", "loss")}
-    modules = dict(gm.named_modules())
-    values: dict[fx.Node, Any] = {}
-
-    class Recorded(fx.Interpreter):
-        def run_node(self, n):
-            values[n] = super().run_node(n)
-            return values[n]
-
     forward: dict[str, list[float]] = {}
     backward: dict[str, list[float]] = {}
+    starts: list[tuple[float, str]] = []  # (time, fx node) of each hooked autograd node's start, in order
+    hooked: set[int] = set()
+
+    class Timed(fx.Interpreter):
+        def run_node(self, n):
+            start = time.perf_counter()
+            out = super().run_node(n)
+            forward.setdefault(n.name, []).append((time.perf_counter() - start) * 1e3)
+            node = getattr(out, "grad_fn", None)
+            if node is not None and id(node) not in hooked:  # an in-place op's or a view's own node
+                hooked.add(id(node))
+                node.register_prehook(lambda grads, name=n.name: starts.append((time.perf_counter(), name)))
+            return out
+
+    saved = [(p, p.grad) for p in model.parameters()]
     buffers = [(b, b.clone()) for b in model.buffers()]
     with plain_convs(gm), torch.random.fork_rng(devices=[]):
         try:
-            with torch.no_grad():
-                Recorded(gm).run(example_input)
-            nodes = [(n, list(modules[n.target].parameters()) if n.op == "call_module" else [])
-                     for n in gm.graph.nodes if n.name in names]
-            for rep in range(reps + 1):  # interleaved, so that the machine's ups and downs spread over all ops
-                for node, params in nodes:
-                    fwd, bwd = _time_node(gm, node, values, params)
-                    if rep == 0:
-                        continue  # untimed: a first call sets up kernels and memory
-                    forward.setdefault(node.name, []).append(fwd)
-                    if bwd is not None:
-                        backward.setdefault(node.name, []).append(bwd)
+            for rep in range(reps + 1):
+                forward_before = {name: len(v) for name, v in forward.items()}
+                hooked.clear()
+                starts.clear()
+                out = Timed(gm).run(example_input)
+                loss = sum(t.float().sum() for t in _tensors(out) if t.requires_grad)
+                if isinstance(loss, torch.Tensor):
+                    loss.backward()
+                    end = time.perf_counter()
+                    for (start, name), (stop, _) in zip(starts, [*starts[1:], (end, "")]):
+                        backward.setdefault(name, []).append((stop - start) * 1e3)
+                if rep == 0:  # untimed: a first step sets up kernels and memory
+                    forward = {name: v[:forward_before.get(name, 0)] for name, v in forward.items()}
+                    backward.clear()
+                del out, loss
         finally:
             with torch.no_grad():
+                for p, grad in saved:
+                    p.grad = grad
                 for b, old in buffers:
                     b.copy_(old)
-    ops = tuple(dataclasses.replace(op, measured_ms=statistics.median(forward[op.name]),
-                                    measured_bwd_ms=statistics.median(backward[op.name])
-                                    if op.name in backward else None)
-                if op.name in forward else op for op in graph.ops)
-    return dataclasses.replace(graph, ops=ops)
+    return {name: (statistics.median(forward[name]),
+                   statistics.median(backward[name]) if name in backward else None)
+            for name in names if forward.get(name)}
 
 
-def _time_node(gm: fx.GraphModule, node: fx.Node, values: dict, params: list) -> tuple[float, float | None]:
-    """One forward and backward run of fx `node` on the recorded `values`, in ms (backward None: the
-    node's output has no gradient). Each float tensor it reads becomes a new leaf, and the node reads a
-    copy of it made before the clock starts (an in-place op may not write into a leaf)."""
-    leaves: list[torch.Tensor] = []
-
-    def fresh(v: Any) -> Any:
-        if isinstance(v, torch.Tensor) and v.is_floating_point():
-            leaves.append(v.detach().clone().requires_grad_())
-            return leaves[-1].clone()
-        return v
-
-    args = fx.node.map_arg(node.args, lambda a: fx.node.map_aggregate(values[a], fresh))
-    kwargs = fx.node.map_arg(node.kwargs, lambda a: fx.node.map_aggregate(values[a], fresh))
-    interpreter = fx.Interpreter(gm)
-    start = time.perf_counter()
-    out = getattr(interpreter, node.op)(node.target, args, kwargs)
-    fwd = (time.perf_counter() - start) * 1e3
-    wrt = [t for t in leaves + params if t.requires_grad]
-    if not isinstance(out, torch.Tensor) or out.grad_fn is None or not wrt:
-        return fwd, None
-    grad = torch.ones_like(out)
-    start = time.perf_counter()
-    torch.autograd.grad(out, wrt, grad, allow_unused=True)
-    return fwd, (time.perf_counter() - start) * 1e3
+def _tensors(value: Any) -> list[torch.Tensor]:
+    """The tensors in a model's output (a tensor, or tuples, lists and dicts of them)."""
+    found: list[torch.Tensor] = []
+    fx.node.map_aggregate(value, lambda v: found.append(v) if isinstance(v, torch.Tensor) else None)
+    return found
 
 
 class _Tracer(fx.Tracer):
