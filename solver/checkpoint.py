@@ -11,6 +11,9 @@ during the backward pass,
 
     peak(K) = sum_{k in K} s_k + max_j sum_{i in segment j, i not in K} s_i
 
+where a kept stage may weigh more than a dropped one (`kept_sizes`): an output no backward step
+reads costs nothing dropped, but kept as a checkpoint it is held for the recomputation it seeds;
+
 and the extra work is one forward computation of every dropped output before the last checkpoint:
 the segment after it is kept, as `torch.utils.checkpoint.checkpoint_sequential` keeps its last
 segment (the backward pass starts by reading it, so rebuilding it would hold the same memory at that
@@ -63,6 +66,14 @@ def _check_sizes(sizes: Sequence[int]) -> list[int]:
     return out
 
 
+def _check_kept(kept_sizes: Sequence[int] | None, sizes: list[int]) -> list[int]:
+    if kept_sizes is None:
+        return sizes
+    if len(kept_sizes) != len(sizes):
+        raise InvalidInput(f"kept_sizes must have one entry per stage ({len(sizes)}), got {len(kept_sizes)}")
+    return _check_sizes(kept_sizes)
+
+
 def _check_costs(costs: Sequence[float] | None, n: int) -> list[float]:
     if costs is None:
         return [0.0] * n
@@ -74,10 +85,12 @@ def _check_costs(costs: Sequence[float] | None, n: int) -> list[float]:
     return [float(c) for c in costs]
 
 
-def evaluate(sizes: Sequence[int], checkpoints: Sequence[int], costs: Sequence[float] | None = None) -> Segmentation:
+def evaluate(sizes: Sequence[int], checkpoints: Sequence[int], costs: Sequence[float] | None = None,
+             kept_sizes: Sequence[int] | None = None) -> Segmentation:
     """peak(K) of equation (1) and the recompute cost of keeping `checkpoints` (the last stage is added)."""
     s = _check_sizes(sizes)
     f = _check_costs(costs, len(s))
+    kept_s = _check_kept(kept_sizes, s)
     n = len(s)
     kept = set()
     for k in checkpoints:
@@ -92,7 +105,7 @@ def evaluate(sizes: Sequence[int], checkpoints: Sequence[int], costs: Sequence[f
             segment = 0
         else:
             segment += s[i]
-    peak = sum(s[k] for k in kept) + largest_segment
+    peak = sum(kept_s[k] for k in kept) + largest_segment
     last = max(kept - {n - 1}, default=-1)  # the segment after it is kept whole
     recompute = sum(f[i] for i in range(last) if i not in kept)
     return Segmentation(tuple(sorted(kept)), peak, recompute)
@@ -147,7 +160,7 @@ def budget_search(sizes: Sequence[int], costs: Sequence[float] | None = None, *,
 
 
 def optimal(sizes: Sequence[int], costs: Sequence[float] | None = None, *,
-            candidates: Sequence[int] | None = None) -> Segmentation:
+            candidates: Sequence[int] | None = None, kept_sizes: Sequence[int] | None = None) -> Segmentation:
     """The checkpoint set with the smallest peak(K) (ties: the smaller recompute cost).
 
     For a fixed bound M on a segment's dropped bytes, the cheapest kept set is a shortest path over
@@ -159,10 +172,11 @@ def optimal(sizes: Sequence[int], costs: Sequence[float] | None = None, *,
     """
     s = _check_sizes(sizes)
     f = _check_costs(costs, len(s))
+    kept_s = _check_kept(kept_sizes, s)
     best: Segmentation | None = None
-    for _, lasts in _least_kept(s, f, candidates):
+    for _, lasts in _least_kept(s, f, candidates, kept_s):
         kept = min(lasts, key=lambda last: (last[0], last[1]))[2]
-        plan = evaluate(s, kept, f)
+        plan = evaluate(s, kept, f, kept_s)
         if best is None or (plan.peak_bytes, plan.recompute_cost) < (best.peak_bytes, best.recompute_cost):
             best = plan
     assert best is not None  # the largest bound admits K = {n - 1}
@@ -170,7 +184,7 @@ def optimal(sizes: Sequence[int], costs: Sequence[float] | None = None, *,
 
 
 def frontier(sizes: Sequence[int], costs: Sequence[float] | None = None, *,
-             candidates: Sequence[int] | None = None) -> tuple[Segmentation, ...]:
+             candidates: Sequence[int] | None = None, kept_sizes: Sequence[int] | None = None) -> tuple[Segmentation, ...]:
     """Checkpoint sets on a front of (peak(K), recompute cost), by ascending peak: none has both a
     smaller peak and a smaller recompute cost than another, so that a limit between the smallest peak
     and keeping everything buys little recompute (a longer kept last segment, larger segments before it).
@@ -179,27 +193,30 @@ def frontier(sizes: Sequence[int], costs: Sequence[float] | None = None, *,
     its bytes less a price on the recompute it saves, at each of `PRICES` (price 0 is `optimal`'s
     search), and `checkpoint_sequential`'s splits (k runs of equal length for every k). The exact
     front is a resource-constrained path problem per (M, L); these candidates come close: on 300 random
-    chains of up to 12 stages, a brute force over every set found less recompute within the same limit
+    chains of up to 12 stages (kept and dropped sizes equal), a brute force over every set found less
+    recompute within the same limit
     at 14% of the limits, by at most 18% of a forward pass.
     """
     s = _check_sizes(sizes)
     f = _check_costs(costs, len(s))
+    kept_s = _check_kept(kept_sizes, s)
     allowed = sorted({*range(len(s) - 1)} if candidates is None else {c for c in candidates if 0 <= c < len(s) - 1})
     bound_of = {}  # each candidate's peak is at most its kept bytes plus its bound
     scale = sum(s) / max(sum(f), 1e-300)  # bytes per unit of cost, chain-wide
     for price in PRICES:
-        for bound, lasts in _least_kept(s, f, candidates, price * scale):
+        for bound, lasts in _least_kept(s, f, candidates, kept_s, price * scale):
             for kept_bytes, recompute, kept in lasts:
                 key = tuple(sorted(kept))
                 bound_of[key] = min(bound_of.get(key, (math.inf, 0.0)), (kept_bytes + bound, recompute))
-    plans = {evaluate(s, kept, f) for kept in bound_of}
-    plans |= {evaluate(s, [allowed[j * len(allowed) // k - 1] for j in range(1, k)], f)
+    plans = {evaluate(s, kept, f, kept_s) for kept in bound_of}
+    plans |= {evaluate(s, [allowed[j * len(allowed) // k - 1] for j in range(1, k)], f, kept_s)
               for k in range(1, len(allowed) + 1)}
     exact = sorted(plans, key=lambda p: (p.peak_bytes, p.recompute_cost))
     return tuple(p for k, p in enumerate(exact) if all(p.recompute_cost < q.recompute_cost for q in exact[:k]))
 
 
-def _least_kept(s: list[int], f: list[float], candidates: Sequence[int] | None, price: float = 0.0):
+def _least_kept(s: list[int], f: list[float], candidates: Sequence[int] | None, kept_s: list[int],
+                price: float = 0.0):
     """For each bound M on a segment's dropped bytes: (M, [(kept bytes, recompute cost, kept stages)
     for each possible last checkpoint L]), each with the fewest kept bytes (ties: the least recompute)."""
     n = len(s)
@@ -228,7 +245,7 @@ def _least_kept(s: list[int], f: list[float], candidates: Sequence[int] | None, 
             if j not in allowed or not window:
                 continue
             i = window[0]
-            g[j] = (g[i][0] + s[j] - price * f[j], g[i][1] + s[j], g[i][2] - f[j])
+            g[j] = (g[i][0] + kept_s[j] - price * f[j], g[i][1] + kept_s[j], g[i][2] - f[j])
             parent[j] = i
             while window and g[window[-1]] >= g[j]:
                 window.pop()
@@ -244,6 +261,6 @@ def _least_kept(s: list[int], f: list[float], candidates: Sequence[int] | None, 
                 kept.append(j)
                 j = parent[j]
             recompute = 0.0 if last < 0 else work[last] + f[last] + g[last][2]
-            lasts.append((g[last][1] + s[n - 1], recompute, kept))
+            lasts.append((g[last][1] + kept_s[n - 1], recompute, kept))
         if lasts:
             yield bound, lasts

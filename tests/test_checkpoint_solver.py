@@ -104,46 +104,58 @@ def test_bad_checkpoint_and_costs():
         checkpoint.greedy([1, 2], -1)
 
 
-@pytest.mark.parametrize("seed", range(20))
-def test_optimal_with_candidates_matches_brute_force(seed):
-    rng = random.Random(100 + seed)
+def _random_chain(seed: int) -> tuple[int, list[int], list[float], list[int], list[int], list]:
+    """A chain of 2-10 stages with random sizes (some weighing more kept than dropped), costs and
+    candidates, and every checkpoint set's figures."""
+    rng = random.Random(seed)
     n = rng.randint(2, 10)
     sizes = [rng.randint(0, 30) for _ in range(n)]
+    kept = [s + rng.choice((0, 0, rng.randint(1, 30))) for s in sizes]
     costs = [rng.uniform(0, 3) for _ in range(n)]
     candidates = sorted(rng.sample(range(n - 1), rng.randint(0, n - 1)))
-    exact = checkpoint.optimal(sizes, costs, candidates=candidates)
-    best = min((checkpoint.evaluate(sizes, kept, costs)
-                for r in range(len(candidates) + 1) for kept in itertools.combinations(candidates, r)),
-               key=lambda p: (p.peak_bytes, p.recompute_cost))
+    every = [checkpoint.evaluate(sizes, ks, costs, kept)
+             for r in range(len(candidates) + 1) for ks in itertools.combinations(candidates, r)]
+    return n, sizes, costs, candidates, kept, every
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_optimal_with_candidates_matches_brute_force(seed):
+    n, sizes, costs, candidates, kept, every = _random_chain(100 + seed)
+    exact = checkpoint.optimal(sizes, costs, candidates=candidates, kept_sizes=kept)
+    best = min(every, key=lambda p: (p.peak_bytes, p.recompute_cost))
     assert set(exact.checkpoints) <= {*candidates, n - 1}
     assert exact.peak_bytes == best.peak_bytes
     assert exact.recompute_cost == pytest.approx(best.recompute_cost)
 
 
 @pytest.mark.parametrize("seed", range(20))
-def test_frontier_is_the_front_of_every_checkpoint_set(seed):
-    rng = random.Random(300 + seed)
-    n = rng.randint(2, 10)
-    sizes = [rng.randint(0, 30) for _ in range(n)]
-    costs = [rng.uniform(0, 3) for _ in range(n)]
-    candidates = sorted(rng.sample(range(n - 1), rng.randint(0, n - 1)))
-    front = checkpoint.frontier(sizes, costs, candidates=candidates)
-    every = [checkpoint.evaluate(sizes, kept, costs)
-             for r in range(len(candidates) + 1) for kept in itertools.combinations(candidates, r)]
+def test_frontier_spans_the_smallest_peak_to_no_recompute_and_beats_equal_splits(seed):
+    n, sizes, costs, candidates, kept, every = _random_chain(300 + seed)
+    front = checkpoint.frontier(sizes, costs, candidates=candidates, kept_sizes=kept)
     # ascending peak, descending recompute, each point exact and on the candidates
     assert [p.peak_bytes for p in front] == sorted({p.peak_bytes for p in front})
     assert all(a.recompute_cost > b.recompute_cost for a, b in zip(front, front[1:]))
     for p in front:
         assert set(p.checkpoints) <= {*candidates, n - 1}
-        assert p == checkpoint.evaluate(sizes, p.checkpoints, costs)
+        assert p == checkpoint.evaluate(sizes, p.checkpoints, costs, kept)
     # its ends: the smallest peak there is, and nothing recomputed (everything kept)
     assert front[0].peak_bytes == min(p.peak_bytes for p in every)
     assert front[-1].recompute_cost == 0
     # at every limit, no more recompute than checkpoint_sequential's split (k equal runs) within it
-    evens = [checkpoint.evaluate(sizes, [candidates[j * len(candidates) // k - 1] for j in range(1, k)], costs)
+    evens = [checkpoint.evaluate(sizes, [candidates[j * len(candidates) // k - 1] for j in range(1, k)], costs, kept)
              for k in range(1, len(candidates) + 1)]
     for e in evens:
         assert min(p.recompute_cost for p in front if p.peak_bytes <= e.peak_bytes) <= e.recompute_cost + 1e-9
+
+
+def test_a_checkpoint_weighs_its_kept_size():
+    # stage 1 is read by no backward step (dropped: 0 bytes) but held when kept (8 bytes)
+    sizes, kept = [10, 0, 10, 10], [10, 8, 10, 10]
+    plan = checkpoint.evaluate(sizes, [1], kept_sizes=kept)
+    assert plan.peak_bytes == 8 + 10 + 10  # kept 1 and 3, largest dropped segment {2} (or {0})
+    assert checkpoint.evaluate(sizes, [1]).peak_bytes == 0 + 10 + 10
+    with pytest.raises(InvalidInput, match="kept_sizes must have one entry per stage"):
+        checkpoint.evaluate(sizes, [1], kept_sizes=[1])
 
 
 def test_frontier_keeps_the_last_segment_as_checkpoint_sequential_does():

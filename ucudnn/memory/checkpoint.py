@@ -62,8 +62,10 @@ def articulation_storages(graph: TrainingGraph) -> tuple[str, ...]:
     return tuple(out)
 
 
-def chain_of(graph: TrainingGraph, costs: Sequence[StepCost]) -> tuple[list[int], list[float], list[int]]:
-    """The storages as Chen's chain: (sizes, forward costs, candidate indices) in `graph.storages` order."""
+def chain_of(graph: TrainingGraph, costs: Sequence[StepCost]) -> tuple[list[int], list[int], list[float], list[int]]:
+    """The storages as Chen's chain, in `graph.storages` order: (sizes dropped, sizes kept, forward costs,
+    candidate indices). Dropped, a storage that no backward step reads costs nothing; kept, every
+    storage is held (a checkpoint seeds the recomputation after it)."""
     backward = {r for s in graph.steps if s.phase == "bwd" for r in s.reads}
     fwd_ms = {graph.steps[k].op: costs[k].ms for k in range(graph.forward_steps)}
     storages = graph.storages
@@ -71,7 +73,7 @@ def chain_of(graph: TrainingGraph, costs: Sequence[StepCost]) -> tuple[list[int]
     forward_costs = [sum(fwd_ms[op.name] for op in graph.producers(s)) for s in storages]
     articulation = set(articulation_storages(graph))
     candidates = [k for k, s in enumerate(storages) if s in articulation]
-    return sizes, forward_costs, candidates
+    return sizes, [graph.bytes_of(s) for s in storages], forward_costs, candidates
 
 
 def actions_for(graph: TrainingGraph, kept: Sequence[str]) -> dict[str, str]:
@@ -103,16 +105,16 @@ def actions_for(graph: TrainingGraph, kept: Sequence[str]) -> dict[str, str]:
     return {s: "keep" if s in keep else "recompute" if s in recompute else "release" for s in graph.storages}
 
 
-def _segmentations(sizes: list[int], forward_costs: list[float], candidates: list[int],
+def _segmentations(sizes: list[int], kept_sizes: list[int], forward_costs: list[float], candidates: list[int],
                    search: str) -> dict[str, chain.Segmentation]:
     out = {}
     if search in ("sqrt", "auto"):
         picks = chain.sqrt_n(len(candidates)) if candidates else ()
-        out["sqrt"] = chain.evaluate(sizes, [candidates[k] for k in picks], forward_costs)
+        out["sqrt"] = chain.evaluate(sizes, [candidates[k] for k in picks], forward_costs, kept_sizes)
     if search in ("greedy", "auto"):
         out["greedy"] = chain.budget_search(sizes, forward_costs, candidates=candidates)
     if search in ("optimal", "auto"):
-        out["optimal"] = chain.optimal(sizes, forward_costs, candidates=candidates)
+        out["optimal"] = chain.optimal(sizes, forward_costs, candidates=candidates, kept_sizes=kept_sizes)
     return out
 
 
@@ -126,7 +128,7 @@ def plan(graph: TrainingGraph, device: DeviceProfile, memory_limit: int, *, devi
     costs = step_costs(graph, device, workspace=workspace, fronts=fronts)
     base = baseline(graph, device, fronts)
     storages = graph.storages
-    sizes, forward_costs, candidates = chain_of(graph, costs)
+    sizes, kept_sizes, forward_costs, candidates = chain_of(graph, costs)
 
     def run(actions):
         return simulate(graph, device, costs, actions, memory_limit=memory_limit, devices=devices)
@@ -145,14 +147,14 @@ def plan(graph: TrainingGraph, device: DeviceProfile, memory_limit: int, *, devi
         tried.append((actions, run(actions)))
         return tried[-1][1].fits
 
-    for seg in _segmentations(sizes, forward_costs, candidates, search).values():
+    for seg in _segmentations(sizes, kept_sizes, forward_costs, candidates, search).values():
         attempt(seg)
     if search in ("frontier", "auto") and candidates:
         # Equation (1) counts the maps backward reads and nothing else (weights, gradients, workspaces):
-        # that rest is what the everything-kept simulation peaks at beyond its equation (1) peak.
+        # that rest is what the everything-kept simulation peaks at beyond all the maps backward reads.
         everything = tried[0][1] if search == "auto" else run(actions_for(graph, storages))
-        rest = everything.peak_bytes - chain.evaluate(sizes, range(len(sizes))).peak_bytes
-        front = chain.frontier(sizes, forward_costs, candidates=candidates)  # peak up, recompute down
+        rest = everything.peak_bytes - sum(sizes)
+        front = chain.frontier(sizes, forward_costs, candidates=candidates, kept_sizes=kept_sizes)  # peak up
         likely = [seg for seg in reversed(front) if seg.peak_bytes + rest <= memory_limit][:FRONT_SIMULATED]
         for seg in likely or front[:1]:
             if attempt(seg):

@@ -98,8 +98,8 @@ class ExecutionStats:
 # ---- the executor --------------------------------------------------------------------------------
 class _Prepared:
     """What running a model under a plan needs that stays the same from step to step: the fx graph,
-    each value's last use, the checked input shapes and their recompute programs, the conv budgets, and the
-    copiers with their host buffers. Holds the model's modules, not the model (see `_prepared`)."""
+    each value's last use, the checked input shapes and their recompute programs, the conv budgets,
+    and the copiers with their host buffers. Holds the model's modules, not the model (see `_prepared`)."""
 
     def __init__(self, model: nn.Module, plan: MemoryPlan) -> None:
         self.plan, self.fingerprint = plan, _fingerprint(model)
@@ -237,9 +237,7 @@ class _Executor(_OffloadHooks, _Recompute):
         self.forward_running = True
         try:
             env: dict[fx.Node, Any] = {}
-            i = 0
-            while i < len(prep.nodes):
-                node = prep.nodes[i]
+            for i, node in enumerate(prep.nodes):
                 if node.op == "placeholder":
                     env[node] = inputs[node]
                     self._tag(node, env[node], i)
@@ -255,7 +253,6 @@ class _Executor(_OffloadHooks, _Recompute):
                 for dead in prep.last_use.get(i, ()):
                     env.pop(dead, None)
                 self._release(env)
-                i += 1
             return None
         finally:
             self.forward_running = False
