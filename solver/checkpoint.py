@@ -194,8 +194,7 @@ def frontier(sizes: Sequence[int], costs: Sequence[float] | None = None, *,
     search), and `checkpoint_sequential`'s splits (k runs of equal length for every k). The exact
     front is a resource-constrained path problem per (M, L); these candidates come close: on 300 random
     chains of up to 12 stages (kept and dropped sizes equal), a brute force over every set found less
-    recompute within the same limit
-    at 14% of the limits, by at most 18% of a forward pass.
+    recompute within the same limit at 14% of the limits, by at most 18% of a forward pass.
     """
     s = _check_sizes(sizes)
     f = _check_costs(costs, len(s))
