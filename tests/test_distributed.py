@@ -55,6 +55,10 @@ def worker(rank, init, out_dir):
         # DDP's own mean, for contrast: with unequal batches it must differ from the big-batch step.
         plain = train(torch.nn.parallel.DistributedDataParallel(make_model()), batches, lambda m, b: None)
         torch.save({"manual": manual, "hooked": hooked, "plain": plain}, f"{out_dir}/rank{rank}.pt")
+        # every rank done with its collectives before any tears gloo down: a rank destroying the group
+        # while another still talks to it was once aborted by gloo ("terminate called ...") under load
+        del ddp
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
