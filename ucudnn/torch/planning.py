@@ -282,7 +282,6 @@ def _op_times(model: nn.Module, graph: TrainingGraph, example_input: torch.Tenso
     with plain_convs(gm), torch.random.fork_rng(devices=[]):
         try:
             for rep in range(reps + 1):
-                forward_before = {name: len(v) for name, v in forward.items()}
                 hooked.clear()
                 starts.clear()
                 out = Timed(gm).run(example_input)
@@ -293,7 +292,7 @@ def _op_times(model: nn.Module, graph: TrainingGraph, example_input: torch.Tenso
                     for (start, name), (stop, _) in zip(starts, [*starts[1:], (end, "")]):
                         backward.setdefault(name, []).append((stop - start) * 1e3)
                 if rep == 0:  # untimed: a first step sets up kernels and memory
-                    forward = {name: v[:forward_before.get(name, 0)] for name, v in forward.items()}
+                    forward.clear()
                     backward.clear()
                 del out, loss
         finally:
