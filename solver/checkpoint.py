@@ -184,7 +184,8 @@ def optimal(sizes: Sequence[int], costs: Sequence[float] | None = None, *,
 
 
 def frontier(sizes: Sequence[int], costs: Sequence[float] | None = None, *,
-             candidates: Sequence[int] | None = None, kept_sizes: Sequence[int] | None = None) -> tuple[Segmentation, ...]:
+             candidates: Sequence[int] | None = None,
+             kept_sizes: Sequence[int] | None = None) -> tuple[Segmentation, ...]:
     """Checkpoint sets on a front of (peak(K), recompute cost), by ascending peak: none has both a
     smaller peak and a smaller recompute cost than another, so that a limit between the smallest peak
     and keeping everything buys little recompute (a longer kept last segment, larger segments before it).

@@ -286,12 +286,12 @@ class _Executor(_OffloadHooks, _Recompute):
     def pack(self, t: torch.Tensor) -> Any:
         if not self.forward_running or t.numel() == 0:
             return t
-        name = self._name_of(t)
+        name, tagged = self._name_of(t)
         action = self.prep.actions.get(name, "keep") if name is not None else "keep"
         if action == "offload":
             return self._offload(name, t)
         if action == "recompute" and name in self.rebuilds.programs.by_storage:
-            return self._drop(name, t, tagged=self._tagged_name(t) is not None)
+            return self._drop(name, t, tagged)
         if action == "release":
             self.stats.kept_released.add(name)
         # detached: autograd would hold the tensor object, and through its grad_fn (an op saving its
@@ -317,23 +317,19 @@ class _Executor(_OffloadHooks, _Recompute):
         if value.requires_grad:
             value.register_hook(_PrefetchHook(self, self.pass_, i))
 
-    def _tagged_name(self, t: torch.Tensor) -> str | None:
-        """The plan name of the tagged storage `t` lives in (None: a parameter, or not tagged)."""
+    def _name_of(self, t: torch.Tensor) -> tuple[str | None, bool]:
+        """The plan name `t` is saved under, and whether that is its tagged storage's: the tagged
+        storage's name, else the running node's (its own result, or an internal); None: a parameter."""
         storage = t.untyped_storage()
         ptr = storage.data_ptr()
+        if ptr in self.params:
+            return None, False
         known = self.tags.get(ptr)
-        if ptr in self.params or known is None or known[1]() is not storage:
-            return None
-        return known[0]
-
-    def _name_of(self, t: torch.Tensor) -> str | None:
-        """The tagged storage's name, else the running node's (its own result, or an internal)."""
-        name = self._tagged_name(t)
-        if name is not None or t.untyped_storage().data_ptr() in self.params:
-            return name
+        if known is not None and known[1]() is storage:
+            return known[0], True
         if self.forward_running and self.current is not None:
-            return self.prep.nodes[self.current].name
-        return None
+            return self.prep.nodes[self.current].name, False
+        return None, False
 
     # -- workspaces ---------------------------------------------------------------------------------
     @contextlib.contextmanager

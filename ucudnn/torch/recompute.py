@@ -92,7 +92,7 @@ def _storage_of(graph: TrainingGraph, node: fx.Node) -> str | None:
 class _Dropped:
     """What a saved tensor of a dropped storage leaves behind: where it lies in the storage. Until its
     node has returned, a tensor saved by a node for its own output (or internals such as max-pool
-    indices) is held in `tensor`; the executor then drops it if it is the output (`_confirm`)."""
+    indices) is held in `tensor`; `_after_node` then drops it if it is the output."""
 
     __slots__ = ("rebuilds", "name", "size", "stride", "offset", "tensor")
 
@@ -163,8 +163,8 @@ class _Recompute:
     def _save_source(self, value: Any) -> Any:
         if not isinstance(value, torch.Tensor):
             return value
-        name = self._name_of(value)
-        if name is not None and self.prep.actions.get(name) == "release" and name in self.rebuilds.programs.by_storage:
+        name, tagged = self._name_of(value)
+        if tagged and name in self.rebuilds.programs.by_storage:  # recomputed, or released and rebuilt
             return self._drop(name, value, tagged=True)
         return self.pack(value)
 
