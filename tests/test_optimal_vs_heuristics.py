@@ -40,6 +40,16 @@ def test_optimal_is_never_beaten_by_a_heuristic(network, batch):
                                                                        other.step_ms)
 
 
+@pytest.mark.parametrize("network,batch", [("resnet50", 128), ("alexnet", 256)])
+def test_where_nothing_fits_optimal_comes_as_close_as_any_heuristic(network, batch):
+    graph = from_network(network, batch)
+    optimal = make_plan(graph, H100, 1, "optimal")
+    assert not optimal.fits
+    for name in POLICIES:
+        other = make_plan(graph, H100, 1, name)
+        assert optimal.peak_bytes <= other.peak_bytes, (network, name, optimal.peak_bytes, other.peak_bytes)
+
+
 def test_a_heuristics_plan_chosen_by_optimal_says_so():
     # ResNet-50 b128 at a quarter of its resident peak: the program's plan does not fit, swap-multi's does
     graph = from_network("resnet50", 128)
