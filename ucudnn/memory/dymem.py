@@ -25,6 +25,7 @@ from collections.abc import Mapping
 from ucudnn.devices import DeviceProfile
 from ucudnn.errors import InvalidInput
 from ucudnn.memory import dymem_order
+from ucudnn.memory.gradients import gradient_lives
 from ucudnn.memory.gtbm import Alloc, Event, Free
 from ucudnn.memory.graph import TrainingGraph
 from ucudnn.memory.plan import MemoryPlan
@@ -105,9 +106,9 @@ def allocation_trace(graph: TrainingGraph, actions: Mapping[str, str], costs: tu
     Mobility (Algorithm 3, stated by lifetime): a request freed by the end of the step after its
     last writer is *movable*; one that lives longer (a fork's input, a branch output waiting for its join,
     a map kept for the backward pass) is *temporary*; classifier and loss outputs and their
-    gradients are *reclaimed*. Only in-place writers (a ReLU after its conv, in either pass) continue
-    a tensor's write: a gradient summed from several branches (a fork's, in the backward pass) waits
-    for its last branch, the backward pass's join, so it is temporary from its first write.
+    gradients are *reclaimed*. Only in-place writers (a ReLU after its conv) continue a map's write.
+    Gradient buffers live as `ucudnn.memory.gradients` says: one summed from several branches (a
+    fork's, in the backward pass) waits for its last branch, so it is temporary from its first write.
     """
     steps = graph.steps
     nf = graph.forward_steps
@@ -118,7 +119,6 @@ def allocation_trace(graph: TrainingGraph, actions: Mapping[str, str], costs: tu
     lives: list[tuple[str, int, int, int]] = []   # (name, bytes, alloc step, free-after step)
     first_write: dict[str, int] = {}
     last_write: dict[str, int] = {}   # the last of the first write and the in-place writes after it
-    summed: set[str] = set()          # written again by an op that does not write it in place
     last_use: dict[str, int] = {}
     last_fwd_use: dict[str, int] = {}
     first_bwd_use: dict[str, int] = {}
@@ -128,10 +128,8 @@ def allocation_trace(graph: TrainingGraph, actions: Mapping[str, str], costs: tu
         for name in s.writes:
             if name not in first_write:
                 first_write[name] = last_write[name] = s.index
-            elif name in (inplace, f"grad:{inplace}"):
+            elif name == inplace:
                 last_write[name] = s.index
-            else:
-                summed.add(name)
         for name in (*s.reads, *s.writes):
             last_use[name] = s.index
             if s.index < nf:
@@ -139,12 +137,13 @@ def allocation_trace(graph: TrainingGraph, actions: Mapping[str, str], costs: tu
         if s.index >= nf:
             for name in s.reads:
                 first_bwd_use.setdefault(name, s.index)
+    lives += gradient_lives(graph, steps)
     for name, k in first_write.items():
-        if name.startswith("wgrad:"):
+        if name.startswith(("wgrad:", "grad:")):
             continue
         nbytes = graph.bytes_of(name)
         action = acts.get(name, "keep")
-        if action == "keep" or name.startswith("grad:"):
+        if action == "keep":
             lives.append((name, nbytes, k, last_use[name]))
         else:
             lives.append((name, nbytes, k, last_fwd_use[name]))
@@ -157,11 +156,9 @@ def allocation_trace(graph: TrainingGraph, actions: Mapping[str, str], costs: tu
     reclaimed = {op.name for op in graph.ops if op.type in dymem_order.RECLAIMED_KINDS}
 
     def mobility(name: str, start: int, end: int) -> str:
-        base_name = name.split("@")[0].removeprefix("grad:")
+        base_name = name.split("@")[0].split("#")[0].removeprefix("grad:")
         if base_name in reclaimed or (acts.get(name) == "keep" and end >= nf):
             return "reclaimed"
-        if name in summed:
-            return "temporary"
         # in-place writers (a ReLU after its conv) extend the write, not the wait for a reader
         written = max(start, last_write.get(name, start))
         return "movable" if end <= written + 1 else "temporary"

@@ -29,7 +29,7 @@ What is simulated, per device:
   starts or ends).
 - **The allocator** holds weights and weight gradients for the whole step, each feature map from its
   first writer to its last reader (per life: an offloaded or recomputed storage has two), each
-  gradient from its first writer to its last reader, and a conv step's workspace while it runs. With
+  gradient buffer as autograd holds it (`ucudnn.memory.gradients`), and a conv step's workspace while it runs. With
   a `memory_limit`, an allocation that does not fit waits for pending offloads to free memory; when
   nothing can free any, it goes ahead and the result records the overflow (`fits` is False).
 
@@ -47,6 +47,7 @@ from dataclasses import dataclass
 
 from ucudnn.devices import DeviceProfile
 from ucudnn.errors import InvalidInput
+from ucudnn.memory.gradients import gradient_lives
 from ucudnn.memory.graph import TrainingGraph
 from ucudnn.memory.plan import ACTIONS
 
@@ -242,11 +243,11 @@ def _prepare(graph: TrainingGraph, costs: Sequence[StepCost], actions: Mapping[s
     waits_for: dict[int, list[str]] = {}
     ms = [costs[s.step].ms for s in sched]
     for name, k in first_write.items():
-        if name not in nbytes:
-            continue  # weight gradients: persistent
+        if name not in nbytes or name.startswith("grad:"):
+            continue  # weight gradients: persistent; gradients: below
         action = acts.get(name, "keep")
         alloc_at.setdefault(k, []).append((name, nbytes[name]))
-        if action == "keep" or name.startswith("grad:"):
+        if action == "keep":
             free_after.setdefault(last_use[name], []).append(name)
         elif action in ("release", "recompute"):
             free_after.setdefault(last_fwd_use[name], []).append(name)
@@ -261,6 +262,10 @@ def _prepare(graph: TrainingGraph, costs: Sequence[StepCost], actions: Mapping[s
                 prefetches.append((_trigger(sched, ms, use, name, nbytes[name], device, prefetch), use, name))
                 waits_for.setdefault(use, []).append(name)
                 free_after.setdefault(last_use[name], []).append(name)
+    for label, b, start, end in gradient_lives(graph, sched):
+        nbytes[label] = b
+        alloc_at.setdefault(start, []).append((label, b))
+        free_after.setdefault(end, []).append(label)
     prefetches.sort()
     persistent = 2 * graph.weight_bytes
     workspace = [costs[s.step].workspace for s in sched]
@@ -422,7 +427,8 @@ def simulate(graph: TrainingGraph, device: DeviceProfile, costs: Sequence[StepCo
             dv.set_used(t, p.workspace[k], f"workspace:{p.sched[k].op}")
         # the invariant every plan must keep: what a step reads is on the device when it starts
         s = p.sched[k]
-        dv.missing += [f"{k} {s.phase} {s.op}: {name}" for name in s.reads if name not in dv.resident]
+        dv.missing += [f"{k} {s.phase} {s.op}: {name}" for name in s.reads
+                       if name not in dv.resident and not name.startswith("grad:")]  # gradients: by construction
         dv.running = k
         dv.ends_at = t + p.ms[k]
         return True
