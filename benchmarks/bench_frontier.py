@@ -20,7 +20,9 @@ so this script counts them by wrapping Inductor's allocation function before any
 Step time: the median over ``--rounds`` rounds in which every variant runs one step, interleaved in
 one process (forward, backward, no optimizer step), as CPU time of this process (all its threads):
 on a machine shared with other work, wall time moved by 2x between identical plans in one run; wall
-time is printed beside it.
+time is printed beside it, and the minor page faults of a step (memory the C allocator gave back to
+the kernel and takes again). ``--malloc keep`` makes glibc keep what a step frees
+(`common.keep_freed_memory`): the steps then time compute alone.
 
 Printed: every point, the frontier checks (at each ckpt_seq peak, does ucudnn's plan given that limit
 reach it and is it no slower; is any PyTorch point both smaller and faster than a ucudnn point by more
@@ -40,7 +42,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import table  # noqa: E402
+from common import keep_freed_memory, minor_faults, table  # noqa: E402
 
 import torch  # noqa: E402
 import torch._functorch.config  # noqa: E402
@@ -111,6 +113,7 @@ class Variant:
         self.peak = 0
         self.times: list[float] = []
         self.cpu_times: list[float] = []
+        self.faults: list[int] = []
 
     def step(self, x, y) -> None:
         for p in self.model.parameters():  # freed, as zero_grad() does by default (and check_plan)
@@ -232,18 +235,20 @@ def run_model(name: str, args) -> dict:
     print(f"[{name}] timing {len(everything)} variants, {args.rounds} interleaved rounds", file=sys.stderr)
     for _ in range(args.rounds):
         for v in everything:
-            start, cpu = time.perf_counter(), time.process_time()
+            faults, start, cpu = minor_faults(), time.perf_counter(), time.process_time()
             v.step(x, y)
             v.cpu_times.append((time.process_time() - cpu) * 1e3)
             v.times.append((time.perf_counter() - start) * 1e3)
+            v.faults.append(minor_faults() - faults)
 
     rows = []
     for v in everything:
         pred = (f"{v.plan.peak_bytes / MiB:.1f}", f"{v.plan.step_ms:.1f}") if v.plan else ("", "")
-        rows.append([v.name, f"{v.peak / MiB:.1f}", f"{v.ms:.1f}", f"{v.wall_ms:.1f}", *pred])
+        rows.append([v.name, f"{v.peak / MiB:.1f}", f"{v.ms:.1f}", f"{v.wall_ms:.1f}",
+                     f"{statistics.median(v.faults):.0f}", *pred])
     print(f"\n{name}: batch {args.batch}, {args.size}x{args.size}")
-    print(table(["variant", "peak MiB (tracker)", "CPU ms/step", "wall ms/step", "planned peak MiB", "planned ms"],
-                rows))
+    print(table(["variant", "peak MiB (tracker)", "CPU ms/step", "wall ms/step", "page faults/step", "planned peak MiB",
+                 "planned ms"], rows))
 
     # at each checkpoint_sequential peak: ucudnn's plan given that limit
     equal = []
@@ -267,7 +272,7 @@ def run_model(name: str, args) -> dict:
           f"{beaten or 'none'}")
     return {"model": name, "batch": args.batch, "size": args.size,
             "points": [{"name": v.name, "tool": v.tool, "peak_bytes": v.peak, "step_ms": v.ms, "wall_ms": v.wall_ms,
-                        "cpu_times_ms": v.cpu_times, "times_ms": v.times,
+                        "cpu_times_ms": v.cpu_times, "times_ms": v.times, "page_faults": v.faults,
                         "planned_peak_bytes": v.plan.peak_bytes if v.plan else None,
                         "planned_step_ms": v.plan.step_ms if v.plan else None} for v in everything],
             "equal_memory": equal, "beaten": beaten}
@@ -310,9 +315,13 @@ def main() -> None:
     ap.add_argument("--policies", default="checkpoint,optimal")
     ap.add_argument("--limits", default="0.3,0.5,0.7,1.2", help="more ucudnn limits, as fractions of the plain peak")
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--malloc", choices=("default", "keep"), default="default",
+                    help="keep: glibc keeps what a step frees (no page faults to take it back)")
     ap.add_argument("--json", dest="json_path")
     ap.add_argument("--plot", dest="plot_path")
     args = ap.parse_args()
+    if args.malloc == "keep":
+        keep_freed_memory()
     args.segments = [int(s) for s in args.segments.split(",")]
     args.budgets = [float(b) for b in args.budgets.split(",")]
     args.policies = args.policies.split(",")
@@ -324,7 +333,8 @@ def main() -> None:
     results = [run_model(m, args) for m in args.models.split(",")]
     if args.json_path:
         with open(args.json_path, "w", encoding="utf-8") as f:
-            json.dump({"results": results, "torch": torch.__version__, "threads": torch.get_num_threads()}, f, indent=1)
+            json.dump({"results": results, "torch": torch.__version__, "threads": torch.get_num_threads(),
+                       "malloc": args.malloc}, f, indent=1)
     if args.plot_path:
         plot(results, args.plot_path)
 

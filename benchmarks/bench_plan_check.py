@@ -2,8 +2,9 @@
 (counted by `ucudnn.torch.tracker.StepTracker`), step time and bytes moved, through `check_plan`.
 
 The models are `bench_frontier`'s chain and ResNet-shaped model; each policy plans for this machine
-(`plan_memory`, the measured CPU profile) at a limit of a half of the plain step's feature maps, so that
+(`plan_memory`, the measured CPU profile) at a limit of the weights and half the feature maps, so that
 recompute plans are exercised (a CPU profile shares the host's memory: no policy offloads there).
+``--malloc keep`` makes glibc keep what a step frees (see `bench_frontier`).
 
     OMP_NUM_THREADS=2 python benchmarks/bench_plan_check.py
 """
@@ -16,7 +17,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_frontier import build  # noqa: E402
-from common import table  # noqa: E402
+from common import keep_freed_memory, table  # noqa: E402
 
 from ucudnn.memory import available_policies  # noqa: E402
 from ucudnn.torch.check import check_plan  # noqa: E402
@@ -33,13 +34,16 @@ def main() -> None:
     ap.add_argument("--channels", type=int, default=32)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--size", type=int, default=32)
-    ap.add_argument("--fraction", type=float, default=0.5, help="limit: weights x2 + this share of the feature maps")
+    ap.add_argument("--fraction", type=float, default=0.5, help="limit: the weights + this share of the feature maps")
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--malloc", choices=("default", "keep"), default="default")
     args = ap.parse_args()
+    if args.malloc == "keep":
+        keep_freed_memory()
     for name in args.models.split(","):
         model, x, y = build(name, args)
         graph = _trace_graph(model, x)
-        limit = 2 * graph.weight_bytes + int(args.fraction * graph.feature_map_bytes)
+        limit = graph.weight_bytes + int(args.fraction * graph.feature_map_bytes)
         rows = []
         for policy in available_policies():
             plan = plan_memory(model, x, memory_limit=limit, policy=policy)

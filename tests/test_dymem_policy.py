@@ -47,7 +47,7 @@ def test_dymem_invariants_and_lower_stall_than_vdnn(net):
     device = load_profile("k40")
     costs = baseline(graph, device).costs
     keep_all = simulate(graph, device, costs).peak_bytes
-    limit = int(keep_all * 0.5)  # GoogLeNet's first layer's backward alone holds 0.46 of it
+    limit = int(keep_all * 0.4)
     plan = make_plan(graph, device, limit, "dymem")
     assert plan.policy == "dymem" and plan.fits and plan.peak_bytes <= limit
     actions = {t.name: t.action for t in plan.tensors}

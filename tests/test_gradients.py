@@ -3,11 +3,14 @@ traced models, and plans that count them reaching the peak a real step reaches (
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 
+from ucudnn.errors import InvalidInput  # noqa: E402
 from ucudnn.memory.gradients import gradient_lives  # noqa: E402
 from ucudnn.memory.graph import trace  # noqa: E402
 from ucudnn.torch.check import check_plan  # noqa: E402
@@ -47,8 +50,10 @@ class Dense(nn.Module):
         return self.fc(torch.flatten(self.pool(out), 1))
 
 
-def _lives(model):
-    graph = trace(model, torch.randn(2, 3, 8, 8))
+def _lives(model, **settings):
+    """The gradient lives of `model`'s traced graph; weight gradients held the whole step (left out)
+    unless `settings` say otherwise."""
+    graph = dataclasses.replace(trace(model, torch.randn(2, 3, 8, 8)), **{"weight_grads": "step", **settings})
     index = {(s.op, s.phase): s.index for s in graph.steps}
     return gradient_lives(graph, graph.steps), lambda op: index[(op, "bwd")]
 
@@ -65,6 +70,26 @@ def test_an_add_passes_its_gradient_on_and_an_in_place_relu_replaces_its_own():
         ("grad:add#2", fmap, bwd("relu"), bwd("conv")),
         ("grad:stem", fmap, bwd("conv"), bwd("stem")),
     ]
+
+
+def test_the_papers_frameworks_overwrite_an_in_place_relus_gradient_and_keep_weight_gradients_apart():
+    lives, bwd = _lives(Residual(), in_place_backward=True)
+    fmap = 2 * 4 * 8 * 8 * 4
+    assert lives == [
+        ("grad:fc", 2 * 2 * 4, bwd("loss"), bwd("fc")),
+        ("grad:pool", 2 * 4 * 4, bwd("fc"), bwd("pool")),
+        ("grad:add", fmap, bwd("pool"), bwd("conv")),   # the ReLU's step writes over it; the add passes it on
+        ("grad:stem", fmap, bwd("conv"), bwd("stem")),
+    ]
+
+
+def test_weight_gradients_made_in_the_backward_pass_live_from_their_first_write_to_the_steps_end():
+    held, _ = _lives(Residual())
+    lives, bwd = _lives(Residual(), weight_grads="backward")
+    end = bwd("stem")  # the last step
+    assert lives == held + [("wgrad:fc", (2 * 4 + 2) * 4, bwd("fc"), end),
+                            ("wgrad:conv", 4 * 4 * 9 * 4, bwd("conv"), end),
+                            ("wgrad:stem", 4 * 3 * 9 * 4, bwd("stem"), end)]
 
 
 def test_a_concatenations_slices_hold_its_whole_gradient_until_summed():
@@ -115,3 +140,25 @@ def test_plans_on_residual_and_dense_nets_reach_their_predicted_peaks_within_thr
         plan = plan_memory(model, x, memory_limit=int(everything.peak_bytes * fraction), policy="checkpoint")
         checked = check_plan(model, plan, x, y, steps=1)
         assert abs(checked.peak_ratio - 1) <= 0.03, (join, fraction, checked.peak_bytes, plan.peak_bytes)
+
+
+def test_weight_gradients_counted_from_their_first_backward_write_match_a_step_that_frees_them():
+    # A large first layer, then feature maps that peak at the backward pass's start: there a PyTorch
+    # step, whose zero_grad() frees the weight gradients between steps, holds none of the large one
+    # yet; a plan that held the weight gradients for the whole step (the papers' frameworks keep them)
+    # would be a weight's size above it.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(1024, 2048), *[nn.Tanh() for _ in range(8)], nn.Linear(2048, 10))
+    x = torch.randn(256, 1024)
+    y = torch.randint(0, 10, (256,))
+    whole_step = plan_memory(model, x, policy="checkpoint", weight_grads="step")
+    from_backward = plan_memory(model, x, policy="checkpoint")
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert whole_step.peak_bytes - from_backward.peak_bytes > 0.9 * weights
+    achieved = check_plan(model, from_backward, x, y, steps=1).peak_bytes
+    assert abs(achieved / from_backward.peak_bytes - 1) <= 0.03
+
+
+def test_an_unknown_weight_gradient_life_is_refused():
+    with pytest.raises(InvalidInput, match="weight_grads must be one of step, backward"):
+        trace(nn.Sequential(nn.Conv2d(3, 4, 3)), torch.randn(1, 3, 8, 8), weight_grads="never")

@@ -111,10 +111,10 @@ def test_plan_check_runs_one_step_and_prints_json(capsys):
     assert data["network"] == "resnet18" and data["batch"] == 1 and data["policy"] == "checkpoint"
     assert data["device"] == "cpu" and data["fits"] is True
     assert data["achieved"]["peak_bytes"] > 0 and data["predicted"]["peak_bytes"] > 0
-    # weight gradients are freed between steps (PyTorch's zero_grad default) and the plan holds them for
-    # the whole step: at batch 1, where ResNet-18's 45 MiB of weights outweigh its feature maps, the plan
-    # is an upper bound a little above the step
-    assert 0.85 <= data["peak_ratio"] <= 1.0
+    # the plan counts weight gradients from their first backward write, as the step makes them (they are
+    # freed between steps); under the tracker's dispatch mode autograd sums a gradient read twice into a
+    # new buffer, which an untracked step does in place: the count may run a little above the plan
+    assert abs(data["peak_ratio"] - 1) <= 0.05
     assert data["achieved"]["bytes_moved"] == data["predicted"]["bytes_moved"] == 0
 
 

@@ -47,7 +47,7 @@ def vgg_case():
     graph = from_network("vgg16", 64)
     device = load_profile("p100")
     costs = baseline(graph, device).costs
-    limit = int(simulate(graph, device, costs).peak_bytes * 0.9)
+    limit = int(simulate(graph, device, costs).peak_bytes * 0.8)
     return graph, device, costs, limit
 
 

@@ -20,6 +20,7 @@ mobility, for `ucudnn.memory.gtbm` to replay on a best-fit and a GTBM pool.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 
 from ucudnn.devices import DeviceProfile
@@ -53,7 +54,7 @@ def dfs_graph(graph: TrainingGraph) -> TrainingGraph:
                 return graph
     if order == [op.name for op in graph.ops]:
         return graph
-    return TrainingGraph(graph.network, graph.batch, tuple(graph.op(name) for name in order))
+    return dataclasses.replace(graph, ops=tuple(graph.op(name) for name in order))
 
 
 def prefetch_schedule(graph: TrainingGraph, actions: Mapping[str, str], *,
@@ -101,12 +102,13 @@ def allocation_trace(graph: TrainingGraph, actions: Mapping[str, str], costs: tu
     in step order: what a step writes is allocated at its start, with its workspace; a tensor is
     freed after its last reader (an offloaded map after its last forward reader, as if its copy
     were done) and an offloaded map is allocated again at its prefetch trigger (`prefetch`, as
-    `prefetch_schedule` gives it). Weights live through the step and are left out.
+    `prefetch_schedule` gives it). Weights (and weight gradients held the whole step) are left out.
 
     Mobility (Algorithm 3, stated by lifetime): a request freed by the end of the step after its
     last writer is *movable*; one that lives longer (a fork's input, a branch output waiting for its join,
     a map kept for the backward pass) is *temporary*; classifier and loss outputs and their
-    gradients are *reclaimed*. Only in-place writers (a ReLU after its conv) continue a map's write.
+    gradients are *reclaimed*. Only in-place writers (a ReLU after its conv, in either pass) continue
+    a tensor's write.
     Gradient buffers live as `ucudnn.memory.gradients` says: one summed from several branches (a
     fork's, in the backward pass) waits for its last branch, so it is temporary from its first write.
     """
@@ -128,7 +130,7 @@ def allocation_trace(graph: TrainingGraph, actions: Mapping[str, str], costs: tu
         for name in s.writes:
             if name not in first_write:
                 first_write[name] = last_write[name] = s.index
-            elif name == inplace:
+            elif name in (inplace, f"grad:{inplace}"):
                 last_write[name] = s.index
         for name in (*s.reads, *s.writes):
             last_use[name] = s.index

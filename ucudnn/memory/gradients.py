@@ -27,8 +27,11 @@ def gradient_lives(graph: TrainingGraph, steps: Sequence) -> list[tuple[str, int
     their own). Where a second reader's backward step adds to a gradient, autograd's `InputBuffer`
     sums in place into whichever of the two it alone holds whole: the old one (the new part is held
     for that step only), else the new part (the old one goes); else the sum is a new buffer. An
-    in-place op's step replaces its storage's gradient: the old one is freed after it. A buffer is
-    freed after the last step that reads any gradient held in it.
+    in-place op's step replaces its storage's gradient: the old one is freed after it (where the graph's
+    `in_place_backward` is set, the step overwrites it instead). A buffer is
+    freed after the last step that reads any gradient held in it. Where the graph's weight gradients
+    are made in the backward pass (`TrainingGraph.weight_grads`), each lives from its first write to
+    the step's end (the optimizer reads it after the backward pass).
 
     (Under a `TorchDispatchMode`, such as `ucudnn.torch.StepTracker` or PyTorch's `MemTracker`,
     autograd always sums into a new buffer: the count holds one more buffer for that step.)"""
@@ -58,10 +61,11 @@ def gradient_lives(graph: TrainingGraph, steps: Sequence) -> list[tuple[str, int
         out = f"grad:{graph.storage_of(op.name)}"
         passed = value.get(out) if op.type in _PASSING_GRADIENT else None
         slices = passed is not None and (op.type == "concat" or out in sliced)
+        in_place = graph.in_place_backward and op.inplace and passed is None
         ended: list[str] = []
         for name in s.writes:
-            if not name.startswith("grad:"):
-                continue
+            if not name.startswith("grad:") or (in_place and name in s.reads):
+                continue  # a weight gradient, or a gradient overwritten where it is (`in_place_backward`)
             if passed is not None:
                 part = passed
                 refs[part] += 1
@@ -90,4 +94,11 @@ def gradient_lives(graph: TrainingGraph, steps: Sequence) -> list[tuple[str, int
             refs[label] -= 1
             if refs[label] == 0:
                 lives.append((label, *born.pop(label), k))
+    if graph.weight_grads == "backward":
+        first_write: dict[str, int] = {}
+        for k, s in enumerate(steps):
+            for name in s.writes:
+                if name.startswith("wgrad:"):
+                    first_write.setdefault(name, k)
+        lives += [(name, graph.bytes_of(name), k, len(steps) - 1) for name, k in first_write.items()]
     return lives

@@ -37,9 +37,11 @@ from ucudnn.memory.fx import trace_model
 from ucudnn.memory.ops import DTYPE_BYTES, OP_TYPES, Op, OpBuilder
 from ucudnn.network.zoo import canonical_name, layers
 
-__all__ = ["DTYPE_BYTES", "OP_TYPES", "TENSOR_KINDS", "Op", "Step", "Tensor", "TrainingGraph", "from_network", "trace"]
+__all__ = ["DTYPE_BYTES", "OP_TYPES", "TENSOR_KINDS", "WEIGHT_GRADS", "Op", "Step", "Tensor", "TrainingGraph",
+           "from_network", "trace"]
 
 TENSOR_KINDS = ("feature", "gradient", "weight", "weight_grad")
+WEIGHT_GRADS = ("step", "backward")  # when weight gradients exist (`TrainingGraph.weight_grads`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,11 +70,21 @@ class Step:
 
 @dataclass(frozen=True)
 class TrainingGraph:
-    """One training step: ops in network (topological) order, their tensors and steps."""
+    """One training step: ops in network (topological) order, their tensors and steps.
+
+    Two settings say how the training framework holds gradients (`ucudnn.memory.gradients`).
+    `weight_grads` says when the weight gradients exist: ``"step"``, the whole step (they persist
+    between steps: the papers' frameworks, `zero_grad(set_to_none=False)`, gradient accumulation), or
+    ``"backward"``, each from its op's first backward step to the step's end (PyTorch's default
+    `zero_grad()` frees them between steps and the optimizer reads them after the backward pass).
+    `in_place_backward` is True where an in-place op's backward step writes its input's gradient over
+    its output's (Caffe's and Torch7's in-place ReLU); PyTorch's autograd makes a new tensor."""
 
     network: str
     batch: int
     ops: tuple[Op, ...]
+    weight_grads: str = "step"
+    in_place_backward: bool = False
     _by_name: dict[str, Op] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -88,6 +100,8 @@ class TrainingGraph:
             by_name[op.name] = op
         if not self.ops or self.ops[0].type != "input":
             raise InvalidInput("a training graph starts with its input op")
+        if self.weight_grads not in WEIGHT_GRADS:
+            raise InvalidInput(f"weight_grads must be one of {', '.join(WEIGHT_GRADS)}, got {self.weight_grads!r}")
         object.__setattr__(self, "_by_name", by_name)
 
     # ---- ops and tensors -------------------------------------------------------------------
@@ -151,6 +165,11 @@ class TrainingGraph:
     @property
     def weight_bytes(self) -> int:
         return sum(op.weight_bytes for op in self.ops)
+
+    @property
+    def persistent_bytes(self) -> int:
+        """Bytes held for the whole step: the weights, and their gradients where `weight_grads` is "step"."""
+        return self.weight_bytes * (2 if self.weight_grads == "step" else 1)
 
     @property
     def conv_ops(self) -> tuple[Op, ...]:
@@ -344,7 +363,8 @@ def from_network(name: str, batch: int) -> TrainingGraph:
     the layers between them. Max-pools after ReLUs, classifiers (AlexNet/VGG fc6-fc8, the ResNets' and
     GoogLeNet's global average pool and fc), and a softmax cross-entropy loss. ReLUs write in place,
     as in Caffe and torchvision; dropout and LRN are left out (they change
-    no shape, and vDNN's memory model counts them in place).
+    no shape, and vDNN's memory model counts them in place). Gradients are held as the papers'
+    frameworks hold them: weight gradients for the whole step, in-place ReLUs' backward in place.
     """
     canonical = canonical_name(name)
     if canonical not in _ZOO:
@@ -357,12 +377,14 @@ def from_network(name: str, batch: int) -> TrainingGraph:
     missing = sorted(set(builder.zoo) - built)
     if missing:  # the graph must run every zoo convolution
         raise AssertionError(f"{canonical}: the graph leaves out convolutions {missing}")
-    return TrainingGraph(canonical, batch, tuple(builder.ops))
+    return TrainingGraph(canonical, batch, tuple(builder.ops), "step", in_place_backward=True)
 
 
-def trace(model, example_input, *, name: str | None = None) -> TrainingGraph:
+def trace(model, example_input, *, name: str | None = None, weight_grads: str = "backward") -> TrainingGraph:
     """The training graph of a PyTorch model, traced with `torch.fx` on `example_input` (its batch is
-    the graph's batch). A feature map is named after the fx node that produces it."""
+    the graph's batch). A feature map is named after the fx node that produces it. Gradients are held
+    as PyTorch's autograd holds them; `weight_grads` as `TrainingGraph` says (``"backward"``: a loop
+    whose `zero_grad()` frees them between steps)."""
     ops = trace_model(model, example_input)
-    return TrainingGraph(name or type(model).__name__, int(example_input.shape[0]), tuple(ops))
+    return TrainingGraph(name or type(model).__name__, int(example_input.shape[0]), tuple(ops), weight_grads)
 

@@ -30,6 +30,7 @@ import logging
 from dataclasses import dataclass
 
 from ucudnn.devices import DeviceProfile
+from ucudnn.memory.gradients import gradient_lives
 from ucudnn.memory.graph import TrainingGraph
 from ucudnn.memory.plan import MemoryPlan
 from ucudnn.memory.planner import baseline, to_plan
@@ -84,7 +85,7 @@ def _tables(graph: TrainingGraph, device: DeviceProfile, costs, fronts):
                 last_fwd[name] = s.index
             elif name in s.reads:
                 bwd_uses.setdefault(name, []).append(s.index)
-    fixed = [2 * graph.weight_bytes] * T
+    fixed = [graph.persistent_bytes] * T
     loss_inputs = {graph.storage_of(i) for op in graph.ops if op.type == "loss" for i in op.inputs}
     ms = [c.ms for c in costs]
 
@@ -92,10 +93,8 @@ def _tables(graph: TrainingGraph, device: DeviceProfile, costs, fronts):
         for r in range(lo, hi + 1):
             fixed[r] += b
 
-    for name, t in graph.tensors.items():
-        if t.kind == "gradient":
-            uses = [s.index for s in steps if name in s.reads or name in s.writes]
-            add_fixed(min(uses), max(uses), t.bytes)
+    for _, b, start, end in gradient_lives(graph, steps):
+        add_fixed(start, end, b)
     tensors = []
     prefetch_at: dict[str, int] = {}
     for s in graph.storages:

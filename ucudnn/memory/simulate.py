@@ -27,9 +27,10 @@ What is simulated, per device:
   bandwidth; while both directions copy, each gets half the duplex figure; copies of several devices
   on one link (`devices_per_link`) share it equally (a fluid model: rates change whenever a copy
   starts or ends).
-- **The allocator** holds weights and weight gradients for the whole step, each feature map from its
-  first writer to its last reader (per life: an offloaded or recomputed storage has two), each
-  gradient buffer as autograd holds it (`ucudnn.memory.gradients`), and a conv step's workspace while it runs. With
+- **The allocator** holds weights for the whole step, weight gradients as the graph's `weight_grads`
+  says (the whole step, or from their first backward write), each feature map from its first writer
+  to its last reader (per life: an offloaded or recomputed storage has two), each gradient buffer as
+  autograd holds it (`ucudnn.memory.gradients`), and a conv step's workspace while it runs. With
   a `memory_limit`, an allocation that does not fit waits for pending offloads to free memory; when
   nothing can free any, it goes ahead and the result records the overflow (`fits` is False).
 
@@ -101,7 +102,7 @@ class DeviceResult:
     missing: tuple[str, ...]      # "step op: tensor" for every read of a tensor not resident (a bad plan)
     memory: tuple[tuple[float, int], ...]  # (time, bytes in use) at every change
     # the allocation trace: (time, tensor, +bytes allocated or -bytes freed), in order; conv
-    # workspaces are named "workspace:<op>"; weights and their gradients (always resident) are not in it
+    # workspaces are named "workspace:<op>"; weights (and weight gradients held the whole step) are not in it
     allocations: tuple[tuple[float, str, int], ...] = ()
 
 
@@ -244,7 +245,7 @@ def _prepare(graph: TrainingGraph, costs: Sequence[StepCost], actions: Mapping[s
     ms = [costs[s.step].ms for s in sched]
     for name, k in first_write.items():
         if name not in nbytes or name.startswith("grad:"):
-            continue  # weight gradients: persistent; gradients: below
+            continue  # weight gradients: persistent, or below; gradients: below
         action = acts.get(name, "keep")
         alloc_at.setdefault(k, []).append((name, nbytes[name]))
         if action == "keep":
@@ -267,7 +268,7 @@ def _prepare(graph: TrainingGraph, costs: Sequence[StepCost], actions: Mapping[s
         alloc_at.setdefault(start, []).append((label, b))
         free_after.setdefault(end, []).append(label)
     prefetches.sort()
-    persistent = 2 * graph.weight_bytes
+    persistent = graph.persistent_bytes
     workspace = [costs[s.step].workspace for s in sched]
     return _Plan(sched, ms, workspace, alloc_at, free_after, offload_after, offload_free_after, prefetches,
                  waits_for, nbytes, persistent)

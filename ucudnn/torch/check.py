@@ -12,8 +12,8 @@
    (weights, weight gradients, feature maps, gradients, workspaces), the host copies apart, and
    memory over the step. Weight gradients are freed between steps, as `zero_grad()` does by default
    (zeroed, a layer's new gradient and its zeroed one would be held at once while autograd adds
-   them: 151 MB more for AlexNet's fc6); the plan holds them for the whole step, an upper bound. The
-   input batch counts as the plan's input feature map does.
+   them: 151 MB more for AlexNet's fc6); `plan_memory`'s plans count each from its first backward
+   write, as the step makes it. The input batch counts as the plan's input feature map does.
 3. ``steps`` timed steps, untracked (the tracker's dispatch costs time): their median is the step time.
 
 Bytes moved are the copies between device and host: offloaded bytes out and the same back, as the

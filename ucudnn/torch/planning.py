@@ -40,13 +40,13 @@ from ucudnn.torch.conv import Conv2d
 __all__ = ["measure_profile", "plan_memory"]
 
 
-def _trace_graph(model: nn.Module, example_input: torch.Tensor) -> TrainingGraph:
+def _trace_graph(model: nn.Module, example_input: torch.Tensor, weight_grads: str = "backward") -> TrainingGraph:
     """The planner's graph of `model` at `example_input`, traced in eval mode (its shape pass must not
     move batch-norm running statistics); every module's training flag is restored."""
     if not isinstance(example_input, torch.Tensor) or example_input.dim() < 1:
         raise InvalidInput(f"example_input must be a batched tensor, got {type(example_input).__name__}")
     with _eval_mode(model):
-        return trace(model, example_input)
+        return trace(model, example_input, weight_grads=weight_grads)
 
 
 @contextlib.contextmanager
@@ -143,7 +143,7 @@ def _profile_for(device: DeviceProfile | str | None, example_input: torch.Tensor
 
 def plan_memory(model: nn.Module, example_input: torch.Tensor, memory_limit: int | str | None = None,
                 policy: str = "optimal", device: DeviceProfile | str | None = None, *, devices: int = 1,
-                db: Any = None) -> MemoryPlan:
+                db: Any = None, weight_grads: str = "backward") -> MemoryPlan:
     """The planner's `MemoryPlan` for training `model` on batches shaped like `example_input`.
 
     The model is traced with torch.fx (feature maps named after their fx nodes). `device` is a
@@ -152,10 +152,13 @@ def plan_memory(model: nn.Module, example_input: torch.Tensor, memory_limit: int
     the device's memory. Operation times come from the measurement cache `db` and the measurements
     shipped for the profile where they exist, else from the profile's roofline
     (`ucudnn.memory.timing`). Unknown policies raise `InvalidInput` naming the available ones.
+    `weight_grads` is ``"backward"`` where the training loop frees the weight gradients between steps
+    (PyTorch's `optimizer.zero_grad()` does by default), ``"step"`` where they persist
+    (`zero_grad(set_to_none=False)`, gradient accumulation): see `TrainingGraph`.
     """
     if not isinstance(model, nn.Module):
         raise InvalidInput(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    graph = _trace_graph(model, example_input)
+    graph = _trace_graph(model, example_input, weight_grads)
     profile = _profile_for(device, example_input)
     limit = profile.memory_bytes if memory_limit is None else parse_size(memory_limit)
     from ucudnn.memory.planner import make_plan
