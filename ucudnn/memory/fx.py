@@ -10,10 +10,11 @@ their input's storage. A loss op named ``loss`` closes the graph, as in the zoo.
 from __future__ import annotations
 
 import contextlib
+import math
 import operator
 
 from ucudnn.errors import UnsupportedProblem
-from ucudnn.memory.ops import Op, OpBuilder
+from ucudnn.memory.ops import DTYPE_BYTES, Op, OpBuilder
 from ucudnn.problem import ConvProblem
 
 
@@ -130,7 +131,7 @@ def _trace(model, example_input) -> list:
                 kind = "max" if isinstance(m, (nn.MaxPool2d, nn.AdaptiveMaxPool2d)) else "avg"
                 k = getattr(m, "kernel_size", 1)
                 window = k if isinstance(k, int) else k[0]
-                names[name] = b.pool(name, x, shape, window, kind)
+                names[name] = _pool(b, name, x, shape, window, kind, isinstance(m, nn.AdaptiveAvgPool2d))
             elif isinstance(m, nn.Linear):
                 names[name] = b.linear(name, x, m.out_features)
             elif isinstance(m, (nn.Flatten, nn.Identity, nn.Dropout, nn.Unflatten)):
@@ -149,7 +150,8 @@ def _trace(model, example_input) -> list:
         elif target in (F.max_pool2d, F.avg_pool2d, F.adaptive_avg_pool2d, F.adaptive_max_pool2d):
             kind = "max" if target in (F.max_pool2d, F.adaptive_max_pool2d) else "avg"
             k = node.args[1] if len(node.args) > 1 else node.kwargs.get("kernel_size", 1)
-            names[name] = b.pool(name, x, shape, k if isinstance(k, int) else k[0], kind)
+            names[name] = _pool(b, name, x, shape, k if isinstance(k, int) else k[0], kind,
+                                target is F.adaptive_avg_pool2d)
         elif target is F.batch_norm:
             names[name] = b.batchnorm(name, x)
         elif target in (torch.cat, torch.concat):
@@ -165,3 +167,12 @@ def _trace(model, example_input) -> list:
 
 def _view(b, name: str, x: str, shape: tuple[int, ...]):
     return Op(name, "view", (x,), shape, inplace=True)
+
+
+def _pool(b, name: str, x: str, shape: tuple[int, ...], window: int, kind: str, adaptive_avg: bool) -> str:
+    """A pool as PyTorch's autograd saves it (derivatives.yaml): its input, and a max-pool's int64 indices of
+    the output's shape; an adaptive average pool to 1x1 is a mean, which saves no tensor."""
+    if adaptive_avg and shape[-2:] == (1, 1):
+        return b.pool(name, x, shape, window, kind, saves=())
+    indices = 2 * DTYPE_BYTES * math.prod(shape) if kind == "max" else 0
+    return b.pool(name, x, shape, window, kind, saves=(x,), saved_bytes=indices)

@@ -3,7 +3,8 @@
 A gradient is not always a buffer of its own: an add hands its output's gradient to both inputs, and a
 second reader's gradient is summed into the first. Counting one buffer per gradient overstated a residual
 block's backward pass by a feature map, and counting none for an in-place op's step understated it by one.
-The simulator and dymem's allocation trace both take their gradients' lives from here.
+The same pass holds what an op saved for it beyond feature maps (a max-pool's indices). The simulator,
+the `optimal` program and dymem's allocation trace take these lives from here.
 """
 
 from __future__ import annotations
@@ -31,7 +32,9 @@ def gradient_lives(graph: TrainingGraph, steps: Sequence) -> list[tuple[str, int
     `in_place_backward` is set, the step overwrites it instead). A buffer is
     freed after the last step that reads any gradient held in it. Where the graph's weight gradients
     are made in the backward pass (`TrainingGraph.weight_grads`), each lives from its first write to
-    the step's end (the optimizer reads it after the backward pass).
+    the step's end (the optimizer reads it after the backward pass). An op's `saved_bytes` (what it
+    saves for its backward step beyond feature maps: a max-pool's indices) live from its forward step
+    to its backward step, labelled ``saved:<op>``.
 
     (Under a `TorchDispatchMode`, such as `ucudnn.torch.StepTracker` or PyTorch's `MemTracker`,
     autograd always sums into a new buffer: the count holds one more buffer for that step.)"""
@@ -94,6 +97,13 @@ def gradient_lives(graph: TrainingGraph, steps: Sequence) -> list[tuple[str, int
             refs[label] -= 1
             if refs[label] == 0:
                 lives.append((label, *born.pop(label), k))
+    saved_at: dict[str, int] = {}
+    for k, s in enumerate(steps):
+        if graph.op(s.op).saved_bytes:
+            if s.phase == "fwd":
+                saved_at.setdefault(s.op, k)
+            elif s.op in saved_at:
+                lives.append((f"saved:{s.op}", graph.op(s.op).saved_bytes, saved_at.pop(s.op), k))
     if graph.weight_grads == "backward":
         first_write: dict[str, int] = {}
         for k, s in enumerate(steps):

@@ -27,6 +27,7 @@ class Op:
     shape: tuple[int, ...]        # of its output feature map
     inplace: bool = False         # writes into inputs[0]'s storage
     saves: tuple[str, ...] = ()   # feature maps its backward step reads
+    saved_bytes: int = 0          # more it saves for its backward step, no feature map (a max-pool's indices)
     flops: float = 0.0            # forward arithmetic (the backward step counts twice this)
     bytes_moved: float = 0.0      # forward device-memory traffic (the backward step counts twice)
     weight_bytes: int = 0
@@ -90,9 +91,14 @@ class OpBuilder:
         return self._add(Op(name, "batchnorm", (x,), shape, saves=(x,), flops=8 * _elements(shape),
                             bytes_moved=3 * DTYPE_BYTES * _elements(shape), weight_bytes=2 * DTYPE_BYTES * shape[1]))
 
-    def pool(self, name: str, x: str, shape: tuple[int, ...], window: int, kind: str = "max") -> str:
-        saves = (x, name) if kind == "max" else ()
-        return self._add(Op(name, "pool", (x,), shape, saves=saves, flops=window * window * _elements(shape),
+    def pool(self, name: str, x: str, shape: tuple[int, ...], window: int, kind: str = "max", *,
+             saves: tuple[str, ...] | None = None, saved_bytes: int = 0) -> str:
+        """A max or average pool. Its backward step reads, by default, what cuDNN's reads (the
+        papers' frameworks): a max-pool's input and output, an average pool's nothing."""
+        if saves is None:
+            saves = (x, name) if kind == "max" else ()
+        return self._add(Op(name, "pool", (x,), shape, saves=saves, saved_bytes=saved_bytes,
+                            flops=window * window * _elements(shape),
                             bytes_moved=DTYPE_BYTES * (_elements(self.shapes[x]) + _elements(shape))))
 
     def pooled(self, name: str, x: str, kernel: int, stride: int, pad: int = 0, *, ceil: bool = False,
