@@ -17,7 +17,9 @@ A `TrainingGraph` is one training step of one network at one batch size:
   op but the input in reverse order. A step lists the storages and gradients it reads and writes.
   What a backward step reads is what its operation saves for backward, as cuDNN and PyTorch do:
   conv its input (``bwd_filter``), relu its output, max-pool its input and output, batch-norm its
-  input, linear its input, loss its input; add, concat, views and average pools save nothing.
+  input, linear its input, loss its input; add, concat, views and average pools save nothing. A traced
+  pool saves what PyTorch's autograd saves: its input, and a max-pool its int64 indices
+  (`Op.saved_bytes`, no feature map); a mean to 1x1 nothing.
 
 Build one from the network zoo with `from_network(name, batch)` (the zoo's convolutions plus the
 layers between them: activations, pooling, batch-norm, the classifier and the loss) or from a
