@@ -72,6 +72,19 @@ def test_an_out_argument_resized_by_the_operation_is_counted():
     assert r.end_by_category["tensor"] == 400 + 400
 
 
+def test_numpy_memory_wrapped_again_is_an_alias_and_new_numpy_memory_counts():
+    # a converted conv hands micro-batches of its operands to PyTorch's kernel as torch.from_numpy of
+    # NumPy views: new storages over memory a live tensor holds
+    with StepTracker() as tracker:
+        a = torch.ones(8, 250)                            # 8000 bytes
+        half = torch.from_numpy(a.numpy()[4:])            # a view of a's memory: no bytes of its own
+        doubled = half * 2                                # 4000 new bytes
+        fresh = torch.from_numpy(doubled.numpy().copy())  # NumPy's own new memory: 4000 bytes
+    r = tracker.report()
+    assert r.peak_bytes == 8000 + 4000 + 4000
+    assert half.untyped_storage().data_ptr() == a.untyped_storage().data_ptr() + 4000 and fresh.shape == (4, 250)
+
+
 def test_a_training_step_of_a_small_mlp_by_hand():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64, bias=False), nn.ReLU(), nn.Linear(64, 8, bias=False))

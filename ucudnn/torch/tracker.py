@@ -34,7 +34,9 @@ The device's bytes are every category but ``host``: what a `MemoryPlan`'s ``peak
 ``(time_ms, bytes)`` at every change, as `ucudnn.memory.simulate.DeviceResult.memory`.
 
 Not counted, as in MemTracker: memory an operator allocates and frees inside its own kernel (an
-im2col buffer of PyTorch's CPU convolution), and tensors made under ``no_dispatch``. On CUDA the caching
+im2col buffer of PyTorch's CPU convolution), and tensors made under ``no_dispatch``. Unlike it, a storage
+that wraps memory a live storage holds (`torch.from_numpy` of a NumPy view of a tensor, as a converted
+conv's micro-batches are passed to PyTorch's own kernel) is an alias of no bytes of its own. On CUDA the caching
 allocator's own peak (`torch.cuda.max_memory_allocated`, which sees those too) is reported beside
 the count as a second witness (`TrackerReport.allocator_peak_bytes`).
 """
@@ -102,10 +104,10 @@ class TrackerReport:
 
 
 class _Entry:
-    __slots__ = ("category", "nbytes", "ref")
+    __slots__ = ("category", "nbytes", "ref", "ptr", "alias")
 
-    def __init__(self, category: str, nbytes: int, ref: weakref.ref) -> None:
-        self.category, self.nbytes, self.ref = category, nbytes, ref
+    def __init__(self, category: str, nbytes: int, ref: weakref.ref, ptr: int, alias: bool) -> None:
+        self.category, self.nbytes, self.ref, self.ptr, self.alias = category, nbytes, ref, ptr, alias
 
 
 class StepTracker(TorchDispatchMode):
@@ -236,16 +238,24 @@ class StepTracker(TorchDispatchMode):
                 return  # another accelerator's memory: not this device's, not host memory
             category = category or self._category_for(t, labelled)
             ref = weakref.ref(storage, self._freed_callback(key))
-            self._live[key] = _Entry(category, nbytes, ref)
-            self._bytes[category] += nbytes
+            ptr = storage.data_ptr()
+            # memory a live storage holds, wrapped anew (torch.from_numpy of a view of it): no bytes of its own
+            alias = not storage.resizable() and self._aliases(ptr, nbytes)
+            self._live[key] = _Entry(category, 0 if alias else nbytes, ref, ptr, alias)
+            self._bytes[category] += 0 if alias else nbytes
         else:
             if category is not None and category != entry.category:
                 self._bytes[entry.category] -= entry.nbytes
                 self._bytes[category] += entry.nbytes
                 entry.category = category
-            if nbytes != entry.nbytes:  # resized in place (an out= operation, resize_)
+            if nbytes != entry.nbytes and not entry.alias:  # resized in place (an out= operation, resize_)
                 self._bytes[entry.category] += nbytes - entry.nbytes
                 entry.nbytes = nbytes
+
+    def _aliases(self, ptr: int, nbytes: int) -> bool:
+        """Whether [ptr, ptr + nbytes) lies inside a live storage. Only storages PyTorch did not allocate
+        (not resizable: wrapped NumPy or DLPack memory) are checked, so the scan is rare."""
+        return any(not e.alias and e.ptr <= ptr and ptr + nbytes <= e.ptr + e.nbytes for e in self._live.values())
 
     def _freed_callback(self, key: int):
         tracker = weakref.ref(self)  # the storages' callbacks must not keep the tracker alive
