@@ -30,7 +30,8 @@ What is simulated, per device:
 - **The allocator** holds weights for the whole step, weight gradients as the graph's `weight_grads`
   says (the whole step, or from their first backward write), each feature map from its first writer
   to its last reader (per life: an offloaded or recomputed storage has two), each gradient buffer as
-  autograd holds it (`ucudnn.memory.gradients`), and a conv step's workspace while it runs. With
+  autograd holds it and what an op saves beyond feature maps (`ucudnn.memory.gradients`), and a conv
+  step's workspace while it runs. With
   a `memory_limit`, an allocation that does not fit waits for pending offloads to free memory; when
   nothing can free any, it goes ahead and the result records the overflow (`fits` is False).
 
