@@ -13,6 +13,7 @@ from torch import nn  # noqa: E402
 from ucudnn.errors import InvalidInput  # noqa: E402
 from ucudnn.memory.gradients import gradient_lives  # noqa: E402
 from ucudnn.memory.graph import trace  # noqa: E402
+from ucudnn.memory.simulate import expand  # noqa: E402
 from ucudnn.torch.check import check_plan  # noqa: E402
 from ucudnn.torch.memory import plan_memory  # noqa: E402
 
@@ -190,6 +191,12 @@ def test_pools_keep_what_pytorchs_autograd_saves_a_max_pools_indices_included():
     index = {(s.op, s.phase): s.index for s in graph.steps}
     saved = [life for life in gradient_lives(graph, graph.steps) if life[0].startswith("saved:")]
     assert saved == [("saved:maxpool", indices, index[("maxpool", "fwd")], index[("maxpool", "bwd")])]
+    # rebuilt for its reader's backward step, the max-pool saves nothing new: its indices stay until its own
+    schedule = expand(graph, {"maxpool": "recompute"})
+    at = {(s.op, s.phase): k for k, s in enumerate(schedule)}
+    assert ("maxpool", "recompute") in at
+    saved = [life for life in gradient_lives(graph, schedule) if life[0].startswith("saved:")]
+    assert saved == [("saved:maxpool", indices, at[("maxpool", "fwd")], at[("maxpool", "bwd")])]
 
 
 def test_a_plan_of_a_max_pooling_net_reaches_its_predicted_peak():

@@ -97,18 +97,17 @@ def gradient_lives(graph: TrainingGraph, steps: Sequence) -> list[tuple[str, int
             refs[label] -= 1
             if refs[label] == 0:
                 lives.append((label, *born.pop(label), k))
-    saved_at: dict[str, int] = {}
+    saved_at: dict[str, int] = {}         # op -> the forward step that saved its buffer (a recompute saves none)
+    wgrad_at: dict[str, int] = {}         # weight gradient -> its first write, where made in the backward pass
     for k, s in enumerate(steps):
-        if graph.op(s.op).saved_bytes:
-            if s.phase == "fwd":
-                saved_at.setdefault(s.op, k)
-            elif s.op in saved_at:
-                lives.append((f"saved:{s.op}", graph.op(s.op).saved_bytes, saved_at.pop(s.op), k))
-    if graph.weight_grads == "backward":
-        first_write: dict[str, int] = {}
-        for k, s in enumerate(steps):
+        saved = graph.op(s.op).saved_bytes
+        if saved and s.phase == "fwd":
+            saved_at.setdefault(s.op, k)
+        elif saved and s.phase == "bwd" and s.op in saved_at:
+            lives.append((f"saved:{s.op}", saved, saved_at.pop(s.op), k))
+        if graph.weight_grads == "backward":
             for name in s.writes:
                 if name.startswith("wgrad:"):
-                    first_write.setdefault(name, k)
-        lives += [(name, graph.bytes_of(name), k, len(steps) - 1) for name, k in first_write.items()]
+                    wgrad_at.setdefault(name, k)
+    lives += [(name, graph.bytes_of(name), k, len(steps) - 1) for name, k in wgrad_at.items()]
     return lives

@@ -250,7 +250,7 @@ class StepTracker(TorchDispatchMode):
                 entry.category = category
             if nbytes != entry.nbytes and not entry.alias:  # resized in place (an out= operation, resize_)
                 self._bytes[entry.category] += nbytes - entry.nbytes
-                entry.nbytes = nbytes
+                entry.nbytes, entry.ptr = nbytes, storage.data_ptr()
 
     def _aliases(self, ptr: int, nbytes: int) -> bool:
         """Whether [ptr, ptr + nbytes) lies inside a live storage. Only storages PyTorch did not allocate
