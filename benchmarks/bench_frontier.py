@@ -188,9 +188,9 @@ def _fresh_forward(model: nn.Module):
     return scope["forward"]
 
 
-def ucudnn_variant(base: nn.Module, x, policy: str, limit: int) -> Variant | None:
+def ucudnn_variant(base: nn.Module, x, y, policy: str, limit: int) -> Variant | None:
     model = copy.deepcopy(base)
-    plan = plan_memory(model, x, memory_limit=limit, policy=policy)
+    plan = plan_memory(model, x, memory_limit=limit, policy=policy, loss=lambda out: _loss(out, y))
     if not plan.fits:
         return None
 
@@ -222,7 +222,7 @@ def run_model(name: str, args) -> dict:
     for policy in args.policies:
         seen: dict[tuple, Variant] = {}
         for limit in limits:
-            v = ucudnn_variant(base, x, policy, limit)
+            v = ucudnn_variant(base, x, y, policy, limit)
             if v is None:
                 continue
             key = (v.plan.tensors, v.plan.conv_workspace)

@@ -111,19 +111,21 @@ def _sequential_plan(model, x, segments: int):
     """checkpoint_sequential's layout as a ucudnn plan, for a Sequential whose modules make one storage
     each (the chain): keep each segment's output, recompute the rest, run the last segment plainly."""
     from ucudnn.memory.plan import MemoryPlan, TensorAction
-    from ucudnn.torch.planning import _trace_graph
+    from ucudnn.torch import capture
 
-    graph = _trace_graph(model, x)
+    step = capture(model, x)
+    graph = step.graph
     size = len(model) // segments  # checkpoint_sequential's segment length
     boundaries = {(i + 1) * size - 1 for i in range(segments - 1)}
 
-    def keep(storage: str) -> bool:  # a module's output is named after it: "_12" is module 12's
-        index = int(storage[1:]) if storage.startswith("_") else None
+    def keep(storage: str) -> bool:  # a module's output is named after it: "12:relu" is module 12's
+        head = storage.split(":", 1)[0]
+        index = int(head) if head.isdigit() else None
         return index is None or index in boundaries or index >= (segments - 1) * size
 
     tensors = tuple(TensorAction(s, graph.bytes_of(s), "keep" if keep(s) else "recompute") for s in graph.storages)
     return MemoryPlan(graph.network, graph.batch, "host", 1, 2**62, "sequential", True, 0, 0, 0, 1.0, 1.0, 0.0, 0,
-                      tensors, ())
+                      tensors, (), capture=step)
 
 
 def run_variant(spec: dict) -> dict:
@@ -133,8 +135,9 @@ def run_variant(spec: dict) -> dict:
     from torch import nn
     from torch.utils.checkpoint import checkpoint_sequential
 
+    from ucudnn.torch import capture
     from ucudnn.torch.memory import execute_plan
-    from ucudnn.torch.planning import _trace_graph, plan_memory
+    from ucudnn.torch.planning import plan_memory
 
     torch.manual_seed(0)
     dev = torch.device(spec["device"])
@@ -161,9 +164,12 @@ def run_variant(spec: dict) -> dict:
     if variant == "ucudnn:sequential":
         plan = _sequential_plan(model, x, spec["segments"])
     elif variant.startswith("ucudnn:"):  # --chain: limit a third of the feature maps
-        limit = spec.get("memory_limit") or _trace_graph(model, x).feature_map_bytes // 3
+        def loss(out):
+            return nn.functional.cross_entropy(out, y)
+
+        limit = spec.get("memory_limit") or capture(model, x, loss=loss).graph.feature_map_bytes // 3
         plan = plan_memory(model, x, memory_limit=limit, policy=variant.split(":", 1)[1],
-                           device=spec.get("profile"))
+                           device=spec.get("profile"), loss=loss)
 
     def rss() -> int:
         # VmHWM, the peak RSS of this process image (getrusage's maxrss would start at the parent's

@@ -107,7 +107,7 @@ def bench(name: str, args) -> list[dict]:
     for policy in args.policies.split(","):
         start = time.perf_counter()
         planned = convert(copy.deepcopy(reference), workspace_limit=64 * MIB, **options)
-        plan = plan_memory(planned, x, memory_limit=limit, policy=policy)
+        plan = plan_memory(planned, x, memory_limit=limit, policy=policy, loss=lambda out: F.cross_entropy(out, y))
         key = f"plan:{policy}"
         plans[key] = plan
         models[key] = planned

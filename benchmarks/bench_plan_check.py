@@ -15,13 +15,16 @@ import argparse
 import os
 import sys
 
+from torch import nn
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_frontier import build  # noqa: E402
 from common import keep_freed_memory, table  # noqa: E402
 
 from ucudnn.memory import available_policies  # noqa: E402
 from ucudnn.torch.check import check_plan  # noqa: E402
-from ucudnn.torch.planning import _trace_graph, plan_memory  # noqa: E402
+from ucudnn.torch import capture  # noqa: E402
+from ucudnn.torch.planning import plan_memory  # noqa: E402
 
 MiB = 2**20
 
@@ -42,11 +45,14 @@ def main() -> None:
         keep_freed_memory()
     for name in args.models.split(","):
         model, x, y = build(name, args)
-        graph = _trace_graph(model, x)
+        def loss(out, y=y):
+            return nn.functional.cross_entropy(out, y)
+
+        graph = capture(model, x, loss=loss).graph
         limit = graph.weight_bytes + int(args.fraction * graph.feature_map_bytes)
         rows = []
         for policy in available_policies():
-            plan = plan_memory(model, x, memory_limit=limit, policy=policy)
+            plan = plan_memory(model, x, memory_limit=limit, policy=policy, loss=loss)
             c = check_plan(model, plan, x, y, steps=args.steps)
             recompute = sum(1 for t in plan.tensors if t.action == "recompute")
             rows.append([policy, plan.fits, recompute, f"{c.predicted_peak_bytes / MiB:.2f}", f"{c.peak_bytes / MiB:.2f}",

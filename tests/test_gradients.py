@@ -1,5 +1,6 @@
-"""Gradient buffers as autograd holds them (`ucudnn.memory.gradients`): lives worked out by hand on small
-traced models, and plans that count them reaching the peak a real step reaches (`StepTracker`)."""
+"""Gradient buffers as autograd holds them (`ucudnn.memory.gradients`): the model of zoo graphs, its lives
+worked out by hand on small graphs; a captured step's observed lives; and plans that count them reaching the
+peak a real step reaches (`StepTracker`)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,9 @@ from torch import nn  # noqa: E402
 
 from ucudnn.errors import InvalidInput  # noqa: E402
 from ucudnn.memory.gradients import gradient_lives  # noqa: E402
-from ucudnn.memory.graph import trace  # noqa: E402
+from ucudnn.memory.graph import Op, TrainingGraph  # noqa: E402
 from ucudnn.memory.simulate import expand  # noqa: E402
+from ucudnn.torch import capture  # noqa: E402
 from ucudnn.torch.check import check_plan  # noqa: E402
 from ucudnn.torch.memory import plan_memory  # noqa: E402
 
@@ -51,16 +53,44 @@ class Dense(nn.Module):
         return self.fc(torch.flatten(self.pool(out), 1))
 
 
-def _lives(model, **settings):
-    """The gradient lives of `model`'s traced graph; weight gradients held the whole step (left out)
-    unless `settings` say otherwise."""
-    graph = dataclasses.replace(trace(model, torch.randn(2, 3, 8, 8)), **{"weight_grads": "step", **settings})
+def _residual_graph(**settings) -> TrainingGraph:
+    """`Residual` as a zoo graph is written (batch 2, 8x8, 4 channels), its backward steps modelled."""
+    fmap = (2, 4, 8, 8)
+    ops = (Op("x", "input", (), (2, 3, 8, 8)),
+           Op("stem", "conv", ("x",), fmap, saves=("x",), weight_bytes=4 * 3 * 9 * 4),
+           Op("conv", "conv", ("stem",), fmap, saves=("stem",), weight_bytes=4 * 4 * 9 * 4),
+           Op("add", "add", ("conv", "stem"), fmap),
+           Op("relu", "relu", ("add",), fmap, inplace=True, saves=("relu",)),
+           Op("pool", "pool", ("relu",), (2, 4, 1, 1)),
+           Op("flatten", "view", ("pool",), (2, 4), inplace=True),
+           Op("fc", "linear", ("flatten",), (2, 2), saves=("flatten",), weight_bytes=(4 * 2 + 2) * 4),
+           Op("loss", "loss", ("fc",), (1,), saves=("fc",)))
+    return TrainingGraph("residual", 2, ops, **{"weight_grads": "step", **settings})
+
+
+def _dense_graph() -> TrainingGraph:
+    """`Dense` as a zoo graph is written: the stem and a ReLU of a conv of it, concatenated."""
+    fmap = (2, 4, 8, 8)
+    ops = (Op("x", "input", (), (2, 3, 8, 8)),
+           Op("stem", "conv", ("x",), fmap, saves=("x",), weight_bytes=4 * 3 * 9 * 4),
+           Op("conv", "conv", ("stem",), fmap, saves=("stem",), weight_bytes=4 * 4 * 9 * 4),
+           Op("relu", "relu", ("conv",), fmap, saves=("relu",)),
+           Op("cat", "concat", ("stem", "relu"), (2, 8, 8, 8)),
+           Op("pool", "pool", ("cat",), (2, 8, 1, 1)),
+           Op("flatten", "view", ("pool",), (2, 8), inplace=True),
+           Op("fc", "linear", ("flatten",), (2, 2), saves=("flatten",), weight_bytes=(8 * 2 + 2) * 4),
+           Op("loss", "loss", ("fc",), (1,), saves=("fc",)))
+    return TrainingGraph("dense", 2, ops, "step")
+
+
+def _lives(graph):
+    """The modelled gradient lives of `graph`, and each op's backward step index."""
     index = {(s.op, s.phase): s.index for s in graph.steps}
     return gradient_lives(graph, graph.steps), lambda op: index[(op, "bwd")]
 
 
 def test_an_add_passes_its_gradient_on_and_an_in_place_relu_replaces_its_own():
-    lives, bwd = _lives(Residual())
+    lives, bwd = _lives(_residual_graph())
     fmap = 2 * 4 * 8 * 8 * 4  # one 4-channel 8x8 map of batch 2, float32
     assert lives == [
         ("grad:fc", 2 * 2 * 4, bwd("loss"), bwd("fc")),
@@ -74,7 +104,7 @@ def test_an_add_passes_its_gradient_on_and_an_in_place_relu_replaces_its_own():
 
 
 def test_the_papers_frameworks_overwrite_an_in_place_relus_gradient_and_keep_weight_gradients_apart():
-    lives, bwd = _lives(Residual(), in_place_backward=True)
+    lives, bwd = _lives(_residual_graph(in_place_backward=True))
     fmap = 2 * 4 * 8 * 8 * 4
     assert lives == [
         ("grad:fc", 2 * 2 * 4, bwd("loss"), bwd("fc")),
@@ -85,8 +115,8 @@ def test_the_papers_frameworks_overwrite_an_in_place_relus_gradient_and_keep_wei
 
 
 def test_weight_gradients_made_in_the_backward_pass_live_from_their_first_write_to_the_steps_end():
-    held, _ = _lives(Residual())
-    lives, bwd = _lives(Residual(), weight_grads="backward")
+    held, _ = _lives(_residual_graph())
+    lives, bwd = _lives(_residual_graph(weight_grads="backward"))
     end = bwd("stem")  # the last step
     assert lives == held + [("wgrad:fc", (2 * 4 + 2) * 4, bwd("fc"), end),
                             ("wgrad:conv", 4 * 4 * 9 * 4, bwd("conv"), end),
@@ -94,7 +124,7 @@ def test_weight_gradients_made_in_the_backward_pass_live_from_their_first_write_
 
 
 def test_a_concatenations_slices_hold_its_whole_gradient_until_summed():
-    lives, bwd = _lives(Dense())
+    lives, bwd = _lives(_dense_graph())
     fmap = 2 * 4 * 8 * 8 * 4
     assert lives == [
         ("grad:fc", 2 * 2 * 4, bwd("loss"), bwd("fc")),
@@ -128,19 +158,45 @@ def _net(join: str, c: int = 16, blocks: int = 4) -> nn.Module:
                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(width[-1], 10))
 
 
+def test_a_captured_step_holds_the_buffers_its_backward_pass_made_as_it_made_them():
+    """The residual block captured: its lives are what autograd did, step by step. The conv's backward
+    node makes the stem's gradient and then sums it with the add's part into a new buffer (under a dispatch
+    mode autograd sums out of place): that second allocation is a second part of the conv's step."""
+    torch.manual_seed(0)
+    graph = capture(Residual(), torch.randn(2, 3, 8, 8), loss=lambda out: out.square().sum()).graph
+    fmap = 2 * 4 * 8 * 8 * 4
+
+    def at(k):
+        return graph.steps[k].op, graph.steps[k].part
+
+    lives = {name: (at(start), at(end)) for name, b, start, end in gradient_lives(graph, graph.steps) if b == fmap}
+    assert lives == {
+        "grad:pool:mean": (("pool:mean", 0), ("relu:relu_", 0)),      # the pool's gradient, spread over the map
+        "grad:relu:relu_": (("relu:relu_", 0), ("conv:conv", 1)),     # the add passes it to the conv and the stem
+        "grad:conv:conv": (("conv:conv", 0), ("conv:conv", 1)),       # the conv's dx, for the stem
+        "grad:conv:conv#2": (("conv:conv", 1), ("stem:conv", 0)),     # dx + the add's part: the stem's gradient
+    }
+    weight = [life for life in graph.captured.lives if life.weight_grad]
+    assert sorted(life.bytes for life in weight) == sorted(p.numel() * 4 for p in Residual().parameters())
+    assert all(life.end == -1 for life in weight)  # held to the step's end, for the optimizer
+
+
 @pytest.mark.parametrize("join", ["add", "concat"])
-def test_plans_on_residual_and_dense_nets_reach_their_predicted_peaks_within_three_percent(join):
+def test_plans_on_residual_and_dense_nets_reach_their_predicted_peaks_within_two_percent(join):
     # Counting one buffer per gradient put a residual net's recompute plans about a feature map (8%)
-    # over the step, and a dense net's 4-11% over or under.
+    # over the step, and a dense net's 4-11% over or under; a captured step counts what autograd holds.
     torch.manual_seed(0)
     model = _net(join)
     x = torch.randn(8, 3, 16, 16)
     y = torch.randint(0, 10, (8,))
-    everything = plan_memory(model, x, policy="checkpoint")
-    for fraction in (1.0, 0.6):
-        plan = plan_memory(model, x, memory_limit=int(everything.peak_bytes * fraction), policy="checkpoint")
+    loss = lambda out: nn.functional.cross_entropy(out, y)  # noqa: E731
+    everything = plan_memory(model, x, policy="checkpoint", loss=loss)
+    smallest = plan_memory(model, x, memory_limit=1, policy="checkpoint", loss=loss)
+    for limit in (everything.peak_bytes, (everything.peak_bytes + smallest.peak_bytes) // 2):
+        plan = plan_memory(model, x, memory_limit=limit, policy="checkpoint", loss=loss)
+        assert plan.fits and (limit == everything.peak_bytes or any(t.action == "recompute" for t in plan.tensors))
         checked = check_plan(model, plan, x, y, steps=1)
-        assert abs(checked.peak_ratio - 1) <= 0.03, (join, fraction, checked.peak_bytes, plan.peak_bytes)
+        assert abs(checked.peak_ratio - 1) <= 0.02, (join, limit, checked.peak_bytes, plan.peak_bytes)
 
 
 def test_weight_gradients_counted_from_their_first_backward_write_match_a_step_that_frees_them():
@@ -152,17 +208,18 @@ def test_weight_gradients_counted_from_their_first_backward_write_match_a_step_t
     model = nn.Sequential(nn.Linear(1024, 2048), *[nn.Tanh() for _ in range(8)], nn.Linear(2048, 10))
     x = torch.randn(256, 1024)
     y = torch.randint(0, 10, (256,))
-    whole_step = plan_memory(model, x, policy="checkpoint", weight_grads="step")
-    from_backward = plan_memory(model, x, policy="checkpoint")
+    loss = lambda out: nn.functional.cross_entropy(out, y)  # noqa: E731
+    whole_step = plan_memory(model, x, policy="checkpoint", weight_grads="step", loss=loss)
+    from_backward = plan_memory(model, x, policy="checkpoint", loss=loss)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     assert whole_step.peak_bytes - from_backward.peak_bytes > 0.9 * weights
     achieved = check_plan(model, from_backward, x, y, steps=1).peak_bytes
-    assert abs(achieved / from_backward.peak_bytes - 1) <= 0.03
+    assert abs(achieved / from_backward.peak_bytes - 1) <= 0.02
 
 
 def test_an_unknown_weight_gradient_life_is_refused():
     with pytest.raises(InvalidInput, match="weight_grads must be one of step, backward"):
-        trace(nn.Sequential(nn.Conv2d(3, 4, 3)), torch.randn(1, 3, 8, 8), weight_grads="never")
+        capture(nn.Sequential(nn.Conv2d(3, 4, 3)), torch.randn(1, 3, 8, 8), weight_grads="never")
 
 
 class Pools(nn.Module):
@@ -181,22 +238,21 @@ class Pools(nn.Module):
 
 
 def test_pools_keep_what_pytorchs_autograd_saves_a_max_pools_indices_included():
-    graph = trace(Pools(), torch.randn(2, 3, 8, 8))
+    graph = capture(Pools(), torch.randn(2, 3, 8, 8)).graph
     # derivatives.yaml: max_pool2d_with_indices saves its input and int64 indices, avg_pool2d its input;
-    # an adaptive average pool to 1x1 is a mean, which saves no tensor
-    indices = 8 * (2 * 4 * 4 * 4)  # int64, of the max-pool's output shape
-    assert graph.op("maxpool").saves == ("conv",) and graph.op("maxpool").saved_bytes == indices
-    assert graph.op("avgpool").saves == ("maxpool",) and graph.op("avgpool").saved_bytes == 0
-    assert graph.op("gap").saves == ()
-    index = {(s.op, s.phase): s.index for s in graph.steps}
-    saved = [life for life in gradient_lives(graph, graph.steps) if life[0].startswith("saved:")]
-    assert saved == [("saved:maxpool", indices, index[("maxpool", "fwd")], index[("maxpool", "bwd")])]
-    # rebuilt for its reader's backward step, the max-pool saves nothing new: its indices stay until its own
-    schedule = expand(graph, {"maxpool": "recompute"})
-    at = {(s.op, s.phase): k for k, s in enumerate(schedule)}
-    assert ("maxpool", "recompute") in at
-    saved = [life for life in gradient_lives(graph, schedule) if life[0].startswith("saved:")]
-    assert saved == [("saved:maxpool", indices, at[("maxpool", "fwd")], at[("maxpool", "bwd")])]
+    # an adaptive average pool to 1x1 is a mean, which saves no tensor. The capture sees autograd do it.
+    maxpool, indices = "maxpool:max_pool2d_with_indices", "maxpool:max_pool2d_with_indices.1"
+    assert graph.bytes_of(indices) == 8 * (2 * 4 * 4 * 4)  # int64, of the max-pool's output shape
+    assert indices in graph.captured.pinned  # only the max-pool makes them: kept, until its backward step
+    reads: dict[str, set[str]] = {}
+    for step in graph.steps[graph.forward_steps:]:
+        reads.setdefault(step.op, set()).update(step.reads)
+    assert set(reads[maxpool]) == {"conv:conv", indices}
+    assert set(reads["avgpool:avg_pool2d"]) == {maxpool}
+    assert reads["gap:mean"] == set()
+    # the max-pool's output can be rebuilt for the average pool's backward step; its indices stay
+    schedule = expand(graph, {maxpool: "recompute"})
+    assert (maxpool, "recompute") in {(s.op, s.phase) for s in schedule}
 
 
 def test_a_plan_of_a_max_pooling_net_reaches_its_predicted_peak():
@@ -208,7 +264,10 @@ def test_a_plan_of_a_max_pooling_net_reaches_its_predicted_peak():
                           nn.Flatten(), nn.Linear(32 * 4 * 4, 10))
     x = torch.randn(8, 3, 32, 32)
     y = torch.randint(0, 10, (8,))
-    everything = plan_memory(model, x, policy="checkpoint")
+    loss = lambda out: nn.functional.cross_entropy(out, y)  # noqa: E731
+    everything = plan_memory(model, x, policy="checkpoint", loss=loss)
     for fraction in (1.0, 0.7):
-        plan = plan_memory(model, x, memory_limit=int(everything.peak_bytes * fraction), policy="checkpoint")
+        plan = plan_memory(model, x, memory_limit=int(everything.peak_bytes * fraction), policy="checkpoint",
+                           loss=loss)
+        assert fraction == 1.0 or any(t.action == "recompute" for t in plan.tensors)
         assert abs(check_plan(model, plan, x, y, steps=1).peak_ratio - 1) <= 0.02, fraction

@@ -1,4 +1,5 @@
-"""ucudnn.torch.memory: memory plans run in PyTorch training (offload, prefetch, recompute, workspaces)."""
+"""ucudnn.torch.memory: memory plans run in PyTorch training (offload, prefetch, recompute, workspaces), following
+the captured step."""
 
 from __future__ import annotations
 
@@ -19,9 +20,8 @@ from torch import nn  # noqa: E402
 
 from ucudnn import InvalidInput, UnsupportedProblem  # noqa: E402
 from ucudnn.memory import available_policies  # noqa: E402
-from ucudnn.memory.graph import trace  # noqa: E402
 from ucudnn.memory.plan import ConvWorkspace, MemoryPlan, TensorAction  # noqa: E402
-from ucudnn.torch import convert  # noqa: E402
+from ucudnn.torch import capture, convert  # noqa: E402
 from ucudnn.torch import memory as tm  # noqa: E402
 from ucudnn.torch import planning  # noqa: E402
 from ucudnn.torch.memory import ExecutionStats, execute_plan, plan_memory  # noqa: E402
@@ -76,15 +76,24 @@ def _model(seed=0):
     return SmallNet()
 
 
-def _hand_plan(model, x, actions, conv_workspace=()):
-    """A plan naming every storage of the traced graph, `actions` where given, keep elsewhere."""
-    graph = tm._trace_graph(model, x)  # eval mode: its shape pass leaves batch-norm statistics alone
-    tensors = tuple(TensorAction(s, graph.bytes_of(s), actions(s) if callable(actions) else actions.get(s, "keep"))
-                    for s in graph.storages)
+def _loss(out):
+    return nn.functional.cross_entropy(out, _data()[1])  # what _train backpropagates (its labels differ: no matter)
+
+
+def _hand_plan(model, x, actions, conv_workspace=(), loss=_loss):
+    """A plan naming every storage of the captured step, `actions` where given (a mapping, or a function of
+    the storage and its op), keep elsewhere."""
+    step = capture(model, x, loss=loss)
+    graph = step.graph
+
+    def action(s):
+        return actions(s, graph.op(s)) if callable(actions) else actions.get(s, "keep")
+
+    tensors = tuple(TensorAction(s, graph.bytes_of(s), action(s)) for s in graph.storages)
     return MemoryPlan(network=graph.network, batch=graph.batch, device="host", devices=1, memory_limit=2**30,
                       policy="hand", fits=True, peak_bytes=0, average_bytes=0, baseline_peak_bytes=0, step_ms=1.0,
                       baseline_step_ms=1.0, stall_ms=0.0, bytes_offloaded=0, tensors=tensors,
-                      conv_workspace=tuple(conv_workspace))
+                      conv_workspace=tuple(conv_workspace), capture=step)
 
 
 def _train(model, plan=None, steps=STEPS, loss=nn.functional.cross_entropy, **options):
@@ -109,17 +118,23 @@ def _assert_same_state(ref, got):
         torch.testing.assert_close(got[name], ref[name], rtol=RTOL, atol=ATOL, msg=lambda m: f"{name}: {m}")
 
 
-# Hand-made plans: every action on every kind of op the model holds.
+# Hand-made plans: every action on every kind of op the model holds (the loss's maps run outside the model).
+def _model_map(s, op):
+    return op.type not in ("input", "loss")
+
+
 HAND_PLANS = {
-    "keep": lambda s: "keep",
-    "offload-all": lambda s: "offload" if s not in ("x", "loss") else "keep",
-    "recompute-all": lambda s: "recompute" if s not in ("x", "loss", "fc") else "keep",
-    "release-all": lambda s: "release",
-    "mixed": lambda s: MIXED.get(s, "keep"),
+    "keep": lambda s, op: "keep",
+    "offload-all": lambda s, op: "offload" if _model_map(s, op) else "keep",
+    "recompute-all": lambda s, op: "recompute" if _model_map(s, op) and s != "fc:addmm" else "keep",
+    "release-all": lambda s, op: "release",
+    "mixed": lambda s, op: MIXED.get(s, "keep"),
 }
-MIXED = {"conv1": "offload", "bn1": "recompute", "pool": "offload", "layer1_0_conv1": "recompute",
-         "layer1_0_bn1": "recompute", "layer1_0_conv2": "release", "add": "offload", "layer1_1_conv2": "recompute",
-         "relu_1": "offload", "fc": "release"}
+MIXED = {"conv1:conv": "offload", "bn1:native_batch_norm": "recompute", "pool:max_pool2d_with_indices": "offload",
+         "pool:max_pool2d_with_indices.1": "recompute", "layer1.0.conv1:conv": "recompute",
+         "layer1.0.bn1:native_batch_norm": "recompute", "layer1.0.conv2:conv": "release",
+         "layer1.0.bn2:native_batch_norm": "offload", "layer1.1.conv2:conv": "recompute", "relu#2": "offload",
+         "fc:addmm": "release"}
 
 
 @pytest.mark.parametrize("name", list(HAND_PLANS))
@@ -136,8 +151,8 @@ def test_hand_made_plans_train_like_plain_pytorch(name):
         assert stats.offloaded == 0
     assert (stats.recomputed > 0) == ("recompute" in actions)
     if name == "release-all":  # autograd saves some of them anyway: they are kept, and named
-        assert "layer1_0_conv1" in stats.kept_released
-    assert "forward" not in model.__dict__  # the model's own forward is back
+        assert "layer1.0.conv1:conv" in stats.kept_released
+    assert not model._forward_pre_hooks and not model._forward_hooks  # the executor's hooks are gone
 
 
 @pytest.mark.parametrize("policy", available_policies())
@@ -145,15 +160,18 @@ def test_every_policy_trains_like_plain_pytorch(policy):
     ref_state, _ = _train(_model())
     model = _model()
     x = _data()[0]
-    graph = trace(copy.deepcopy(model), x)
+    graph = capture(model, x, loss=_loss).graph
     limit = graph.feature_map_bytes // 2  # tight enough that policies offload or recompute
-    plan = plan_memory(model, x, memory_limit=limit, policy=policy, device="k40")
+    plan = plan_memory(model, x, memory_limit=limit, policy=policy, device="k40", loss=_loss)
     assert plan.policy == policy and plan.batch == 4
     assert {t.name for t in plan.tensors} == set(graph.storages)
+    acted = {t.name for t in plan.tensors if t.action in ("offload", "recompute")}
+    assert acted, "the limit forces every policy to offload or recompute"
     state, stats = _train(model, plan)
     _assert_same_state(ref_state, state)
     offloaded = {t.name for t in plan.tensors if t.action == "offload"}
-    assert (stats.offloaded > 0) == bool(offloaded - {"loss"})
+    assert (stats.offloaded > 0) == bool(offloaded)
+    assert (stats.recomputed > 0) == any(t.action == "recompute" for t in plan.tensors)
     assert stats.late_prefetches == 0
 
 
@@ -234,15 +252,14 @@ def test_offloaded_device_tensors_go_once_the_compute_stream_waits_for_their_cop
     model = _model()
     ref_state, _ = _train(_model(), steps=1)
     plan = _hand_plan(model, _data()[0], HAND_PLANS["offload-all"])
-    pooled = []  # the max-pool's outputs (the plan's check runs it first): offloaded at conv1, read by the add
+    pooled = []  # the max-pool's output: offloaded at layer1.0.conv1, read last by layer1.0's add
     model.pool.register_forward_hook(lambda m, i, out: pooled.append(out.untyped_storage().data_ptr()))
     model.layer1[0].bn2.register_forward_hook(lambda *_: copier.log.append(("ran", "layer1.0.bn2")))
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     x, y = _data(seed=0)
     with execute_plan(model, plan) as stats:
         loss = nn.functional.cross_entropy(model(x), y)
-        executor = model.forward.__self__
-        assert executor.pending == [] and stats.offloaded == len(copier.copied) > 0
+        assert stats.offloaded == len(copier.copied) > 0
         alive = [e for e, (_, storage) in copier.copied.items() if storage() is not None]
         assert alive == [], f"{len(alive)} offloaded device tensors outlive the forward pass"
         waits = [e for kind, e in copier.log if kind == "wait"]
@@ -261,7 +278,8 @@ def test_offloaded_device_tensors_go_once_the_compute_stream_waits_for_their_cop
 def test_batch_norm_statistics_move_once_per_step_under_recomputation():
     ref_state, _ = _train(_model())
     model = _model()
-    plan = _hand_plan(model, _data()[0], {"conv1": "recompute", "bn1": "recompute", "layer1_0_bn1": "recompute"})
+    plan = _hand_plan(model, _data()[0], {"conv1:conv": "recompute", "bn1:native_batch_norm": "recompute",
+                                          "layer1.0.bn1:native_batch_norm": "recompute"})
     state, stats = _train(model, plan)
     assert stats.recomputed >= 1
     assert int(state["bn1.num_batches_tracked"]) == STEPS
@@ -274,25 +292,46 @@ def test_recompute_reruns_the_producers_of_what_the_plan_drops_and_nothing_else(
     model = nn.Sequential(*[m for _ in range(4) for m in (nn.Conv2d(4, 4, 3, padding=1), nn.ReLU())])
     reference = copy.deepcopy(model)
     x = torch.randn(2, 4, 8, 8)
-    graph = tm._trace_graph(model, x)
-    dropped = {s for s in graph.storages if graph.op(s).type == "relu"}
-    assert len(dropped) == 4
-    plan = _hand_plan(model, x, {s: "recompute" for s in dropped})
+    plan = _hand_plan(model, x, lambda s, op: "recompute" if op.type == "relu" else "keep",
+                      loss=lambda out: out.square().mean())
+    assert sum(t.action == "recompute" for t in plan.tensors) == 4
     calls = []
     for name, m in model.named_children():
         m.register_forward_hook(lambda m, i, o, name=name: calls.append(name))
-    for step in range(2):  # the first block also traces the model to check the plan
+    for step in range(2):
         calls.clear()
         with execute_plan(model, plan) as stats:
             model(x).square().mean().backward()
         reference(x).square().mean().backward()
-    relus = [n for n, m in model.named_children() if isinstance(m, nn.ReLU)]
-    convs = [n for n, m in model.named_children() if isinstance(m, nn.Conv2d)]
-    assert all(calls.count(n) == 2 for n in relus), calls
-    assert all(calls.count(n) == 1 for n in convs), calls
+    # the module hooks see the forward pass; what recomputation runs again are the ReLUs' operations
+    assert calls == [n for n, _ in model.named_children()]
     assert stats.recomputed == 4
     for p, q in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=RTOL, atol=ATOL)
+
+
+def test_recompute_replays_only_the_operations_that_made_each_dropped_storage(monkeypatch):
+    """What a rebuild runs, counted at the dispatcher: each dropped ReLU output's relu once, no convolution."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[m for _ in range(3) for m in (nn.Conv2d(4, 4, 3, padding=1), nn.ReLU())])
+    x = torch.randn(2, 4, 8, 8)
+    plan = _hand_plan(model, x, lambda s, op: "recompute" if op.type == "relu" else "keep",
+                      loss=lambda out: out.square().mean())
+
+    class Count(TorchDispatchMode):
+        ops: list = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.ops.append(func._overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    with execute_plan(model, plan):
+        loss = model(x).square().mean()
+        with Count():
+            loss.backward()
+    assert Count.ops.count("relu") == 3 and Count.ops.count("convolution") == 0
 
 
 class DropoutNet(nn.Module):
@@ -314,7 +353,7 @@ def test_recomputed_dropouts_draw_the_masks_of_the_forward_pass():
     torch.manual_seed(0)
     model = DropoutNet()
     plan = _hand_plan(model, _data()[0], HAND_PLANS["recompute-all"])
-    assert any(t.name.startswith("dropout") and t.action == "recompute" for t in plan.tensors)
+    assert {t.name for t in plan.tensors if t.action == "recompute"} >= {"empty_like", "bernoulli_", "mul"} - {"bernoulli_"}
     torch.manual_seed(1)
     ref_state, _ = _train(copy.deepcopy(model))
     torch.manual_seed(1)
@@ -339,12 +378,13 @@ class RewritesASource(nn.Module):
         return self.conv2(b) + a
 
 
-def test_a_source_changed_after_it_was_read_is_refused_not_recomputed_wrongly():
+def test_a_source_changed_after_it_was_read_is_kept_by_plans_and_refused_in_a_hand_made_one():
     model = RewritesASource()
     x = _data()[0]
-    graph = tm._trace_graph(model, x)
+    graph = capture(model, x).graph
     relu = next(s for s in graph.storages if graph.op(s).type == "relu")
-    plan = _hand_plan(model, x, {relu: "recompute"})
+    assert relu in graph.captured.pinned  # every plan keeps it
+    plan = _hand_plan(model, x, {relu: "recompute"}, loss=lambda out: out.sum())
     with pytest.raises(UnsupportedProblem, match="modified in place"):
         with execute_plan(model, plan):
             model(x).sum().backward()
@@ -358,29 +398,40 @@ def test_planning_on_this_cpu_times_each_op_both_ways_and_leaves_the_model_and_r
     for m in (model, small):
         before = copy.deepcopy(m.state_dict())
         rng = torch.get_rng_state()
-        graph = planning._timed_ops(m, tm._trace_graph(m, x), x)
-        assert planning._timed_ops(m, tm._trace_graph(m, x), x) == graph  # measured once: the same figures
+        step = capture(m, x, loss=_loss)
+        graph = planning._timed_ops(m, step, (x,), {}, _loss)
+        assert planning._timed_ops(m, step, (x,), {}, _loss) == graph  # measured once: the same figures
         assert torch.equal(torch.get_rng_state(), rng)
         _assert_same_state(before, m.state_dict())
         assert all(p.grad is None for p in m.parameters())
         assert all(module.training for module in m.modules())
         timed = {op.type for op in graph.ops if op.measured_ms is not None and op.measured_bwd_ms is not None}
-        assert timed >= ({"relu", "linear", "other"} if m is model else {"relu", "batchnorm", "add", "pool", "linear"})
-        assert all(op.measured_ms is None for op in graph.ops if op.type in ("conv", "input", "loss"))
+        assert timed >= ({"relu", "linear", "conv"} if m is model else {"relu", "batchnorm", "pool", "linear"})
+        assert all(op.measured_ms is None for op in graph.ops if op.type == "input")
 
 
 def test_converted_convs_run_each_kernel_within_its_planned_budget(monkeypatch):
+    """Budgets below what the fastest configurations need: each kernel runs the fastest one within its own
+    budget. PyTorch's own convolution is left out, so that what ran is ucudnn's and is what is checked."""
     ref_state, _ = _train(_model())
-    model = convert(_model(), backend="cpu", policy="undivided", reps=1, db="sqlite://")
+    model = convert(_model(), backend="cpu", policy="powerOfTwo", reps=1, db="sqlite://",
+                    algos=["im2col_gemm", "shift_gemm", "fft"])
     own = model.conv1.handle
     x = _data()[0]
-    budgets = {("conv1", "fwd"): 2**20, ("conv1", "bwd_filter"): 2**18, ("layer1_0_conv1", "fwd"): 2**17}
+    graph = capture(model, x).graph
+    budgets = {}  # each kernel's budget: what its second fastest option needs, less than its fastest's
+    for step in graph.steps:
+        for kind in step.kernels:
+            front = own.front(graph.op(step.op).conv.with_kind(kind))
+            assert len(front) >= 2 and front[-1].workspace > front[-2].workspace, (step.op, kind, front)
+            budgets[(step.op, kind)] = front[-2].workspace
+    assert len(budgets) == 3 * 6 - 1  # six convs, three kernels each, but the first conv's bwd_data
     plan = _hand_plan(model, x, {}, [ConvWorkspace(layer, kind, b) for (layer, kind), b in budgets.items()])
     taken: list[int] = []
     empty = own.backend.empty_workspace
     monkeypatch.setattr(own.backend, "empty_workspace", lambda nbytes: taken.append(nbytes) or empty(nbytes))
-    convs = {"conv1": model.conv1, "layer1_0_conv1": model.layer1[0].conv1}
-    inputs = {"conv1": (4, 3, 8, 8), "layer1_0_conv1": (4, 8, 4, 4)}
+    modules = dict(model.named_modules())
+    convs = {op.name: modules[op.module] for op in graph.conv_ops}
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     routes = []
     for step in range(STEPS):
@@ -397,11 +448,8 @@ def test_converted_convs_run_each_kernel_within_its_planned_budget(monkeypatch):
     assert all(len(r[layer]) == 1 and r[layer][0] is routes[0][layer][0] for r in routes for layer in convs)
     for (layer, kind), budget in budgets.items():
         kernel = getattr(routes[0][layer][0], kind)
-        if kernel is None:  # torch runs it (native on the whole batch): that plan fit the budget too
-            conv = convs[layer]
-            kernel = own.kernel(kind, inputs[layer], tuple(conv.weight.shape), stride=conv.stride,
-                                padding=conv.padding, layer=conv.layer_id, budget=budget)
-        assert kernel.config.workspace <= budget, (layer, kind)
+        assert kernel is not None, (layer, kind)  # ucudnn ran it (torch's own is not among the algorithms)
+        assert kernel.config.workspace <= budget, (layer, kind, kernel.config)
     # no workspace taken under the plan exceeded the largest budget
     assert max(taken, default=0) <= max(budgets.values())
 
@@ -419,19 +467,23 @@ def test_a_second_backward_through_offloaded_tensors_is_refused_clearly():
 
 def test_plan_for_another_batch_is_refused():
     model = _model()
-    plan = _hand_plan(model, torch.randn(8, 3, 8, 8), {})
+    plan = _hand_plan(model, torch.randn(8, 3, 8, 8), {}, loss=lambda out: out.sum())
     x, _ = _data()
     with pytest.raises(InvalidInput, match="batch 8, the input has batch 4"):
         with execute_plan(model, plan):
             model(x)
-    assert "forward" not in model.__dict__
+    assert not model._forward_pre_hooks and not model._forward_hooks
 
 
 def test_plan_for_another_input_size_is_refused():
     model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten())
-    plan = _hand_plan(model, torch.randn(4, 3, 16, 16), {})
-    with pytest.raises(InvalidInput, match="has .* bytes in the plan"):
+    plan = _hand_plan(model, torch.randn(4, 3, 16, 16), {}, loss=lambda out: out.sum())
+    with pytest.raises(InvalidInput, match=re.escape("made for input input of shape (4, 3, 16, 16)")):
         with execute_plan(model, plan):
+            model(torch.randn(4, 3, 8, 8))
+    model = copy.deepcopy(model)  # not prepared yet: a plan read back from JSON captures it at its first call
+    with pytest.raises(InvalidInput, match="has .* bytes in the plan"):
+        with execute_plan(model, MemoryPlan.from_json(plan.to_json())):
             model(torch.randn(4, 3, 8, 8))
 
 
@@ -439,10 +491,13 @@ def test_plan_for_another_model_is_refused():
     other = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Flatten(), nn.LazyLinear(2))
     x = torch.randn(4, 3, 8, 8)
     other(x)
-    plan = _hand_plan(other, x, {})
+    plan = _hand_plan(other, x, {}, loss=lambda out: out.sum())
     model = _model()
-    with pytest.raises(InvalidInput, match="does not produce; a plan made for another model"):
+    with pytest.raises(InvalidInput, match="captured from another model"):
         with execute_plan(model, plan):
+            model(x)
+    with pytest.raises(InvalidInput, match="does not produce; a plan made for another model"):
+        with execute_plan(model, MemoryPlan.from_json(plan.to_json())):  # no captured step: captured, then checked
             model(x)
     bad_ws = _hand_plan(model, x, {}, [ConvWorkspace("nonexistent_conv", "fwd", 0)])
     with pytest.raises(InvalidInput, match="nonexistent_conv"):
@@ -451,6 +506,40 @@ def test_plan_for_another_model_is_refused():
     with pytest.raises(InvalidInput, match="MemoryPlan"):
         with execute_plan(model, plan.to_json()):
             pass
+
+
+class Branches(nn.Module):
+    """Control flow on a tensor's value: which branch runs depends on the data."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Sequential(*[m for c in (3, 16, 16, 16) for m in (nn.Conv2d(c, 16, 3, padding=1), nn.ReLU())])
+        self.a = nn.Conv2d(16, 16, 3, padding=1)
+        self.b = nn.Sequential(nn.Conv2d(16, 16, 1), nn.ReLU())
+        self.fc = nn.Linear(16, 10)
+
+    def forward(self, x):
+        h = self.conv(x)
+        h = self.a(h) if float(x.mean()) > 0 else self.b(h)
+        return self.fc(torch.flatten(nn.functional.adaptive_avg_pool2d(h, 1), 1))
+
+
+def test_a_step_that_diverges_from_the_captured_one_is_refused_in_one_line():
+    torch.manual_seed(0)
+    model = Branches()
+    x = torch.randn(4, 3, 8, 8).abs()  # mean > 0: branch a
+    with pytest.raises(UnsupportedProblem, match="cannot run on fake tensors"):
+        capture(model, x, fake=True)  # the branch reads a value: no fake capture
+    plan = plan_memory(model, x, memory_limit=1, policy="checkpoint", device="k40")
+    assert not plan.capture.fake  # captured on the real inputs instead
+    assert any(t.action == "recompute" for t in plan.tensors)
+    with execute_plan(model, plan):  # the same branch: runs
+        model(x + 1).sum().backward()
+    with pytest.raises(UnsupportedProblem, match=r"diverged from the captured one at operation \d+") as err:
+        with execute_plan(model, plan):
+            model(-x).sum().backward()  # the other branch
+    assert "\n" not in str(err.value) and "plan again" in str(err.value)
+    assert not model._forward_pre_hooks and not model._forward_hooks
 
 
 def test_plan_memory_validates_its_arguments():
@@ -468,9 +557,8 @@ _RSS_CHILD = textwrap.dedent("""
     import json, sys, torch
     from torch import nn
     torch.set_num_threads(1)
-    from ucudnn.memory.graph import trace
     from ucudnn.memory.plan import MemoryPlan, TensorAction
-    from ucudnn.torch.memory import execute_plan
+    from ucudnn.torch import capture, execute_plan
     layers, segment = 36, 6
     torch.manual_seed(0)
     model = nn.Sequential(*[m for _ in range(layers) for m in (nn.Conv2d(32, 32, 3, padding=1), nn.ReLU())])
@@ -480,16 +568,18 @@ _RSS_CHILD = textwrap.dedent("""
         # size, which Linux carries across fork and exec
         with open("/proc/self/status") as f:
             return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
-    graph = trace(model, x)
+    step = capture(model, x, loss=lambda out: out.square().mean())
+    graph = step.graph
     with torch.no_grad():
         model(x)
     inference = rss()
     # storages: input, then conv and relu outputs in turn; keep every segment-th relu output (the
     # next conv's input), recompute the others
-    actions = {s: ("keep" if i % (2 * segment) == 2 * segment - 1 else "recompute")
-               for i, s in enumerate(graph.storages[1:-2])}
+    maps = [s for s in graph.storages if graph.op(s).type not in ("input", "loss")]
+    actions = {s: ("keep" if i % (2 * segment) == 2 * segment - 1 else "recompute") for i, s in enumerate(maps[:-1])}
     plan = MemoryPlan("chain", 16, "host", 1, 2**40, "hand", True, 0, 0, 0, 1.0, 1.0, 0.0, 0,
-                      tuple(TensorAction(s, graph.bytes_of(s), actions.get(s, "keep")) for s in graph.storages), ())
+                      tuple(TensorAction(s, graph.bytes_of(s), actions.get(s, "keep")) for s in graph.storages), (),
+                      capture=step)
     if sys.argv[1] == "plan":
         with execute_plan(model, plan):
             model(x).square().mean().backward()
@@ -518,20 +608,25 @@ def test_recomputing_plan_cuts_the_memory_training_adds_above_inference():
     assert planned < 0.8 * plain, (plain, planned)
 
 
-def test_steps_under_one_plan_trace_and_check_the_model_once(monkeypatch):
-    traced = []
-    real_trace = tm._trace_graph
-    monkeypatch.setattr(tm, "_trace_graph", lambda *a: traced.append(1) or real_trace(*a))
+def test_steps_under_one_plan_check_the_model_once_and_a_plan_read_back_captures_once(monkeypatch):
+    captured = []
+    real_capture = tm.capture
+    monkeypatch.setattr(tm, "capture", lambda *a, **k: captured.append(1) or real_capture(*a, **k))
     ref_state, _ = _train(_model())
     model = _model()
     plan = _hand_plan(model, _data()[0], HAND_PLANS["mixed"])
-    traced.clear()
     state, _ = _train(model, plan)  # STEPS blocks of execute_plan, one step each
     _assert_same_state(ref_state, state)
-    assert len(traced) == 1  # the plan's check ran at the first step only
+    assert captured == []  # the plan carries its captured step
+    model = _model()
+    read_back = MemoryPlan.from_json(json.loads(json.dumps(plan.to_json())))
+    assert read_back.capture is None
+    state, _ = _train(model, read_back)
+    _assert_same_state(ref_state, state)
+    assert len(captured) == 1  # the first step captured the model and checked the plan against it
     # Another batch under the same plan is still refused once the plan has run.
     with pytest.raises(InvalidInput, match="batch 4, the input has batch 2"):
-        with execute_plan(model, plan):
+        with execute_plan(model, read_back):
             model(torch.randn(2, 3, 8, 8))
 
 
@@ -546,9 +641,9 @@ def test_a_model_changed_between_steps_is_prepared_again():
         expected = model(x)
     with execute_plan(model, plan):
         torch.testing.assert_close(model(x), expected, rtol=RTOL, atol=ATOL)
-    model.conv2 = nn.Conv2d(8, 16, 3, padding=1)  # another shape: the plan no longer fits
+    model.conv2 = nn.Conv2d(8, 16, 3, padding=1)  # another shape: the step no longer is the captured one
     model.fc = nn.Linear(16 * 4 * 4, 10)
-    with pytest.raises(InvalidInput, match="another input size|another model"):
+    with pytest.raises(UnsupportedProblem, match="diverged from the captured one"):
         with execute_plan(model, plan):
             model(x)
 
@@ -603,12 +698,13 @@ def test_keyword_inputs_train_like_plain_pytorch(call):
 def test_keyword_inputs_are_bound_as_python_binds_them():
     model = KeywordNet()
     x, _ = _data()
-    plan = _hand_plan(model, x, {})
-    bad = [(lambda: model(x, shade=1.0), "no input named 'shade'; its inputs: image, shift, scale"),
-           (lambda: model(x, image=x), "got input 'image' twice"),
-           (lambda: model(), "missing input 'image'"),
-           (lambda: model(x, 0.0, 1.0, 2.0), "takes 3 input"),
-           (lambda: model(image=torch.randn(2, 3, 8, 8)), "batch 4, the input has batch 2")]
+    plan = _hand_plan(model, {"image": x}, HAND_PLANS["recompute-all"], loss=lambda out: out.sum())
+    with execute_plan(model, plan):  # by position or by keyword: the same input
+        model(x).sum().backward()
+        model(image=x, scale=2.0).sum().backward()
+    bad = [(lambda: model(x, shade=1.0), "made for inputs image, the model was given 0"),
+           (lambda: model(image=torch.randn(2, 3, 8, 8)), "batch 4, the input has batch 2"),
+           (lambda: model(image=x.double()), "torch.float64")]
     with execute_plan(model, plan):
         for call, message in bad:
             with pytest.raises(InvalidInput, match=re.escape(message)):
@@ -686,8 +782,9 @@ def test_gpu_peak_memory_follows_the_plan():  # pragma: no cover - needs a GPU
         return torch.cuda.max_memory_allocated() - base
 
     plain = step()
-    graph = trace(copy.deepcopy(model), x)
-    plan = plan_memory(model, x, memory_limit=graph.feature_map_bytes // 3, policy="vdnn-all")
+    graph = capture(model, x).graph
+    plan = plan_memory(model, x, memory_limit=graph.feature_map_bytes // 3, policy="vdnn-all",
+                       loss=lambda out: nn.functional.cross_entropy(out, y))
     achieved = step(plan)
     assert achieved < plain
     # the plan's peak counts feature maps, gradients and weights; allow 10% and the allocator's rounding
@@ -728,15 +825,15 @@ class TwoHeads(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.conv1 = nn.Conv2d(3, 8, 3, padding=1)
-        self.aux = nn.Conv2d(8, 4, 3, padding=1)
-        self.conv2 = nn.Conv2d(8, 8, 3, padding=1)
-        self.fc = nn.Linear(8 * 8 * 8, 10)
+        self.conv1 = nn.Conv2d(3, 16, 3, padding=1)
+        self.aux = nn.Conv2d(16, 4, 3, padding=1)
+        self.body = nn.Sequential(*[m for _ in range(6) for m in (nn.Conv2d(16, 16, 3, padding=1), nn.ReLU())])
+        self.fc = nn.Linear(16, 10)
 
     def forward(self, x):
         h = torch.relu(self.conv1(x))
         side = self.aux(torch.sigmoid(h))
-        return self.fc(torch.flatten(torch.relu(self.conv2(h)), 1)), side
+        return self.fc(torch.flatten(nn.functional.adaptive_avg_pool2d(self.body(h), 1), 1)), side
 
 
 def _both_heads_loss(outputs, y):
@@ -748,8 +845,11 @@ def _both_heads_loss(outputs, y):
 def test_a_model_with_two_outputs_plans_and_trains_like_plain_pytorch(policy):
     torch.manual_seed(0)
     x = _data()[0]
-    plan = plan_memory(TwoHeads(), x, memory_limit=trace(TwoHeads(), x).feature_map_bytes // 2, policy=policy,
-                       device="k40")
+    loss = lambda out: _both_heads_loss(out, _data()[1])  # noqa: E731
+    peaks = [plan_memory(TwoHeads(), x, memory_limit=limit, policy=policy, device="k40", loss=loss).peak_bytes
+             for limit in (2**40, 1)]
+    plan = plan_memory(TwoHeads(), x, memory_limit=sum(peaks) // 2, policy=policy, device="k40", loss=loss)
+    assert plan.fits and any(t.action in ("offload", "recompute") for t in plan.tensors)
     states = []
     for use in (None, plan):
         torch.manual_seed(0)
@@ -766,7 +866,7 @@ def test_a_prefetch_no_unpack_waits_for_is_waited_for_at_the_end_of_backward(mon
     torch.manual_seed(0)
     model = TwoHeads()
     x, y = _data()
-    plan = _hand_plan(model, x, HAND_PLANS["offload-all"])
+    plan = _hand_plan(model, x, HAND_PLANS["offload-all"], loss=lambda out: _both_heads_loss(out, y))
     with execute_plan(model, plan) as stats:
         out, side = model(x)
         nn.functional.cross_entropy(out, y).backward()

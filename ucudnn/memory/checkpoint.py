@@ -4,8 +4,10 @@ The graph's storages, in forward order, form the chain of `ucudnn.solver.checkpo
 size is its bytes when the backward pass reads it (0 otherwise: it is released anyway) and its
 cost is the forward time of the ops that write it. Only *articulation* storages can be checkpoints:
 those the forward pass alone carries across a cut (nothing produced before them is read after
-them), such as a residual block's output or an inception block's concatenation. Keeping one there
-splits the graph into segments that recompute from it alone (Alg. 1 on a fork/join graph).
+them, but what every plan keeps), such as a residual block's output or an inception block's
+concatenation. Keeping one there splits the graph into segments that recompute from it alone (Alg. 1
+on a fork/join graph). What the program merely holds across a cut (a captured step's
+`Captured.holds`: a Python variable) is not read there, so it does not cut the chain.
 
 A kept storage stays resident; every other storage that the backward pass reads, or that a
 recomputed op reads, is `recompute`: the simulator rebuilds it, segment by segment, from the nearest
@@ -43,20 +45,22 @@ FRONT_SIMULATED = 8
 
 
 def articulation_storages(graph: TrainingGraph) -> tuple[str, ...]:
-    """Storages that alone carry the forward pass across the cut after their last forward writer."""
+    """Storages that alone carry the forward pass across the cut after their last forward writer, besides
+    what every plan keeps (the inputs, a second output the loss reads): a segment recomputed from one
+    reads nothing else from before it."""
+    kept = {op.name for op in graph.ops if op.type == "input"} | graph.must_keep
     storages = graph.storages
     order = {s: k for k, s in enumerate(storages)}
     last_write: dict[str, int] = {}
     last_read: dict[str, int] = {}
-    for step in graph.steps[:graph.forward_steps]:
-        for w in step.writes:
-            last_write[w] = step.index
-        for r in step.reads:
-            last_read[r] = step.index
+    for k, op in enumerate(graph.ops):  # what ops read, not what the program holds (`Captured.holds`)
+        last_write[graph.storage_of(op.name)] = k
+        for i in op.inputs:
+            last_read[graph.storage_of(i)] = k
     out = []
     for s in storages:
         cut = last_write[s]
-        crossing = [t for t in storages[:order[s]] if last_read.get(t, -1) > cut]
+        crossing = [t for t in storages[:order[s]] if last_read.get(t, -1) > cut and t not in kept]
         if not crossing and graph.op(s).type not in ("input", "loss"):
             out.append(s)
     return tuple(out)
@@ -84,12 +88,11 @@ def actions_for(graph: TrainingGraph, kept: Sequence[str]) -> dict[str, str]:
     starts by reading it, so rebuilding it would hold the same memory at that moment and cost its
     forward pass again."""
     backward = {r for s in graph.steps if s.phase == "bwd" for r in s.reads}
-    keep = set(kept) | {op.name for op in graph.ops if op.type == "input"}
-    loss_inputs = {graph.storage_of(i) for op in graph.ops if op.type == "loss" for i in op.inputs}
-    keep |= loss_inputs  # the backward pass starts there at once
+    # the inputs, what the loss reads (the backward pass starts there at once) and what the program holds
+    keep = set(kept) | {op.name for op in graph.ops if op.type == "input"} | graph.must_keep
     storages = graph.storages
     last = max((k for k, s in enumerate(storages)
-                if s in keep and s not in loss_inputs and graph.op(s).type != "loss"), default=0)
+                if s in kept and s not in graph.must_keep and graph.op(s).type != "loss"), default=0)
     keep |= set(storages[last + 1:])
     recompute = {s for s in graph.storages if s in backward and s not in keep}
     # walk back from what is recomputed: the storages its producers read must be rebuilt too

@@ -3,8 +3,8 @@
 Against vDNN, on the same simulator:
 
 - **Execution order** (Algorithm 1): the ops run in `dymem_order.dfs_order`, each branch of a fork
-  followed to its join (a traced model's fx order may interleave branches). The zoo's graphs are
-  already in that order.
+  followed to its join. The zoo's graphs are already in that order; a captured PyTorch step keeps
+  the order PyTorch ran it in.
 - **No barrier** in the forward pass: a step does not wait for the offload of its input (the
   simulator only waits for an offload when memory is short, as Dymem does).
 - **Prefetch look-ahead** (Algorithm 2): at each backward step the offloaded maps that the coming
@@ -40,7 +40,10 @@ __all__ = ["allocation_trace", "dfs_graph", "plan", "prefetch_schedule"]
 
 def dfs_graph(graph: TrainingGraph) -> TrainingGraph:
     """`graph` with its ops in Algorithm 1's order; unchanged when that order would move a reader
-    of a map after an op that overwrites the map in place (the original order is then kept)."""
+    of a map after an op that overwrites the map in place (the original order is then kept), and for a
+    captured step (the order is the one PyTorch runs: an executor cannot run another)."""
+    if graph.captured is not None:
+        return graph
     successors: dict[str, list[str]] = {op.name: [] for op in graph.ops}
     for op in graph.ops:
         for i in dict.fromkeys(op.inputs):

@@ -3,8 +3,9 @@
 A gradient is not always a buffer of its own: an add hands its output's gradient to both inputs, and a
 second reader's gradient is summed into the first. Counting one buffer per gradient overstated a residual
 block's backward pass by a feature map, and counting none for an in-place op's step understated it by one.
-The same pass holds what an op saved for it beyond feature maps (a max-pool's indices). The simulator,
-the `optimal` program and dymem's allocation trace take these lives from here.
+A captured step's graph needs no model: it carries the buffers its backward pass held (`Captured.lives`),
+and they are placed on the schedule here. The simulator, the `optimal` program and dymem's allocation trace
+take these lives from here.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from collections.abc import Sequence
 
 from ucudnn.memory.graph import TrainingGraph
 
-__all__ = ["gradient_lives"]
+__all__ = ["captured_lives", "gradient_lives"]
 
 # Their backward passes hand the output's gradient on to each input (the same tensor, or views of it).
 _PASSING_GRADIENT = ("add", "concat", "view")
@@ -32,12 +33,13 @@ def gradient_lives(graph: TrainingGraph, steps: Sequence) -> list[tuple[str, int
     `in_place_backward` is set, the step overwrites it instead). A buffer is
     freed after the last step that reads any gradient held in it. Where the graph's weight gradients
     are made in the backward pass (`TrainingGraph.weight_grads`), each lives from its first write to
-    the step's end (the optimizer reads it after the backward pass). An op's `saved_bytes` (what it
-    saves for its backward step beyond feature maps: a max-pool's indices) live from its forward step
-    to its backward step, labelled ``saved:<op>``.
+    the step's end (the optimizer reads it after the backward pass). A captured graph's lives are its
+    observed ones (`captured_lives`).
 
     (Under a `TorchDispatchMode`, such as `ucudnn.torch.StepTracker` or PyTorch's `MemTracker`,
     autograd always sums into a new buffer: the count holds one more buffer for that step.)"""
+    if graph.captured is not None:
+        return captured_lives(graph, steps)
     last_read: dict[str, int] = {}
     for k, s in enumerate(steps):
         if s.phase == "bwd":
@@ -97,17 +99,29 @@ def gradient_lives(graph: TrainingGraph, steps: Sequence) -> list[tuple[str, int
             refs[label] -= 1
             if refs[label] == 0:
                 lives.append((label, *born.pop(label), k))
-    saved_at: dict[str, int] = {}         # op -> the forward step that saved its buffer (a recompute saves none)
     wgrad_at: dict[str, int] = {}         # weight gradient -> its first write, where made in the backward pass
-    for k, s in enumerate(steps):
-        saved = graph.op(s.op).saved_bytes
-        if saved and s.phase == "fwd":
-            saved_at.setdefault(s.op, k)
-        elif saved and s.phase == "bwd" and s.op in saved_at:
-            lives.append((f"saved:{s.op}", saved, saved_at.pop(s.op), k))
-        if graph.weight_grads == "backward":
+    if graph.weight_grads == "backward":
+        for k, s in enumerate(steps):
             for name in s.writes:
                 if name.startswith("wgrad:"):
                     wgrad_at.setdefault(name, k)
     lives += [(name, graph.bytes_of(name), k, len(steps) - 1) for name, k in wgrad_at.items()]
     return lives
+
+
+def captured_lives(graph: TrainingGraph, steps: Sequence) -> list[tuple[str, int, int, int]]:
+    """A captured graph's backward buffers (`Captured.lives`) on `steps`: each from the backward step that
+    allocated it to the one after which it was freed (the last step: held to the end).
+    Where weight gradients persist between steps (`weight_grads="step"`), a parameter's new gradient is
+    added into the one it has, so the buffer lives in its own step only (the persistent gradient is in
+    `TrainingGraph.persistent_bytes`)."""
+    at = [k for k, s in enumerate(steps) if s.phase == "bwd"]  # the captured backward steps, in order
+    out = []
+    for life in graph.captured.lives:
+        start = at[life.start]
+        if life.weight_grad and graph.weight_grads == "step":
+            end = start
+        else:
+            end = at[life.end] if life.end >= 0 else len(steps) - 1
+        out.append((life.name, life.bytes, start, max(start, end)))
+    return out

@@ -3,8 +3,8 @@
 A `TrainingGraph` is one training step of one network at one batch size:
 
 - **Operations** (`Op`): ``input``, ``conv``, ``relu``, ``pool``, ``batchnorm``, ``linear``, ``add``,
-  ``concat``, ``view`` (flatten, reshape: no memory of its own), ``loss`` and ``other`` (any
-  elementwise operation a traced model holds). Each op writes one feature map named after the op.
+  ``concat``, ``view`` (flatten, reshape: no memory of its own), ``loss`` and ``other``. Each op
+  writes one feature map named after the op.
 - **Tensors** (`Tensor`): feature maps (``feature``), their gradients (``gradient``, named
   ``grad:<storage>``), weights (``weight``, ``weight:<op>``) and weight gradients
   (``weight_grad``, ``wgrad:<op>``). Conv workspaces are not tensors of fixed size: their bytes
@@ -13,19 +13,23 @@ A `TrainingGraph` is one training step of one network at one batch size:
 - **Storage.** An op that writes in place (``relu(inplace=True)``, ``out += identity``, a view)
   writes into its input's memory: its feature map's `Tensor.storage` is the input's storage. Memory
   is accounted, and planned, per storage: a plan's `tensors` are the storages (`TrainingGraph.storages`).
-- **Steps** (`Step`): the forward step of every op in network order, then the backward step of every
-  op but the input in reverse order. A step lists the storages and gradients it reads and writes.
-  What a backward step reads is what its operation saves for backward, as cuDNN and PyTorch do:
-  conv its input (``bwd_filter``), relu its output, max-pool its input and output, batch-norm its
-  input, linear its input, loss its input; add, concat, views and average pools save nothing. A traced
-  pool saves what PyTorch's autograd saves: its input, and a max-pool its int64 indices
-  (`Op.saved_bytes`, no feature map); a mean to 1x1 nothing.
+- **Steps** (`Step`): the forward step of every op in network order, then the backward steps.
+  A step lists the storages and gradients it reads and writes.
 
-Build one from the network zoo with `from_network(name, batch)` (the zoo's convolutions plus the
-layers between them: activations, pooling, batch-norm, the classifier and the loss) or from a
-PyTorch model with `trace(model, example_input)` (through `torch.fx`; a feature map is named after
-the fx node that produces it, as ``layer1_0_conv1``). An op and what it costs (`Op`, the builder both
-sources use) are `ucudnn.memory.ops`, below this module and the tracer (`ucudnn.memory.fx`).
+Two sources, one format:
+
+- **The zoo** (`from_network(name, batch)`): the zoo's convolutions plus the layers between them
+  (activations, pooling, batch-norm, the classifier and the loss). Their backward steps are modelled:
+  every op but the input in reverse order, each reading what its operation saves for backward as
+  cuDNN and PyTorch do (conv its input, relu its output, max-pool its input and output, batch-norm
+  its input, linear its input, loss its input; add, concat, views and average pools nothing), its
+  gradients as `ucudnn.memory.gradients` models autograd.
+- **A captured PyTorch step** (`ucudnn.torch.capturing`): the ops PyTorch ran, and what the step did that
+  the zoo models, observed instead (`Captured`): the backward steps in the order autograd ran them,
+  the storages each read (what autograd saved), every buffer the backward pass held (`Life`), and the
+  storages the program itself held longer than their readers (a Python variable, a returned value).
+
+An op and what it costs (`Op`, and the builder the zoo uses) are `ucudnn.memory.ops`.
 """
 
 from __future__ import annotations
@@ -35,12 +39,11 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from ucudnn.errors import InvalidInput
-from ucudnn.memory.fx import trace_model
 from ucudnn.memory.ops import DTYPE_BYTES, OP_TYPES, Op, OpBuilder
 from ucudnn.network.zoo import canonical_name, layers
 
-__all__ = ["DTYPE_BYTES", "OP_TYPES", "TENSOR_KINDS", "WEIGHT_GRADS", "Op", "Step", "Tensor", "TrainingGraph",
-           "from_network", "trace"]
+__all__ = ["DTYPE_BYTES", "OP_TYPES", "TENSOR_KINDS", "WEIGHT_GRADS", "Captured", "Life", "Op", "Step", "Tensor",
+           "TrainingGraph", "from_network"]
 
 TENSOR_KINDS = ("feature", "gradient", "weight", "weight_grad")
 WEIGHT_GRADS = ("step", "backward")  # when weight gradients exist (`TrainingGraph.weight_grads`)
@@ -68,6 +71,47 @@ class Step:
     reads: tuple[str, ...]        # storages and gradients that must be resident
     writes: tuple[str, ...]       # storages and gradients it produces (allocated at its start)
     kernels: tuple[str, ...] = ()  # conv kernels it runs: "fwd", or "bwd_data" and "bwd_filter"
+    part: int = 0                 # a captured backward step's later part (see `Captured`): no time of its own
+
+
+@dataclass(frozen=True, slots=True)
+class Life:
+    """A buffer the backward pass of a captured step held: allocated in backward step `start` and freed
+    after backward step `end` (-1: held to the step's end), counted from the backward pass's first step.
+    `weight_grad`: it became a parameter's ``.grad``."""
+
+    name: str
+    bytes: int
+    start: int
+    end: int
+    weight_grad: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Captured:
+    """What a captured step did where a zoo graph models it (see the module docstring).
+
+    The backward steps are autograd's nodes as they ran, each in one or more *parts*: where a node frees
+    memory and then allocates (it releases what it saved, then sums a gradient into a new buffer), the
+    allocation starts a new part, so that the simulator, which allocates at a step's start and frees at
+    its end, sees the node's memory as it was. `order`: each backward step's op (a node's later parts
+    repeat it; only its first part takes time). `reads`: per backward step, the feature maps it read
+    (what autograd saved). `kernels`: per backward step, the conv kernels it ran. `lives`: the backward
+    pass's buffers. `holds`: (storage, index in `TrainingGraph.steps`): the program held the storage
+    through that step (a reader autograd does not know of: a Python variable, a returned value).
+    `pinned`: storages every plan keeps (or releases, where nothing reads them later): those the program
+    held into the backward pass whatever autograd saved (dropping autograd's copy frees nothing), an
+    operation's extra outputs (only the operation can make them again) and storages made from a source
+    that the step later changes in place (made again, they would read the new values).
+    `weight_grad_bytes`: the parameters' gradients the backward pass made."""
+
+    order: tuple[str, ...]
+    reads: tuple[tuple[str, ...], ...] = ()
+    kernels: tuple[tuple[str, ...], ...] = ()
+    lives: tuple[Life, ...] = ()
+    holds: tuple[tuple[str, int], ...] = ()
+    pinned: frozenset[str] = frozenset()
+    weight_grad_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -80,13 +124,15 @@ class TrainingGraph:
     ``"backward"``, each from its op's first backward step to the step's end (PyTorch's default
     `zero_grad()` frees them between steps and the optimizer reads them after the backward pass).
     `in_place_backward` is True where an in-place op's backward step writes its input's gradient over
-    its output's (Caffe's and Torch7's in-place ReLU); PyTorch's autograd makes a new tensor."""
+    its output's (Caffe's and Torch7's in-place ReLU); PyTorch's autograd makes a new tensor.
+    `captured`: what a captured PyTorch step observed (None: a zoo graph, modelled)."""
 
     network: str
     batch: int
     ops: tuple[Op, ...]
     weight_grads: str = "step"
     in_place_backward: bool = False
+    captured: Captured | None = None
     _by_name: dict[str, Op] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -104,6 +150,13 @@ class TrainingGraph:
             raise InvalidInput("a training graph starts with its input op")
         if self.weight_grads not in WEIGHT_GRADS:
             raise InvalidInput(f"weight_grads must be one of {', '.join(WEIGHT_GRADS)}, got {self.weight_grads!r}")
+        if self.captured is not None:
+            cap = self.captured
+            unknown = sorted(set(cap.order) - set(by_name))
+            if unknown:
+                raise InvalidInput(f"captured backward steps of ops {', '.join(unknown[:5])} that the graph lacks")
+            if len(cap.reads) != len(cap.order) or len(cap.kernels) != len(cap.order):
+                raise InvalidInput("captured backward steps: one reads and one kernels entry per step")
         object.__setattr__(self, "_by_name", by_name)
 
     # ---- ops and tensors -------------------------------------------------------------------
@@ -142,9 +195,14 @@ class TrainingGraph:
             if op.weight_bytes:
                 out[f"weight:{op.name}"] = Tensor(f"weight:{op.name}", "weight", op.weight_bytes, None,
                                                   f"weight:{op.name}")
-            if op.weight_bytes and self._has_backward(op):
+            if op.weight_bytes and self.captured is None and self._has_backward(op):
                 out[f"wgrad:{op.name}"] = Tensor(f"wgrad:{op.name}", "weight_grad", op.weight_bytes, op.name,
                                                  f"wgrad:{op.name}")
+        if self.captured is not None:
+            for life in self.captured.lives:
+                kind = "weight_grad" if life.weight_grad else "gradient"
+                out[life.name] = Tensor(life.name, kind, life.bytes, self.captured.order[life.start], life.name)
+            return out
         for s in self.storages:
             if self._needs_grad[s]:
                 name = f"grad:{s}"
@@ -171,13 +229,25 @@ class TrainingGraph:
     @property
     def persistent_bytes(self) -> int:
         """Bytes held for the whole step: the weights, and their gradients where `weight_grads` is "step"."""
-        return self.weight_bytes * (2 if self.weight_grads == "step" else 1)
+        if self.weight_grads != "step":
+            return self.weight_bytes
+        grads = self.captured.weight_grad_bytes if self.captured is not None else self.weight_bytes
+        return self.weight_bytes + grads
 
     @property
     def conv_ops(self) -> tuple[Op, ...]:
         return tuple(op for op in self.ops if op.type == "conv")
 
-    # ---- gradients ---------------------------------------------------------------------------
+    @cached_property
+    def must_keep(self) -> frozenset[str]:
+        """Storages every plan keeps: what the loss reads (the backward pass starts there at once) and
+        what the program itself holds into the backward pass (`Captured.pinned`)."""
+        keep = {self._storage[i] for op in self.ops if op.type == "loss" for i in op.inputs}
+        if self.captured is not None:
+            keep |= self.captured.pinned
+        return frozenset(keep)
+
+    # ---- gradients (modelled: zoo graphs) ------------------------------------------------------
     @cached_property
     def _into_loss(self) -> set[str]:
         """The storages whose values flow into the loss: autograd runs no backward step for the others
@@ -220,12 +290,19 @@ class TrainingGraph:
     # ---- steps -------------------------------------------------------------------------------
     @cached_property
     def steps(self) -> tuple[Step, ...]:
-        """Forward steps of every op in order, then backward steps of every op but the input, reversed."""
+        """Forward steps of every op in order, then the backward steps: every op's but the input's,
+        reversed (a zoo graph), or as autograd ran them (a captured step)."""
+        held: dict[int, list[str]] = {}
+        if self.captured is not None:
+            for storage, step in self.captured.holds:
+                held.setdefault(step, []).append(storage)
         steps: list[Step] = []
         for op in self.ops:
-            reads = tuple(dict.fromkeys(self._storage[i] for i in op.inputs))
+            reads = tuple(dict.fromkeys([*(self._storage[i] for i in op.inputs), *held.get(len(steps), ())]))
             steps.append(Step(len(steps), op.name, "fwd", reads, (self._storage[op.name],),
                               ("fwd",) if op.type == "conv" else ()))
+        if self.captured is not None:
+            return tuple(steps) + self._captured_backward(len(steps), held)
         needs = self._needs_grad
         for op in reversed(self.ops):
             if not self._has_backward(op):
@@ -243,6 +320,20 @@ class TrainingGraph:
                 kernels = ("bwd_data", "bwd_filter") if takes_dx else ("bwd_filter",)
             steps.append(Step(len(steps), op.name, "bwd", tuple(dict.fromkeys(reads)),
                               tuple(dict.fromkeys(writes)), kernels))
+        return tuple(steps)
+
+    def _captured_backward(self, first: int, held: dict[int, list[str]]) -> tuple[Step, ...]:
+        """The backward steps a captured step ran: each reads what autograd saved for it (and what the
+        program held through it) and writes the buffers it allocated."""
+        cap = self.captured
+        born: dict[int, list[str]] = {}
+        for life in cap.lives:
+            born.setdefault(life.start, []).append(life.name)
+        steps, part = [], 0
+        for k, name in enumerate(cap.order):
+            part = part + 1 if k and cap.order[k - 1] == name else 0
+            steps.append(Step(first + k, name, "bwd", tuple(dict.fromkeys([*cap.reads[k], *held.get(first + k, ())])),
+                              tuple(born.get(k, ())), cap.kernels[k], part))
         return tuple(steps)
 
     @cached_property
@@ -380,13 +471,4 @@ def from_network(name: str, batch: int) -> TrainingGraph:
     if missing:  # the graph must run every zoo convolution
         raise AssertionError(f"{canonical}: the graph leaves out convolutions {missing}")
     return TrainingGraph(canonical, batch, tuple(builder.ops), "step", in_place_backward=True)
-
-
-def trace(model, example_input, *, name: str | None = None, weight_grads: str = "backward") -> TrainingGraph:
-    """The training graph of a PyTorch model, traced with `torch.fx` on `example_input` (its batch is
-    the graph's batch). A feature map is named after the fx node that produces it. Gradients are held
-    as PyTorch's autograd holds them; `weight_grads` as `TrainingGraph` says (``"backward"``: a loop
-    whose `zero_grad()` frees them between steps)."""
-    ops = trace_model(model, example_input)
-    return TrainingGraph(name or type(model).__name__, int(example_input.shape[0]), tuple(ops), weight_grads)
 

@@ -1,6 +1,6 @@
-"""An op of the training graph and what it costs: one builder computes every op's output shape, flops, traffic
-and weights, so that the zoo's graphs (`ucudnn.memory.graph`) and a traced model's (`ucudnn.memory.fx`) count
-an op alike.
+"""An op of the training graph and what it costs: one builder computes the zoo's ops' output shapes, flops,
+traffic and weights (`ucudnn.memory.graph`); a captured PyTorch step (`ucudnn.torch.capturing`) makes its ops
+from what PyTorch ran.
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ class Op:
     shape: tuple[int, ...]        # of its output feature map
     inplace: bool = False         # writes into inputs[0]'s storage
     saves: tuple[str, ...] = ()   # feature maps its backward step reads
-    saved_bytes: int = 0          # more it saves for its backward step, no feature map (a max-pool's indices)
     flops: float = 0.0            # forward arithmetic (the backward step counts twice this)
     bytes_moved: float = 0.0      # forward device-memory traffic (the backward step counts twice)
     weight_bytes: int = 0
@@ -35,10 +34,11 @@ class Op:
     module: str = ""              # traced from PyTorch: the qualified name of the module it calls
     measured_ms: float | None = None  # its forward step timed on the planned device, where it was
     measured_bwd_ms: float | None = None  # and its backward step (None: twice the forward's)
+    nbytes: int | None = None     # its storage's bytes where known exactly (a captured op: any dtype, every output)
 
     @property
     def bytes(self) -> int:
-        return DTYPE_BYTES * math.prod(self.shape)
+        return self.nbytes if self.nbytes is not None else DTYPE_BYTES * math.prod(self.shape)
 
 
 def _elements(shape: Sequence[int]) -> int:
@@ -62,42 +62,30 @@ class OpBuilder:
     def input(self, name: str, shape: tuple[int, ...]) -> str:
         return self._add(Op(name, "input", (), shape))
 
-    def conv(self, name: str, x: str, problem: ConvProblem | None = None, module: str = "") -> str:
-        p = problem if problem is not None else self.zoo[name]
+    def conv(self, name: str, x: str) -> str:
+        p = self.zoo[name]
         if p.x_shape != self.shapes[x]:
             raise AssertionError(f"{name}: input {self.shapes[x]} is not the zoo's {p.x_shape}")
         weight = DTYPE_BYTES * math.prod(p.w_shape)
         traffic = DTYPE_BYTES * (_elements(p.x_shape) + _elements(p.y_shape)) + weight
         return self._add(Op(name, "conv", (x,), p.y_shape, saves=(x,), flops=p.flops, bytes_moved=traffic,
-                            weight_bytes=weight, conv=p.with_kind("fwd"), module=module))
+                            weight_bytes=weight, conv=p.with_kind("fwd")))
 
     def relu(self, name: str, x: str, inplace: bool = True) -> str:
         shape = self.shapes[x]
         return self._add(Op(name, "relu", (x,), shape, inplace=inplace, saves=(name,), flops=_elements(shape),
                             bytes_moved=2 * DTYPE_BYTES * _elements(shape)))
 
-    def other(self, name: str, inputs: tuple[str, ...], inplace: bool = False,
-              shape: tuple[int, ...] | None = None) -> str:
-        """An elementwise-costed op; its output has `shape` (fx knows it: a reduction such as
-        ``mean`` shrinks it), else its first input's."""
-        shape = self.shapes[inputs[0]] if shape is None or inplace else shape
-        moved = sum(_elements(self.shapes[i]) for i in inputs) + _elements(shape)
-        return self._add(Op(name, "other", inputs, shape, inplace=inplace, saves=inputs,
-                            flops=max(_elements(shape), _elements(self.shapes[inputs[0]])),
-                            bytes_moved=DTYPE_BYTES * moved))
-
     def batchnorm(self, name: str, x: str) -> str:
         shape = self.shapes[x]
         return self._add(Op(name, "batchnorm", (x,), shape, saves=(x,), flops=8 * _elements(shape),
                             bytes_moved=3 * DTYPE_BYTES * _elements(shape), weight_bytes=2 * DTYPE_BYTES * shape[1]))
 
-    def pool(self, name: str, x: str, shape: tuple[int, ...], window: int, kind: str = "max", *,
-             saves: tuple[str, ...] | None = None, saved_bytes: int = 0) -> str:
-        """A max or average pool. Its backward step reads, by default, what cuDNN's reads (the
-        papers' frameworks): a max-pool's input and output, an average pool's nothing."""
-        if saves is None:
-            saves = (x, name) if kind == "max" else ()
-        return self._add(Op(name, "pool", (x,), shape, saves=saves, saved_bytes=saved_bytes,
+    def pool(self, name: str, x: str, shape: tuple[int, ...], window: int, kind: str = "max") -> str:
+        """A max or average pool. Its backward step reads what cuDNN's reads (the papers'
+        frameworks): a max-pool's input and output, an average pool's nothing."""
+        saves = (x, name) if kind == "max" else ()
+        return self._add(Op(name, "pool", (x,), shape, saves=saves,
                             flops=window * window * _elements(shape),
                             bytes_moved=DTYPE_BYTES * (_elements(self.shapes[x]) + _elements(shape))))
 

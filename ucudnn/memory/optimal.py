@@ -86,7 +86,6 @@ def _tables(graph: TrainingGraph, device: DeviceProfile, costs, fronts):
             elif name in s.reads:
                 bwd_uses.setdefault(name, []).append(s.index)
     fixed = [graph.persistent_bytes] * T
-    loss_inputs = {graph.storage_of(i) for op in graph.ops if op.type == "loss" for i in op.inputs}
     ms = [c.ms for c in costs]
 
     def add_fixed(lo: int, hi: int, b: int) -> None:
@@ -105,7 +104,7 @@ def _tables(graph: TrainingGraph, device: DeviceProfile, costs, fronts):
             add_fixed(p, f, b)          # released after its last forward use
             continue
         u, e = uses[0], uses[-1]
-        if s in loss_inputs:
+        if s in graph.must_keep:  # kept whatever the plan
             add_fixed(p, e, b)
             continue
         rows = {"keep": tuple(range(p, e + 1))}

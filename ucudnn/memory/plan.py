@@ -1,8 +1,8 @@
 """The plan format: what the planner decides and the executor runs (JSON as in `ucudnn plan --json`).
 
-Tensor names are the graph's: for a graph built from a PyTorch model through `torch.fx`, a feature
-map is named after the fx node that produces it (``layer1_0_conv1``); for a zoo network, after its
-layer. Conv workspaces are named by the conv layer and the kernel (`fwd`, `bwd_data`, `bwd_filter`).
+Tensor names are the graph's: for a captured PyTorch step, a feature map is named after the module and
+the operation that made it (``layer1.0.conv1:conv``, `ucudnn.torch.capture_graph`); for a zoo network,
+after its layer. Conv workspaces are named by the conv layer and the kernel (`fwd`, `bwd_data`, `bwd_filter`).
 """
 
 from __future__ import annotations
@@ -73,6 +73,9 @@ class MemoryPlan:
     # The planner's simulation of this plan (`ucudnn.memory.simulate.SimResult`: timeline, memory over
     # the step), for plots; not part of the plan's JSON or of equality.
     simulation: Any = field(default=None, compare=False, repr=False)
+    # The captured PyTorch step the plan was made for (`ucudnn.torch.capturing.CapturedStep`), which its
+    # executor follows; not part of the plan's JSON or of equality (a plan read back captures again).
+    capture: Any = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.device_tensors and len(self.device_tensors) != self.devices:
@@ -100,7 +103,7 @@ class MemoryPlan:
         return self.device_tensors or (self.tensors,) * self.devices
 
     def to_json(self) -> dict:
-        data = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "simulation"}
+        data = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("simulation", "capture")}
         if not self.search:
             del data["search"]
         data["overhead"] = self.overhead
@@ -112,7 +115,7 @@ class MemoryPlan:
     @classmethod
     def from_json(cls, data: dict) -> MemoryPlan:
         try:
-            values = {k: v for k, v in data.items() if k not in ("overhead", "simulation")}
+            values = {k: v for k, v in data.items() if k not in ("overhead", "simulation", "capture")}
             values["tensors"] = tuple(TensorAction(**t) for t in data["tensors"])
             # absent in plans written before it existed
             values["device_tensors"] = tuple(tuple(TensorAction(**t) for t in ts)

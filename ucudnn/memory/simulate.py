@@ -152,6 +152,9 @@ def _check_actions(graph: TrainingGraph, actions: Mapping[str, str] | None) -> d
             raise InvalidInput(f"{name!r} cannot be released: the backward pass reads it (offload or recompute it)")
         if action == "recompute" and graph.op(name).type == "input":
             raise InvalidInput(f"{name!r} is the input: it cannot be recomputed (keep or offload it)")
+        if action in ("offload", "recompute") and graph.captured is not None and name in graph.captured.pinned:
+            raise InvalidInput(f"{name!r} is kept by every plan (the program holds it, or only its operation makes "
+                               "it): keep it")
     return out
 
 

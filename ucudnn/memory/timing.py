@@ -265,7 +265,7 @@ def step_costs(graph: TrainingGraph, device: DeviceProfile, *,
                 ms += o.time_ms
                 ws = max(ws, o.memory)
             costs.append(StepCost(ms, ws))
-        elif op.type == "input":
+        elif op.type == "input" or step.part:  # (a captured node's later part: its time is the first part's)
             costs.append(StepCost(0.0))
         else:
             factor = 1 if step.phase == "fwd" else 2

@@ -46,12 +46,11 @@ def actions_for(graph: TrainingGraph, mode: str) -> dict[str, str]:
     """vDNN's static decision: offload (all or conv inputs), release what backward never reads, keep the rest."""
     backward = {r for s in graph.steps if s.phase == "bwd" for r in s.reads}
     conv_inputs = {graph.storage_of(op.inputs[0]) for op in graph.conv_ops}
-    loss_inputs = {graph.storage_of(i) for op in graph.ops if op.type == "loss" for i in op.inputs}
     actions = {}
     for s in graph.storages:
         if s not in backward:
             actions[s] = "release"
-        elif s in loss_inputs or mode == "none":
+        elif s in graph.must_keep or mode == "none":
             actions[s] = "keep"
         elif mode == "all" or s in conv_inputs:
             actions[s] = "offload"

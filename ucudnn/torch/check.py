@@ -32,9 +32,11 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from ucudnn.errors import InvalidInput
 from ucudnn.memory.plan import MemoryPlan
+from ucudnn.torch.capturing import call_args, default_loss
 from ucudnn.torch.memory import _prepared, execute_plan
 from ucudnn.torch.tracker import StepTracker, TrackerReport
 
@@ -94,26 +96,33 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)  # timing a step: the host waits for the device on purpose
 
 
-def check_plan(model: nn.Module, plan: MemoryPlan, example_input: torch.Tensor, target: torch.Tensor | None = None,
-               *, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None, warmup: int = 1,
-               steps: int = 3) -> PlanCheck:
-    """Run `model` on `example_input` under `plan` and compare with the plan's predictions (see the
-    module docstring). `loss_fn(output, target)` defaults to cross-entropy against `target`
-    (default: class 0 for every sample)."""
+def check_plan(model: nn.Module, plan: MemoryPlan, example_input: Any, target: torch.Tensor | None = None,
+               *, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+               loss: Callable[[Any], torch.Tensor] | None = None, warmup: int = 1, steps: int = 3) -> PlanCheck:
+    """Run `model` on `example_input` (a tensor, a tuple of positional arguments or a dict of keyword
+    arguments) under `plan` and compare with the plan's predictions (see the module docstring). The loss
+    is `loss_fn(output, target)` where given, else `loss(output)` (as `plan_memory` takes it), else
+    cross-entropy against `target` where given, else `ucudnn.torch.capturing.default_loss`."""
     if not isinstance(model, nn.Module):
         raise InvalidInput(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(plan, MemoryPlan):
         raise InvalidInput(f"plan must be a ucudnn.memory.MemoryPlan, got {type(plan).__name__}")
-    if not isinstance(example_input, torch.Tensor) or example_input.dim() < 1:
-        raise InvalidInput(f"example_input must be a batched tensor, got {type(example_input).__name__}")
+    args, kwargs = call_args(example_input)
+    inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    if not inputs or inputs[0].dim() < 1:
+        raise InvalidInput("example_input must hold a batched tensor (its first dimension is the batch)")
     for name, value, least in (("warmup", warmup, 1), ("steps", steps, 1)):
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             raise InvalidInput(f"{name} must be an integer of at least {least}, got {value!r}")
-    if loss_fn is None:
-        loss_fn = nn.functional.cross_entropy
-        if target is None:
-            target = torch.zeros(example_input.shape[0], dtype=torch.long, device=example_input.device)
-    device = example_input.device
+    if loss_fn is not None:
+        compute = lambda out: loss_fn(out, target)  # noqa: E731
+    elif loss is not None:
+        compute = loss
+    elif target is not None:
+        compute = lambda out: nn.functional.cross_entropy(out, target)  # noqa: E731
+    else:
+        compute = default_loss
+    device = inputs[0].device
     params = list(model.parameters())
     grads = [p.grad for p in params]
     buffers = [b.detach().clone() for b in model.buffers()]
@@ -122,7 +131,7 @@ def check_plan(model: nn.Module, plan: MemoryPlan, example_input: torch.Tensor, 
         for p in params:  # freed, as zero_grad() does by default: autograd then takes each new
             p.grad = None  # gradient as it is, where adding it into a zeroed one would hold both at once
         with execute_plan(model, plan) as stats:
-            loss_fn(model(example_input), target).backward()
+            compute(model(*args, **kwargs)).backward()
         return stats
 
     try:
@@ -130,7 +139,8 @@ def check_plan(model: nn.Module, plan: MemoryPlan, example_input: torch.Tensor, 
             step()
         tracker = StepTracker(model, device=device)
         with tracker:
-            tracker.track(example_input, "tensor")
+            for t in inputs:
+                tracker.track(t, "tensor")
             for _, pool in _prepared(model, plan).copies.values():
                 for host in pool.held():  # taken by the warm-up, back in the pool: the step takes them again
                     tracker.track(host, "host")

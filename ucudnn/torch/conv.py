@@ -29,8 +29,11 @@ when the first forward pass runs under ``torch.no_grad()`` (it would register no
 Under torch.compile and torch.export (``torch.compiler.is_compiling()``) a layer traces to the
 operators of `ucudnn.torch.ops` instead: they look the layer up by an int key and plan, register
 (WD's learning pass) and run when the graph runs, with the same route cache, so nothing is planned
-on fake tensors and nothing about the handle is baked into a graph. Eager calls keep the autograd
-Function: going through the dispatcher and the operators' autograd wrapper costs host time per call.
+on fake tensors and nothing about the handle is baked into a graph. So does a layer called on fake
+tensors (`FakeTensorMode`: the operators' fake implementations give the shapes) and one inside
+`through_operators` (a captured step and the executor of its plan see each convolution as one
+dispatched operation). Other eager calls keep the autograd Function: going through the dispatcher
+and the operators' autograd wrapper costs host time per call.
 
 CPU tensors of float32 (or float64) go through ``.numpy()`` views without copies; CUDA tensors go
 to a cudnn-backend handle through ``__cuda_array_interface__`` (``cupy.asarray``; bfloat16 as its
@@ -47,6 +50,8 @@ This module imports torch; ``import ucudnn`` does not import this module.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import warnings
 from collections.abc import Iterator
@@ -56,6 +61,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.autograd.function import once_differentiable
 
 from ucudnn.backends import get_backend
@@ -69,10 +75,37 @@ from ucudnn.solver.types import Infeasible
 from ucudnn.torch import ops as _ops
 from ucudnn.torch.launch import _dtype_name, _launch, _memory_format, _on_device, _out_size
 
-__all__ = ["Conv2d", "announce", "convert"]
+__all__ = ["Conv2d", "announce", "as_torch", "convert", "through_operators"]
 
 # Timed runs of each side in a kernel's in-step trial against torch's own convolution (CPU handles)
 TRIAL_RUNS = 3
+
+_OPERATORS: contextvars.ContextVar[bool] = contextvars.ContextVar("ucudnn_through_operators", default=False)
+_AS_TORCH: contextvars.ContextVar[bool] = contextvars.ContextVar("ucudnn_as_torch", default=False)
+
+
+@contextlib.contextmanager
+def through_operators() -> Iterator[None]:
+    """Inside this block a converted convolution runs as the operator `torch.ops.ucudnn.conv2d` (as under
+    torch.compile), bias included: one dispatched operation, as `aten.convolution` is, which a dispatch
+    mode (the capture of a training step, the executor of its plan) sees and names as one."""
+    token = _OPERATORS.set(True)
+    try:
+        yield
+    finally:
+        _OPERATORS.reset(token)
+
+
+@contextlib.contextmanager
+def as_torch() -> Iterator[None]:
+    """Inside this block a converted convolution is torch's own (`F.conv2d`): nothing is planned, measured
+    or registered. Planning times the other operations in real steps this way (the convolutions' times
+    come from their handles' measurements), without the handle solving anything before the plan exists."""
+    token = _AS_TORCH.set(True)
+    try:
+        yield
+    finally:
+        _AS_TORCH.reset(token)
 
 
 def _layout_name(t: torch.Tensor) -> str:
@@ -119,22 +152,25 @@ class _Routes(dict):
 
 class _Learning:
     """WD without `announce`: while active, converted layers register themselves with the handle
-    and compute with torch's own convolution; the model's first forward pass ends it."""
+    and compute with torch's own convolution; the model's first forward pass that registers a layer
+    ends it (a pass on fake tensors, or under `as_torch`, registers none)."""
 
-    __slots__ = ("active",)
+    __slots__ = ("active", "registered")
 
     def __init__(self) -> None:
         self.active = True
+        self.registered = False
 
 
 class _EndLearning:
-    """Forward hook on the converted model: its first forward pass has registered every layer."""
+    """Forward hook on the converted model: its first registering forward pass has registered every layer."""
 
     def __init__(self, state: _Learning) -> None:
         self.state = state
 
     def __call__(self, module, args, output) -> None:
-        self.state.active = False
+        if self.state.registered:
+            self.state.active = False
 
 
 def _autocast(t: torch.Tensor | None, low: torch.dtype) -> torch.Tensor | None:
@@ -346,16 +382,21 @@ class Conv2d(nn.Conv2d):
 
     def _convolve(self, input, weight, bias, padding) -> torch.Tensor:
         stride, dilation = tuple(self.stride), tuple(self.dilation)
-        # compiling: the operators read the learning state when the graph runs, not while it is traced
+        # compiling, capturing, fake tensors: the operators, which read the learning state and plan when
+        # they run on real tensors (never while traced, nor on fake tensors: their fake implementation runs).
+        # (Compiling first: Dynamo cannot trace a ContextVar's get.)
         compiling = torch.compiler.is_compiling()
-        if not compiling and self._learning_now():
+        if not compiling and _AS_TORCH.get():
+            return F.conv2d(input, weight, bias, stride, padding, dilation, self.groups)
+        operators = compiling or _OPERATORS.get() or isinstance(input, FakeTensor)
+        if not operators and self._learning_now():
             return self._record(input, weight, bias, padding)
         if input.shape[0] == 0:  # an empty batch: nothing to plan; torch returns the empty result
             return F.conv2d(input, weight, bias, stride, padding, dilation, self.groups)
         input, layout = _layout(input)
         grad = torch.is_grad_enabled()
         need_dx, need_dw = grad and input.requires_grad, grad and weight.requires_grad
-        if compiling:
+        if operators:
             return self._traced(input, weight, bias, padding, layout, need_dx, need_dw)
         route = self._planned(input, weight, padding, layout, need_dx, need_dw)
         if route.direct:
@@ -374,11 +415,10 @@ class Conv2d(nn.Conv2d):
         return route
 
     def _traced(self, input, weight, bias, padding, layout: str, need_dx: bool, need_dw: bool) -> torch.Tensor:
-        """The layer as torch.compile and torch.export see it: ucudnn's operators, which plan and
-        run when the graph runs (on real tensors, with the layer's handle at that time)."""
-        y = torch.ops.ucudnn.conv2d.default(input, weight, self._key, self.stride, padding, self.dilation,
-                                            self.groups, layout, need_dx, need_dw)
-        return y if bias is None else y + bias.view(1, -1, 1, 1)
+        """The layer as torch.compile, torch.export and dispatch modes see it: ucudnn's operator, which
+        plans and runs when it runs on real tensors (with the layer's handle at that time)."""
+        return torch.ops.ucudnn.conv2d.default(input, weight, self._key, self.stride, padding, self.dilation,
+                                               self.groups, layout, need_dx, need_dw, bias)
 
     def _learning_now(self) -> bool:
         """Whether this layer registers itself (announce, or WD's learning pass) instead of planning."""
@@ -440,6 +480,8 @@ class Conv2d(nn.Conv2d):
                                 _layout_name(input))
         kinds = {"fwd"} | ({"bwd_data"} if need_dx else set()) | ({"bwd_filter"} if need_dw else set())
         self.handle.register(self.layer_id, problem, kinds=kinds)
+        if self._learning is not None:
+            self._learning.registered = True
 
 
 def _ucudnn_convs(model: nn.Module) -> Iterator[Conv2d]:

@@ -8,33 +8,28 @@ backward pass, recompute dropped ones, and give converted convolutions their pla
     optimizer.step()
 
 This module runs a plan (`execute_plan`). Making one is `ucudnn.torch.planning` (`plan_memory` and
-`measure_profile` stay importable from here); the offload and prefetch copies and their saved-tensor
-hooks are `ucudnn.torch.offload`, recomputation `ucudnn.torch.recompute`.
+`measure_profile` stay importable from here); the offload and prefetch copies are `ucudnn.torch.offload`,
+recomputation `ucudnn.torch.recompute`.
 
-**Running the model.** Inside the block, `model.forward` is replaced by a loop over the model's
-`torch.fx` graph (the same trace the planner named its tensors after), so that the executor knows
-which fx node is running. fx's own `Interpreter` runs a whole graph in one call; the loop here is
-hand-written because the executor acts between nodes (tagging each output, saving what a
-recomputation will read). It frees each value after its last use, as the Interpreter does. Inputs
-bind to the graph's placeholders as Python binds a call's arguments: by position, by keyword, else
-the parameter's default.
+**Following the captured step.** A plan names the feature maps of a captured step
+(`ucudnn.torch.capturing`). Inside the block, the model's forward pass runs as it always does, under a
+dispatch mode that follows it operation by operation against the captured one: each operation must be
+the captured one with the same outputs (a convolution may be torch's or a converted layer's), else
+the step is refused in one line (`UnsupportedProblem`: its control flow depends on its data, or the
+model changed). Each storage an operation makes is tagged with its feature map's name, so that
+`saved_tensors_hooks`, which see tensors, know which feature map autograd saves: a parameter or an
+untagged tensor is kept; a tagged one is kept, offloaded or dropped as the plan says. Converted
+convolutions run as ucudnn's operator inside the block (`through_operators`), as they did when
+captured. The loss runs outside the model's forward pass: what it saves is kept.
 
-**Prepared once.** The fx graph, each value's last use, the plan's check per input shape (a traced,
-shape-propagating forward pass) and the host buffers belong to the (model, plan) pair: they are made
-at its first `execute_plan` and reused by later blocks (kept weakly with the model, for its latest
-plans), so a training step under a plan does only the step's work. A model whose modules changed
-since (a layer replaced) is prepared and checked again.
+**Acting on nothing costs nothing.** A plan that keeps every map autograd saves (its actions are keep
+and release) needs no mode and no hooks: the block checks the inputs and gives the convolutions their
+budgets, and the step is the plain step.
 
-**Which plan tensor a saved tensor is.** `saved_tensors_hooks` see tensors, not names. A plan's
-tensors are *storages* (an in-place op or a view writes into its input's memory: the planner names
-that memory after the node that first made it). So every node's output is tagged by its storage:
-the storage's address maps to the plan name and a weak reference to the storage object (the
-reference dies with the storage, so an address that the allocator hands out again is not mistaken
-for the old tensor). A node whose output lives in an already tagged, live storage (``relu_``,
-``flatten``) leaves the tag as it is. A saved tensor is then attributed, in `pack`, to: nothing
-(parameters and buffers: never moved); the tagged storage it lives in; else the node running at
-that moment (its own result, saved before the node returns, and internals such as max-pool
-indices follow that node's action).
+**Prepared once.** The plan's check against the model, its recompute programs, the conv budgets and
+the host buffers belong to the (model, plan) pair: made at its first `execute_plan` and reused by later
+blocks (kept weakly with the model, for its latest plans). A plan without its captured step (read
+from JSON) captures the model at the first forward call and is checked against that capture.
 
 **Offload and prefetch**: see `ucudnn.torch.offload`. **Recompute**: see `ucudnn.torch.recompute`.
 
@@ -46,12 +41,6 @@ runs each kernel, inside the block, with its own handle's fastest configuration 
 kernel's budget (`Handle.kernel(..., budget=...)`), its workspace held for that run only, as the
 plan counts it. `plan_memory` on a converted model takes each converted kernel's options from its
 handle (`Handle.front`), so the budgets are ones those kernels can run within.
-
-**Checks.** The plan must come from this model at this batch: at the first forward call for an
-input shape, the model is traced with its first input, the others at their defaults
-(`ucudnn.memory.graph.trace`, in eval mode so that no running statistics move), and the plan's
-tensors must be the traced graph's storages with the same bytes, and its batch the input's; conv
-workspace layers must be convs of the model. Anything else is `InvalidInput` saying what differs.
 """
 
 from __future__ import annotations
@@ -63,14 +52,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import fx, nn
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from ucudnn.errors import InvalidInput, UnsupportedProblem
 from ucudnn.memory.plan import MemoryPlan
-from ucudnn.torch.conv import Conv2d
+from ucudnn.torch.capturing import CapturedStep, capture, diverged, input_leaves, structure
+from ucudnn.torch.operations import counted, same_op
+from ucudnn.torch.conv import Conv2d, through_operators
 from ucudnn.torch.offload import _copier_for, _HostBuffers, _Offloaded, _OffloadHooks, _Pass, _PrefetchHook
-from ucudnn.torch.planning import _fingerprint, _trace_graph, _Tracer, measure_profile, plan_memory
-from ucudnn.torch.recompute import _Dropped, _programs, _Programs, _Rebuilds, _Recompute
+from ucudnn.torch.planning import _fingerprint, measure_profile, plan_memory
+from ucudnn.torch.recompute import _Dropped, _Rebuilds, _Recompute, programs_for
 
 __all__ = ["ExecutionStats", "execute_plan", "measure_profile", "plan_memory"]
 
@@ -95,73 +88,69 @@ class ExecutionStats:
     events: list[tuple[str, str]] = field(default_factory=list)
 
 
-# ---- the executor --------------------------------------------------------------------------------
+# ---- the (model, plan) pair, prepared ----------------------------------------------------------------
 class _Prepared:
-    """What running a model under a plan needs that stays the same from step to step: the fx graph,
-    each value's last use, the checked input shapes and their recompute programs, the conv budgets,
-    and the copiers with their host buffers. Holds the model's modules, not the model (see `_prepared`)."""
+    """What running a model under a plan needs that stays the same from step to step: the captured step
+    and the plan checked against it, the recompute programs, the conv budgets, and the copiers with
+    their host buffers. Holds no reference to the model (see `_prepared`)."""
 
     def __init__(self, model: nn.Module, plan: MemoryPlan) -> None:
         self.plan, self.fingerprint = plan, _fingerprint(model)
-        try:
-            self.gm = fx.GraphModule(model, _Tracer().trace(model))
-        except Exception as exc:  # fx raises many kinds (TraceError, TypeError on data-dependent control flow)
-            raise UnsupportedProblem(f"torch.fx cannot trace {type(model).__name__}: {exc}") from None
-        self.nodes = list(self.gm.graph.nodes)
-        self.index = {n.name: i for i, n in enumerate(self.nodes)}
-        self.modules = dict(self.gm.named_modules())
-        self.placeholders = [n for n in self.nodes if n.op == "placeholder"]
+        self.structure = structure(model)
         self.actions = {t.name: t.action for t in plan.tensors}
-        self._check_workspace_layers(type(model).__name__)
-        self.shapes_checked: dict[tuple, _Programs] = {}  # input shape -> its recompute programs
-        # last use of each value, as fx.Interpreter computes it: free a value after its last reader
-        self.last_use: dict[int, list[fx.Node]] = {}
-        seen: set[fx.Node] = set()
-        for i in range(len(self.nodes) - 1, -1, -1):
-            for arg in self.nodes[i].all_input_nodes:
-                if arg not in seen:
-                    seen.add(arg)
-                    self.last_use.setdefault(i, []).append(arg)
+        self.step: CapturedStep | None = None
         self.copies: dict[torch.device, tuple[Any, _HostBuffers]] = {}
+        if plan.capture is not None:
+            if plan.capture.structure != self.structure:
+                raise InvalidInput(f"plan for {plan.network!r} was captured from another model ("
+                                   f"{type(model).__name__} has other modules); plan this model (plan_memory)")
+            self._adopt(model, plan.capture)
 
-    def _check_workspace_layers(self, model_name: str) -> None:
-        convs = {n.name: self.modules[n.target] for n in self.nodes
-                 if n.op == "call_module" and isinstance(self.modules[n.target], nn.Conv2d)}
-        unknown = sorted({c.layer for c in self.plan.conv_workspace} - set(convs))
-        if unknown:
-            raise InvalidInput(f"plan for {self.plan.network!r} gives workspace to conv layer(s) "
-                               f"{', '.join(unknown[:5])} that {model_name} does not have; "
-                               "a plan made for another model?")
-        self.conv_budgets: dict[str, dict[str, int]] = {}
-        for c in self.plan.conv_workspace:
-            self.conv_budgets.setdefault(c.layer, {})[c.kind] = c.bytes
-        self.convs = convs
+    def ready(self, model: nn.Module, args: tuple, kwargs: dict) -> CapturedStep:
+        """The captured step, captured now (on fake tensors) where the plan came without one."""
+        if self.step is None:
+            self._adopt(model, capture(model, _example(args, kwargs), name=self.plan.network), check=True)
+        return self.step
 
-    def check_input(self, model: nn.Module, x: Any) -> _Programs:
-        """The recompute programs for input `x` (by storage); traces `model` once per shape."""
-        if not isinstance(x, torch.Tensor):
-            raise InvalidInput(f"execute_plan runs models whose first input is a tensor, got {type(x).__name__}")
-        key = (tuple(x.shape), x.dtype)
-        if key in self.shapes_checked:
-            return self.shapes_checked[key]
-        plan, name = self.plan, type(model).__name__
-        if x.shape[0] != plan.batch:
-            raise InvalidInput(f"the plan was made for batch {plan.batch}, the input has batch {x.shape[0]}; "
-                               "make a plan for this batch (plan_memory)")
-        graph = _trace_graph(model, x)
-        storages = {s: graph.bytes_of(s) for s in graph.storages}
-        unknown = sorted(set(self.actions) - set(storages))
+    def _adopt(self, model: nn.Module, step: CapturedStep, check: bool = False) -> None:
+        plan, graph, name = self.plan, step.graph, type(model).__name__
+        if check:  # a plan read back: its maps must be this model's (the loss's may differ)
+            storages = {s: graph.bytes_of(s) for s in graph.storages}
+            unknown = sorted(t for t in self.actions if t not in storages and not t.startswith("loss:"))
+            if unknown:
+                raise InvalidInput(f"plan for {plan.network!r} names tensor(s) {', '.join(unknown[:5])} that {name} "
+                                   "does not produce; a plan made for another model?")
+            wrong = [(t.name, t.bytes, storages[t.name]) for t in plan.tensors
+                     if t.name in storages and storages[t.name] != t.bytes]
+            if wrong:
+                t, planned, actual = wrong[0]
+                raise InvalidInput(f"plan for {plan.network!r}: tensor {t} has {planned} bytes in the plan but "
+                                   f"{actual} in this step; a plan made for another input size?")
+        modules = dict(model.named_modules())
+        ops = {op.name: op for op in graph.conv_ops}
+        unknown = sorted({c.layer for c in plan.conv_workspace} - set(ops))
         if unknown:
-            raise InvalidInput(f"plan for {plan.network!r} names tensor(s) {', '.join(unknown[:5])} that "
-                               f"{name} does not produce; a plan made for another model?")
-        wrong = [(t.name, t.bytes, storages[t.name]) for t in plan.tensors if storages[t.name] != t.bytes]
-        if wrong:
-            t, planned, actual = wrong[0]
-            raise InvalidInput(f"plan for {plan.network!r}: tensor {t} has {planned} bytes in the plan but "
-                               f"{actual} with input shape {tuple(x.shape)}; a plan made for another input size?")
-        programs = _programs(graph, plan, self.nodes)
-        self.shapes_checked[key] = programs
-        return programs
+            raise InvalidInput(f"plan for {plan.network!r} gives workspace to conv layer(s) {', '.join(unknown[:5])} "
+                               f"that {name} does not have; a plan made for another model?")
+        self.budgets: list[tuple[Conv2d, dict[str, int]]] = []
+        by_module: dict[str, dict[str, int]] = {}
+        for c in plan.conv_workspace:
+            kinds = by_module.setdefault(ops[c.layer].module, {})
+            kinds[c.kind] = min(kinds.get(c.kind, c.bytes), c.bytes)  # a module called twice: both budgets hold
+        for module, kinds in by_module.items():
+            conv = modules.get(module)
+            if isinstance(conv, Conv2d):  # torch's own conv: its workspace is torch's business
+                self.budgets.append((conv, kinds))
+        backward = {r for s in graph.steps if s.phase == "bwd" for r in s.reads}
+        self.acting = any(a in ("offload", "recompute") or (a == "release" and t in backward)
+                          for t, a in self.actions.items())
+        self.programs = programs_for(step, self.actions)
+        self.programs_at: dict[int, tuple[str, ...]] = {}  # op -> the storages whose programs it is in
+        for p in self.programs.values():
+            for i in p.ops:
+                self.programs_at[i] = (*self.programs_at.get(i, ()), p.storage)
+        self.offloading = "offload" in self.actions.values()
+        self.step = step
 
     def copies_for(self, device: torch.device) -> tuple[Any, _HostBuffers]:
         """The copier for `device` and its host buffers, made at the first offload to the host."""
@@ -171,9 +160,16 @@ class _Prepared:
         return self.copies[device]
 
 
-# model -> {plan: _Prepared}, the latest plans last. Weak on the model: its prepared runs (graphs, host
-# buffers) go with it. Preparing costs an fx trace and, per input shape, a shape-propagating forward
-# pass (the plan's check): once per (model, plan), not once per step.
+def _example(args: tuple, kwargs: dict) -> Any:
+    """A call's arguments as `capture` takes an example."""
+    if kwargs and args:
+        raise InvalidInput("a plan without its captured step (read from JSON) is captured at the first call, "
+                           "which must pass its inputs all by position or all by keyword")
+    return kwargs if kwargs else args
+
+
+# model -> {plan: _Prepared}, the latest plans last. Weak on the model: its prepared runs (host buffers)
+# go with it. Preparing costs the plan's check: once per (model, plan), not once per step.
 _PREPARED: weakref.WeakKeyDictionary[nn.Module, dict[MemoryPlan, _Prepared]] = weakref.WeakKeyDictionary()
 _PLANS_PER_MODEL = 2
 
@@ -190,113 +186,162 @@ def _prepared(model: nn.Module, plan: MemoryPlan) -> _Prepared:
     return prep
 
 
+# ---- the executor --------------------------------------------------------------------------------
+class _Follow(TorchDispatchMode):
+    """Follows the model's forward pass against the captured step (see the module docstring)."""
+
+    def __init__(self, executor: _Executor) -> None:
+        super().__init__()
+        self.executor = executor
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        ex = self.executor
+        if ex.quiet:
+            return func(*args, **kwargs)
+        step, i = ex.step, ex.position
+        programs = ex.prep.programs_at.get(i) if i < step.model_ops and same_op(func, step.ops[i].func) else None
+        others = ex._record(programs, i, func, args, kwargs, step.ops[i].random) if programs else ()
+        out = func(*args, **kwargs)
+        leaves = tree_leaves(out)
+        if not counted(func, leaves):
+            return out
+        if i >= step.model_ops or not same_op(func, step.ops[i].func) or not _same_outputs(leaves, step.ops[i]):
+            ex.diverged = True
+            raise UnsupportedProblem(diverged(step, i, func))
+        for o in others:  # the arguments as the operation left them (a batch-norm moves its statistics)
+            o.version = o.tensor._version
+        ex.ran(i, leaves)
+        return out
+
+
+def _same_outputs(leaves: list, op: Any) -> bool:
+    return len(leaves) == len(op.outputs) and all(
+        (t is None if meta is None else isinstance(t, torch.Tensor) and tuple(t.shape) == meta[0] and t.dtype == meta[1])
+        for t, meta in zip(leaves, op.outputs))
+
+
 class _Executor(_OffloadHooks, _Recompute):
-    """One `execute_plan` block: runs the prepared graph, names saved tensors and keeps, offloads or
+    """One `execute_plan` block: follows the forward pass, names saved tensors and keeps, offloads or
     drops each as the plan says."""
 
     def __init__(self, model: nn.Module, prep: _Prepared, prefetch_ahead: int) -> None:
         self.model, self.prep, self.prefetch_ahead = model, prep, prefetch_ahead
         self.stats = ExecutionStats()
-        self.params = {p.untyped_storage().data_ptr() for p in list(model.parameters()) + list(model.buffers())}
-        self.tags: dict[int, tuple[str, weakref.ref]] = {}
-        self.current: int | None = None  # the node (or segment's last node) running in the forward pass
+        self.params = {p.untyped_storage()._cdata for p in model.parameters()}
+        self.tags: dict[int, tuple[str, weakref.ref]] = {}  # storage -> (its feature map, the storage)
+        self.step: CapturedStep | None = None
+        self.position = 0              # operations of the forward pass done
+        self.current = 0               # what an offloaded tensor's use is counted against (offload.py)
         self.forward_running = False
+        self.preparing = False         # capturing the model for a plan read back
+        self.diverged = False          # the forward pass stopped at an operation the captured step did not run
+        self.quiet = 0                 # inside the executor's own hooks: their operations are not the step's
+        self.mode = _Follow(self)
+        self.hooked: set[int] = set()
+        self.to_hook: list[tuple[int, torch.Tensor]] = []
         self.copier: Any = None
         self.buffers: _HostBuffers | None = None
-        self.pending: list[tuple[Any, torch.Tensor]] = []  # device tensors whose host copy may be in flight
+        self.pending: list[tuple[Any, torch.Tensor, int]] = []  # device tensors whose host copy may be in flight
         self.pass_: _Pass | None = None
 
-    # -- the forward pass ---------------------------------------------------------------------------
-    def _bind(self, args: tuple, kwargs: dict) -> dict[fx.Node, Any]:
-        """The value of each input (fx placeholder) as Python binds the call's arguments."""
-        holders, name = self.prep.placeholders, type(self.model).__name__
-        if len(args) > len(holders):
-            raise InvalidInput(f"{name}.forward takes {len(holders)} input(s), {len(args)} were given")
-        values = dict(zip(holders, args))
-        by_name = {n.target: n for n in holders}
-        for key, value in kwargs.items():
-            node = by_name.get(key)
-            if node is None:
-                raise InvalidInput(f"{name}.forward has no input named {key!r}; its inputs: "
-                                   f"{', '.join(n.target for n in holders)}")
-            if node in values:
-                raise InvalidInput(f"{name}.forward got input {key!r} twice (by position and by keyword)")
-            values[node] = value
-        for node in holders:
-            if node not in values:
-                if not node.args:
-                    raise InvalidInput(f"{name}.forward is missing input {node.target!r}")
-                values[node] = node.args[0]  # the parameter's default
-        return values
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        inputs = self._bind(args, kwargs)
+    # -- the model's forward pass ------------------------------------------------------------------------
+    def model_starts(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if self.preparing:
+            return  # the capture of a plan read back runs the model: not a step
         prep = self.prep
-        programs = prep.check_input(self.model, inputs[prep.placeholders[0]] if prep.placeholders else None)
-        self.pass_, self.rebuilds = _Pass(), _Rebuilds(programs)
-        self.forward_running = True
+        self.preparing = True
         try:
-            env: dict[fx.Node, Any] = {}
-            for i, node in enumerate(prep.nodes):
-                if node.op == "placeholder":
-                    env[node] = inputs[node]
-                    self._tag(node, env[node], i)
-                elif node.op == "output":
-                    self._release(None)
-                    return fx.node.map_arg(node.args[0], env.__getitem__)
-                else:
-                    self.current = i
-                    self._before_node(node)
-                    env[node] = self._run_node(node, env, recomputing=False)
-                    self._tag(node, env[node], i)
-                    self._after_node(node, env)
-                for dead in prep.last_use.get(i, ()):
-                    env.pop(dead, None)
-                self._release(env)
-            return None
+            step = self.step = prep.ready(self.model, args, kwargs)
         finally:
-            self.forward_running = False
-            self.current = None
+            self.preparing = False
+        self._check_inputs(args, kwargs)
+        for conv, budgets in prep.budgets:
+            conv._budgets = budgets
+        if not prep.acting:
+            return
+        self.pass_, self.rebuilds = _Pass(), _Rebuilds(prep.programs)
+        self.tags.clear()
+        self.position = self.current = 0
+        self.hooked.clear()
+        for path, t in input_leaves(self.model, args, kwargs):
+            if isinstance(t, torch.Tensor) and path in step.inputs:
+                self._tag(t, step.inputs[path][0])
+        self.forward_running = True
+        self.mode.__enter__()
 
-    def _run_node(self, node: fx.Node, env: dict, recomputing: bool) -> Any:
-        args = fx.node.map_arg(node.args, env.__getitem__)
-        kwargs = fx.node.map_arg(node.kwargs, env.__getitem__)
-        if node.op == "call_module":
-            module = self.prep.modules[node.target]
-            if recomputing and isinstance(module, nn.modules.batchnorm._BatchNorm) and module.training:
-                # The forward pass has updated the running statistics: run the layer as it ran then
-                # (normalising with the batch's statistics) and put the statistics back afterwards.
-                before = [b.clone() for b in module.buffers(recurse=False)]
-                try:
-                    return module(*args, **kwargs)
-                finally:
-                    with torch.no_grad():
-                        for b, old in zip(module.buffers(recurse=False), before):
-                            b.copy_(old)
-            return module(*args, **kwargs)
-        if node.op == "call_function":
-            return node.target(*args, **kwargs)
-        if node.op == "call_method":
-            return getattr(args[0], node.target)(*args[1:], **kwargs)
-        if node.op == "get_attr":
-            return _fetch_attr(self.prep.gm, node.target)
-        raise UnsupportedProblem(f"fx node {node.name}: op {node.op!r} is not supported")
+    def model_ends(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        if not self.forward_running:
+            return
+        self.forward_running = False
+        self.mode.__exit__(None, None, None)
+        self._settle_sources()
+        self._hook_ready()
+        self._release(None)
+        if self.position != self.step.model_ops and not self.diverged:  # (else that error is on its way)
+            raise UnsupportedProblem(f"the step's forward pass ran {self.position} operations where the captured one "
+                                     f"ran {self.step.model_ops}: its control flow depends on its data, or the model "
+                                     "changed; plan again")
+
+    def _check_inputs(self, args: tuple, kwargs: dict) -> None:
+        step, plan = self.step, self.prep.plan
+        given = {path: t for path, t in input_leaves(self.model, args, kwargs) if isinstance(t, torch.Tensor)}
+        if set(given) != set(step.inputs):
+            raise InvalidInput(f"the plan was made for inputs {', '.join(sorted(step.inputs))}, the model was given "
+                               f"{', '.join(sorted(given)) or 'none'}")
+        for path, t in given.items():
+            _, shape, dtype = step.inputs[path]
+            if tuple(t.shape) != shape or t.dtype != dtype:
+                if t.dim() and shape and t.shape[0] != shape[0] and tuple(t.shape[1:]) == shape[1:]:
+                    raise InvalidInput(f"the plan was made for batch {plan.batch}, the input has batch {t.shape[0]}; "
+                                       "make a plan for this batch (plan_memory)")
+                raise InvalidInput(f"the plan was made for input {path} of shape {shape} ({dtype}), the model was "
+                                   f"given {tuple(t.shape)} ({t.dtype}); a plan made for another input size?")
+
+    def ran(self, i: int, leaves: list) -> None:
+        """Operation `i` ran and returned `leaves`: tag what it made, hook the nodes it will need."""
+        self._hook_ready()
+        op = self.step.ops[i]
+        for leaf, name in op.creates:
+            self._tag(leaves[leaf], name)
+        self.position = self.current = i + 1
+        if self.prep.offloading:
+            self.to_hook = [(i, t) for t in leaves if isinstance(t, torch.Tensor)]
+            self._release(self.position)
+
+    def _tag(self, t: torch.Tensor, name: str) -> None:
+        storage = t.untyped_storage()
+        self.tags[storage._cdata] = (name, weakref.ref(storage))
+
+    def _hook_ready(self) -> None:
+        """The autograd nodes of the last operation's outputs (set once it returned) get a pre-hook that
+        prefetches ahead of their backward step."""
+        for i, t in self.to_hook:
+            node = t.grad_fn
+            if node is not None and id(node) not in self.hooked:
+                self.hooked.add(id(node))
+                node.register_prehook(_PrefetchHook(self, self.pass_, i))
+        self.to_hook = []
 
     # -- saved-tensor hooks ---------------------------------------------------------------------------
     def pack(self, t: torch.Tensor) -> Any:
         if not self.forward_running or t.numel() == 0:
-            return t
-        name, tagged = self._name_of(t)
-        action = self.prep.actions.get(name, "keep") if name is not None else "keep"
-        if action == "offload":
-            return self._offload(name, t)
-        if action == "recompute" and name in self.rebuilds.programs.by_storage:
-            return self._drop(name, t, tagged)
-        if action == "release":
-            self.stats.kept_released.add(name)
-        # detached: autograd would hold the tensor object, and through its grad_fn (an op saving its
-        # own output) itself, a cycle the garbage collector cannot see into when no backward frees it
-        return t.detach()
+            return t.detach()  # (why detached: below)
+        self.quiet += 1
+        try:
+            name = self._name_of(t)
+            action = self.prep.actions.get(name, "keep") if name is not None else "keep"
+            if action == "offload":
+                return self._offload(name, t)
+            if action == "recompute" and name in self.rebuilds.programs:
+                return self._drop(name, t)
+            if action == "release":
+                self.stats.kept_released.add(name)
+            # detached: autograd would hold the tensor object, and through its grad_fn (an op saving its
+            # own output) itself, a cycle the garbage collector cannot see into when no backward frees it
+            return t.detach()
+        finally:
+            self.quiet -= 1
 
     def unpack(self, saved: Any) -> torch.Tensor:
         if isinstance(saved, _Offloaded):
@@ -305,56 +350,23 @@ class _Executor(_OffloadHooks, _Recompute):
             return self._unpack_dropped(saved)
         return saved
 
-    # -- naming saved tensors ------------------------------------------------------------------------
-    def _tag(self, node: fx.Node, value: Any, i: int) -> None:
-        if not isinstance(value, torch.Tensor):
-            return
-        storage = value.untyped_storage()
-        ptr = storage.data_ptr()
-        known = self.tags.get(ptr)
-        if known is None or known[1]() is not storage:  # a new storage (not an in-place result or a view)
-            self.tags[ptr] = (node.name, weakref.ref(storage))
-        if value.requires_grad:
-            value.register_hook(_PrefetchHook(self, self.pass_, i))
-
-    def _name_of(self, t: torch.Tensor) -> tuple[str | None, bool]:
-        """The plan name `t` is saved under, and whether that is its tagged storage's: the tagged
-        storage's name, else the running node's (its own result, or an internal); None: a parameter."""
+    def _name_of(self, t: torch.Tensor) -> str | None:
+        """The feature map `t`'s storage is (None: a parameter, or a tensor the step did not make)."""
         storage = t.untyped_storage()
-        ptr = storage.data_ptr()
-        if ptr in self.params:
-            return None, False
-        known = self.tags.get(ptr)
-        if known is not None and known[1]() is storage:
-            return known[0], True
-        if self.forward_running and self.current is not None:
-            return self.prep.nodes[self.current].name, False
-        return None, False
+        known = self.tags.get(storage._cdata)
+        return known[0] if known is not None and known[1]() is storage else None
 
     # -- workspaces ---------------------------------------------------------------------------------
     @contextlib.contextmanager
     def workspaces(self) -> Iterator[None]:
-        """Each converted conv runs its kernels within the plan's budgets (its handle's fastest
-        configuration within each; the same dict object each step, so its routes are kept)."""
-        saved: list[tuple[Conv2d, dict | None]] = []
+        """Each converted conv runs its kernels within the plan's budgets (set at the forward pass's start;
+        the same dict object each step, so its routes are kept); as they were afterwards."""
+        saved = [(conv, conv._budgets) for conv in self.model.modules() if isinstance(conv, Conv2d)]
         try:
-            for layer, budgets in self.prep.conv_budgets.items():
-                conv = self.prep.convs[layer]
-                if not isinstance(conv, Conv2d):
-                    continue  # torch's own conv: its workspace is torch's business
-                saved.append((conv, conv._budgets))
-                conv._budgets = budgets
             yield
         finally:
             for conv, budgets in saved:
                 conv._budgets = budgets
-
-
-def _fetch_attr(module: nn.Module, target: str) -> Any:
-    value: Any = module
-    for part in target.split("."):
-        value = getattr(value, part)
-    return value
 
 
 @contextlib.contextmanager
@@ -363,10 +375,10 @@ def execute_plan(model: nn.Module, plan: MemoryPlan, *, prefetch_ahead: int = 1)
 
     Call the model (positional and keyword inputs) and `backward()` inside the block (see the module
     docstring for what happens); a training loop enters one block per step, and only the first block
-    of a (model, plan) pair traces and checks the model. `prefetch_ahead`: how many offloaded tensors
-    beyond those the current backward step needs are fetched ahead. A plan made for another model,
-    batch or input size raises `InvalidInput` (the model at enter, the batch and sizes at the first
-    forward call).
+    of a (model, plan) pair checks the plan against the model. `prefetch_ahead`: how many offloaded
+    tensors beyond those the current backward step needs are fetched ahead. A plan made for another
+    model, batch or input size raises `InvalidInput`; a step that runs other operations than the
+    captured one raises `UnsupportedProblem`.
     """
     if not isinstance(model, nn.Module):
         raise InvalidInput(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -375,14 +387,16 @@ def execute_plan(model: nn.Module, plan: MemoryPlan, *, prefetch_ahead: int = 1)
     if isinstance(prefetch_ahead, bool) or not isinstance(prefetch_ahead, int) or prefetch_ahead < 0:
         raise InvalidInput(f"prefetch_ahead must be a non-negative integer, got {prefetch_ahead!r}")
     executor = _Executor(model, _prepared(model, plan), prefetch_ahead)
-    had_forward = "forward" in model.__dict__
-    previous = model.__dict__.get("forward")
-    model.forward = executor.forward
+    handles = [model.register_forward_pre_hook(executor.model_starts, prepend=True, with_kwargs=True),
+               model.register_forward_hook(executor.model_ends, with_kwargs=True, always_call=True)]
     try:
-        with executor.workspaces(), torch.autograd.graph.saved_tensors_hooks(executor.pack, executor.unpack):
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(executor.workspaces())
+            if executor.prep.step is None or executor.prep.acting:
+                stack.enter_context(through_operators())
+                stack.enter_context(torch.autograd.graph.saved_tensors_hooks(executor.pack, executor.unpack))
             yield executor.stats
     finally:
-        if had_forward:
-            model.forward = previous
-        else:
-            del model.forward
+        for h in handles:
+            h.remove()
+

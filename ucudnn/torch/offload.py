@@ -4,15 +4,15 @@ copies a tensor out and back.
 
 **Offload.** `pack` copies the tensor into a pooled host buffer (pinned memory on CUDA; reused from
 step to step, see `_HostBuffers`) on a dedicated device-to-host stream, records an event, and keeps
-the device tensor referenced until the forward pass has run the last node that reads its storage;
-then the compute stream waits for the copy's event and the reference goes, so that the caching
+the device tensor referenced until the forward pass has run the last operation that reads its storage
+(as captured); then the compute stream waits for the copy's event and the reference goes, so that the caching
 allocator gives the memory to the compute stream's next allocations, ordered after the copy (nothing
 waits on the host; polling the event instead would free nothing while the host runs ahead of the
 GPU, which it does by up to a whole forward pass). One storage saved by several ops (a ReLU's
 output, saved by the ReLU and by the next conv) is copied once.
-Each offloaded tensor's *use* is the last node (in forward order) that saved it: the first to need it
-in the backward pass. **Prefetch.** A backward hook on every node's output fires just before that
-node's backward step; at node i it issues the host-to-device copies of every offloaded tensor used at
+Each offloaded tensor's *use* is the last operation (in forward order) that saved it: the first to need
+it in the backward pass. **Prefetch.** A pre-hook on the autograd node of every operation's output
+fires just before that node's backward step; at operation i it issues the host-to-device copies of every offloaded tensor used at
 i or later that is not issued yet, and of the `prefetch_ahead` tensors needed next. `unpack` makes
 the compute stream wait for its copy's event (no host synchronisation); a tensor whose prefetch was
 not issued yet is fetched on the spot and counted in `ExecutionStats.late_prefetches`. On the CPU
@@ -25,7 +25,6 @@ import weakref
 from typing import Any
 
 import torch
-from torch import fx
 
 from ucudnn.errors import UnsupportedProblem
 from ucudnn.torch.tracker import allocated_as
@@ -155,11 +154,11 @@ class _Pass:
 class _OffloadHooks:
     """The executor's offloads (`_offload`, `_fetch`, called from its saved-tensor hooks) and prefetches.
     A base of `ucudnn.torch.memory._Executor`, whose state they share: `prep`, `stats`, `pass_`,
-    `current`, `prefetch_ahead`, `copier`, `buffers` and `pending`."""
+    `current`, `step`, `prefetch_ahead`, `copier`, `buffers` and `pending`."""
 
     # -- what the saved-tensor hooks do with a tensor planned offload -------------------------------
-    def _offload(self, name: str, t: torch.Tensor) -> _Offloaded:
-        """Copy `t` out (once per storage view and forward pass); its handle for autograd to save."""
+    def _offload(self, name: str, t: torch.Tensor, uses: int = 1) -> _Offloaded:
+        """Copy `t` out (once per storage view and forward pass); its handle, to be unpacked `uses` times."""
         p = self.pass_
         storage = t.untyped_storage()
         key = (storage.data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
@@ -172,15 +171,15 @@ class _OffloadHooks:
             self.stats.host_buffers_allocated += self.buffers.allocated - allocated
             event = self.copier.to_host(t, host, free_after)
             entry = _Offloaded(name, _HostBuffers.key(t), host, event, t.device, self.current, weakref.ref(storage))
-            if event is not None:
-                self.pending.append((event, t))  # the copy reads it: see _release
+            if event is not None:  # the copy reads it until its storage's last forward reader: see _release
+                self.pending.append((event, t, self.step.last_read.get(name, self.current)))
             p.by_key[key] = entry
             p.entries.append(entry)
             self.stats.offloaded += 1
             self.stats.bytes_offloaded += t.numel() * t.element_size()
             self.stats.events.append(("offload", name))
         entry.use = max(entry.use, self.current)
-        entry.saves += 1
+        entry.saves += uses
         return entry
 
     def _fetch(self, saved: _Offloaded) -> torch.Tensor:
@@ -238,37 +237,29 @@ class _OffloadHooks:
             if entry.issued and entry.dev is not None:
                 self.copier.wait(entry.ready, entry.device)
 
-    def _release(self, env: dict | None) -> None:
-        """Drop the offloaded device tensors whose storages no value in `env` (None: the forward pass is
-        over) lives in, after making the compute stream wait for their copies: the allocator hands
-        their memory to later work of the compute stream, which now runs after the copy."""
+    def _release(self, position: int | None) -> None:
+        """Drop the offloaded device tensors whose storages the forward pass no longer reads once
+        `position` operations have run (None: the forward pass is over), after making the compute stream
+        wait for their copies: the allocator hands their memory to later work of the compute stream,
+        which now runs after the copy (the simulator's "the step after its last forward reader waits")."""
         if not self.pending:
             return
-        live = _storages(tuple(env.values())) if env is not None else set()
         still = []
-        for event, t in self.pending:
-            if t.untyped_storage().data_ptr() in live:
-                still.append((event, t))
+        for event, t, last in self.pending:
+            if position is not None and last >= position:
+                still.append((event, t, last))
             else:
                 self.copier.wait(event, t.device)
         self.pending = still
 
 
 class _PrefetchHook:
-    """A gradient hook on a node's output: fires just before that node's backward step."""
+    """A pre-hook on the autograd node of an operation's output: fires just before its backward step."""
 
     __slots__ = ("executor", "pass_", "index")
 
     def __init__(self, executor: _OffloadHooks, pass_: _Pass, index: int) -> None:
         self.executor, self.pass_, self.index = executor, pass_, index
 
-    def __call__(self, grad: torch.Tensor) -> None:
+    def __call__(self, grads: Any) -> None:
         self.executor.reached(self.pass_, self.index)
-
-
-def _storages(values: Any) -> set[int]:
-    """The addresses of the storages of the tensors in `values` (nested tuples, lists and dicts)."""
-    found: set[int] = set()
-    fx.node.map_aggregate(values, lambda v: found.add(v.untyped_storage().data_ptr())
-                          if isinstance(v, torch.Tensor) else None)
-    return found

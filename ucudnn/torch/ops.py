@@ -1,7 +1,8 @@
 """ucudnn's three convolution kernels as PyTorch operators, so that torch.compile and torch.export
 carry a converted convolution through a graph as one node per kernel:
 
-    torch.ops.ucudnn.conv2d(x, weight, layer, stride, padding, dilation, groups, layout, need_dx, need_dw)
+    torch.ops.ucudnn.conv2d(x, weight, layer, stride, padding, dilation, groups, layout, need_dx, need_dw,
+                            bias=None)
     torch.ops.ucudnn.conv2d_backward_data(dy, weight, layer, x_shape, stride, padding, dilation, groups,
                                           layout, need_dw)
     torch.ops.ucudnn.conv2d_backward_filter(x, dy, weight, layer, stride, padding, dilation, groups,
@@ -17,8 +18,9 @@ and `need_dw` say which gradients the layer computes (they key its route as in e
 backward computes what autograd asks for either way). `layout` is "NCHW" or "NHWC" (channels-last
 CUDA tensors); the operands are read, and the result is returned, in that memory format.
 
-Without a key bias: the forward's bias is added outside the operator (Inductor fuses the add),
-and its gradient is ``dy.sum((0, 2, 3))``. The fake implementations give shapes and strides with
+The bias is optional, its gradient ``dy.sum((0, 2, 3))``: with it, a convolution is one operation,
+as `aten.convolution` is (a captured step names each by that one op). The fake implementations give
+shapes and strides with
 the kernels' own checks, so FakeTensorMode, Dynamo and export run nothing. A graph or exported
 program runs only in the process, and while the model lives, whose layers it names; a missing
 layer raises `InvalidInput`. Eager calls of a Conv2d do not go through these operators: the
@@ -105,29 +107,32 @@ _CONV = "int layer, int[2] stride, int[2] padding, int[2] dilation, int groups, 
 
 
 @torch.library.custom_op("ucudnn::conv2d", mutates_args=(),
-                         schema=f"(Tensor x, Tensor weight, {_CONV}, bool need_dx, bool need_dw) -> Tensor")
+                         schema=f"(Tensor x, Tensor weight, {_CONV}, bool need_dx, bool need_dw, Tensor? bias=None) "
+                                "-> Tensor")
 def conv2d(x: torch.Tensor, weight: torch.Tensor, layer: int, stride: Sequence[int], padding: Sequence[int],
-           dilation: Sequence[int], groups: int, layout: str, need_dx: bool, need_dw: bool) -> torch.Tensor:
-    """y = conv2d(x, weight) as layer `layer` plans it (no bias)."""
+           dilation: Sequence[int], groups: int, layout: str, need_dx: bool, need_dw: bool,
+           bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = conv2d(x, weight) + bias as layer `layer` plans it."""
     _check_conv(x.shape, weight.shape, stride, padding, dilation, groups, layout)
     conv, fmt = _layer(layer), _memory_format(layout)
     x, weight = x.contiguous(memory_format=fmt), weight.contiguous(memory_format=fmt)
     stride, padding, dilation = tuple(stride), tuple(padding), tuple(dilation)
     if conv._learning_now():  # WD's learning pass, or announce: register, and torch computes
         conv._announce(x, weight, padding, need_dx, need_dw)
-        return F.conv2d(x, weight, None, stride, padding, dilation, groups).contiguous(memory_format=fmt)
+        return F.conv2d(x, weight, bias, stride, padding, dilation, groups).contiguous(memory_format=fmt)
     if x.shape[0] == 0:  # nothing to plan
-        return F.conv2d(x, weight, None, stride, padding, dilation, groups).contiguous(memory_format=fmt)
+        return F.conv2d(x, weight, bias, stride, padding, dilation, groups).contiguous(memory_format=fmt)
     route = _route(conv, x, weight, padding, layout, need_dx, need_dw)
     if route.fwd is None:  # torch runs the plan itself
-        return F.conv2d(x, weight, None, stride, padding, dilation, groups).contiguous(memory_format=fmt)
+        return F.conv2d(x, weight, bias, stride, padding, dilation, groups).contiguous(memory_format=fmt)
     y = torch.empty(_y_shape(x.shape, weight.shape, stride, padding, dilation), dtype=x.dtype, device=x.device,
                     memory_format=fmt)
-    return _launch(route.fwd, route.backend, y, x=x, w=weight)
+    y = _launch(route.fwd, route.backend, y, x=x, w=weight)
+    return y if bias is None else y.add_(bias.view(1, -1, 1, 1))
 
 
 @conv2d.register_fake
-def _conv2d_fake(x, weight, layer, stride, padding, dilation, groups, layout, need_dx, need_dw):
+def _conv2d_fake(x, weight, layer, stride, padding, dilation, groups, layout, need_dx, need_dw, bias=None):
     _check_conv(x.shape, weight.shape, stride, padding, dilation, groups, layout)
     return torch.empty(_y_shape(x.shape, weight.shape, stride, padding, dilation), dtype=x.dtype, device=x.device,
                        memory_format=_memory_format(layout))
@@ -185,22 +190,25 @@ def _conv2d_backward_filter_fake(x, dy, weight, layer, stride, padding, dilation
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    x, weight, layer, stride, padding, dilation, groups, layout, need_dx, need_dw = inputs
+    x, weight, layer, stride, padding, dilation, groups, layout, need_dx, need_dw, bias = inputs
     ctx.save_for_backward(x, weight)
     ctx.conv = (layer, stride, padding, dilation, groups, layout, need_dx, need_dw)
+    ctx.bias_grad = bias is not None and bias.requires_grad
 
 
 def _backward(ctx, dy):
     x, weight = ctx.saved_tensors
     layer, stride, padding, dilation, groups, layout, need_dx, need_dw = ctx.conv
-    dx = dw = None
+    dx = dw = db = None
     if ctx.needs_input_grad[0]:
         dx = torch.ops.ucudnn.conv2d_backward_data.default(dy, weight, layer, list(x.shape), stride, padding,
                                                            dilation, groups, layout, need_dw)
     if ctx.needs_input_grad[1]:
         dw = torch.ops.ucudnn.conv2d_backward_filter.default(x, dy, weight, layer, stride, padding, dilation,
                                                              groups, layout, need_dx)
-    return dx, dw, None, None, None, None, None, None, None, None
+    if ctx.bias_grad:
+        db = dy.sum((0, 2, 3))
+    return dx, dw, None, None, None, None, None, None, None, None, db
 
 
 conv2d.register_autograd(_backward, setup_context=_setup_context)

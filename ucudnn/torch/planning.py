@@ -1,17 +1,19 @@
-"""Planning memory for a PyTorch model: trace it as the planner sees it, profile the device, take each conv's
-kernel options from its handle (and the other ops' times from this CPU where planning for it), and call the
-planner. Running a plan (`ucudnn.torch.memory`) checks it against the model with this same trace.
+"""Planning memory for a PyTorch model: capture its training step, profile the device, take each conv's
+kernel options from its handle (and the other ops' times from real steps on this machine where planning
+for it), and call the planner. Running a plan (`ucudnn.torch.memory`) follows the same captured step.
 
-`plan_memory(model, example_input, ...)` traces the model and calls the planner
+`plan_memory(model, example_input, ...)` captures one training step (`ucudnn.torch.capturing`: forward,
+loss, backward, on fake tensors where the model runs on them) and calls the planner
 (`ucudnn.memory.make_plan`). With ``device=None`` the device is the example input's: a built-in
 profile when a CUDA device's name matches one (an H100 is ``h100``), else a profile measured on the
 spot (`measure_profile`: the host's memory and its copy and matmul throughput on the CPU; the
-GPU's memory, pinned copy bandwidth and matmul throughput on CUDA).
+GPU's memory, pinned copy bandwidth and matmul throughput on CUDA). Planning for the machine the
+example input is on (``device=None``, real inputs), the ops are timed in real training steps there
+and the convolutions' kernels measured through the cache; otherwise the profile's figures serve.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import os
@@ -19,47 +21,29 @@ import platform
 import statistics
 import time
 import weakref
-from collections.abc import Iterator
-from functools import lru_cache
+from collections.abc import Callable
+from functools import lru_cache, partial
 from typing import Any
 
 import torch
-from torch import fx, nn
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from ucudnn.backends.cpu import NATIVE, CpuBackend
 from ucudnn.kernel.measure import interleaved_medians_ms
 from ucudnn.devices import PROFILES, DeviceProfile, load_profile
-from ucudnn.errors import InvalidInput
+from ucudnn.errors import InvalidInput, UnsupportedProblem
 from ucudnn.handle import Handle, native_only
-from ucudnn.memory.graph import TrainingGraph, trace
+from ucudnn.memory.graph import TrainingGraph
 from ucudnn.memory.plan import MemoryPlan
 from ucudnn.memory.timing import KernelOption, front_of
 from ucudnn.sizes import parse_size
-from ucudnn.torch.conv import Conv2d
+from ucudnn.torch.capturing import CapturedStep, call_args, capture, default_loss, diverged, hook_nodes, state_kept
+from ucudnn.torch.operations import counted, same_op
+from ucudnn.torch.conv import Conv2d, as_torch
 
 __all__ = ["measure_profile", "plan_memory"]
-
-
-def _trace_graph(model: nn.Module, example_input: torch.Tensor, weight_grads: str = "backward") -> TrainingGraph:
-    """The planner's graph of `model` at `example_input`, traced in eval mode (its shape pass must not
-    move batch-norm running statistics); every module's training flag is restored."""
-    if not isinstance(example_input, torch.Tensor) or example_input.dim() < 1:
-        raise InvalidInput(f"example_input must be a batched tensor, got {type(example_input).__name__}")
-    with _eval_mode(model):
-        return trace(model, example_input, weight_grads=weight_grads)
-
-
-@contextlib.contextmanager
-def _eval_mode(model: nn.Module) -> Iterator[None]:
-    """`model` in eval mode (a pass that must not move batch-norm statistics); every module's own
-    training flag comes back afterwards."""
-    flags = {m: m.training for m in model.modules()}
-    try:
-        model.eval()
-        yield
-    finally:
-        for module, flag in flags.items():
-            module.training = flag
 
 
 def _best_ms(fn, reps: int = 3) -> float:
@@ -141,44 +125,52 @@ def _profile_for(device: DeviceProfile | str | None, example_input: torch.Tensor
     return measure_profile("cpu")
 
 
-def plan_memory(model: nn.Module, example_input: torch.Tensor, memory_limit: int | str | None = None,
+def plan_memory(model: nn.Module, example_input: Any, memory_limit: int | str | None = None,
                 policy: str = "optimal", device: DeviceProfile | str | None = None, *, devices: int = 1,
-                db: Any = None, weight_grads: str = "backward") -> MemoryPlan:
+                db: Any = None, weight_grads: str = "backward", loss: Callable[[Any], torch.Tensor] | None = None,
+                fake: bool | None = None) -> MemoryPlan:
     """The planner's `MemoryPlan` for training `model` on batches shaped like `example_input`.
 
-    The model is traced with torch.fx (feature maps named after their fx nodes). `device` is a
-    profile name (``"h100"``), a profile JSON path, a `DeviceProfile`, or None for the example
-    input's device (see the module docstring). `memory_limit` (bytes or ``"2GiB"``) defaults to
-    the device's memory. Operation times come from the measurement cache `db` and the measurements
-    shipped for the profile where they exist, else from the profile's roofline
-    (`ucudnn.memory.timing`). Unknown policies raise `InvalidInput` naming the available ones.
+    `example_input`: a tensor, a tuple of positional arguments or a dict of keyword arguments (its
+    first tensor's first dimension is the batch). `loss`: a callable from the model's output (a tensor,
+    a tuple, a dict, a `ModelOutput`) to the scalar the training loop backpropagates; its memory is
+    counted. By default the output's ``loss`` where it has one, else the sum of its floating tensors.
+    `fake`: capture on fake tensors (True), on the real inputs (False), or fake where the model runs on
+    them (None). `device` is a profile name (``"h100"``), a profile JSON path, a `DeviceProfile`, or None
+    for the example input's device (see the module docstring). `memory_limit` (bytes or ``"2GiB"``)
+    defaults to the device's memory. Unknown policies raise `InvalidInput` naming the available ones.
     `weight_grads` is ``"backward"`` where the training loop frees the weight gradients between steps
     (PyTorch's `optimizer.zero_grad()` does by default), ``"step"`` where they persist
-    (`zero_grad(set_to_none=False)`, gradient accumulation): see `TrainingGraph`.
+    (`zero_grad(set_to_none=False)`, gradient accumulation): see `TrainingGraph`. The plan carries its
+    captured step (`MemoryPlan.capture`), which `execute_plan` follows.
     """
     if not isinstance(model, nn.Module):
         raise InvalidInput(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    graph = _trace_graph(model, example_input, weight_grads)
-    profile = _profile_for(device, example_input)
+    step = capture(model, example_input, loss=loss, fake=fake, weight_grads=weight_grads)
+    args, kwargs = call_args(example_input)
+    first = next(t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
+    profile = _profile_for(device, first)
     limit = profile.memory_bytes if memory_limit is None else parse_size(memory_limit)
     from ucudnn.memory.planner import make_plan
 
-    native = None
-    if example_input.device.type == "cpu" and profile.shares_host_memory:  # planning for this very CPU
-        graph = _timed_ops(model, graph, example_input)
-        native = Handle(backend=CpuBackend(numpy_threads=1), policy="undivided", algos=[NATIVE], db=db)
-    return make_plan(graph, profile, limit, policy, devices=devices, db=db,
-                     fronts=_conv_fronts(model, graph, example_input, native))
+    graph, fronts = step.graph, None
+    here = device is None and not isinstance(first, torch._subclasses.fake_tensor.FakeTensor)
+    if here:  # planning for the machine the inputs are on: time the ops there, measure the kernels
+        graph = _timed_ops(model, step, args, kwargs, loss or default_loss)
+        native = Handle(backend=CpuBackend(numpy_threads=1), policy="undivided", algos=[NATIVE], db=db) \
+            if first.device.type == "cpu" else None
+        fronts = _conv_fronts(model, graph, first.device, native)
+    plan = make_plan(graph, profile, limit, policy, devices=devices, db=db, fronts=fronts)
+    return dataclasses.replace(plan, capture=step)
 
 
-def _conv_fronts(model: nn.Module, graph: TrainingGraph, example_input: torch.Tensor, native: Handle | None) -> dict:
+def _conv_fronts(model: nn.Module, graph: TrainingGraph, device: torch.device, native: Handle | None) -> dict:
     """The options of each conv's kernels: a converted conv's as its own handle measures them (so
     that the plan's workspace budgets are ones its kernels run within), and where `native` is given
     (planning for this CPU), a torch conv's as that handle measures torch's own convolution. Through
     the measurement cache: what is measured here, a converted layer's first step does not measure again."""
     modules = dict(model.named_modules())
     convs = {op.name: op for op in graph.conv_ops}
-    dtype = str(example_input.dtype).removeprefix("torch.")
     fronts = {}
     for step in graph.steps:
         op = convs.get(step.op)
@@ -188,7 +180,7 @@ def _conv_fronts(model: nn.Module, graph: TrainingGraph, example_input: torch.Te
         if handle is None:
             continue
         for kind in step.kernels:
-            problem = dataclasses.replace(op.conv, kind=kind, dtype=dtype)
+            problem = op.conv.with_kind(kind)
             # torch's own convolution run by torch (a torch layer, or a converted layer whose plan is
             # native on the whole batch) allocates its temporaries inside its kernels, out of the
             # plan's reach: the step holds no workspace for it, whatever its budget
@@ -196,7 +188,7 @@ def _conv_fronts(model: nn.Module, graph: TrainingGraph, example_input: torch.Te
                 KernelOption(c.time, c.workspace if converted else 0, c.describe(), "measured",
                              held=0 if native_only(c) else None) for c in handle.front(problem))
         if set(step.kernels) == {"bwd_data", "bwd_filter"}:
-            _fuse_native_backward(fronts, step.op, dataclasses.replace(op.conv, dtype=dtype), example_input.device)
+            _fuse_native_backward(fronts, step.op, op.conv, device)
     return fronts
 
 
@@ -226,98 +218,113 @@ def _fuse_native_backward(fronts: dict, layer: str, problem, device: torch.devic
 
 
 def _fingerprint(model: nn.Module) -> tuple:
-    """What a model's trace depends on: its modules, by identity and class."""
+    """What a model's captured step depends on: its modules, by identity and class."""
     return tuple((name, id(m), type(m)) for name, m in model.named_modules())
 
 
-# model -> {(input shape, dtype, fingerprint): {op: (forward ms, backward ms)}}, weak on the model: its
-# ops are timed once per input shape, so that every plan made for it rests on the same figures
+# model -> {(input shapes, fingerprint): {op: (forward ms, backward ms)}}, weak on the model: its ops are
+# timed once per input shape, so that every plan made for it rests on the same figures
 _OP_TIMES: weakref.WeakKeyDictionary[nn.Module, dict[tuple, dict]] = weakref.WeakKeyDictionary()
 
 
-def _timed_ops(model: nn.Module, graph: TrainingGraph, example_input: torch.Tensor) -> TrainingGraph:
-    """`graph` with each non-conv op's forward and backward times on this CPU (`_op_times`, measured
-    once per model and input shape)."""
-    key = (tuple(example_input.shape), example_input.dtype, _fingerprint(model))
+def _timed_ops(model: nn.Module, step: CapturedStep, args: tuple, kwargs: dict, loss: Callable) -> TrainingGraph:
+    """The captured graph with each op's forward and backward times on this machine (`_op_times`,
+    measured once per model and input shapes)."""
+    shapes = tuple((tuple(t.shape), t.dtype) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
+    key = (shapes, _fingerprint(model))
     times = _OP_TIMES.setdefault(model, {})
     if key not in times:
-        times[key] = _op_times(model, graph, example_input)
-    ops = tuple(dataclasses.replace(op, measured_ms=times[key][op.name][0], measured_bwd_ms=times[key][op.name][1])
-                if op.name in times[key] else op for op in graph.ops)
+        times[key] = _op_times(model, step, args, kwargs, loss)
+    measured = times[key]
+    graph = step.graph
+    ops = tuple(dataclasses.replace(op, measured_ms=measured[op.name][0], measured_bwd_ms=measured[op.name][1])
+                if op.name in measured else op for op in graph.ops)
     return dataclasses.replace(graph, ops=ops)
 
 
-def _op_times(model: nn.Module, graph: TrainingGraph, example_input: torch.Tensor, reps: int = 5) -> dict:
-    """Each non-conv op's forward and backward ms (None: no backward) measured on this CPU inside real
-    training steps (forward and backward; the median of `reps`, after an untimed step). A roofline is
-    far from what PyTorch's CPU kernels take (4x on ResNet-18), and an op timed alone misses what a
-    step adds: batch-norm computes the batch's statistics, and a backward step also sums the gradients
-    of a tensor that several ops read (a residual block's input) and allocates fresh memory.
+class _Timer(TorchDispatchMode):
+    """Times each operation of the forward pass and the loss, by its place in the captured step; an
+    operation that is not a graph op (a view) adds to the graph op before it."""
 
-    Forward: each fx node run by an `fx.Interpreter`, timed. Backward: hooks on the autograd node
-    that made each fx node's output; the autograd engine runs a CPU backward pass on one thread, node
-    after node, so each node's time runs from its start to the next node's start (its gradient sums
-    and its weights' gradients included). The steps are plain training steps: measuring needs the
-    memory of one. The model's parameters, their gradients, its buffers (running statistics) and the
-    random-number state are as they were."""
-    from ucudnn.memory.fx import plain_convs
+    def __init__(self, step: CapturedStep) -> None:
+        super().__init__()
+        self.step, self.position, self.ms = step, 0, [0.0] * len(step.ops)
 
-    gm = fx.GraphModule(model, _Tracer().trace(model))
-    names = {op.name for op in graph.ops if op.type not in ("conv", "input", "loss")}
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        start = time.perf_counter()
+        out = func(*args, **(kwargs or {}))
+        ms = (time.perf_counter() - start) * 1e3
+        if counted(func, tree_leaves(out)):
+            ops = self.step.ops
+            i = self.position
+            if i >= len(ops) or not same_op(func, ops[i].func):
+                raise UnsupportedProblem(diverged(self.step, i, func))
+            self.ms[i] += ms
+            self.position += 1
+        elif self.position:
+            self.ms[self.position - 1] += ms
+        return out
+
+
+def _op_times(model: nn.Module, step: CapturedStep, args: tuple, kwargs: dict, loss: Callable,
+              reps: int = 5) -> dict[str, tuple[float, float | None]]:
+    """Each graph op's forward and backward ms (None: no backward step) measured on this machine inside
+    real training steps (the median of `reps`, after an untimed step). A roofline is far from what
+    PyTorch's CPU kernels take (4x on ResNet-18), and an op timed alone misses what a step adds: batch-norm
+    computes the batch's statistics, and a backward step also sums the gradients of a tensor that
+    several ops read and allocates fresh memory.
+
+    Forward: each operation timed by a dispatch mode (`_Timer`); converted convolutions run as torch's own
+    (`as_torch`: their times are their handles' measurements, and a WD handle must not solve yet). Backward: a pre-hook on every autograd
+    node; the engine runs a CPU backward pass on one thread, node after node, so each node's time runs
+    from its start to the next node's start, and a node is the step of the op that made it (by its
+    sequence number's offset from the step's first, as captured). The model's parameters, their
+    gradients, its buffers and the random-number state are as they were."""
+    by_node = {op.node: i for i, op in enumerate(step.ops) if op.node is not None}
+    graph_ops = [op.name for op in step.ops]
     forward: dict[str, list[float]] = {}
     backward: dict[str, list[float]] = {}
-    starts: list[tuple[float, str]] = []  # (time, fx node) of each hooked autograd node's start, in order
-    hooked: set[int] = set()
+    with state_kept(model), as_torch(), torch.enable_grad():
+        for rep in range(reps + 1):
+            for p in model.parameters():
+                p.grad = None
+            timer = _Timer(step)
+            starts: list[tuple[float, int | None]] = []
 
-    class Timed(fx.Interpreter):
-        def run_node(self, n):
-            start = time.perf_counter()
-            out = super().run_node(n)
-            forward.setdefault(n.name, []).append((time.perf_counter() - start) * 1e3)
-            node = getattr(out, "grad_fn", None)
-            if node is not None and id(node) not in hooked:  # an in-place op's or a view's own node
-                hooked.add(id(node))
-                node.register_prehook(lambda grads, name=n.name: starts.append((time.perf_counter(), name)))
-            return out
+            def began(first: int, seq: int, grads: Any) -> None:
+                starts.append((time.perf_counter(), by_node.get(seq - first)))
 
-    saved = [(p, p.grad) for p in model.parameters()]
-    buffers = [(b, b.clone()) for b in model.buffers()]
-    with plain_convs(gm), torch.random.fork_rng(devices=[]):
-        try:
-            for rep in range(reps + 1):
-                hooked.clear()
-                starts.clear()
-                out = Timed(gm).run(example_input)
-                loss = sum(t.float().sum() for t in _tensors(out) if t.requires_grad)
-                if isinstance(loss, torch.Tensor):
-                    loss.backward()
-                    end = time.perf_counter()
-                    for (start, name), (stop, _) in zip(starts, [*starts[1:], (end, "")]):
-                        backward.setdefault(name, []).append((stop - start) * 1e3)
-                if rep == 0:  # untimed: a first step sets up kernels and memory
-                    forward.clear()
-                    backward.clear()
-                del out, loss
-        finally:
-            with torch.no_grad():
-                for p, grad in saved:
-                    p.grad = grad
-                for b, old in buffers:
-                    b.copy_(old)
-    return {name: (statistics.median(forward[name]),
-                   statistics.median(backward[name]) if name in backward else None)
-            for name in names if forward.get(name)}
-
-
-def _tensors(value: Any) -> list[torch.Tensor]:
-    """The tensors in a model's output (a tensor, or tuples, lists and dicts of them)."""
-    found: list[torch.Tensor] = []
-    fx.node.map_aggregate(value, lambda v: found.append(v) if isinstance(v, torch.Tensor) else None)
-    return found
-
-
-class _Tracer(fx.Tracer):
-    """fx's tracer, with ucudnn's Conv2d a leaf like torch.nn's own layers (the plan names it as one)."""
-
-    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
-        return isinstance(m, Conv2d) or super().is_leaf_module(m, qualname)
+            first = torch._C._autograd._get_sequence_nr()
+            with timer:
+                value = loss(model(*args, **kwargs))
+            handles = hook_nodes(value.grad_fn, partial(began, first))
+            try:
+                value.backward()
+            finally:
+                for h in handles:
+                    h.remove()
+            end = time.perf_counter()
+            del value
+            if timer.position != len(step.ops):
+                raise UnsupportedProblem(f"the step ran {timer.position} operations where the captured one ran "
+                                         f"{len(step.ops)}: its control flow depends on its data; plan again")
+            if rep == 0:  # untimed: a first step sets up kernels and memory
+                continue
+            fwd: dict[str, float] = {}
+            name = ""
+            for i, ms in enumerate(timer.ms):
+                name = graph_ops[i] or name
+                if name:
+                    fwd[name] = fwd.get(name, 0.0) + ms
+            bwd: dict[str, float] = {}
+            name = ""
+            for (start, op), (stop, _) in zip(starts, [*starts[1:], (end, None)]):
+                name = (graph_ops[op] if op is not None else "") or name
+                if name:
+                    bwd[name] = bwd.get(name, 0.0) + (stop - start) * 1e3
+            for n, ms in fwd.items():
+                forward.setdefault(n, []).append(ms)
+            for n, ms in bwd.items():
+                backward.setdefault(n, []).append(ms)
+    return {n: (statistics.median(ms), statistics.median(backward[n]) if n in backward else None)
+            for n, ms in forward.items()}

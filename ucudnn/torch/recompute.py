@@ -1,217 +1,236 @@
-"""Recomputing the storages a plan drops: what the executor (`ucudnn.torch.memory`) saves in their place
-in the forward pass, and how it rebuilds them in the backward pass, as the simulator schedules it
+"""Recomputing the storages a plan drops: what the executor (`ucudnn.torch.memory`) saves in their place in
+the forward pass, and how it rebuilds them in the backward pass, as the simulator schedules it
 (`ucudnn.memory.simulate.expand`).
 
 **Dropped.** A tensor that autograd saves and that lives in a storage planned ``recompute`` is saved
 as a `_Dropped` handle: the storage's name and the tensor's place in it (size, stride, offset), no
-data. The storage's memory goes when the forward pass no longer reads it, as a released one does.
+data. The storage's memory goes when the forward pass
+no longer reads it, as a released one does.
 
-**Rebuilt.** The first backward step that unpacks such a handle runs the storage's producing fx nodes
-again (its owner, then its in-place writers and views, in forward order), without recording a graph,
-from the values those nodes read outside the storage. The forward pass saved those *sources* when each
-producer ran, through the same hooks as autograd's saves: a kept source is held, an offloaded one
-is copied out and prefetched back, a dropped one is itself rebuilt first (which is how a chain of
-recomputed maps comes back). A rebuilt storage stays until the last handle saved for it is unpacked,
-so each storage is rebuilt once per step and each producer runs once more at most: what the
-simulator charges. (`torch.utils.checkpoint` was the executor's tool before: a checkpoint segment
-must hold every reader of what it drops, since a reader outside would save its input, so it ran
-those readers again too, which no plan counted.)
+**Rebuilt.** The first backward step that unpacks such a handle runs again, without recording a graph,
+the captured operations that made the storage and then wrote it in place (`CapturedStep.writers`),
+each with the arguments it ran with: the storage itself where it read it (a view of the rebuilt
+one), parameters as they are, other tensors (buffers, constants) as copies (a batch-norm's running
+statistics move once per step), and the feature maps it read from elsewhere, its *sources*, which
+the forward pass saved when the operation ran, through the same hooks as autograd's saves: a kept
+source is held, an offloaded one copied out and prefetched back, a dropped one is itself rebuilt
+first (which is how a chain of recomputed maps comes back). A rebuilt storage stays until the last
+handle saved for it is unpacked, so each storage is rebuilt once per step and each operation runs
+once more at most: what the simulator charges.
 
-**Faithful.** Batch-norm layers normalise with the batch's statistics and leave their running
-statistics as the forward pass left them. Each producer runs with the random-number state it ran
-with in the forward pass (a dropout draws the same mask). A source modified in place after a
-producer read it is refused: the rebuilt storage would differ.
+**Faithful.** An operation that draws random numbers runs with the random-number state it ran with in
+the forward pass (a dropout draws the same mask). A source or a tensor argument changed in place
+after the operation read it is refused: the rebuilt storage would differ.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import fx
+from torch.utils._pytree import tree_leaves, tree_map
 
 from ucudnn.errors import UnsupportedProblem
-from ucudnn.memory.graph import TrainingGraph
-from ucudnn.memory.plan import MemoryPlan
+
+__all__ = ["Program", "programs_for"]
 
 
-@dataclass(frozen=True)
-class _Program:
-    """How to rebuild one storage: its producing fx nodes in forward order, and the index of the last
-    forward node that reads it (backward needs it from that node's step on: its sources' `use`)."""
+@dataclass(frozen=True, slots=True)
+class Program:
+    """How to rebuild one storage: the captured operations that made it and wrote it, in order, and which
+    output of the first it is."""
 
     storage: str
-    nodes: tuple[fx.Node, ...]
-    late: int
+    ops: tuple[int, ...]
+    leaf: int
 
 
-class _Programs:
-    """The programs of a plan for one input shape: by storage, and by fx node (those it is a producer in)."""
-
-    def __init__(self, programs: dict[str, _Program]) -> None:
-        self.by_storage = programs
-        self.by_node: dict[fx.Node, list[_Program]] = {}
-        for program in programs.values():
-            for node in program.nodes:
-                self.by_node.setdefault(node, []).append(program)
-
-
-def _programs(graph: TrainingGraph, plan: MemoryPlan, nodes: Iterable[fx.Node]) -> _Programs:
-    """A program for every storage the plan recomputes, but the inputs (kept), and for every released
-    storage that one of those programs reads (the simulator rebuilds those too)."""
-    by_name = {n.name: n for n in nodes}
-    index = {n: i for i, n in enumerate(by_name.values())}
-    actions = {t.name: t.action for t in plan.tensors}
-    out: dict[str, _Program] = {}
+def programs_for(step: Any, actions: dict[str, str]) -> dict[str, Program]:
+    """A program for every storage the plan recomputes (made in the model's forward pass; an input is
+    kept), and for every released storage that one of those programs reads (the simulator rebuilds those
+    too). Sources are known only when the operations run, so a released source is found by its name in
+    the graph: the feature maps an op of a program reads."""
+    graph = step.graph
+    out: dict[str, Program] = {}
     pending = [s for s, a in actions.items() if a == "recompute"]
     while pending:
         storage = pending.pop()
-        if storage in out:
+        ops = step.writers.get(storage)
+        if storage in out or not ops or ops[0] >= step.model_ops:
             continue
-        producers = tuple(by_name[op.name] for op in graph.producers(storage) if op.name in by_name)
-        if not producers or producers[0].op == "placeholder":
-            continue  # an input: nothing rebuilds it, so it is kept
-        readers = [index[by_name[op.name]] for op in graph.ops if op.name in by_name
-                   and any(graph.storage_of(i) == storage for i in op.inputs)]
-        out[storage] = _Program(storage, producers, max(readers, default=index[producers[-1]]))
-        for node in producers:
-            for source in node.all_input_nodes:
-                src = _storage_of(graph, source)
-                if src is not None and src != storage and actions.get(src) == "release":
+        leaf = next(leaf for leaf, name in step.ops[ops[0]].creates if name == storage)
+        out[storage] = Program(storage, tuple(i for i in ops if i < step.model_ops), leaf)
+        for op in graph.producers(storage):
+            for source in op.inputs:
+                src = graph.storage_of(source)
+                if src != storage and actions.get(src) == "release":
                     pending.append(src)
-    return _Programs(out)
-
-
-def _storage_of(graph: TrainingGraph, node: fx.Node) -> str | None:
-    """The storage `node`'s value lives in (None: not a feature map, such as a size)."""
-    return graph.storage_of(node.name) if node.name in graph.op_index else None
+    return out
 
 
 class _Dropped:
-    """What a saved tensor of a dropped storage leaves behind: where it lies in the storage. Until its
-    node has returned, a tensor saved by a node for its own output (or internals such as max-pool
-    indices) is held in `tensor`; `_after_node` then drops it if it is the output."""
+    """What a saved tensor of a dropped storage leaves behind: where in the storage it lies."""
 
-    __slots__ = ("rebuilds", "name", "size", "stride", "offset", "tensor")
+    __slots__ = ("rebuilds", "name", "size", "stride", "offset")
 
-    def __init__(self, rebuilds: _Rebuilds, name: str, t: torch.Tensor, held: bool) -> None:
+    def __init__(self, rebuilds: _Rebuilds, name: str, t: torch.Tensor) -> None:
         self.rebuilds, self.name = rebuilds, name
         self.size, self.stride, self.offset = t.size(), t.stride(), t.storage_offset()
-        self.tensor = t.detach() if held else None
+
+
+@dataclass(frozen=True, slots=True)
+class _View:
+    """An argument that was (a view of) a storage the operation is a producer of (the one being rebuilt)."""
+
+    storage: str
+    size: tuple
+    stride: tuple
+    offset: int
+
+
+class _Source:
+    """A feature map an operation read from elsewhere: saved as autograd's saves are."""
+
+    __slots__ = ("saved", "version")
+
+    def __init__(self, saved: Any, version: int | None) -> None:
+        self.saved, self.version = saved, version
+
+
+class _Other:
+    """Another tensor argument: a parameter (passed as it is) or a buffer or constant (copied)."""
+
+    __slots__ = ("tensor", "parameter", "version")
+
+    def __init__(self, tensor: torch.Tensor, parameter: bool) -> None:
+        self.tensor, self.parameter, self.version = tensor, parameter, tensor._version
 
 
 class _Rebuilds:
-    """One forward pass's dropped storages: the sources saved for their programs, the random-number
-    states their producers ran with, and, in the backward pass, the rebuilt storages in use."""
+    """One forward pass's dropped storages: each program operation's recorded call, and, in the backward
+    pass, the rebuilt storages in use."""
 
-    def __init__(self, programs: _Programs) -> None:
+    def __init__(self, programs: dict[str, Program]) -> None:
         self.programs = programs
-        self.sources: dict[tuple[str, fx.Node], tuple[Any, int | None]] = {}  # (storage, node) -> saved, version
-        self.rng: dict[fx.Node, tuple] = {}
-        self.unresolved: list[_Dropped] = []
+        # op -> [func, (args, kwargs), rng, programs yet to replay it]: an op making several dropped storages
+        # (a batch-norm's output and statistics) is in several programs, and its sources go after the last
+        self.calls: dict[int, list] = {}
         self.handles: dict[str, int] = {}  # storage -> handles not yet unpacked
         self.rebuilt: dict[str, torch.Tensor] = {}
+        self.done: set[str] = set()        # storages rebuilt in this backward pass
 
 
 class _Recompute:
     """The executor's recomputation. A base of `ucudnn.torch.memory._Executor`, whose state and hooks
-    it uses: `prep`, `stats`, `current`, `pack`, `unpack`, `_run_node` and `_name_of`; `rebuilds` is the
-    forward pass's (a handle keeps its own: two forward passes may precede their backward passes)."""
+    it uses: `prep`, `stats`, `params`, `unpack`, `_offload` and `_name_of`; `rebuilds` is the forward pass's (a
+    handle keeps its own: two forward passes may precede their backward passes)."""
 
     rebuilds: _Rebuilds
 
     # -- the forward pass ---------------------------------------------------------------------------
-    def _drop(self, name: str, t: torch.Tensor, tagged: bool) -> _Dropped:
-        """The handle saved in place of `t`, in dropped storage `name`."""
+    def _drop(self, name: str, t: torch.Tensor, uses: int = 1) -> _Dropped:
+        """The handle saved in place of `t`, in dropped storage `name`, to be unpacked `uses` times."""
         r = self.rebuilds
-        dropped = _Dropped(r, name, t, held=not tagged)
-        if tagged:
-            r.handles[name] = r.handles.get(name, 0) + 1
-        else:
-            r.unresolved.append(dropped)
-        return dropped
+        r.handles[name] = r.handles.get(name, 0) + uses
+        return _Dropped(r, name, t)
 
-    def _before_node(self, node: fx.Node) -> None:
-        if node in self.rebuilds.programs.by_node:
-            self.rebuilds.rng[node] = _rng_state()
+    def _record(self, storages: tuple[str, ...], index: int, func: Any, args: tuple, kwargs: dict,
+                random: bool) -> list[_Other]:
+        """Keep what operation `index`, a producer of `storages`' programs, reads (see the module docstring);
+        the non-feature-map arguments, whose versions are taken once the operation has run."""
+        others: list[_Other] = []
 
-    def _after_node(self, node: fx.Node, env: dict) -> None:
-        """`node` has run and its output is tagged: settle what it saved, and save the sources of the
-        programs it is a producer in."""
-        r = self.rebuilds
-        output = _data_ptr(env.get(node))
-        for dropped in r.unresolved:
-            if dropped.tensor.untyped_storage().data_ptr() == output:
-                dropped.tensor = None  # the node's own output: rebuilt in the backward pass
-                r.handles[dropped.name] = r.handles.get(dropped.name, 0) + 1
-        r.unresolved.clear()
-        current = self.current
-        try:
-            for program in r.programs.by_node.get(node, ()):
-                self.current = program.late  # an offloaded source is used when backward rebuilds
-                for source in node.all_input_nodes:
-                    key = (program.storage, source)
-                    if key not in r.sources and source not in program.nodes:
-                        value = env[source]
-                        version = value._version if isinstance(value, torch.Tensor) else None
-                        r.sources[key] = fx.node.map_aggregate(value, self._save_source), version
-        finally:
-            self.current = current
+        def keep(a: Any) -> Any:
+            if not isinstance(a, torch.Tensor):
+                return a
+            name = self._name_of(a)
+            if name in storages:
+                return _View(name, tuple(a.size()), tuple(a.stride()), a.storage_offset())
+            if name is not None:
+                return _Source(self._save_source(name, a, len(storages)), a._version)
+            others.append(_Other(a, a.untyped_storage()._cdata in self.params))
+            return others[-1]
 
-    def _save_source(self, value: Any) -> Any:
-        if not isinstance(value, torch.Tensor):
-            return value
-        name, tagged = self._name_of(value)
-        if tagged and name in self.rebuilds.programs.by_storage:  # recomputed, or released and rebuilt
-            return self._drop(name, value, tagged=True)
-        return self.pack(value)
+        rng = _rng_state() if random else None
+        self.rebuilds.calls[index] = [func, tree_map(keep, (args, kwargs)), rng, len(storages)]
+        return others
+
+    def _save_source(self, name: str, t: torch.Tensor, uses: int) -> Any:
+        """`t` saved for `uses` replays of the operation reading it (one per program it is in)."""
+        if name in self.rebuilds.programs:  # recomputed, or released and rebuilt
+            return self._drop(name, t, uses)
+        if self.prep.actions.get(name) == "offload":
+            return self._offload(name, t, uses)
+        return t  # held: detached by `_settle_sources`
+
+    def _settle_sources(self) -> None:
+        """At the forward pass's end, outside the dispatcher: the tensors held for rebuilding are detached
+        (their autograd history would tie the executor's records to the graph). Detached inside a dispatch
+        mode, below autograd, a tensor would not share its version counter, which the checks read."""
+        for _, (args, kwargs), _, _ in self.rebuilds.calls.values():
+            for a in tree_leaves((args, kwargs)):
+                if isinstance(a, _Source) and isinstance(a.saved, torch.Tensor):
+                    a.saved = a.saved.detach()
+                elif isinstance(a, _Other):
+                    a.tensor = a.tensor.detach()
 
     # -- the backward pass --------------------------------------------------------------------------
     def _unpack_dropped(self, dropped: _Dropped) -> torch.Tensor:
-        if dropped.tensor is not None:
-            return dropped.tensor
         r = dropped.rebuilds
         base = r.rebuilt.get(dropped.name)
         if base is None:
-            base = r.rebuilt[dropped.name] = self._rebuild(r, r.programs.by_storage[dropped.name])
+            base = r.rebuilt[dropped.name] = self._rebuild(r, r.programs[dropped.name])
         r.handles[dropped.name] -= 1
         if r.handles[dropped.name] <= 0:  # its last handle: whoever unpacked it holds it now
             del r.rebuilt[dropped.name]
         return base.as_strided(dropped.size, dropped.stride, dropped.offset)
 
-    def _rebuild(self, r: _Rebuilds, program: _Program) -> torch.Tensor:
-        local: dict[fx.Node, Any] = {}
-        for node in program.nodes:
-            for source in node.all_input_nodes:
-                if source in local or source in program.nodes:
-                    continue
-                if (program.storage, source) not in r.sources:  # popped by the first rebuild
-                    raise UnsupportedProblem(
-                        f"{program.storage!r} was already recomputed for a backward pass; under execute_plan run "
-                        "backward once per forward (no retain_graph=True for a second backward through "
-                        "recomputed tensors)")
-                saved, version = r.sources.pop((program.storage, source))
-                value = fx.node.map_aggregate(saved, self.unpack)
-                if version is not None and isinstance(saved, torch.Tensor) and value._version != version:
-                    raise UnsupportedProblem(
-                        f"{source.name} was modified in place after {node.name} read it in the forward pass, so "
-                        f"{program.storage!r} cannot be recomputed from it; keep {program.storage!r} in the plan")
-                local[source] = value
-            before = _rng_state()
-            _set_rng(r.rng[node])
+    def _rebuild(self, r: _Rebuilds, program: Program) -> torch.Tensor:
+        base: torch.Tensor | None = None
+
+        def value(a: Any) -> Any:
+            if isinstance(a, _View):
+                return base.as_strided(a.size, a.stride, a.offset)
+            if isinstance(a, _Source):
+                got = self.unpack(a.saved)
+                if isinstance(a.saved, torch.Tensor) and got._version != a.version:
+                    raise UnsupportedProblem(f"a tensor {program.storage!r} is made from was modified in place after "
+                                             f"it was read in the forward pass, so {program.storage!r} cannot be "
+                                             f"recomputed; keep {program.storage!r} in the plan")
+                return got
+            if isinstance(a, _Other):
+                if a.tensor._version != a.version:
+                    raise UnsupportedProblem(f"a parameter or buffer {program.storage!r} is made from changed after "
+                                             f"the forward pass; keep {program.storage!r} in the plan")
+                return a.tensor if a.parameter else a.tensor.clone()  # a buffer it updates moves once per step
+            return a
+
+        if program.storage in r.done:
+            raise UnsupportedProblem(
+                f"{program.storage!r} was already recomputed for a backward pass; under execute_plan run backward "
+                "once per forward (no retain_graph=True for a second backward through recomputed tensors)")
+        r.done.add(program.storage)
+        for index in program.ops:
+            call = r.calls[index]
+            func, recorded, rng = call[:3]
+            call[3] -= 1
+            if call[3] == 0:  # its last program: what it holds goes
+                del r.calls[index]
+            args, kwargs = tree_map(value, recorded, is_leaf=lambda a: isinstance(a, (_View, _Source, _Other)))
+            before = _rng_state() if rng is not None else None
             try:
+                if rng is not None:
+                    _set_rng(rng)
                 with torch.no_grad():
-                    local[node] = self._run_node(node, local, recomputing=True)
+                    out = func(*args, **kwargs)
             finally:
-                _set_rng(before)
+                if before is not None:
+                    _set_rng(before)
+            if base is None:  # the owner
+                base = tree_leaves(out)[program.leaf]
         self.stats.recomputed += 1
-        return local[program.nodes[-1]]
-
-
-def _data_ptr(value: Any) -> int | None:
-    return value.untyped_storage().data_ptr() if isinstance(value, torch.Tensor) else None
+        return base
 
 
 def _rng_state() -> tuple:

@@ -1,0 +1,92 @@
+"""ATen operations as a captured step reads them (`ucudnn.torch.capturing`, and the executor and the timed steps
+that follow one): which count as the step's, which storages one writes, its flops, and which are convolutions.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_leaves
+from torch.utils.flop_counter import flop_registry
+
+from ucudnn.torch import ops as _ops  # noqa: F401 - registers torch.ops.ucudnn, which a capture recognises
+
+__all__ = ["CONVOLUTIONS", "conv_backward_kinds", "conv_spec", "counted", "flops", "same_op", "storage_key",
+           "written_keys"]
+
+aten = torch.ops.aten
+# A convolution as one operation: torch's, or a converted layer's (`ucudnn.torch.conv.through_operators`).
+CONVOLUTIONS = frozenset({aten.convolution.default, torch.ops.ucudnn.conv2d.default})
+
+
+def counted(func: Any, outputs: list) -> bool:
+    """Whether an operation is one of the step's: it returns a tensor and is not a view. The capture, the
+    executor and the timed steps count the same operations: views are left out because autograd makes
+    some of its own (detaching what it saves; on fake tensors, replaying the views of a tensor changed in
+    place), and queries (a fake tensor's device) return no tensor. Neither makes or writes memory."""
+    return not getattr(func, "is_view", False) and any(isinstance(t, torch.Tensor) for t in outputs)
+
+
+def storage_key(t: torch.Tensor) -> int:
+    """The identity of `t`'s storage (its StorageImpl), the same for every view of it, fake or real."""
+    return t.untyped_storage()._cdata
+
+
+def same_op(func: Any, captured: Any) -> bool:
+    """Whether `func` is the captured operation: the same, or a convolution for a convolution (torch's own
+    and a converted layer's are one operation each, with one output)."""
+    return func is captured or (func in CONVOLUTIONS and captured in CONVOLUTIONS)
+
+
+def written_keys(func, args, kwargs) -> set[int]:
+    """The storages an operation writes in place (its schema's mutable arguments)."""
+    schema = func._schema
+    if not schema.is_mutable:
+        return set()
+    keys = set()
+    for i, arg in enumerate(schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        value = args[i] if i < len(args) else kwargs.get(arg.name)
+        for t in tree_leaves(value):
+            if isinstance(t, torch.Tensor):
+                keys.add(storage_key(t))
+    return keys
+
+
+def flops(func, args, kwargs, out, out_bytes: int) -> float:
+    """PyTorch's flop count of an operation (`torch.utils.flop_counter`), else one per output element."""
+    count = flop_registry.get(func._overloadpacket)
+    if func is torch.ops.ucudnn.conv2d.default:
+        count = flop_registry.get(aten.convolution.default._overloadpacket)
+        x, w, stride, padding, dilation, groups = args[0], args[1], args[3], args[4], args[5], args[6]
+        args, kwargs = (x, w, None, stride, padding, dilation, False, [0, 0], groups), {}
+    if count is not None:
+        try:
+            return float(count(*args, **kwargs, out_val=out))
+        except Exception:  # noqa: BLE001 - a formula that does not fit this overload: count elements instead
+            pass
+    return float(sum(t.numel() for t in tree_leaves(out) if isinstance(t, torch.Tensor)))
+
+
+def conv_spec(func, args) -> tuple | None:
+    """(x shape, w shape, stride, padding, dilation, transposed, groups) of a convolution's forward."""
+    if func is aten.convolution.default:
+        x, w, _, stride, padding, dilation, transposed, _, groups = args[:9]
+        return tuple(x.shape), tuple(w.shape), tuple(stride), tuple(padding), tuple(dilation), bool(transposed), groups
+    if func is torch.ops.ucudnn.conv2d.default:
+        x, w, _, stride, padding, dilation, groups = args[:7]
+        return tuple(x.shape), tuple(w.shape), tuple(stride), tuple(padding), tuple(dilation), False, groups
+    return None
+
+
+def conv_backward_kinds(func, args, kwargs) -> tuple[str, ...]:
+    if func is aten.convolution_backward.default:
+        mask = args[10] if len(args) > 10 else kwargs["output_mask"]
+        return tuple(kind for kind, on in zip(("bwd_data", "bwd_filter"), mask) if on)
+    if func is torch.ops.ucudnn.conv2d_backward_data.default:
+        return ("bwd_data",)
+    if func is torch.ops.ucudnn.conv2d_backward_filter.default:
+        return ("bwd_filter",)
+    return ()
