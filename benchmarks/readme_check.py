@@ -12,6 +12,7 @@ comment on the line just before a block tags it:
     <!-- readme-check: slow -->         long (a benchmark from an empty cache): left out by --only fast
     <!-- readme-check: gpu -->          needs an NVIDIA GPU: run only where `nvidia-smi -L` lists one
     <!-- readme-check: torchvision -->  run only where torchvision imports beside torch
+    <!-- readme-check: models -->       run only where transformers and MONAI import (the `models` extra)
 
 The scratch folder has its own user cache ($XDG_CACHE_HOME; $UCUDNN_DB unset), so every benchmark
 starts from an empty cache, as on a new machine. The Python blocks use names a reader brings
@@ -35,7 +36,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
-TAGS = ("setup", "slow", "gpu", "torchvision")
+TAGS = ("setup", "slow", "gpu", "torchvision", "models")
 _FENCE = re.compile(r"^```(\w*)\s*$")
 _TAG = re.compile(r"^<!--\s*readme-check:\s*([\w-]+)\s*-->\s*$")
 
@@ -107,6 +108,10 @@ def has_torchvision(python: str) -> bool:
     return subprocess.run([python, "-c", "import torchvision"], capture_output=True).returncode == 0
 
 
+def has_models(python: str) -> bool:
+    return subprocess.run([python, "-c", "import transformers, monai"], capture_output=True).returncode == 0
+
+
 def wanted(block: Block, only: str, fresh_clone: bool, python: str) -> str | None:
     """Why a block is left out this time, or None to run it."""
     if block.tag == "setup" and not fresh_clone:
@@ -117,6 +122,8 @@ def wanted(block: Block, only: str, fresh_clone: bool, python: str) -> str | Non
         return "needs an NVIDIA GPU"
     if block.tag == "torchvision" and not has_torchvision(python):
         return "torchvision does not import here"
+    if block.tag == "models" and not has_models(python):
+        return "transformers and MONAI do not import here (pip install -e '.[models]')"
     return None
 
 

@@ -42,6 +42,10 @@ __all__ = ["Segmentation", "budget_search", "evaluate", "frontier", "greedy", "o
 
 # Appendix A: "a size 6 grid on [B/sqrt 2, sqrt 2 B] can already give good memory plans".
 GRID_POINTS = 6
+# Segment bounds tried at most (of the O(c^2) gaps between c candidates): each costs a pass over the chain,
+# and a network captured operation by operation has hundreds of candidates (a MobileNet's 200: 20 s of
+# passes). Beyond it, bounds evenly spread by rank: the peak found is within one tried gap of the least.
+MAX_BOUNDS = 256
 # `frontier`'s prices of recompute in kept bytes, relative to the chain's bytes per unit of cost
 PRICES = (0.0, 0.25, 0.5, 1.0, 2.0, 4.0)
 
@@ -91,13 +95,16 @@ def evaluate(sizes: Sequence[int], checkpoints: Sequence[int], costs: Sequence[f
     s = _check_sizes(sizes)
     f = _check_costs(costs, len(s))
     kept_s = _check_kept(kept_sizes, s)
-    n = len(s)
-    kept = set()
     for k in checkpoints:
-        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k < n:
-            raise InvalidInput(f"checkpoint {k!r} is not a stage index in 0..{n - 1}")
-        kept.add(k)
-    kept.add(n - 1)
+        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k < len(s):
+            raise InvalidInput(f"checkpoint {k!r} is not a stage index in 0..{len(s) - 1}")
+    return _evaluate(s, checkpoints, f, kept_s)
+
+
+def _evaluate(s: list[int], checkpoints: Sequence[int], f: list[float], kept_s: list[int]) -> Segmentation:
+    """`evaluate` on checked arguments (the searches call it thousands of times)."""
+    n = len(s)
+    kept = {*checkpoints, n - 1}
     largest_segment = segment = 0
     for i in range(n):
         if i in kept:
@@ -167,7 +174,7 @@ def optimal(sizes: Sequence[int], costs: Sequence[float] | None = None, *,
     the stages, g(j) = s_j + min{g(i) : i < j, sum_{i<l<j} s_l <= M}, solved with a sliding-window
     minimum in O(n); peak(K) = g(n-1) + M. Only M equal to the dropped bytes between two candidate
     stages matters, so trying each of those (O(c^2) for c candidates) gives the exact optimum in
-    O(c^2 n). No library solves
+    O(c^2 n); beyond `MAX_BOUNDS` of them, a spread of them, within one gap of it. No library solves
     this small min-max path directly; a MILP would need the same n^2 bounds as constraints.
     """
     s = _check_sizes(sizes)
@@ -176,7 +183,7 @@ def optimal(sizes: Sequence[int], costs: Sequence[float] | None = None, *,
     best: Segmentation | None = None
     for _, lasts in _least_kept(s, f, candidates, kept_s):
         kept = min(lasts, key=lambda last: (last[0], last[1]))[2]
-        plan = evaluate(s, kept, f, kept_s)
+        plan = _evaluate(s, kept, f, kept_s)
         if best is None or (plan.peak_bytes, plan.recompute_cost) < (best.peak_bytes, best.recompute_cost):
             best = plan
     assert best is not None  # the largest bound admits K = {n - 1}
@@ -208,8 +215,8 @@ def frontier(sizes: Sequence[int], costs: Sequence[float] | None = None, *,
             for kept_bytes, recompute, kept in lasts:
                 key = tuple(sorted(kept))
                 bound_of[key] = min(bound_of.get(key, (math.inf, 0.0)), (kept_bytes + bound, recompute))
-    plans = {evaluate(s, kept, f, kept_s) for kept in bound_of}
-    plans |= {evaluate(s, [allowed[j * len(allowed) // k - 1] for j in range(1, k)], f, kept_s)
+    plans = {_evaluate(s, kept, f, kept_s) for kept in bound_of}
+    plans |= {_evaluate(s, [allowed[j * len(allowed) // k - 1] for j in range(1, k)], f, kept_s)
               for k in range(1, len(allowed) + 1)}
     exact = sorted(plans, key=lambda p: (p.peak_bytes, p.recompute_cost))
     return tuple(p for k, p in enumerate(exact) if all(p.recompute_cost < q.recompute_cost for q in exact[:k]))
@@ -235,6 +242,8 @@ def _least_kept(s: list[int], f: list[float], candidates: Sequence[int] | None, 
     # the largest segment always lies between two kept stages, so only those gaps are candidate bounds
     ends = sorted(allowed)
     bounds = sorted({dropped(i, j) for j in ends for i in [-1, *ends] if i < j})
+    if len(bounds) > MAX_BOUNDS:
+        bounds = [bounds[round(k * (len(bounds) - 1) / (MAX_BOUNDS - 1))] for k in range(MAX_BOUNDS)]
     for bound in bounds:
         g: dict[int, tuple[float, int, float]] = {-1: (0.0, 0, 0.0)}  # -1: the chain start, kept for free
         parent: dict[int, int] = {}

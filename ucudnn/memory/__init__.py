@@ -1,7 +1,7 @@
 """Memory planning: where each feature map lives during a training step, and what workspace each conv gets.
 
-- `graph`: the training graph (`from_network(name, batch)` for the zoo, `trace(model, example_input)`
-  for a PyTorch model through torch.fx).
+- `graph`: the training graph (`from_network(name, batch)` for the zoo; a PyTorch model's comes from
+  its captured training step, `ucudnn.torch.capture(model, example_input).graph`).
 - `timing`: each step's time and workspace (measured conv configurations, else a roofline).
 - `simulate`: the event simulator every policy goes through (its docstring says how a policy drives it).
 - `planner`: `make_plan(graph, device, memory_limit, policy, *, devices=1, db=None) -> MemoryPlan`.

@@ -393,7 +393,7 @@ def _resnet(b: OpBuilder, blocks: Sequence[int], bottleneck: bool) -> None:
                     out = b.relu(f"{p}.relu{j}", out)
             if f"{p}.downsample" in b.zoo:
                 identity = b.batchnorm(f"{p}.downsample.bn", b.conv(f"{p}.downsample", x))
-            # a new tensor, as torch.fx sees `out += identity` (a Proxy has no __iadd__)
+            # a new tensor, as the papers' graphs have it (torchvision writes `out += identity` in place)
             x = b.relu(f"{p}.relu", b.add(f"{p}.add", out, identity, inplace=False))
     x = b.flatten("flatten", b.global_pool("avgpool", x))
     b.loss(b.linear("fc", x, 1000))

@@ -180,5 +180,6 @@ def check_network(network: str, batch: int, *, memory_limit: int | None = None, 
     x = torch.randn(*graph.ops[0].shape, device=where)
     loss = next(op for op in graph.ops if op.type == "loss")
     y = torch.randint(0, graph.op(loss.inputs[0]).shape[-1], (batch,), device=where)
-    plan = plan_memory(model, x, memory_limit=memory_limit, policy=policy)
+    plan = plan_memory(model, x, memory_limit=memory_limit, policy=policy,
+                       loss=lambda out: nn.functional.cross_entropy(out, y))
     return check_plan(model, plan, x, y, steps=steps)

@@ -5,7 +5,7 @@
 pooling to the graph's output size (`nn.AdaptiveMaxPool2d` / `AdaptiveAvgPool2d`: the graph keeps
 shapes, not windows), flatten, linear, add and concat; it returns what the graph's loss reads. Its
 feature maps have the graph's shapes, so the plan `ucudnn.torch.plan_memory` makes for it is the zoo
-network's, with names from its own trace (``layers_conv1``).
+network's, with names from its captured step (``layers.conv1:conv``).
 """
 
 from __future__ import annotations

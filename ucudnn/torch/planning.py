@@ -31,7 +31,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from ucudnn.backends.cpu import NATIVE, CpuBackend
-from ucudnn.kernel.measure import interleaved_medians_ms
 from ucudnn.devices import PROFILES, DeviceProfile, load_profile
 from ucudnn.errors import InvalidInput, UnsupportedProblem
 from ucudnn.handle import Handle, native_only
@@ -146,7 +145,7 @@ def plan_memory(model: nn.Module, example_input: Any, memory_limit: int | str | 
     """
     if not isinstance(model, nn.Module):
         raise InvalidInput(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    step = capture(model, example_input, loss=loss, fake=fake, weight_grads=weight_grads)
+    step = _captured(model, example_input, loss, fake, weight_grads)
     args, kwargs = call_args(example_input)
     first = next(t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
     profile = _profile_for(device, first)
@@ -159,12 +158,29 @@ def plan_memory(model: nn.Module, example_input: Any, memory_limit: int | str | 
         graph = _timed_ops(model, step, args, kwargs, loss or default_loss)
         native = Handle(backend=CpuBackend(numpy_threads=1), policy="undivided", algos=[NATIVE], db=db) \
             if first.device.type == "cpu" else None
-        fronts = _conv_fronts(model, graph, first.device, native)
+        fronts = _conv_fronts(model, graph, native)
     plan = make_plan(graph, profile, limit, policy, devices=devices, db=db, fronts=fronts)
     return dataclasses.replace(plan, capture=step)
 
 
-def _conv_fronts(model: nn.Module, graph: TrainingGraph, device: torch.device, native: Handle | None) -> dict:
+# model -> {(its modules, the inputs' shapes, the loss, fake, weight_grads): its captured step}, weak on the
+# model: plans at several limits (a search for the smallest peak, a sweep) capture the model once
+_CAPTURES: weakref.WeakKeyDictionary[nn.Module, dict[tuple, CapturedStep]] = weakref.WeakKeyDictionary()
+
+
+def _captured(model: nn.Module, example_input: Any, loss: Callable | None, fake: bool | None,
+              weight_grads: str) -> CapturedStep:
+    args, kwargs = call_args(example_input)
+    inputs = tuple((t.shape, t.dtype, t.device, type(t)) if isinstance(t, torch.Tensor) else repr(t)
+                   for t in tree_leaves((args, sorted(kwargs.items()))))
+    key = (_fingerprint(model), inputs, loss, fake, weight_grads)
+    steps = _CAPTURES.setdefault(model, {})
+    if key not in steps:
+        steps[key] = capture(model, example_input, loss=loss, fake=fake, weight_grads=weight_grads)
+    return steps[key]
+
+
+def _conv_fronts(model: nn.Module, graph: TrainingGraph, native: Handle | None) -> dict:
     """The options of each conv's kernels: a converted conv's as its own handle measures them (so
     that the plan's workspace budgets are ones its kernels run within), and where `native` is given
     (planning for this CPU), a torch conv's as that handle measures torch's own convolution. Through
@@ -188,28 +204,20 @@ def _conv_fronts(model: nn.Module, graph: TrainingGraph, device: torch.device, n
                 KernelOption(c.time, c.workspace if converted else 0, c.describe(), "measured",
                              held=0 if native_only(c) else None) for c in handle.front(problem))
         if set(step.kernels) == {"bwd_data", "bwd_filter"}:
-            _fuse_native_backward(fronts, step.op, op.conv, device)
+            _fuse_native_backward(fronts, step.op, op.conv, op.measured_bwd_ms)
     return fronts
 
 
-def _fuse_native_backward(fronts: dict, layer: str, problem, device: torch.device) -> None:
+def _fuse_native_backward(fronts: dict, layer: str, problem, fused_ms: float | None) -> None:
     """Where torch runs both backward kernels of a layer, it runs them as one call, which costs less
     than the two measured apart (shared work and one launch: about 0.6x on ResNet-18's CPU layers).
-    So the native options of the two fronts are scaled by the fused call's time over their sum."""
+    So the native options of the two fronts are scaled by the fused call's time, as the timed training
+    steps measured the layer's backward step (`fused_ms`), over their sum."""
     options = [next((o for o in fronts[(layer, kind)] if o.config == f"1x{problem.n}:{NATIVE}"), None)
                for kind in ("bwd_data", "bwd_filter")]
-    if None in options:
+    if None in options or fused_ms is None:
         return
-    x = torch.randn(problem.x_shape, device=device)
-    w = torch.randn(problem.w_shape, device=device)
-    dy = torch.randn(problem.y_shape, device=device)
-    stride, padding, dilation = [problem.stride_h, problem.stride_w], [problem.pad_h, problem.pad_w], \
-        [problem.dilation_h, problem.dilation_w]
-    def fused() -> None:
-        torch.ops.aten.convolution_backward(dy, x, w, None, stride, padding, dilation, False, [0, 0], problem.groups,
-                                            [True, True, False])
-
-    scale = interleaved_medians_ms({"fused": fused}, reps=5)["fused"] / sum(o.time_ms for o in options)
+    scale = fused_ms / sum(o.time_ms for o in options)
     if scale >= 1:
         return
     for kind in ("bwd_data", "bwd_filter"):  # a cheaper native option may now dominate others
