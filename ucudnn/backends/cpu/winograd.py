@@ -86,8 +86,7 @@ def _wino_output_transform(m: np.ndarray, s: np.ndarray, yq: np.ndarray, out: np
 
 def _winograd_reason(p: ConvProblem) -> str | None:
     if p.spatial_dims != 2:
-        return (f"winograd F(2x2,3x3) has no {p.spatial_dims}-D form here (its tiles and transforms are "
-                f"2-D); the other algorithms run this problem")
+        return f"winograd F(2x2,3x3) has no {p.spatial_dims}-D form (its tiles and transforms are 2-D)"
     if (p.r, p.s) != (3, 3):
         return f"winograd F(2x2,3x3) needs a 3x3 filter, got {p.r}x{p.s}"
     if (p.stride_h, p.stride_w) != (1, 1):
