@@ -167,7 +167,7 @@ class ConvProblem:
                 f"({'x'.join(str(a.size + 2 * a.pad) for a in axes)})")
 
     def _check_output_padding(self) -> None:
-        for name, (_, _, _, stride, dilation, padding) in _AXIS_FIELDS.items():
+        for _, _, _, stride, dilation, padding in _AXIS_FIELDS.values():
             value = getattr(self, padding)
             if not value:
                 continue
@@ -192,13 +192,17 @@ class ConvProblem:
     @property
     def axes(self) -> tuple[Axis, ...]:
         """The spatial axes, outermost first: (d, h, w) in 3-D, (h, w) in 2-D."""
-        names = ("d", "h", "w") if self.d else ("h", "w")
-        found = []
-        for name in names:
-            size, filter_, pad, stride, dilation, output_padding = (getattr(self, f) for f in _AXIS_FIELDS[name])
-            found.append(Axis(name, size, filter_, pad, stride, dilation, output_padding,
-                              _out_size(size, filter_, pad, stride, dilation, output_padding, self.transposed)))
-        return tuple(found)
+        transposed = self.transposed
+        h = Axis("h", self.h, self.r, self.pad_h, self.stride_h, self.dilation_h, self.output_padding_h,
+                 _out_size(self.h, self.r, self.pad_h, self.stride_h, self.dilation_h, self.output_padding_h,
+                           transposed))
+        w = Axis("w", self.w, self.s, self.pad_w, self.stride_w, self.dilation_w, self.output_padding_w,
+                 _out_size(self.w, self.s, self.pad_w, self.stride_w, self.dilation_w, self.output_padding_w,
+                           transposed))
+        if not self.d:
+            return (h, w)
+        return (Axis("d", self.d, self.t, self.pad_d, self.stride_d, self.dilation_d, self.output_padding_d,
+                     self.out_d), h, w)
 
     @property
     def dilated_r(self) -> int:

@@ -73,14 +73,12 @@ def _scatter_add(dst: np.ndarray, src: np.ndarray, *moves: tuple[int, int]) -> N
     np.add(target, src[(Ellipsis, *(slice(lo, hi) for lo, hi, _, _ in ranges))], out=target)
 
 
-def _moves(p: ConvProblem, tap: tuple[int, ...]) -> list[tuple[int, int]]:
-    """(stride, offset) per spatial axis at which filter tap `tap` reads the unpadded image."""
-    return [(a.stride, m * a.dilation - a.pad) for m, a in zip(tap, p.axes)]
-
-
-def _taps(p: ConvProblem) -> list[tuple[int, ...]]:
-    """Every filter tap, as an index per spatial axis, in the filter's memory order."""
-    return list(itertools.product(*(range(a.filter) for a in p.axes)))
+def _tap_moves(p: ConvProblem) -> list[tuple[tuple[int, ...], list[tuple[int, int]]]]:
+    """Every filter tap, as an index per spatial axis in the filter's memory order, with the
+    (stride, offset) per axis at which it reads the unpadded image."""
+    axes = p.axes
+    return [(tap, [(a.stride, m * a.dilation - a.pad) for m, a in zip(tap, axes)])
+            for tap in itertools.product(*(range(a.filter) for a in axes))]
 
 
 def _blend(out: np.ndarray, value: np.ndarray, alpha: float, beta: float) -> None:

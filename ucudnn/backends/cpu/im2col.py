@@ -8,7 +8,7 @@ import math
 
 import numpy as np
 
-from ucudnn.backends.cpu.common import _blend, _gather, _moves, _scale_out, _scatter_add, _taps
+from ucudnn.backends.cpu.common import _blend, _gather, _scale_out, _scatter_add, _tap_moves
 from ucudnn.backends.cpu.layout import _Layout
 from ucudnn.problem import ConvProblem
 
@@ -19,7 +19,8 @@ from ucudnn.problem import ConvProblem
 
 def _shape(p: ConvProblem) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """The filter's taps and y's extents, one per spatial axis."""
-    return tuple(a.filter for a in p.axes), tuple(a.out for a in p.axes)
+    axes = p.axes
+    return tuple(a.filter for a in axes), tuple(a.out for a in axes)
 
 
 def _im2col_layout(p: ConvProblem) -> _Layout:
@@ -42,8 +43,8 @@ def _im2col_layout(p: ConvProblem) -> _Layout:
 
 def _im2col_fill(p: ConvProblem, col: np.ndarray, x: np.ndarray) -> None:
     xt = x.swapaxes(0, 1)  # (c, n, sizes...), matching the column layout
-    for tap in _taps(p):
-        _gather(col[(slice(None), *tap)], xt, *_moves(p, tap))
+    for tap, moves in _tap_moves(p):
+        _gather(col[(slice(None), *tap)], xt, *moves)
 
 
 def _run_im2col(p: ConvProblem, ws: dict[str, np.ndarray], x, w, dy, out, alpha: float, beta: float) -> None:
@@ -72,5 +73,5 @@ def _run_im2col(p: ConvProblem, ws: dict[str, np.ndarray], x, w, dy, out, alpha:
         # col2im: no NumPy/SciPy routine folds columns back with stride and dilation, so each
         # filter tap scatter-adds its (c, n, outs...) slab into the image.
         outt = out.swapaxes(0, 1)
-        for tap in _taps(p):
-            _scatter_add(outt, dcol[(slice(None), *tap)], *_moves(p, tap))
+        for tap, moves in _tap_moves(p):
+            _scatter_add(outt, dcol[(slice(None), *tap)], *moves)

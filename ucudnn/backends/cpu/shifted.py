@@ -9,7 +9,7 @@ import math
 import numpy as np
 from scipy.linalg import blas as scipy_blas
 
-from ucudnn.backends.cpu.common import _blend, _gather, _moves, _scale_out, _scatter_add, _taps
+from ucudnn.backends.cpu.common import _blend, _gather, _scale_out, _scatter_add, _tap_moves
 from ucudnn.backends.cpu.layout import _Layout
 from ucudnn.problem import ConvProblem
 
@@ -37,7 +37,7 @@ def _run_shift(p: ConvProblem, ws: dict[str, np.ndarray], x, w, dy, out, alpha: 
     gemm = _gemm(np.dtype(p.dtype))
     wt, slab = ws["wt"], ws["slab"]
     slab_g = slab.reshape(g, cg, n_p)
-    offsets = [(wt[tap], _moves(p, tap)) for tap in _taps(p)]
+    offsets = [(wt[tap], moves) for tap, moves in _tap_moves(p)]
     if p.kind != "bwd_filter":
         np.copyto(wt, np.moveaxis(w, (0, 1), (-2, -1)))
     for n in range(p.n):
