@@ -55,10 +55,11 @@ _REQUIRED = ("c", "h", "w", "k", "r", "s")
 # Fields added after the first release. The key names them only when they differ from their
 # defaults, so a 2-D problem's key, and every measurement cached under it, is what it was.
 _LATER_FIELDS = ("d", "t", "pad_d", "stride_d", "dilation_d", "transposed", *_OUTPUT_PADDING)
-# Every key `ConvProblem.parse` reads, in the order a person writes them.
-SPEC_KEYS = ("n", "c", "d", "h", "w", "k", "t", "r", "s", "pad", "pad_d", "pad_h", "pad_w",
-             "stride", "stride_d", "stride_h", "stride_w", "dilation", "dilation_d", "dilation_h", "dilation_w",
-             "groups", "transposed", "output_padding", "output_padding_d", "output_padding_h", "output_padding_w",
+# Every key `ConvProblem.parse` reads, in the order a person writes them: the 2-D keys first, as
+# the first release listed them, then those of the depth axis, transposed convolutions and the rest.
+SPEC_KEYS = ("n", "c", "h", "w", "k", "r", "s", "pad", "pad_h", "pad_w", "stride", "stride_h", "stride_w",
+             "dilation", "dilation_h", "dilation_w", "groups", "d", "t", "pad_d", "stride_d", "dilation_d",
+             "transposed", "output_padding", "output_padding_h", "output_padding_w", "output_padding_d",
              "dtype", "compute_type", "layout", "kind")
 
 
