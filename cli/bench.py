@@ -175,6 +175,12 @@ def format_report(report, verbose: bool = False, layer_specs=None) -> str:
                  f"{s.cached} from the cache, {s.over_limit} not run (workspace over the limit); {s.seconds:.1f} s")
     if report.noise_text:
         lines.append(f"note: {report.noise_text}")
+    skipped: dict[tuple[str, str], int] = {}
+    for k in report.kernels:
+        for pair in k.unsupported:
+            skipped[pair] = skipped.get(pair, 0) + 1
+    lines += [f"skipped: {algo} on {count} of {len(report.kernels)} kernels, which it cannot run: {reason}"
+              for (algo, reason), count in skipped.items()]
     excluded = [(k, m) for k in report.kernels for m in k.excluded]
     if excluded:
         lines.append(f"warning: {len(excluded)} wrong results excluded" + ("" if verbose else " (details: --verbose or --json)"))

@@ -63,7 +63,8 @@ def _one(name: str, batch: int | None, as_json: bool) -> None:
     rows = [(layer.name, layer.problem.spec, "x".join(map(str, layer.problem.y_shape)),
              f"{layer.problem.flops / _GIGA:.2f}") for layer in net]
     click.echo(f"{canonical}: {NETWORKS[canonical]}")
-    click.echo(_table(("layer", "spec", "output (NCHW)", "GFLOP/fwd"), rows, right={3}))
+    layout = "NCDHW" if any(layer.problem.spatial_dims == 3 for layer in net) else "NCHW"
+    click.echo(_table(("layer", "spec", f"output ({layout})", "GFLOP/fwd"), rows, right={3}))
     click.echo(f"{len(net)} conv layers, {len(unique_problems(net))} unique shapes, "
                f"{_gflops(net):.1f} GFLOP per forward pass")
 

@@ -56,15 +56,57 @@ def numpy_reference(p: ConvProblem, *, x=None, w=None, dy=None) -> np.ndarray:
     return dw
 
 
+# Every form a problem takes, small and odd-sized: 1-D (a 2-D problem of height 1), 2-D and 3-D;
+# plain, grouped, dilated, strided, padded; transposed with output padding. Each is checked for all
+# three kinds against torch's own functions (`torch_reference`) and by every CPU algorithm.
+FORMS = {
+    "1d": "n=3,c=4,h=1,w=11,k=6,r=1,s=3,pad_w=1",
+    "1d_strided_dilated_grouped": "n=2,c=6,h=1,w=13,k=4,r=1,s=3,pad_w=2,stride_w=2,dilation_w=2,groups=2",
+    "2d_mixed": "n=3,c=4,h=9,w=8,k=6,r=3,s=2,pad_h=1,stride_h=2,dilation_w=2",
+    "3d": "n=2,c=3,d=5,h=6,w=5,k=4,t=3,r=3,s=3,pad=1",
+    "3d_strided_grouped": "n=3,c=4,d=7,h=6,w=5,k=6,t=3,r=2,s=3,pad_d=1,pad_w=2,stride=2,groups=2",
+    "3d_dilated": "n=2,c=2,d=7,h=7,w=6,k=3,t=2,r=3,s=2,dilation=2,pad_h=1,stride_w=2",
+    "t1d": "n=2,c=4,h=1,w=7,k=6,r=1,s=3,pad_w=1,stride_w=2,transposed=1,output_padding_w=1",
+    "t2d_grouped": "n=3,c=4,h=5,w=4,k=6,r=3,s=2,pad=1,stride=2,transposed=1,output_padding_h=1,groups=2",
+    "t2d_dilated": "n=2,c=3,h=5,w=5,k=2,r=3,s=3,stride=3,dilation=2,transposed=1,output_padding=2",
+    "t3d_unet_up": "n=2,c=4,d=3,h=4,w=3,k=4,t=2,r=2,s=2,stride=2,transposed=1",
+    "t3d_padded_grouped": "n=2,c=4,d=4,h=3,w=4,k=6,t=3,r=3,s=3,pad=1,stride=2,transposed=1,output_padding=1,groups=2",
+}
+
+
+def is_1d(p: ConvProblem) -> bool:
+    """A 2-D problem of height 1 that a 1-D convolution gives."""
+    return (not p.d and p.h == p.r == 1 and p.pad_h == 0 and p.stride_h == p.dilation_h == 1
+            and p.output_padding_h == 0)
+
+
 def torch_reference(p: ConvProblem, *, x=None, w=None, dy=None) -> np.ndarray:
-    t = lambda a: torch.from_numpy(np.asarray(a, np.float64))  # noqa: E731
-    conv = dict(stride=(p.stride_h, p.stride_w), padding=(p.pad_h, p.pad_w),
-                dilation=(p.dilation_h, p.dilation_w), groups=p.groups)
+    """y, dx or dw through torch's own conv1d/2d/3d or conv_transpose1d/2d/3d in float64, the
+    gradients by autograd. A 1-D form (`is_1d`) runs as conv1d on the (n, c, l) views."""
+    F = torch.nn.functional
+    one_d = is_1d(p)
+    axes = p.axes[1:] if one_d else p.axes
+    dims = len(axes)
+    fn = getattr(F, f"conv_transpose{dims}d" if p.transposed else f"conv{dims}d")
+    args = dict(stride=tuple(a.stride for a in axes), padding=tuple(a.pad for a in axes),
+                dilation=tuple(a.dilation for a in axes), groups=p.groups)
+    if p.transposed:
+        args["output_padding"] = tuple(a.output_padding for a in axes)
+
+    def tensor(a, shape, grad=False):
+        values = np.zeros(shape) if a is None else np.asarray(a, np.float64)
+        t = torch.from_numpy(values.reshape(values.shape[:2] + values.shape[3:]) if one_d else values)
+        return t.requires_grad_(grad)
+
+    tx = tensor(x, p.x_shape, grad=p.kind == "bwd_data")
+    tw = tensor(w, p.w_shape, grad=p.kind == "bwd_filter")
+    y = fn(tx, tw, **args)
     if p.kind == "fwd":
-        return torch.nn.functional.conv2d(t(x), t(w), **conv).numpy()
-    if p.kind == "bwd_data":
-        return torch.nn.grad.conv2d_input(p.x_shape, t(w), t(dy), **conv).numpy()
-    return torch.nn.grad.conv2d_weight(t(x), p.w_shape, t(dy), **conv).numpy()
+        result = y.detach()
+    else:
+        y.backward(tensor(dy, p.y_shape))
+        result = tx.grad if p.kind == "bwd_data" else tw.grad
+    return result.numpy().reshape(p.out_shape)
 
 
 def reference(p: ConvProblem, *, x=None, w=None, dy=None) -> np.ndarray:

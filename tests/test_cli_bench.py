@@ -45,8 +45,9 @@ def test_json_follows_the_contract_and_the_second_run_measures_nothing(tmp_path,
     assert [k["kind"] for k in first["kernels"]] == ["fwd", "bwd_data", "bwd_filter"]
     for k in first["kernels"]:
         assert set(k) == {"layer", "kind", "problem", "baseline", "config", "time_ms", "workspace", "speedup",
-                          "batch", "excluded", "configuration", "doubtful"}
+                          "batch", "excluded", "configuration", "doubtful", "unsupported"}
         assert k["layer"] == "layer1" and k["baseline"]["chosen_by"] == "fastest within the limit"
+        assert k["unsupported"] == []  # a 2-D 3x3 stride-1 layer: every cpu algorithm runs it
         assert expand(k["configuration"]) == [(m["algo"], m["batch"]) for m in k["config"]]
         assert k["batch"] == 8 and k["excluded"] == []
         assert sum(m["batch"] for m in k["config"]) == 8
@@ -111,6 +112,11 @@ def test_a_limit_nothing_fits_fails_with_exit_1(tmp_path, capsys):
     (["--layer", LAYER, "--algos", "magic", "--backend", "cpu"], "unknown algorithm"),
     (["--layer", LAYER, "--workspace", "1MiB", "--total-workspace", "2MiB"], "not both"),
     ([], "--layer"),
+    (["--layer", LAYER + ",output_padding=1"], "transposed convolutions only"),
+    (["--layer", LAYER + ",t=3"], "give d (the input depth)"),
+    (["--layer", LAYER + ",transposed=1,output_padding=1"], "smaller than stride_h (1)"),
+    (["--layer", LAYER + ",d=0"], "d must be positive"),
+    (["--layer", LAYER + ",transposed=2"], "transposed must be 0 or 1"),
 ])
 def test_bad_input_exits_2_with_one_line(argv, words, tmp_path, capsys):
     code, out, err = run(["bench", *argv, "--db", str(tmp_path / "c.db")], capsys)
@@ -176,3 +182,26 @@ def test_stderr_has_no_per_measurement_lines_and_verbose_lists_noisy_timings(tmp
     # Reported once: a run served from the cache does not repeat the note, --verbose still lists them.
     assert not any(line.startswith("note: ") for line in out.splitlines())
     assert sum(line.startswith("noisy: layer1 fwd ") for line in out.splitlines()) >= 1
+
+
+def test_3d_and_transposed_layers_list_what_cannot_run_them(tmp_path, capsys):
+    # A 3-D layer and a transposed 3-D up-convolution: winograd has no 3-D form, and says so in
+    # the table (one `skipped:` line) and per kernel in the JSON; the rest measure and run.
+    layers = ["n=2,c=4,d=6,h=6,w=6,k=4,t=3,r=3,s=3,pad=1", "n=2,c=4,d=3,h=3,w=3,k=4,t=2,r=2,s=2,transposed=1,stride=2"]
+    argv = ["bench", "--backend", "cpu", "--reps", "1", "--db", str(tmp_path / "c.db")]
+    for spec in layers:
+        argv += ["--layer", spec]
+    code, out, err = run([*argv, "--json"], capsys)
+    assert code == 0, err
+    report = json.loads(out)
+    assert [k["problem"] for k in report["kernels"][::3]] == layers
+    for k in report["kernels"]:
+        assert [u["algo"] for u in k["unsupported"]] == ["winograd"] and "3-D" in k["unsupported"][0]["reason"]
+        assert "winograd" not in k["configuration"] and k["baseline"] is not None
+    assert report["warnings"]["unsupported"] == 6
+    code, out, err = run(argv, capsys)
+    assert code == 0 and report["benchmark"]["measured"] > 0
+    skipped = [line for line in out.splitlines() if line.startswith("skipped:")]
+    assert skipped == ["skipped: winograd on 6 of 6 kernels, which it cannot run: winograd F(2x2,3x3) has no "
+                       "3-D form (its tiles and transforms are 2-D)"]
+    assert "measured now" in out and ", 0 measured now" in out  # the second run is served by the cache

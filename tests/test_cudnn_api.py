@@ -2,11 +2,13 @@
 
 1. The backend module imports without CuPy, a GPU or libcudnn, and `CudnnBackend()` then says in
    one line what is missing.
-2. Every `cudnn.X`, `graph.X` and `<tensor>_t.X` in ucudnn/backends/cudnn.py is listed in
+2. Every `cudnn.X`, `graph.X` and `<tensor>_t.X` in the modules that call the frontend
+   (`FRONTEND_MODULES`: ucudnn/backends/cudnn.py, cudnn_graph.py, cudnn_engines.py) is listed in
    `CUDNN_API_USED` (and every entry is used), and exists in the installed cuDNN frontend with the
-   keyword arguments the backend passes.
+   keyword arguments the backend passes; no other module imports the frontend.
 3. The graph the backend declares (pure Python until `validate()`) has the dims, strides, data
-   types and convolution parameters of the problem, for every kind.
+   types and convolution parameters of the problem, for every kind, 2-D and 3-D; a transposed
+   problem is declared as its lowered convolution.
 4. The backend's orchestration (enumeration, naming, rebuild from a name, failures as data, the
    LRU, alignment copies, alpha/beta, timing, the selftest) runs end to end against a stand-in for
    the frontend and CuPy that computes on host memory through the same raw pointers. The
@@ -18,6 +20,8 @@ from __future__ import annotations
 
 import ast
 import ctypes
+import dataclasses
+import importlib.util
 import inspect
 import subprocess
 import sys
@@ -30,11 +34,11 @@ import pytest
 
 from ucudnn.kernel import selftest
 from ucudnn.backends import cudnn as cudnn_backend
-from ucudnn.backends.cudnn import CUDNN_API_USED, EngineConfig, declare_graph, layout_strides
+from ucudnn.backends.cudnn import CUDNN_API_USED, FRONTEND_MODULES, EngineConfig, declare_graph, layout_strides
 from ucudnn.errors import BackendUnavailable, InvalidInput, UnsupportedProblem
 from ucudnn.problem import KINDS, ConvProblem
 
-SOURCE = Path(cudnn_backend.__file__)
+SOURCES = [Path(importlib.util.find_spec(name).origin) for name in FRONTEND_MODULES]
 ENUM_GROUPS = ("data_type", "heur_mode", "knob_type")
 
 
@@ -127,12 +131,32 @@ def _used_api(source: str) -> dict[str, set[str]]:
 
 
 def test_api_list_matches_the_source():
-    used = _used_api(SOURCE.read_text())
+    used: dict[str, set[str]] = {}
+    for source in SOURCES:  # one list for the modules together: each entry used by one of them at least
+        for group, names in _used_api(source.read_text()).items():
+            used.setdefault(group, set()).update(names)
     assert not used["unlisted"], f"results of frontend calls used without a listing: {sorted(used['unlisted'])}"
     for group, names in CUDNN_API_USED.items():
         assert used[group] == set(names), (
             f"CUDNN_API_USED[{group!r}] is out of date: used but unlisted {sorted(used[group] - set(names))}, "
             f"listed but unused {sorted(set(names) - used[group])}")
+
+
+def test_only_the_listed_modules_touch_the_frontend():
+    # Importing it, or reading attributes of a `cudnn` passed in: either makes a module one the
+    # API check must read.
+    package = Path(cudnn_backend.__file__).parents[1]
+    touching = set()
+    for path in package.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            imports = any(name == "cudnn" or name.startswith("cudnn.") for name in names)
+            reads = isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "cudnn"
+            if imports or reads:
+                touching.add(path)
+    assert touching == set(SOURCES), sorted(str(p) for p in touching ^ set(SOURCES))
+    assert all(len(path.read_text().splitlines()) <= 600 for path in SOURCES)
 
 
 def test_the_grep_sees_calls():
@@ -230,6 +254,47 @@ def test_declared_graph_data_types(dtype, promoted, compute):
 def test_layout_strides():
     assert layout_strides((2, 3, 4, 5), "NCHW") == (60, 20, 5, 1)
     assert layout_strides((2, 3, 4, 5), "NHWC") == (60, 1, 15, 3)
+    assert layout_strides((2, 3, 4, 5, 6), "NCHW") == (360, 120, 30, 6, 1)  # NCDHW
+    assert layout_strides((2, 3, 4, 5, 6), "NHWC") == (360, 1, 90, 18, 3)   # NDHWC
+
+
+PROBLEM_3D = ConvProblem(n=2, c=6, d=7, h=9, w=8, k=4, t=3, r=3, s=2, pad_d=1, pad_h=1, pad_w=0, stride_d=2,
+                         stride_h=1, stride_w=2, dilation_d=1, dilation_h=2, dilation_w=1, groups=2)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+def test_declared_3d_graph_matches_the_problem(kind, layout):
+    cudnn = pytest.importorskip("cudnn")
+    problem = dataclasses.replace(PROBLEM_3D, kind=kind, layout=layout)
+    declared = declare_graph(cudnn, problem)
+    (node,) = declared.graph.nodes
+    assert node.params["padding"] == [1, 1, 0] and node.params["stride"] == [2, 1, 2]
+    assert node.params["dilation"] == [1, 2, 1]
+    shapes = {"x": problem.x_shape, "w": problem.w_shape, "dy": problem.y_shape}
+    for name, tensor in declared.inputs:
+        assert len(tensor.dim) == 5 and list(tensor.dim) == list(shapes[name])
+        assert list(tensor.stride) == list(layout_strides(shapes[name], layout))
+    assert list(declared.output.dim) == list(problem.out_shape)
+    assert list(declared.output.stride) == list(layout_strides(problem.out_shape, layout))
+
+
+@pytest.mark.parametrize("kind, lowered_kind, port", [("fwd", "bwd_data", "loss"), ("bwd_data", "fwd", "image"),
+                                                      ("bwd_filter", "bwd_filter", "image")])
+def test_a_transposed_problem_is_declared_as_its_convolution(kind, lowered_kind, port):
+    cudnn = pytest.importorskip("cudnn")
+    problem = ConvProblem.parse(f"n=2,c=4,d=3,h=4,w=3,k=6,t=2,r=3,s=2,pad_h=1,stride=2,transposed=1,"
+                                f"output_padding_d=1,groups=2,kind={kind}")
+    with pytest.raises(ValueError, match="lowered"):
+        declare_graph(cudnn, problem)
+    declared = declare_graph(cudnn, problem.lowered())
+    (node,) = declared.graph.nodes
+    assert node.node_type.name == {"fwd": "CONV_FPROP", "bwd_data": "CONV_DGRAD", "bwd_filter": "CONV_WGRAD"}[
+        lowered_kind]
+    # the transposed problem's x (n, c, d, h, w) is what the graph reads as dy (fwd) or x (bwd_data, bwd_filter's dy)
+    reads = {"fwd": problem.x_shape, "bwd_data": problem.y_shape, "bwd_filter": problem.y_shape}[kind]
+    assert list(node.inputs[port].dim) == list(reads)
+    assert list(declared.output.dim) == list(problem.out_shape)
 
 
 # ---- algorithm names -----------------------------------------------------------------------------
@@ -462,11 +527,10 @@ def make_fake_cudnn(real):
             x_dims = (node.inputs.get("image") or node.outputs.get("DX")).dim
             w_dims = (node.inputs.get("weight") or node.inputs.get("filter") or node.outputs.get("DW")).dim
             y_dims = (node.inputs.get("loss") or node.outputs.get("Y")).dim
-            problem = ConvProblem(kind=kind, n=x_dims[0], c=x_dims[1], h=x_dims[2], w=x_dims[3], k=w_dims[0],
-                                  r=w_dims[2], s=w_dims[3], pad_h=node.params["padding"][0],
-                                  pad_w=node.params["padding"][1], stride_h=node.params["stride"][0],
-                                  stride_w=node.params["stride"][1], dilation_h=node.params["dilation"][0],
-                                  dilation_w=node.params["dilation"][1], groups=x_dims[1] // w_dims[1], dtype=dtype)
+            # Any number of spatial axes (4-D or 5-D tensors); the graph is always a convolution.
+            problem = ConvProblem.from_shapes(x_dims, w_dims, stride=node.params["stride"],
+                                              padding=node.params["padding"], dilation=node.params["dilation"],
+                                              groups=x_dims[1] // w_dims[1], kind=kind, dtype=dtype)
             assert tuple(y_dims) == problem.y_shape
             result = selftest.reference(problem, **{names[p]: v for p, v in host.items()})
             engine_id, _ = self._engine(index)
@@ -758,3 +822,54 @@ def test_prepared_launches_check_operands_once(fake_gpu, kind, monkeypatch):
         if seed == 0:
             first = len(checks)
     assert first == 3 * len(micros) and len(checks) == first  # checked on the first run only
+
+
+# ---- every form through the stand-in: 1-D, 3-D and transposed, lowered and run -----------------------
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_selftest_runs_every_form_through_the_backend(fake_gpu, dtype):
+    # The forms the selftest adds after the five 2-D problems: 1-D, 3-D, transposed 2-D and 3-D;
+    # 5-D descriptors through the real pygraph IR, transposed kernels as their lowered graphs.
+    backend = cudnn_backend.CudnnBackend()
+    forms = selftest.DEFAULT_PROBLEMS[5:]
+    assert any("d=" in spec for spec in forms) and any("transposed=1" in spec for spec in forms)
+    report = selftest.run_selftest(backend, problems=forms, dtype=dtype)
+    assert report.passed, report.format()
+    assert {c.algo for c in report.checks if c.status == "pass"} >= {"eng0", "eng2:SPLIT_K_BUF=4,TILEK=0"}
+    assert report.count("pass") >= len(forms) * len(KINDS) * 4
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("spec", ["n=3,c=3,d=4,h=5,w=3,k=4,t=3,r=3,s=3,pad=1,layout=NHWC",
+                                  "n=3,c=4,d=2,h=3,w=3,k=6,t=2,r=2,s=2,stride=2,transposed=1,output_padding_w=1,"
+                                  "layout=NHWC"])
+def test_ndhwc_and_transposed_operands_run_micro_batched(fake_gpu, spec, kind):
+    from ucudnn.kernel.run import PreparedConfiguration
+    from ucudnn.solver.types import Configuration, MicroConfig
+
+    backend = cudnn_backend.CudnnBackend()
+    problem = ConvProblem.parse(spec).with_kind(kind)
+    algo = "eng1:TILE_SIZE=2"
+    micros = tuple(MicroConfig(algo, b, 0.0, backend.workspace_size(problem.with_batch(b), algo)) for b in (2, 1))
+    prepared = PreparedConfiguration(backend, problem, Configuration(micros))
+    workspace = backend.empty_workspace(max(m.workspace for m in micros))
+    for seed in range(2):  # the checked first run, then the prepared launchers
+        operands = backend.random_operands(problem, seed=seed)
+        for name, array in operands.items():
+            assert array.strides[1] == array.itemsize, f"{name} is not channels last"
+        inputs = {name: array for name, array in operands.items() if name != "out"}
+        expected = selftest.reference(problem, **{n: np.asarray(a, dtype=np.float64) for n, a in inputs.items()})
+        prepared.run(out=operands["out"], workspace=workspace, **inputs)
+        assert selftest.relative_error(np.asarray(operands["out"], dtype=np.float64), expected) < 1e-6
+
+
+def test_transposed_operands_are_checked_by_the_callers_names(fake_gpu):
+    backend = cudnn_backend.CudnnBackend()
+    problem = ConvProblem.parse("n=2,c=4,h=3,w=3,k=6,r=2,s=2,stride=2,transposed=1")
+    operands = backend.random_operands(problem)
+    workspace = backend.empty_workspace(backend.workspace_size(problem, "eng0"))
+    with pytest.raises(InvalidInput, match="operand 'x' has shape"):
+        backend.run(problem, "eng0", x=operands["x"][:, :, :2], w=operands["w"], out=operands["out"],
+                    workspace=workspace)
+    assert backend.algorithms(problem) == FAKE_ALGOS
+    assert backend.workspace_size(problem, "eng1:TILE_SIZE=2") == backend.workspace_size(problem.lowered(),
+                                                                                        "eng1:TILE_SIZE=2")

@@ -30,7 +30,7 @@ def chw_out(p: ConvProblem) -> tuple[int, int, int]:
 
 
 EXPECTED_COUNTS = {"alexnet": 5, "vgg16": 13, "resnet18": 20, "resnet50": 53, "resnet152": 155,
-                   "densenet40": 39, "googlenet": 57, "deepbench": 94}
+                   "densenet40": 39, "googlenet": 57, "unet3d": 18, "deepbench": 94}
 
 
 def test_registry_names_and_descriptions():
@@ -351,6 +351,34 @@ def test_unique_problems_groups_by_key():
     assert len(db) < 94
     assert db[layers("deepbench")[0].problem.key] == [f"deepbench.{i}" for i in range(4)]
     assert unique_problems([]) == {}
+
+
+# ---- 3-D U-Net (Çiçek et al. 2016, Fig. 1) ------------------------------------------------------
+
+def test_unet3d_matches_the_paper():
+    net = by_name("unet3d", 1)
+    # a 132x132x116 tile (x, y, z) of 3 channels in; 44x44x28 voxels of 3 labels out
+    assert net["down1.conv1"].x_shape == (1, 3, 116, 132, 132)
+    assert net["final"].y_shape == (1, 3, 28, 44, 44) and net["final"].w_shape == (3, 64, 1, 1, 1)
+    convs = [p for name, p in net.items() if name != "final" and not name.endswith("upconv")]
+    assert all((p.t, p.r, p.s, p.pad_d, p.pad_h, p.pad_w, p.transposed) == (3, 3, 3, 0, 0, 0, False) for p in convs)
+    # analysis path: channels doubled before each max-pool
+    assert [(net[f"down{i}.conv1"].k, net[f"down{i}.conv2"].k) for i in range(1, 5)] == [
+        (32, 64), (64, 128), (128, 256), (256, 512)]
+    for i in range(1, 4):  # a 2x2x2 max-pool of stride 2 halves each axis between levels
+        assert net[f"down{i + 1}.conv1"].x_shape[2:] == tuple(s // 2 for s in net[f"down{i}.conv2"].y_shape[2:])
+    assert net["down4.conv2"].y_shape == (1, 512, 7, 9, 9)
+    # synthesis path: 2x2x2 up-convolutions of stride 2 keep the channels; the concatenation adds the
+    # analysis path's maps of the level (cropped)
+    for level, channels, size in ((3, 512, (14, 18, 18)), (2, 256, (20, 28, 28)), (1, 128, (32, 48, 48))):
+        up = net[f"up{level}.upconv"]
+        assert up.transposed and (up.t, up.r, up.s) == (2, 2, 2) and (up.stride_d, up.stride_h, up.stride_w) == (2, 2, 2)
+        assert up.c == up.k == channels and up.y_shape[2:] == size
+        first = net[f"up{level}.conv1"]
+        skip = net[f"down{level}.conv2"]
+        assert first.c == channels + skip.k and first.k == skip.k and first.x_shape[2:] == size
+        assert all(s >= u for s, u in zip(skip.y_shape[2:], size))  # the skip is cropped, never padded
+    assert [net[f"up{level}.conv2"].k for level in (3, 2, 1)] == [256, 128, 64]
 
 
 # ---- CLI -------------------------------------------------------------------------------------

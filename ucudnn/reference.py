@@ -9,6 +9,7 @@ blow up where a single expected value happens to be near zero.
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Any
 
@@ -23,25 +24,30 @@ _TINY = 1e-30
 def reference(problem: ConvProblem, *, x: Any = None, w: Any = None, dy: Any = None, xp: Any = np) -> Any:
     """The kernel's exact result in float64, by direct summation over the filter taps.
 
-    fwd:        y[n, k, i, j]  = sum_{c, r, s} x_pad[n, c, i*sh + r*dh, j*sw + s*dw] * w[k, c, r, s]
-    bwd_data:   dx = the adjoint of fwd in x: each dy[n, k, i, j] * w[k, c, r, s] lands on the
-                x_pad position fwd read it from, then the padding is cropped
-    bwd_filter: dw[k, c, r, s] = sum_{n, i, j} dy[n, k, i, j] * x_pad[n, c, i*sh + r*dh, j*sw + s*dw]
-    with c restricted to the group of k (c/groups channels per group). `xp` is the array module
-    (NumPy, or CuPy to compute on the GPU where the operands are).
+    With the spatial axes as a vector (i, j) = (d, h, w) or (h, w), stride S, dilation D and tap m:
+
+    fwd:        y[n, k, i]  = sum_{c, m} x_pad[n, c, i*S + m*D] * w[k, c, m]
+    bwd_data:   dx = the adjoint of fwd in x: each dy[n, k, i] * w[k, c, m] lands on the x_pad
+                position fwd read it from, then the padding is cropped
+    bwd_filter: dw[k, c, m] = sum_{n, i} dy[n, k, i] * x_pad[n, c, i*S + m*D]
+    with c restricted to the group of k (c/groups channels per group). A transposed problem is the
+    kernel of its `lowered` convolution, whose dy is the transposed x and whose x is the transposed
+    dy. `xp` is the array module (NumPy, or CuPy to compute on the GPU where the operands are).
     """
+    if problem.transposed:
+        return reference(problem.lowered(), x=dy, w=w, dy=x, xp=xp)
     p = problem
+    axes = p.axes
     groups, cg, kg = p.groups, p.c // p.groups, p.k // p.groups
-    pads = ((0, 0), (0, 0), (p.pad_h, p.pad_h), (p.pad_w, p.pad_w))
+    pads = ((0, 0), (0, 0), *((a.pad, a.pad) for a in axes))
+    spatial = "dhw"[-len(axes):]
 
     def taps():
-        """Every filter tap (r, s) and the strided window of the padded input it reads."""
-        for r in range(p.r):
-            for s in range(p.s):
-                top, left = r * p.dilation_h, s * p.dilation_w
-                yield r, s, (slice(None), slice(None),
-                             slice(top, top + p.stride_h * (p.out_h - 1) + 1, p.stride_h),
-                             slice(left, left + p.stride_w * (p.out_w - 1) + 1, p.stride_w))
+        """Every filter tap m and the strided window of the padded input it reads."""
+        for tap in itertools.product(*(range(a.filter) for a in axes)):
+            yield tap, (slice(None), slice(None),
+                        *(slice(m * a.dilation, m * a.dilation + a.stride * (a.out - 1) + 1, a.stride)
+                          for m, a in zip(tap, axes)))
 
     def group(g: int) -> tuple[slice, slice]:
         return slice(g * cg, (g + 1) * cg), slice(g * kg, (g + 1) * kg)
@@ -50,29 +56,32 @@ def reference(problem: ConvProblem, *, x: Any = None, w: Any = None, dy: Any = N
         x_pad = xp.pad(xp.asarray(x, dtype=xp.float64), pads)
         w64 = xp.asarray(w, dtype=xp.float64)
         y = xp.zeros(p.y_shape)
-        for r, s, window in taps():
+        for tap, window in taps():
             patch = x_pad[window]
             for g in range(groups):
                 cs, ks = group(g)
-                y[:, ks] += xp.einsum("nchw,kc->nkhw", patch[:, cs], w64[ks, :, r, s], optimize=True)
+                y[:, ks] += xp.einsum(f"nc{spatial},kc->nk{spatial}", patch[:, cs], w64[(ks, slice(None), *tap)],
+                                      optimize=True)
         return y
     if p.kind == "bwd_data":
         dy64, w64 = xp.asarray(dy, dtype=xp.float64), xp.asarray(w, dtype=xp.float64)
-        dx_pad = xp.zeros((p.n, p.c, p.h + 2 * p.pad_h, p.w + 2 * p.pad_w))
-        for r, s, window in taps():
+        dx_pad = xp.zeros((p.n, p.c, *(a.size + 2 * a.pad for a in axes)))
+        for tap, window in taps():
             view = dx_pad[window]  # a strided view: the += lands in dx_pad
             for g in range(groups):
                 cs, ks = group(g)
-                view[:, cs] += xp.einsum("nkhw,kc->nchw", dy64[:, ks], w64[ks, :, r, s], optimize=True)
-        return dx_pad[:, :, p.pad_h:p.pad_h + p.h, p.pad_w:p.pad_w + p.w]
+                view[:, cs] += xp.einsum(f"nk{spatial},kc->nc{spatial}", dy64[:, ks], w64[(ks, slice(None), *tap)],
+                                         optimize=True)
+        return dx_pad[(slice(None), slice(None), *(slice(a.pad, a.pad + a.size) for a in axes))]
     x_pad = xp.pad(xp.asarray(x, dtype=xp.float64), pads)
     dy64 = xp.asarray(dy, dtype=xp.float64)
     dw = xp.zeros(p.w_shape)
-    for r, s, window in taps():
+    summed = [0, *range(2, 2 + len(axes))]
+    for tap, window in taps():
         patch = x_pad[window]
         for g in range(groups):
             cs, ks = group(g)
-            dw[ks, :, r, s] = xp.tensordot(dy64[:, ks], patch[:, cs], axes=([0, 2, 3], [0, 2, 3]))
+            dw[(ks, slice(None), *tap)] = xp.tensordot(dy64[:, ks], patch[:, cs], axes=(summed, summed))
     return dw
 
 

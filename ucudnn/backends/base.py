@@ -36,12 +36,14 @@ VERIFY_CAP = 0.25
 
 
 def reduction_length(problem: ConvProblem) -> int:
-    """How many products each output element sums."""
-    if problem.kind == "fwd":
-        return problem.c // problem.groups * problem.r * problem.s
-    if problem.kind == "bwd_data":
-        return problem.k // problem.groups * problem.r * problem.s
-    return problem.n * problem.out_h * problem.out_w
+    """How many products each output element sums (of the convolution that computes a transposed one)."""
+    p = problem.lowered()
+    taps = math.prod(a.filter for a in p.axes)
+    if p.kind == "fwd":
+        return p.c // p.groups * taps
+    if p.kind == "bwd_data":
+        return p.k // p.groups * taps
+    return p.n * math.prod(a.out for a in p.axes)
 
 
 def verification_tolerance(problem: ConvProblem, *, tf32: bool = False) -> float:
@@ -86,7 +88,12 @@ def summarize_samples(samples_ms: Sequence[float]) -> tuple[float, float]:
 
 
 class Backend(abc.ABC):
-    """A convolution library. Arrays are NCHW and contiguous (NumPy on the CPU, CuPy on a GPU)."""
+    """A convolution library. Arrays are NCHW (NCDHW in 3-D) and contiguous (NumPy on the CPU, CuPy
+    on a GPU), in the shapes of the problem (`ConvProblem.x_shape`, `w_shape`, `y_shape`, any form).
+
+    A backend that cannot run a form (a dtype, a layout, an algorithm without a 3-D version) says
+    so in `unsupported_reason`; `measure` records that reason, the selftest skips with it, and
+    `ucudnn bench` lists it."""
 
     name: str
     warmup_runs = 1  # untimed runs before the timed ones (caches, lazy compilation); the first is verified

@@ -47,6 +47,30 @@ def _shape4(name: str, array_or_shape: Any) -> tuple[int, int, int, int]:
                        f"{getattr(array_or_shape, 'shape', array_or_shape)!r}")
 
 
+def _shape_nd(name: str, array_or_shape: Any) -> tuple[int, ...]:
+    """The shape of a 3-D, 4-D or 5-D array (1, 2 or 3 spatial axes), or such a shape, as ints."""
+    shape = getattr(array_or_shape, "shape", array_or_shape)
+    try:
+        shape = tuple(operator.index(v) for v in shape if not isinstance(v, bool))
+        if len(shape) in (3, 4, 5):
+            return shape
+    except TypeError:
+        pass
+    raise InvalidInput(f"{name} must be a 3-D, 4-D or 5-D array or shape (batch, channels, 1 to 3 spatial axes), "
+                       f"got {getattr(array_or_shape, 'shape', array_or_shape)!r}")
+
+
+def _per_axis(value: Any, axes: int) -> Any:
+    """An int or a sequence as a tuple of one value per axis (hashable); anything else as it is,
+    for the problem to refuse with its field named."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return (value,) * axes
+    try:
+        return tuple(value)
+    except TypeError:
+        return value
+
+
 _DTYPE_NAMES: dict[Any, str] = {}
 
 

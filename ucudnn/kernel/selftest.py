@@ -1,6 +1,7 @@
 """The correctness suite behind `ucudnn selftest`.
 
-For a handful of small problems (padding, stride, dilation, groups, non-square filters) and for
+For a handful of small problems (padding, stride, dilation, groups, non-square filters; 1-D, 3-D and
+transposed convolutions) and for
 every kind and every algorithm a backend offers, each check runs the algorithm
 
 1. undivided, compared with the float64 reference (`ucudnn.reference`);
@@ -44,6 +45,10 @@ DEFAULT_PROBLEMS: tuple[str, ...] = (
     "n=2,c=3,h=9,w=9,k=4,r=3,s=3,pad=2,dilation=2",                          # dilation
     "n=3,c=6,h=6,w=6,k=4,r=3,s=3,pad=1,groups=2",                            # groups
     "n=2,c=4,h=8,w=7,k=5,r=5,s=3,pad_h=2,pad_w=0,stride_h=1,stride_w=2",     # non-square filter, per-axis pad/stride
+    "n=3,c=4,h=1,w=13,k=6,r=1,s=5,pad_w=2,stride_w=2",                       # 1-D: a 2-D layer of height 1
+    "n=2,c=4,d=5,h=6,w=5,k=4,t=3,r=3,s=3,pad=1,stride_d=2",                  # 3-D
+    "n=3,c=4,h=5,w=4,k=6,r=3,s=3,pad=1,stride=2,transposed=1,output_padding=1,groups=2",  # transposed
+    "n=2,c=4,d=3,h=4,w=3,k=4,t=2,r=2,s=2,stride=2,transposed=1",             # transposed 3-D (U-Net up-conv)
 )
 
 # Normwise relative error allowed per io dtype. float32 allows for TF32 tensor cores and

@@ -60,6 +60,9 @@ class KernelPlan:
     baseline_rule: str = BASELINE_FASTEST  # how the baseline was chosen (see choose_baseline)
     # The speedup rests on a time that still looks like an outlier (looks_like_outlier), re-measured or not.
     doubtful: bool = False
+    # Algorithms the backend cannot run for this kernel at all, with its reason (`Backend.unsupported_reason`:
+    # a dtype or layout it lacks, an algorithm without a 3-D form): (algo, reason), never measured.
+    unsupported: tuple[tuple[str, str], ...] = ()
 
     @property
     def speedup(self) -> float:
@@ -168,6 +171,7 @@ class Report:
                 "doubtful": k.doubtful,
                 "batch": k.problem.n,
                 "excluded": [{"algo": m.algo, "batch": m.batch, "reason": m.reason} for m in k.excluded],
+                "unsupported": [{"algo": algo, "reason": reason} for algo, reason in k.unsupported],
             } for k in self.kernels],
             "total": {"baseline_ms": finite(self.baseline_ms), "time_ms": self.time_ms,
                       "speedup": finite(self.baseline_ms / self.time_ms), "workspace": self.workspace,
@@ -183,6 +187,7 @@ class Report:
                                   "over 2x slower per sample than at a smaller size) after re-measuring"},
             "warnings": {"noisy_timings": len(self.noisy),
                          "wrong_results": sum(len(k.excluded) for k in self.kernels),
+                         "unsupported": sum(len(k.unsupported) for k in self.kernels),
                          "noisy_measured_now": self.noisy_now, "advice": self.noise_text},
             "noisy": [{"layer": k.layer, "kind": k.problem.kind, "problem": k.problem.spec, "algo": m.algo,
                        "batch": m.batch, "time_ms": m.time, "spread_ms": m.spread} for k, m in self.noisy],
@@ -290,12 +295,14 @@ def optimize(backend: Backend, kernels: Sequence[tuple[str, ConvProblem]], *, po
     else:
         baselines, configs, fronts = solve()
 
+    unsupported = {tk: _unsupported(backend, problem_of[tk], table) for tk, table in tables.items()}
     plans = []
     for (name, p), config in zip(kernels, configs, strict=True):
         base, rule = baselines[p.key, p.n]
         excluded, noisy = _findings(tables[p.key, p.n])
         doubtful = any(looks_like_outlier(m, tables[p.key, p.n]) for m in ((base,) if base else ()) + config.micros)
-        plans.append(KernelPlan(name, p, base, config, excluded, noisy, baseline_rule=rule, doubtful=doubtful))
+        plans.append(KernelPlan(name, p, base, config, excluded, noisy, baseline_rule=rule, doubtful=doubtful,
+                                unsupported=unsupported[p.key, p.n]))
     return Report(device=backend.device.model, backend=backend.name, policy=policy_name(policy), mode=mode,
                   workspace_limit=workspace_limit, total_workspace=total_workspace,
                   batch=batch if len(batches) == 1 else None,
@@ -349,6 +356,21 @@ def _findings(table: Mapping[int, Sequence[MicroConfig]]) -> tuple[tuple[MicroCo
     micros = [m for row in table.values() for m in row]
     return (tuple(m for m in micros if m.reason.startswith("wrong result")),
             tuple(m for m in micros if m.usable and is_noisy(m.time, m.spread)))
+
+
+def _unsupported(backend: Backend, problem: ConvProblem,
+                 table: Mapping[int, Sequence[MicroConfig]]) -> tuple[tuple[str, str], ...]:
+    """The algorithms of a kernel's table that the backend cannot run at the undivided batch, with
+    its reason. Only those that ran at no size are asked (the rest can run), so a cached table costs
+    a question per algorithm that never ran, none per one that did."""
+    never_ran = [m.algo for m in table.get(problem.n, []) if not any(
+        x.usable or x.reason.startswith("needs ") for row in table.values() for x in row if x.algo == m.algo)]
+    found = []
+    for algo in never_ran:
+        reason = backend.unsupported_reason(problem, algo)
+        if reason is not None:
+            found.append((algo, reason))
+    return tuple(found)
 
 
 def _solve_wd(kernels, fronts, total_workspace: int) -> list[Configuration]:

@@ -31,6 +31,17 @@ they change the shapes between convolutions, and those changes are applied here.
   3a..5b, each with its 1x1, 3x3 reduce, 3x3, 5x5 reduce, 5x5 and pool-proj convolutions at
   the table's channel counts. Max-pools round up (Caffe's ``bvlc_googlenet``), which gives the
   table's 56, 28, 14 and 7. The two auxiliary classifiers (training only) are left out.
+- ``unet3d``: Çiçek, Abdulkadir, Lienkamp, Brox and Ronneberger, "3D U-Net: Learning Dense
+  Volumetric Segmentation from Sparse Annotation", MICCAI 2016, Fig. 1 and Sec. 2: a 132x132x116
+  voxel tile with 3 channels; in the analysis path each of four levels has two unpadded 3x3x3
+  convolutions (3 -> 32 -> 64, 64 -> 64 -> 128, 128 -> 128 -> 256, 256 -> 256 -> 512: channels
+  doubled before each max-pool) and a 2x2x2 max-pool of stride 2; in the synthesis path each of
+  three levels has a 2x2x2 up-convolution of stride 2 (a transposed convolution keeping the
+  channels, 512, 256, 128), the concatenation with the analysis path's cropped maps of that level
+  (768, 384, 192 channels) and two unpadded 3x3x3 convolutions (to 256, 128, 64); a final 1x1x1
+  convolution to the 3 labels writes 44x44x28. Spatial axes are (d, h, w) = (z, y, x): 116, 132,
+  132 in, 28, 44, 44 out, as the paper's "44 x 44 x 28 voxels in x, y and z". The paper states no
+  batch size; the default is one tile (`--batch` sets more).
 - ``deepbench``: Baidu DeepBench, ``code/kernels/conv_problems.h``, the full ``training_set``
   (94 problems, some repeated). These are independent problems, not a network: each keeps
   DeepBench's own batch size unless a batch is given.
@@ -39,7 +50,8 @@ Layer names: ``conv1``..``conv5`` (AlexNet); ``conv1_1``..``conv5_3`` (VGG);
 ``conv1``, ``layer1.0.conv1``, ``layer2.0.downsample`` (ResNets, block indices from 0);
 ``conv1``, ``conv2.3x3_reduce``, ``conv2.3x3``, ``inception3a.1x1``, ``inception3a.pool_proj``
 (GoogLeNet); ``conv0``, ``dense1.0``..``dense1.11``, ``trans1`` (DenseNet, layer indices from 0);
-``deepbench.0``..``deepbench.93``.
+``down1.conv1``..``down4.conv2``, ``up3.upconv``, ``up3.conv1``..``up1.conv2``, ``final`` (3-D U-Net,
+levels numbered as the paper's from the top); ``deepbench.0``..``deepbench.93``.
 
 When no batch is given, a network uses the mini-batch its source trains with
 (`DEFAULT_BATCH`); DeepBench problems use their own.
@@ -74,6 +86,7 @@ NETWORKS: dict[str, str] = {
     "resnet152": "ResNet-152 (He 2016), bottlenecks [3,8,36,3], stride on the first 1x1, 224x224",
     "densenet40": "DenseNet-40 (Huang 2017), CIFAR 32x32, 3x12 3x3 layers, growth 40, no compression",
     "googlenet": "GoogLeNet / Inception v1 (Szegedy 2015), 3 stem convs + 9 inception blocks, 224x224",
+    "unet3d": "3-D U-Net (Cicek 2016), 132x132x116 tile, 3x3x3 convs, 2x2x2 up-convolutions, 3-D",
     "deepbench": "Baidu DeepBench conv training set, 94 independent problems with their own batch",
 }
 
@@ -86,6 +99,7 @@ DEFAULT_BATCH: dict[str, int | None] = {
     "resnet152": 256,
     "densenet40": 64,  # Huang et al. 2017, section 4.2
     "googlenet": 32,   # the paper states none; Caffe's bvlc_googlenet train_val.prototxt uses 32
+    "unet3d": 1,       # the paper states none; one 132x132x116 tile
     "deepbench": None,
 }
 
@@ -226,6 +240,41 @@ def _googlenet(n: int) -> list[Layer]:
     return out
 
 
+# Çiçek et al. 2016, Fig. 1: the analysis path's channels per level (first conv, second conv).
+_UNET3D_DOWN = ((32, 64), (64, 128), (128, 256), (256, 512))
+_UNET3D_TILE = (116, 132, 132)  # (z, y, x) voxels
+_UNET3D_LABELS = 3
+
+
+def _unet3d(n: int) -> list[Layer]:
+    def conv(name: str, c: int, dhw: tuple[int, int, int], k: int, size: int) -> Layer:
+        d, h, w = dhw
+        return Layer(name, ConvProblem(n=n, c=c, d=d, h=h, w=w, k=k, t=size, r=size, s=size))
+
+    out: list[Layer] = []
+    c, dhw = 3, _UNET3D_TILE
+    skips = []
+    for level, (k1, k2) in enumerate(_UNET3D_DOWN, start=1):
+        first = conv(f"down{level}.conv1", c, dhw, k1, 3)                       # unpadded: -2 per axis
+        second = conv(f"down{level}.conv2", k1, first.problem.y_shape[2:], k2, 3)
+        out += [first, second]
+        c, dhw = k2, second.problem.y_shape[2:]
+        skips.append((c, dhw))
+        dhw = tuple(_pooled(size, 2, 2) for size in dhw)                      # 2x2x2 max-pool, stride 2
+    dhw = skips.pop()[1]                                                       # the bottom level is not pooled
+    for level in (3, 2, 1):
+        d, h, w = dhw
+        up = Layer(f"up{level}.upconv", ConvProblem(n=n, c=c, d=d, h=h, w=w, k=c, t=2, r=2, s=2, stride_d=2,
+                                                   stride_h=2, stride_w=2, transposed=True))
+        skip_c, _ = skips.pop()                                                # cropped to the up-convolution's size
+        first = conv(f"up{level}.conv1", c + skip_c, up.problem.y_shape[2:], skip_c, 3)
+        second = conv(f"up{level}.conv2", skip_c, first.problem.y_shape[2:], skip_c, 3)
+        out += [up, first, second]
+        c, dhw = skip_c, second.problem.y_shape[2:]
+    out.append(conv("final", c, dhw, _UNET3D_LABELS, 1))                      # -> 28x44x44x3
+    return out
+
+
 # Baidu DeepBench, code/kernels/conv_problems.h, `training_set`, in its order and field order:
 # (w, h, c, n, k, filter_w (s), filter_h (r), pad_w, pad_h, stride_w, stride_h).
 _DEEPBENCH_TRAINING: tuple[tuple[int, int, int, int, int, int, int, int, int, int, int], ...] = (
@@ -342,6 +391,7 @@ _BUILDERS: dict[str, Callable[[int], list[Layer]]] = {
     "resnet152": lambda n: _resnet_bottleneck(n, (3, 8, 36, 3)),
     "densenet40": _densenet40,
     "googlenet": _googlenet,
+    "unet3d": _unet3d,
 }
 
 

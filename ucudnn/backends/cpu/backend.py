@@ -160,7 +160,7 @@ class CpuBackend(Backend):
         if problem.layout != "NCHW":
             return f"the cpu backend runs NCHW tensors only, not {problem.layout}"
         if algo == WINOGRAD:
-            return _winograd_reason(problem)
+            return _winograd_reason(problem.lowered())
         if algo == NATIVE and _torch_version() is None:
             return "native needs PyTorch, which is not installed here"
         return None
@@ -172,12 +172,14 @@ class CpuBackend(Backend):
         if algo == NATIVE:
             # torch allocates its own temporaries and cannot use our buffer, so this is an estimate
             # of what it takes, not a carved size: the result tensor it returns plus the unfolded
-            # columns of its reference CPU path for the whole batch. Declaring 0 would make native
-            # look free under every limit and hide the memory it really uses.
+            # columns of its reference CPU path for the whole batch (of the convolution that a
+            # transposed one is the adjoint of). Declaring 0 would make native look free under
+            # every limit and hide the memory it really uses.
             itemsize = np.dtype(problem.dtype).itemsize
-            columns = problem.n * problem.c * problem.r * problem.s * problem.out_h * problem.out_w
+            conv = problem.lowered()
+            columns = conv.n * conv.c * math.prod(a.filter * a.out for a in conv.axes)
             return (math.prod(problem.out_shape) + columns) * itemsize
-        return _LAYOUTS[algo](problem).nbytes
+        return _LAYOUTS[algo](problem.lowered()).nbytes
 
     def empty_workspace(self, nbytes: int) -> np.ndarray:
         return np.empty(nbytes, np.uint8)
@@ -210,11 +212,14 @@ class CpuBackend(Backend):
             raise UnsupportedProblem(reason)
         if algo == NATIVE:
             return _native_launcher(problem)
-        carve, compute, threads = _LAYOUTS[algo](problem).carve, _RUNS[algo], self.numpy_threads
+        conv, swap = problem.lowered(), problem.transposed  # the NumPy families run convolutions only
+        carve, compute, threads = _LAYOUTS[algo](conv).carve, _RUNS[algo], self.numpy_threads
 
         def launch(x, w, dy, out, workspace, alpha, beta):
+            if swap:
+                x, dy = dy, x
             with _numpy_threads(threads):
-                compute(problem, carve(workspace), x, w, dy, out, alpha, beta)
+                compute(conv, carve(workspace), x, w, dy, out, alpha, beta)
         return launch
 
     def run(self, problem: ConvProblem, algo: str, *, x: Any = None, w: Any = None, dy: Any = None,
@@ -236,14 +241,17 @@ class CpuBackend(Backend):
                 raise InvalidInput(f"operand {name!r} must be {dtype} with shape {shape}, "
                                    f"got {array.dtype} with shape {array.shape}")
             if not array.flags.c_contiguous:
-                raise InvalidInput(f"operand {name!r} must be C-contiguous (NCHW)")
+                raise InvalidInput(f"operand {name!r} must be C-contiguous (NCHW, or NCDHW in 3-D)")
         if not out.flags.writeable:
             raise InvalidInput("operand 'out' must be writeable")
         alpha, beta = float(alpha), float(beta)
         if algo == NATIVE:
             _native_launcher(problem)(x, w, dy, out, workspace, alpha, beta)
             return
-        layout = _LAYOUTS[algo](problem)
+        conv = problem.lowered()  # a transposed problem: its convolution, x and dy swapped (ConvProblem.lowered)
+        if problem.transposed:
+            x, dy = dy, x
+        layout = _LAYOUTS[algo](conv)
         if not (isinstance(workspace, np.ndarray) and workspace.dtype == np.uint8 and workspace.ndim == 1):
             raise InvalidInput("workspace must be a 1-D NumPy uint8 array (see empty_workspace)")
         if workspace.nbytes < layout.nbytes:
@@ -252,4 +260,4 @@ class CpuBackend(Backend):
         if layout.nbytes and not workspace.flags.c_contiguous:
             raise InvalidInput("workspace must be contiguous")
         with _numpy_threads(self.numpy_threads):
-            _RUNS[algo](problem, layout.carve(workspace), x, w, dy, out, alpha, beta)
+            _RUNS[algo](conv, layout.carve(workspace), x, w, dy, out, alpha, beta)

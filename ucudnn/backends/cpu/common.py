@@ -1,9 +1,15 @@
 """The element moves every CPU family shares: reading an image through padding, stride and dilation,
-adding back into one, and the alpha/beta blend into the caller's output."""
+adding back into one (over any number of spatial axes), and the alpha/beta blend into the caller's
+output. The families run ordinary convolutions only: a transposed problem reaches them lowered
+(`ConvProblem.lowered`), with x and dy swapped by the backend."""
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
+
+from ucudnn.problem import ConvProblem
 
 
 def _valid(count: int, length: int, step: int, offset: int) -> tuple[int, int, int]:
@@ -15,33 +21,64 @@ def _valid(count: int, length: int, step: int, offset: int) -> tuple[int, int, i
     return lo, hi, offset + lo * step
 
 
-def _gather(dst: np.ndarray, src: np.ndarray, rows: tuple[int, int], cols: tuple[int, int]) -> None:
+_ALL = slice(None)
+
+
+def _ranges(dst_shape: tuple[int, ...], src_shape: tuple[int, ...], moves: tuple[tuple[int, int], ...],
+            images_are_src: bool) -> list[tuple[int, int, int, int]] | None:
+    """(lo, hi, first, step) per trailing axis: the indices of the moved array that land inside the
+    image, the first image index they read, and the step; None when none does on some axis."""
+    moved, image = (dst_shape, src_shape) if images_are_src else (src_shape, dst_shape)
+    ranges = []
+    for i, (step, offset) in enumerate(moves, start=-len(moves)):
+        lo, hi, first = _valid(moved[i], image[i], step, offset)
+        if lo == hi:
+            return None
+        ranges.append((lo, hi, first, step))
+    return ranges
+
+
+def _gather(dst: np.ndarray, src: np.ndarray, *moves: tuple[int, int]) -> None:
     """dst[..., p, q] = src[..., p * rows[0] + rows[1], q * cols[0] + cols[1]], zero outside src.
 
-    Only the border that falls outside `src` is zeroed, so each element of `dst` is written once.
+    One (step, offset) move per trailing axis, as many as the problem has spatial axes (rows and
+    columns in 2-D, depth first in 3-D). Only the border that falls outside `src` is zeroed, so each
+    element of `dst` is written once. (Called per filter tap and per sample: kept to few Python steps.)
     """
-    p_lo, p_hi, a = _valid(dst.shape[-2], src.shape[-2], *rows)
-    q_lo, q_hi, b = _valid(dst.shape[-1], src.shape[-1], *cols)
-    if p_lo == p_hi or q_lo == q_hi:
+    ranges = _ranges(dst.shape, src.shape, moves, True)
+    if ranges is None:
         dst[...] = 0
         return
-    dst[..., :p_lo, :] = 0
-    dst[..., p_hi:, :] = 0
-    dst[..., p_lo:p_hi, :q_lo] = 0
-    dst[..., p_lo:p_hi, q_hi:] = 0
-    np.copyto(dst[..., p_lo:p_hi, q_lo:q_hi],
-              src[..., a:a + (p_hi - p_lo - 1) * rows[0] + 1:rows[0],
-                  b:b + (q_hi - q_lo - 1) * cols[0] + 1:cols[0]])
+    count = len(moves)
+    inside: tuple = (Ellipsis,)
+    reads: tuple = (Ellipsis,)
+    for i, (lo, hi, first, step) in enumerate(ranges):  # axis i's border, inside the axes before it
+        rest = (_ALL,) * (count - i - 1)
+        if lo:
+            dst[inside + (slice(None, lo),) + rest] = 0
+        if hi < dst.shape[i - count]:
+            dst[inside + (slice(hi, None),) + rest] = 0
+        inside += (slice(lo, hi),)
+        reads += (slice(first, first + (hi - lo - 1) * step + 1, step),)
+    np.copyto(dst[inside], src[reads])
 
 
-def _scatter_add(dst: np.ndarray, src: np.ndarray, rows: tuple[int, int], cols: tuple[int, int]) -> None:
-    """dst[..., p * rows[0] + rows[1], q * cols[0] + cols[1]] += src[..., p, q] where inside dst."""
-    p_lo, p_hi, a = _valid(src.shape[-2], dst.shape[-2], *rows)
-    q_lo, q_hi, b = _valid(src.shape[-1], dst.shape[-1], *cols)
-    if p_lo == p_hi or q_lo == q_hi:
+def _scatter_add(dst: np.ndarray, src: np.ndarray, *moves: tuple[int, int]) -> None:
+    """dst[..., p * rows[0] + rows[1], q * cols[0] + cols[1]] += src[..., p, q] where inside dst
+    (one (step, offset) move per trailing axis, as `_gather`)."""
+    ranges = _ranges(dst.shape, src.shape, moves, False)
+    if ranges is None:
         return
-    target = dst[..., a:a + (p_hi - p_lo - 1) * rows[0] + 1:rows[0], b:b + (q_hi - q_lo - 1) * cols[0] + 1:cols[0]]
-    np.add(target, src[..., p_lo:p_hi, q_lo:q_hi], out=target)
+    target = dst[(Ellipsis, *(slice(first, first + (hi - lo - 1) * step + 1, step) for lo, hi, first, step in ranges))]
+    np.add(target, src[(Ellipsis, *(slice(lo, hi) for lo, hi, _, _ in ranges))], out=target)
+
+
+def _tap_moves(p: ConvProblem) -> list[tuple[tuple[int, ...], list[tuple[int, int]]]]:
+    """Every filter tap, as an index per spatial axis in the filter's memory order, with the
+    (stride, offset) per axis at which it reads the unpadded image."""
+    axes = p.axes
+    return [(tap, [(a.stride, m * a.dilation - a.pad) for m, a in zip(tap, axes)])
+            for tap in itertools.product(*(range(a.filter) for a in axes))]
 
 
 def _blend(out: np.ndarray, value: np.ndarray, alpha: float, beta: float) -> None:

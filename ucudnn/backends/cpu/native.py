@@ -1,5 +1,6 @@
-"""`native`: PyTorch's own convolution as a launcher, offered only when torch is installed. torch
-allocates its own temporaries, so it has no workspace layout."""
+"""`native`: PyTorch's own convolution as a launcher, offered only when torch is installed. It runs
+every form as PyTorch does (2-D and 3-D, plain and transposed; 1-D is PyTorch's own 2-D path of
+height 1). torch allocates its own temporaries, so it has no workspace layout."""
 
 from __future__ import annotations
 
@@ -23,29 +24,45 @@ def _torch_version() -> str | None:
         return None
 
 
+def _forward(torch, p: ConvProblem):
+    """The C++ entry point that F.conv2d, F.conv3d or F.conv_transpose2d/3d call for this form (each
+    reaches aten's convolution with its arguments already fixed)."""
+    dims = p.spatial_dims
+    if p.transposed:
+        transpose = torch.conv_transpose2d if dims == 2 else torch.conv_transpose3d
+        padding = [a.output_padding for a in p.axes]
+        return lambda x, w, stride, pad, dilation, groups: transpose(x, w, None, stride, pad, padding, groups,
+                                                                     dilation)
+    conv = torch.conv2d if dims == 2 else torch.conv3d
+    return lambda x, w, stride, pad, dilation, groups: conv(x, w, None, stride, pad, dilation, groups)
+
+
 def _native_launcher(p: ConvProblem):
-    """`native` as a launcher, its torch call fixed once: aten's convolution and
+    """`native` as a launcher, its torch call fixed once: the forward's C++ entry point and aten's
     convolution_backward directly (torch.nn.grad's wrappers re-derive their arguments per call),
     and the result copied into `out` by torch when no scaling is asked for. Operands from NumPy
     need no gradient, so no autograd graph is built."""
     import torch
 
-    stride, padding, dilation = [p.stride_h, p.stride_w], [p.pad_h, p.pad_w], [p.dilation_h, p.dilation_w]
+    axes = p.axes
+    stride, padding, dilation = [a.stride for a in axes], [a.pad for a in axes], [a.dilation for a in axes]
+    output_padding = [a.output_padding for a in axes]
     mask = [p.kind == "bwd_data", p.kind == "bwd_filter", False]
     backward = torch.ops.aten.convolution_backward
-    x_shape, w_shape = list(p.x_shape), list(p.w_shape)
+    forward = _forward(torch, p)
+    x_shape, w_shape, transposed = list(p.x_shape), list(p.w_shape), p.transposed
 
     def launch(x, w, dy, out, workspace, alpha, beta):
         if p.kind == "fwd":
-            result = torch.conv2d(torch.from_numpy(x), torch.from_numpy(w), None, stride, padding, dilation, p.groups)
+            result = forward(torch.from_numpy(x), torch.from_numpy(w), stride, padding, dilation, p.groups)
         elif p.kind == "bwd_data":
             tdy = torch.from_numpy(dy)
-            result = backward(tdy, _shaped(tdy, x_shape), torch.from_numpy(w), None, stride, padding, dilation, False,
-                              [0, 0], p.groups, mask)[0]
+            result = backward(tdy, _shaped(tdy, x_shape), torch.from_numpy(w), None, stride, padding, dilation,
+                              transposed, output_padding, p.groups, mask)[0]
         else:
             tdy = torch.from_numpy(dy)
-            result = backward(tdy, torch.from_numpy(x), _shaped(tdy, w_shape), None, stride, padding, dilation, False,
-                              [0, 0], p.groups, mask)[1]
+            result = backward(tdy, torch.from_numpy(x), _shaped(tdy, w_shape), None, stride, padding, dilation,
+                              transposed, output_padding, p.groups, mask)[1]
         if alpha == 1.0 and beta == 0.0:
             torch.from_numpy(out).copy_(result)
         else:

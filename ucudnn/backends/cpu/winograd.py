@@ -1,5 +1,6 @@
-"""`winograd`: F(2x2, 3x3) for 3x3, stride-1, undilated filters, all three kinds, with the reason it
-refuses other problems and its workspace layout beside it; workspace grows linearly with n."""
+"""`winograd`: F(2x2, 3x3) for 2-D 3x3, stride-1, undilated filters, all three kinds, with the reason
+it refuses other problems (3-D ones among them) and its workspace layout beside it; workspace grows
+linearly with n."""
 
 from __future__ import annotations
 
@@ -84,6 +85,8 @@ def _wino_output_transform(m: np.ndarray, s: np.ndarray, yq: np.ndarray, out: np
 
 
 def _winograd_reason(p: ConvProblem) -> str | None:
+    if p.spatial_dims != 2:
+        return f"winograd F(2x2,3x3) has no {p.spatial_dims}-D form (its tiles and transforms are 2-D)"
     if (p.r, p.s) != (3, 3):
         return f"winograd F(2x2,3x3) needs a 3x3 filter, got {p.r}x{p.s}"
     if (p.stride_h, p.stride_w) != (1, 1):
