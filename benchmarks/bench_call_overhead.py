@@ -74,8 +74,8 @@ def layer_calls_us(calls: int, rounds: int) -> dict[str, float]:
     except ImportError:  # an older checkout: no operators
         return out
     # the routed layer's kernels through ucudnn's torch.library operators, as a compiled graph calls them
-    conv = (layer_key(layer), [1, 1], [1, 1], [1, 1], 1, "NCHW", True, True)
-    out["layer operators"] = per_call_us(lambda: torch.ops.ucudnn.conv2d(x, layer.weight, *conv).backward(dy),
+    conv = (layer_key(layer), [1, 1], [1, 1], [1, 1], False, [0, 0], 1, "NCHW", True, True)
+    out["layer operators"] = per_call_us(lambda: torch.ops.ucudnn.convolution(x, layer.weight, *conv).backward(dy),
                                          calls, rounds)
     return out
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -34,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import table  # noqa: E402
+from common import alternating_medians_ms, table  # noqa: E402
 
 from ucudnn.handle import SEGMENT_ALIGN_BYTES  # noqa: E402
 from ucudnn.sizes import format_size, parse_size  # noqa: E402
@@ -117,19 +116,9 @@ def bench(name: str, args) -> list[dict]:
 
     peaks = {key: counted_peak(models[key], x, y, plans[key]) for key in steps if key.startswith("plan:")}
     peaks["torch"] = plain_peak
-    for _ in range(args.warmup):
-        for step in steps.values():
-            step()
-    samples = {key: [] for key in steps}
-    names = list(steps)
-    for rep in range(args.reps):
-        for key in (names if rep % 2 == 0 else names[::-1]):
-            begin = time.perf_counter()
-            steps[key]()
-            samples[key].append((time.perf_counter() - begin) * 1e3)
-    med = {key: statistics.median(v) for key, v in samples.items()}
+    med = alternating_medians_ms(steps, args.reps, args.warmup)
     rows = []
-    for key in names:
+    for key in steps:
         plan = plans.get(key)
         rows.append({"model": name, "batch": args.batch, "size": args.size, "contender": key,
                      "ms": round(med[key], 2), "ratio": round(med[key] / med["torch"], 3),

@@ -11,7 +11,9 @@ UNet, built from their configs. Variants, each at three budgets:
   authors do: each chosen module's forward under `torch.utils.checkpoint` with
   `create_selective_checkpoint_contexts`, saving the operations `get_optimal_checkpointing_policy_per_module`
   chooses. PyTorch's roofline models GPUs only (it asks for CUDA): here it is given this CPU's measured
-  matmul throughput and copy bandwidth (`ucudnn.torch.measure_profile`), the figures ucudnn's CPU profile has;
+  matmul throughput and copy bandwidth (`ucudnn.torch.measure_profile`), the figures ucudnn's CPU profile has.
+  Its policies never save an in-place op's output or a factory's (checkpoint refuses a cached tensor changed
+  later); a plan that selective checkpointing still refuses at its first step is named and left out;
 - ``compile(b)``: `torch.compile` with `torch._functorch.config.activation_memory_budget` = b (its min-cut
   partitioner under a knapsack budget) for b in 0.25, 0.5, 0.75;
 - ``plain``: everything resident; ``ucudnn:everything kept``: the plan with no limit (every map kept) under
@@ -23,6 +25,7 @@ as PyTorch's MemTracker does and also sees Inductor's own buffers) after warm-up
 than a point of ucudnn's frontier by more than 5%. Planning time: `plan_memory`; the estimators, the ILP and the
 per-module policies; the first (compiling) step less a plain step.
 
+    pip install '.[models,bench,plot]'
     OMP_NUM_THREADS=2 python benchmarks/bench_planners.py --rounds 5 --plot docs/planners.png --json planners.json
 """
 
@@ -30,8 +33,10 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import functools
 import json
+import logging
 import os
 import sys
 import time
@@ -41,6 +46,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_frontier import (MiB, SLACK, Variant, _fresh_forward, _hook_inductor_allocations,  # noqa: E402
                             _measure_peak, frontier)
 from common import minor_faults, table  # noqa: E402
+from models import build, loss  # noqa: E402
 
 import torch  # noqa: E402
 import torch._functorch.config  # noqa: E402
@@ -53,42 +59,13 @@ FRACTIONS = (0.25, 0.5, 0.75)  # of the way from ucudnn's smallest peak to keepi
 BUDGETS = (0.25, 0.5, 0.75)    # torch.compile's activation_memory_budget
 
 
-# ---- the models ---------------------------------------------------------------------------------------------
-def build(name: str, batch: int, size: int):
-    """(model, its input, labels, loss of the output and the labels)."""
-    import transformers
-    from monai.networks.nets import UNet
-
-    torch.manual_seed(0)
-    g = torch.Generator().manual_seed(1)
-    if name == "hf-resnet50":
-        model = transformers.ResNetForImageClassification(transformers.ResNetConfig(num_labels=10))
-    elif name == "hf-mobilenet-v2":
-        model = transformers.MobileNetV2ForImageClassification(transformers.MobileNetV2Config(num_labels=10,
-                                                                                              image_size=size))
-    elif name == "monai-unet":
-        model = UNet(spatial_dims=2, in_channels=1, out_channels=2, channels=(16, 32, 64, 128), strides=(2, 2, 2),
-                     num_res_units=2)
-    else:
-        raise SystemExit(f"unknown model {name!r}: hf-resnet50, hf-mobilenet-v2, monai-unet")
-    channels = 1 if name == "monai-unet" else 3
-    x = torch.randn(batch, channels, size, size, generator=g)
-    y = (torch.randint(0, 2, (batch, size, size), generator=g) if name == "monai-unet"
-         else torch.randint(0, 10, (batch,), generator=g))
-    return model, x, y
-
-
-def _loss(out, y):
-    return nn.functional.cross_entropy(out.logits if hasattr(out, "logits") else out, y)
-
-
 def _run_plain(m, x, y):
-    _loss(m(x), y).backward()
+    loss(m(x), y).backward()
 
 
 def _run_planned(m, x, y, plan):
     with execute_plan(m, plan):
-        _loss(m(x), y).backward()
+        loss(m(x), y).backward()
 
 
 # ---- PyTorch's SAC ILP ----------------------------------------------------------------------------------------
@@ -160,7 +137,11 @@ def _policy_fn(stats, save: list[int]):
         counts[(ctx.is_recompute, name)] = k + 1
         decisions = by_name.get(name, ())
         keep = decisions[k % len(decisions)] if decisions else 0  # per step: the count restarts each step
-        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+        # Checkpoint refuses a cached tensor that is changed later: an in-place op's output, or a factory's
+        # (torch.empty, filled in place afterwards); both are free to make again, so they are recomputed
+        factory = not any(isinstance(a, torch.Tensor) for a in args)
+        save = keep and not func._schema.is_mutable and not factory
+        return CheckpointPolicy.MUST_SAVE if save else CheckpointPolicy.PREFER_RECOMPUTE
 
     return policy
 
@@ -173,7 +154,10 @@ def apply_sac(model: nn.Module, decisions: dict[str, float], mod_stats, root: st
     chosen = sorted((fqn for fqn, discard in decisions.items() if discard > 0), key=len)
     outer = [f for f in chosen if not any(f.startswith(o + ".") for o in chosen if o != f)]  # no nesting
     for fqn in outer:
-        save = get_optimal_checkpointing_policy_per_module(mod_stats[fqn], memory_budget=1 - decisions[fqn])
+        # PuLP drops a variable whose coefficients are all 0 (an op of no time and no memory) and then gives it
+        # no value, on which PyTorch's knapsack fails (round(None)): every op gets a time of at least 1 ns
+        stats = dataclasses.replace(mod_stats[fqn], runtimes=[max(t, 1e-6) for t in mod_stats[fqn].runtimes])
+        save = get_optimal_checkpointing_policy_per_module(stats, memory_budget=1 - decisions[fqn])
         module = model.get_submodule(fqn[len(root) + 1:]) if fqn != root else model
         forward = module.forward
         context = functools.partial(create_selective_checkpoint_contexts, _policy_fn(mod_stats[fqn], save))
@@ -183,17 +167,18 @@ def apply_sac(model: nn.Module, decisions: dict[str, float], mod_stats, root: st
 
 # ---- the variants --------------------------------------------------------------------------------------------
 def ucudnn_variants(base, x, y, args, timings):
-    def loss(out):
-        return _loss(out, y)
+    def labelled_loss(out):
+        return loss(out, y)
 
     out, limits = [], {}
     for policy in args.policies:
         model = copy.deepcopy(base)
         start = time.perf_counter()
-        everything = plan_memory(model, x, memory_limit=2**62, policy=policy, loss=loss)
+        everything = plan_memory(model, x, memory_limit=2**62, policy=policy, loss=labelled_loss)
         timings[f"ucudnn {policy}: the first plan (capture, timed steps, kernels from the cache)"] = \
             time.perf_counter() - start
-        ends = [everything.peak_bytes, plan_memory(model, x, memory_limit=1, policy=policy, loss=loss).peak_bytes]
+        smallest = plan_memory(model, x, memory_limit=1, policy=policy, loss=labelled_loss)
+        ends = [everything.peak_bytes, smallest.peak_bytes]
         if policy == args.policies[0]:  # what executing a plan that acts on nothing costs over the plain step
             kept = all(t.action in ("keep", "release") for t in everything.tensors)
             out.append(Variant("ucudnn:everything kept", "ucudnn everything kept", copy.deepcopy(model),
@@ -202,7 +187,7 @@ def ucudnn_variants(base, x, y, args, timings):
         limits[policy] = [int(ends[1] + f * (ends[0] - ends[1])) for f in FRACTIONS]
         for limit in limits[policy]:
             start = time.perf_counter()
-            plan = plan_memory(model, x, memory_limit=limit, policy=policy, loss=loss)
+            plan = plan_memory(model, x, memory_limit=limit, policy=policy, loss=labelled_loss)
             timings[f"ucudnn {policy}@{limit / MiB:.1f}MiB"] = time.perf_counter() - start
 
             out.append(Variant(f"ucudnn:{policy}@{limit / MiB:.1f}MiB", f"ucudnn {policy}", copy.deepcopy(model),
@@ -210,7 +195,7 @@ def ucudnn_variants(base, x, y, args, timings):
     return out, limits
 
 
-def sac_variants(name, base, limits, args, timings):
+def sac_variants(name, base, x, y, limits, args, timings):
     from torch.distributed._tools.sac_ilp import sac_milp
 
     start = time.perf_counter()
@@ -226,6 +211,14 @@ def sac_variants(name, base, limits, args, timings):
         if peak < 0:
             print(f"[{name}] sac_milp found no plan within {limit / MiB:.0f} MiB", file=sys.stderr)
             continue
+        try:
+            _run_plain(model, x, y)
+        except RuntimeError as exc:  # e.g. a saved output that the model then changes in place (`h += residual`)
+            print(f"[{name}] PyTorch's selective checkpointing refused sac_milp's plan at {limit / MiB:.0f} MiB "
+                  f"({modules} modules): {str(exc).splitlines()[0]}", file=sys.stderr)
+            continue
+        finally:
+            model.zero_grad(set_to_none=True)
         out.append(Variant(f"sac@{limit / MiB:.1f}MiB ({modules} modules)", "PyTorch sac_milp", model, _run_plain))
     return out
 
@@ -241,10 +234,10 @@ def compile_variants(base, x, y, timings):
                 state["first"] = False
                 start = time.perf_counter()
                 with torch._functorch.config.patch(activation_memory_budget=b):
-                    _loss(compiled(x), y).backward()
+                    loss(compiled(x), y).backward()
                 timings[f"compile({b:g}): first step"] = time.perf_counter() - start
                 return
-            _loss(compiled(x), y).backward()
+            loss(compiled(x), y).backward()
 
         out.append(Variant(f"compile({b:g})", "torch.compile", model, run))
     return out
@@ -257,7 +250,7 @@ def run_model(name: str, args) -> dict:
     print(f"[{name}] ucudnn plans", file=sys.stderr)
     ours, limits = ucudnn_variants(base, x, y, args, timings)
     print(f"[{name}] PyTorch's SAC ILP", file=sys.stderr)
-    sac = sac_variants(name, base, limits[args.policies[0]], args, timings)
+    sac = sac_variants(name, base, x, y, limits[args.policies[0]], args, timings)
     variants = [plain, *ours, *sac, *compile_variants(base, x, y, timings)]
     print(f"[{name}] peaks of {len(variants)} variants", file=sys.stderr)
     for v in variants:
@@ -326,6 +319,9 @@ def main() -> None:
     args = ap.parse_args()
     args.policies = args.policies.split(",")
     _hook_inductor_allocations()
+    # sac_ilp logs each module where its two estimators disagree and each infeasible budget; what this benchmark
+    # needs of that (a budget with no plan) it prints itself
+    logging.getLogger("torch.distributed._tools.sac_ilp").setLevel(logging.CRITICAL)
     torch._functorch.config.enable_autograd_cache = False  # every budget compiles its own graphs
     torch._inductor.config.fx_graph_cache = False
     results = [run_model(m, args) for m in args.models.split(",")]

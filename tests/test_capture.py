@@ -206,7 +206,7 @@ def test_a_converted_model_runs_on_fake_tensors_and_its_convolutions_are_ucudnns
     assert not any(conv._routes for conv in model.modules() if hasattr(conv, "_routes"))  # nothing planned
     step = capture(model, torch.randn(4, 3, 64, 64))
     convs = [op for op in step.ops if op.name.endswith(":conv")]
-    assert convs and all(op.func is torch.ops.ucudnn.conv2d.default for op in convs)
+    assert convs and all(op.func is torch.ops.ucudnn.convolution.default for op in convs)
     plain = capture(build("resnet18", num_classes=10), torch.randn(4, 3, 64, 64))
     assert [op.conv for op in step.graph.conv_ops] == [op.conv for op in plain.graph.conv_ops]
 

@@ -98,7 +98,8 @@ def test_converted_planned_and_executed_trains_like_plain_pytorch(trained, name,
     elif name in RECOMPUTING:
         assert peaks[1] < peaks[0] and any(t.action == "recompute" for t in plan.tensors)
     else:  # the peak is the weights and their gradients at the backward pass's end: few feature maps to drop
-        assert peaks[1] > 0.95 * peaks[0] and 2 * plan.capture.graph.weight_bytes > 0.9 * peaks[0]
+        # (the no-limit peak adds the fastest kernels' workspaces, which vary with the measured times)
+        assert peaks[1] <= peaks[0] and 2 * plan.capture.graph.weight_bytes > 0.9 * peaks[1]
     _assert_same(reference, _train(model, size, plan))
 
 

@@ -344,9 +344,10 @@ def test_convert_options():
     assert type(single) is Conv2d and single.layer == "conv"
 
     class Custom(nn.Conv2d):
-        pass
+        def forward(self, input):
+            return super().forward(input) * 2
 
-    with pytest.warns(UserWarning, match="left unchanged"):
+    with pytest.warns(UserWarning, match=r"left 1 convolution\(s\) to PyTorch: 0 \(.*Custom: overrides forward\)"):
         wrapped = convert(nn.Sequential(Custom(3, 4, 3)), handle=handle)
     assert type(wrapped[0]) is Custom
     with pytest.raises(InvalidInput, match="no ucudnn"):
@@ -366,7 +367,7 @@ def test_a_cuda_input_on_another_device_than_the_cudnn_backend_is_refused_before
     ours.handle = SimpleNamespace(backend=SimpleNamespace(name="cudnn", device_id=0))  # a cudnn handle on cuda:0
     x = SimpleNamespace(device=torch.device("cuda", 1), dtype=torch.float32, shape=(2, 3, 5, 5))
     with pytest.raises(InvalidInput, match=r"input is on cuda:1.*runs on cuda:0.*set_device\(1\)"):
-        ours._route(x, ours.weight, (0, 0), "NCHW", True, True)
+        ours._route(x, ours.weight, ours._geometry((0, 0)), "NCHW", True, True)
 
 
 def test_planning_inside_cuda_graph_capture_is_refused_before_anything_is_measured(monkeypatch):
@@ -379,7 +380,7 @@ def test_planning_inside_cuda_graph_capture_is_refused_before_anything_is_measur
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     x = SimpleNamespace(device=torch.device("cuda", 0), dtype=torch.float32, shape=(2, 3, 5, 5))
     with pytest.raises(UnsupportedProblem, match=r"inside CUDA graph capture.*warm-up"):
-        ours._route(x, ours.weight, (0, 0), "NCHW", True, True)
+        ours._route(x, ours.weight, ours._geometry((0, 0)), "NCHW", True, True)
     assert registered == []
 
 

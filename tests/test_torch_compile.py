@@ -204,7 +204,7 @@ def test_no_graph_break_at_a_converted_convolution(model):
     assert explanation.graph_count == 1
     (graph,) = explanation.graphs
     convs = sum(isinstance(m, Conv2d) for m in converted.modules())
-    traced = [n for n in graph.graph.nodes if n.target is torch.ops.ucudnn.conv2d.default]
+    traced = [n for n in graph.graph.nodes if n.target is torch.ops.ucudnn.convolution.default]
     assert len(traced) == convs
 
 
@@ -301,7 +301,7 @@ def test_export_gives_ucudnn_operator_nodes_that_run_and_equal_eager():
     program = torch.export.export(ours, (x,))
     nodes = [n for n in program.graph.nodes if n.op == "call_function"]
     convs = sum(isinstance(m, Conv2d) for m in ours.modules())
-    assert sum(n.target is torch.ops.ucudnn.conv2d.default for n in nodes) == convs
+    assert sum(n.target is torch.ops.ucudnn.convolution.default for n in nodes) == convs
     assert not any(n.target is torch.ops.aten.conv2d.default or n.target is torch.ops.aten.convolution.default
                    for n in nodes)
     with torch.no_grad():
@@ -314,23 +314,23 @@ def test_export_gives_ucudnn_operator_nodes_that_run_and_equal_eager():
 def test_fake_implementations_give_shapes_and_strides_without_planning():
     ours = convert(nn.Conv2d(6, 8, (3, 5), stride=(2, 1), padding=(1, 2), dilation=(1, 2), groups=2), **NUMPY)
     key = ops.layer_key(ours)
-    conv = dict(stride=[2, 1], padding=[1, 2], dilation=[1, 2], groups=2)
+    conv = dict(stride=[2, 1], padding=[1, 2], dilation=[1, 2], transposed=False, output_padding=[0, 0], groups=2)
     with FakeTensorMode():
         x, w = torch.empty(5, 6, 11, 13), torch.empty(8, 3, 3, 5)
-        y = torch.ops.ucudnn.conv2d(x, w, key, **conv, layout="NCHW", need_dx=True, need_dw=True)
+        y = torch.ops.ucudnn.convolution(x, w, key, **conv, layout="NCHW", need_dx=True, need_dw=True)
         assert isinstance(y, FakeTensor)
         assert y.shape == (5, 8, 6, 9) and y.is_contiguous()
-        dx = torch.ops.ucudnn.conv2d_backward_data(y, w, key, [5, 6, 11, 13], **conv, layout="NCHW", need_dw=True)
+        dx = torch.ops.ucudnn.convolution_backward_data(y, w, key, [5, 6, 11, 13], **conv, layout="NCHW", need_dw=True)
         assert dx.shape == x.shape and dx.is_contiguous()
-        dw = torch.ops.ucudnn.conv2d_backward_filter(x, y, w, key, **conv, layout="NCHW", need_dx=True)
+        dw = torch.ops.ucudnn.convolution_backward_filter(x, y, w, key, **conv, layout="NCHW", need_dx=True)
         assert dw.shape == w.shape
-        nhwc = torch.ops.ucudnn.conv2d(x, w, key, **conv, layout="NHWC", need_dx=False, need_dw=False)
+        nhwc = torch.ops.ucudnn.convolution(x, w, key, **conv, layout="NHWC", need_dx=False, need_dw=False)
         assert nhwc.shape == (5, 8, 6, 9) and nhwc.is_contiguous(memory_format=torch.channels_last)
         with pytest.raises(RuntimeError, match="channels"):
-            torch.ops.ucudnn.conv2d(torch.empty(5, 4, 11, 13), w, key, **conv, layout="NCHW", need_dx=False,
+            torch.ops.ucudnn.convolution(torch.empty(5, 4, 11, 13), w, key, **conv, layout="NCHW", need_dx=False,
                                     need_dw=False)
         with pytest.raises(RuntimeError, match="smaller than the dilated filter"):
-            torch.ops.ucudnn.conv2d(torch.empty(5, 6, 11, 1), w, key, **conv, layout="NCHW", need_dx=False,
+            torch.ops.ucudnn.convolution(torch.empty(5, 6, 11, 1), w, key, **conv, layout="NCHW", need_dx=False,
                                     need_dw=False)
     assert not ours._routes and not ours.handle.choices()  # nothing was planned or measured
 
@@ -339,15 +339,15 @@ def _samples(layer: Conv2d, seed: int):
     x = _rand(2, 4, 7, 6, seed=seed, requires_grad=True)
     w = layer.weight.detach().clone().requires_grad_()
     conv = dict(stride=list(layer.stride), padding=list(layer.padding), dilation=list(layer.dilation),
-                groups=layer.groups, layout="NCHW")
+                transposed=False, output_padding=[0, 0], groups=layer.groups, layout="NCHW")
     y_shape = nn.functional.conv2d(x, w, None, layer.stride, layer.padding, layer.dilation, layer.groups).shape
     dy = _rand(*y_shape, seed=seed + 1)
     key = ops.layer_key(layer)
     return [
-        (torch.ops.ucudnn.conv2d.default, (x, w, key), dict(**conv, need_dx=True, need_dw=True)),
-        (torch.ops.ucudnn.conv2d_backward_data.default, (dy, w.detach(), key, list(x.shape)),
+        (torch.ops.ucudnn.convolution.default, (x, w, key), dict(**conv, need_dx=True, need_dw=True)),
+        (torch.ops.ucudnn.convolution_backward_data.default, (dy, w.detach(), key, list(x.shape)),
          dict(**conv, need_dw=True)),
-        (torch.ops.ucudnn.conv2d_backward_filter.default, (x.detach(), dy, w.detach(), key),
+        (torch.ops.ucudnn.convolution_backward_filter.default, (x.detach(), dy, w.detach(), key),
          dict(**conv, need_dx=True)),
     ]
 
@@ -386,9 +386,9 @@ def test_copies_are_other_layers_to_the_operators():
     import gc
 
     gc.collect()
-    with pytest.raises(InvalidInput, match=f"no live ucudnn.torch.Conv2d has key {key}"):
-        torch.ops.ucudnn.conv2d(torch.randn(1, 3, 5, 5), torch.randn(4, 3, 3, 3), key, [1, 1], [0, 0], [1, 1], 1,
-                                "NCHW", False, False)
+    with pytest.raises(InvalidInput, match=f"no live converted convolution has key {key}"):
+        torch.ops.ucudnn.convolution(torch.randn(1, 3, 5, 5), torch.randn(4, 3, 3, 3), key, [1, 1], [0, 0], [1, 1],
+                                     False, [0, 0], 1, "NCHW", False, False)
 
 
 @pytest.mark.gpu

@@ -198,7 +198,7 @@ def test_wd_learns_the_layers_from_the_first_forward_and_solves_once(monkeypatch
 def test_wd_learns_each_layer_in_the_layout_its_route_runs(monkeypatch):
     # On CUDA a channels-last input runs as an NHWC problem. Learnt as NCHW, every layer's first real
     # call registered it anew, and WD solved the network again (measuring NCHW kernels) per layer.
-    from ucudnn.torch import conv as conv_module
+    from ucudnn.torch import layer as conv_module
 
     def channels_last_anywhere(t):  # what _layout_name says for CUDA tensors, here for CPU ones
         return "NHWC" if not t.is_contiguous() and t.is_contiguous(memory_format=torch.channels_last) else "NCHW"

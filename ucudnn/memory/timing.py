@@ -44,6 +44,7 @@ stream hides, and the steps are what a plan predicts.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from functools import lru_cache
@@ -187,8 +188,7 @@ def measurements_from_db(db, device: DeviceProfile) -> Measurements:
 
 
 def _roofline(device: DeviceProfile, problem: ConvProblem) -> float:
-    traffic = 4 * (problem.n * problem.c * problem.h * problem.w + problem.n * problem.k * problem.out_h
-                   * problem.out_w + problem.k * (problem.c // problem.groups) * problem.r * problem.s)
+    traffic = 4 * sum(math.prod(shape) for shape in (problem.x_shape, problem.y_shape, problem.w_shape))
     return device.roofline_ms(problem.flops, traffic)
 
 

@@ -23,8 +23,8 @@ made (`Life`: freed after the step in which they died, or held to the end: the p
 reading it last (a Python variable until its function returned) is held through the op after which it
 died; one alive into the backward pass whatever autograd saved (the model's input, a tensor kept in an
 attribute) is pinned: every plan keeps it, as it keeps an operation's extra outputs and a map made
-from a source that a later operation changes in place (made again, it would read the new values). On real tensors a saved feature map's own death is autograd's,
-so only unsaved ones tell.
+from a source that a later operation changes in place (made again, it would read the new values). On
+real tensors a saved feature map's own death is autograd's, so only unsaved ones tell.
 """
 
 from __future__ import annotations
@@ -106,15 +106,16 @@ class _Names:
 
 
 def _problem(spec: tuple | None, dtype: torch.dtype) -> ConvProblem | None:
-    """The forward `ConvProblem` of a 2-D convolution (None: another kind, planned as any op)."""
+    """The forward `ConvProblem` of a convolution of any form ucudnn runs (None: not a convolution, or one
+    its kernels cannot express, planned as any other op)."""
     if spec is None or dtype not in _DTYPES:
         return None
-    x, w, stride, padding, dilation, transposed, groups = spec
-    if transposed or len(x) != 4 or len(stride) != 2 or len(padding) != 2:
+    x, w, stride, padding, dilation, transposed, output_padding, groups = spec
+    try:
+        return ConvProblem.from_shapes(x, w, stride=stride, padding=padding, dilation=dilation, groups=groups,
+                                       transposed=transposed, output_padding=output_padding, dtype=_DTYPES[dtype])
+    except InvalidInput:  # e.g. a transposed convolution's output padding not below its stride
         return None
-    return ConvProblem(n=x[0], c=x[1], h=x[2], w=x[3], k=w[0], r=w[2], s=w[3], pad_h=padding[0], pad_w=padding[1],
-                       stride_h=stride[0], stride_w=stride[1], dilation_h=dilation[0], dilation_w=dilation[1],
-                       groups=groups, dtype=_DTYPES[dtype])
 
 
 def build_step(rec: Any, inputs: list, title: str, batch: int, weight_grads: str, fake: bool) -> CapturedStep:

@@ -52,7 +52,7 @@ from ucudnn.backends.base import one_line
 from ucudnn.errors import InvalidInput, UnsupportedProblem
 from ucudnn.memory.graph import WEIGHT_GRADS
 from ucudnn.torch.capture_graph import CapturedOp, CapturedStep, build_step
-from ucudnn.torch.conv import through_operators
+from ucudnn.torch.layer import through_operators
 from ucudnn.torch.operations import conv_backward_kinds, conv_spec, counted, flops, storage_key, written_keys
 
 __all__ = ["CapturedOp", "CapturedStep", "call_args", "capture", "default_loss", "diverged", "hook_nodes",

@@ -7,10 +7,13 @@ operators (`ucudnn.torch.ops`) both launch through it, so neither imports the ot
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import functools
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from ucudnn.backends.base import one_line
 from ucudnn.errors import BackendUnavailable, InvalidInput, UnsupportedProblem
@@ -104,16 +107,103 @@ def _on_cuda(t: torch.Tensor) -> Iterator[None]:  # pragma: no cover - needs a G
         yield
 
 
-def _out_size(size: int, r: int, stride: int, pad: int, dilation: int) -> int:
-    return (size + 2 * pad - dilation * (r - 1) - 1) // stride + 1
+@dataclass(frozen=True, slots=True)
+class Geometry:
+    """A convolution's arguments beside its operands, one value per spatial axis, as `torch.convolution`
+    takes them (a 1-D convolution has one axis: its kernels see it as 2-D of height 1, `_planar`)."""
+
+    stride: tuple[int, ...]
+    padding: tuple[int, ...]
+    dilation: tuple[int, ...]
+    transposed: bool
+    output_padding: tuple[int, ...]
+    groups: int
+
+    def out_shape(self, x_shape: Sequence[int], w_shape: Sequence[int]) -> tuple[int, ...]:
+        """The output's shape for an input and a weight of these shapes (as torch computes it)."""
+        sizes = []
+        for size, k, s, p, d, op in zip(x_shape[2:], w_shape[2:], self.stride, self.padding, self.dilation,
+                                        self.output_padding):
+            span = d * (k - 1)
+            if self.transposed:
+                sizes.append((size - 1) * s - 2 * p + span + op + 1)
+            else:
+                sizes.append((size + 2 * p - span - 1) // s + 1)
+        channels = w_shape[1] * self.groups if self.transposed else w_shape[0]
+        return (x_shape[0], channels, *sizes)
+
+    def torch(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """PyTorch's own convolution of this geometry, as its modules call it (F.conv2d and the like take
+        less host time per call than torch.convolution; both reach aten.convolution)."""
+        if self.transposed:
+            return _TRANSPOSED[x.dim()](x, w, bias, self.stride, self.padding, self.output_padding, self.groups,
+                                        self.dilation)
+        return _PLAIN[x.dim()](x, w, bias, self.stride, self.padding, self.dilation, self.groups)
+
+    def torch_backward(self, dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, dx: bool, dw: bool) -> tuple:
+        """PyTorch's own backward call of this geometry: (dx, dw), each None where not asked for."""
+        out = torch.ops.aten.convolution_backward(dy, x, w, None, list(self.stride), list(self.padding),
+                                                  list(self.dilation), self.transposed, list(self.output_padding),
+                                                  self.groups, [dx, dw, False])
+        return out[0], out[1]
 
 
-def _memory_format(layout: str) -> torch.memory_format:
-    return torch.channels_last if layout == "NHWC" else torch.contiguous_format
+# torch's functional convolutions by the operand's dimensions
+_PLAIN = {3: F.conv1d, 4: F.conv2d, 5: F.conv3d}
+_TRANSPOSED = {3: F.conv_transpose1d, 4: F.conv_transpose2d, 5: F.conv_transpose3d}
+
+
+@functools.lru_cache(maxsize=None)
+def geometry(stride: tuple[int, ...], padding: tuple[int, ...], dilation: tuple[int, ...], transposed: bool,
+             output_padding: tuple[int, ...], groups: int) -> Geometry:
+    """The `Geometry` of these arguments (tuples), made once: a layer's call reuses it."""
+    return Geometry(stride, padding, dilation, transposed, output_padding, groups)
+
+
+def _planar(t: torch.Tensor) -> torch.Tensor:
+    """A 1-D convolution's operand as its kernels take it: (n, c, 1, l), a view."""
+    return t.unsqueeze(2) if t.dim() == 3 else t
+
+
+def _memory_format(layout: str, dims: int = 4) -> torch.memory_format:
+    if layout != "NHWC":
+        return torch.contiguous_format
+    return torch.channels_last_3d if dims == 5 else torch.channels_last
 
 
 def _launch(kernel: Kernel, backend: str, out: torch.Tensor, **operands: torch.Tensor) -> torch.Tensor:
-    """Run a planned kernel on tensors (viewed as the handle's arrays) into `out`; returns `out`."""
+    """Run a planned kernel on tensors (viewed as the handle's arrays; a 1-D convolution's as 2-D of height
+    1) into `out`; returns `out`."""
     with _on_device(out):
-        kernel.run(out=_as_array(out, backend), **{name: _as_array(t, backend) for name, t in operands.items()})
+        kernel.run(out=_as_array(_planar(out), backend),
+                   **{name: _as_array(_planar(t), backend) for name, t in operands.items()})
     return out
+
+
+def run_forward(route: Any, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, geometry: Geometry
+                ) -> torch.Tensor:
+    """y = conv(x, w) + bias as `route` runs it: torch's own call, or its planned `fwd` kernel."""
+    if route.fwd is None:
+        return geometry.torch(x, w, bias)
+    fmt = _memory_format(route.layout, x.dim())
+    y = torch.empty(geometry.out_shape(x.shape, w.shape), dtype=x.dtype, device=x.device, memory_format=fmt)
+    _launch(route.fwd, route.backend, y, x=x, w=w)
+    return y if bias is None else y.add_(bias.view(1, -1, *[1] * (y.dim() - 2)))
+
+
+def run_backward(route: Any, dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, geometry: Geometry, need_dx: bool,
+                 need_dw: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(dx, dw) as `route` runs them: where both are torch's own, one fused call (as PyTorch makes it);
+    else each by its planned kernel or torch's. `x` gives dx's shape (its values are read for dw only)."""
+    fmt = _memory_format(route.layout, dy.dim())
+    native_dx = need_dx and route.bwd_data is None
+    native_dw = need_dw and route.bwd_filter is None
+    dx = dw = None
+    if native_dx or native_dw:
+        dx, dw = geometry.torch_backward(dy, x, w, native_dx, native_dw)
+    if need_dx and not native_dx:
+        dx = _launch(route.bwd_data, route.backend, torch.empty(x.shape, dtype=dy.dtype, device=dy.device,
+                                                                memory_format=fmt), dy=dy, w=w)
+    if need_dw and not native_dw:
+        dw = _launch(route.bwd_filter, route.backend, torch.empty_like(w, memory_format=fmt), x=x, dy=dy)
+    return dx, dw

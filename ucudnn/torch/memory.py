@@ -36,11 +36,11 @@ from JSON) captures the model at the first forward call and is checked against t
 **Release** needs no action: PyTorch frees what the backward pass does not save. A tensor planned
 ``release`` that autograd does save is kept (it must be) and named in `ExecutionStats.kept_released`.
 
-**Workspaces.** Each `ucudnn.torch.Conv2d` whose layer has ``conv_workspace`` entries in the plan
-runs each kernel, inside the block, with its own handle's fastest configuration within that
-kernel's budget (`Handle.kernel(..., budget=...)`), its workspace held for that run only, as the
-plan counts it. `plan_memory` on a converted model takes each converted kernel's options from its
-handle (`Handle.front`), so the budgets are ones those kernels can run within.
+**Workspaces.** Each converted convolution (`ucudnn.torch.layer.ConvLayer`) whose layer has
+``conv_workspace`` entries in the plan runs each kernel, inside the block, with its own handle's fastest
+configuration within that kernel's budget (`Handle.kernel(..., budget=...)`), its workspace held for that
+run only, as the plan counts it. `plan_memory` on a converted model takes each converted kernel's options
+from its handle (`Handle.front`), so the budgets are ones those kernels can run within.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ from ucudnn.errors import InvalidInput, UnsupportedProblem
 from ucudnn.memory.plan import MemoryPlan
 from ucudnn.torch.capturing import CapturedStep, capture, diverged, input_leaves, structure
 from ucudnn.torch.operations import counted, same_op
-from ucudnn.torch.conv import Conv2d, through_operators
+from ucudnn.torch.layer import ConvLayer, through_operators
 from ucudnn.torch.offload import _copier_for, _HostBuffers, _Offloaded, _OffloadHooks, _Pass, _PrefetchHook
 from ucudnn.torch.planning import _fingerprint, measure_profile, plan_memory
 from ucudnn.torch.recompute import _Dropped, _Rebuilds, _Recompute, programs_for
@@ -132,14 +132,14 @@ class _Prepared:
         if unknown:
             raise InvalidInput(f"plan for {plan.network!r} gives workspace to conv layer(s) {', '.join(unknown[:5])} "
                                f"that {name} does not have; a plan made for another model?")
-        self.budgets: list[tuple[Conv2d, dict[str, int]]] = []
+        self.budgets: list[tuple[ConvLayer, dict[str, int]]] = []
         by_module: dict[str, dict[str, int]] = {}
         for c in plan.conv_workspace:
             kinds = by_module.setdefault(ops[c.layer].module, {})
             kinds[c.kind] = min(kinds.get(c.kind, c.bytes), c.bytes)  # a module called twice: both budgets hold
         for module, kinds in by_module.items():
             conv = modules.get(module)
-            if isinstance(conv, Conv2d):  # torch's own conv: its workspace is torch's business
+            if isinstance(conv, ConvLayer):  # torch's own conv: its workspace is torch's business
                 self.budgets.append((conv, kinds))
         backward = {r for s in graph.steps if s.phase == "bwd" for r in s.reads}
         self.acting = any(a in ("offload", "recompute") or (a == "release" and t in backward)
@@ -361,7 +361,7 @@ class _Executor(_OffloadHooks, _Recompute):
     def workspaces(self) -> Iterator[None]:
         """Each converted conv runs its kernels within the plan's budgets (set at the forward pass's start;
         the same dict object each step, so its routes are kept); as they were afterwards."""
-        saved = [(conv, conv._budgets) for conv in self.model.modules() if isinstance(conv, Conv2d)]
+        saved = [(conv, conv._budgets) for conv in self.model.modules() if isinstance(conv, ConvLayer)]
         try:
             yield
         finally:

@@ -17,7 +17,9 @@ __all__ = ["CONVOLUTIONS", "conv_backward_kinds", "conv_spec", "counted", "flops
 
 aten = torch.ops.aten
 # A convolution as one operation: torch's, or a converted layer's (`ucudnn.torch.conv.through_operators`).
-CONVOLUTIONS = frozenset({aten.convolution.default, torch.ops.ucudnn.conv2d.default})
+CONVOLUTIONS = frozenset({aten.convolution.default, torch.ops.ucudnn.convolution.default})
+# ucudnn's operator takes aten.convolution's arguments, its layer's key where aten's takes the bias
+_CONVOLUTION_ARGS = 9
 
 
 def counted(func: Any, outputs: list) -> bool:
@@ -58,10 +60,9 @@ def written_keys(func, args, kwargs) -> set[int]:
 def flops(func, args, kwargs, out, out_bytes: int) -> float:
     """PyTorch's flop count of an operation (`torch.utils.flop_counter`), else one per output element."""
     count = flop_registry.get(func._overloadpacket)
-    if func is torch.ops.ucudnn.conv2d.default:
+    if func is torch.ops.ucudnn.convolution.default:
         count = flop_registry.get(aten.convolution.default._overloadpacket)
-        x, w, stride, padding, dilation, groups = args[0], args[1], args[3], args[4], args[5], args[6]
-        args, kwargs = (x, w, None, stride, padding, dilation, False, [0, 0], groups), {}
+        args, kwargs = (*args[:2], None, *args[3:_CONVOLUTION_ARGS]), {}
     if count is not None:
         try:
             return float(count(*args, **kwargs, out_val=out))
@@ -71,22 +72,21 @@ def flops(func, args, kwargs, out, out_bytes: int) -> float:
 
 
 def conv_spec(func, args) -> tuple | None:
-    """(x shape, w shape, stride, padding, dilation, transposed, groups) of a convolution's forward."""
-    if func is aten.convolution.default:
-        x, w, _, stride, padding, dilation, transposed, _, groups = args[:9]
-        return tuple(x.shape), tuple(w.shape), tuple(stride), tuple(padding), tuple(dilation), bool(transposed), groups
-    if func is torch.ops.ucudnn.conv2d.default:
-        x, w, _, stride, padding, dilation, groups = args[:7]
-        return tuple(x.shape), tuple(w.shape), tuple(stride), tuple(padding), tuple(dilation), False, groups
-    return None
+    """(x shape, w shape, stride, padding, dilation, transposed, output_padding, groups) of a convolution's
+    forward, torch's or ucudnn's."""
+    if func not in CONVOLUTIONS:
+        return None
+    x, w, _, stride, padding, dilation, transposed, output_padding, groups = args[:_CONVOLUTION_ARGS]
+    return (tuple(x.shape), tuple(w.shape), tuple(stride), tuple(padding), tuple(dilation), bool(transposed),
+            tuple(output_padding), groups)
 
 
 def conv_backward_kinds(func, args, kwargs) -> tuple[str, ...]:
     if func is aten.convolution_backward.default:
         mask = args[10] if len(args) > 10 else kwargs["output_mask"]
         return tuple(kind for kind, on in zip(("bwd_data", "bwd_filter"), mask) if on)
-    if func is torch.ops.ucudnn.conv2d_backward_data.default:
+    if func is torch.ops.ucudnn.convolution_backward_data.default:
         return ("bwd_data",)
-    if func is torch.ops.ucudnn.conv2d_backward_filter.default:
+    if func is torch.ops.ucudnn.convolution_backward_filter.default:
         return ("bwd_filter",)
     return ()

@@ -40,7 +40,7 @@ from ucudnn.memory.timing import KernelOption, front_of
 from ucudnn.sizes import parse_size
 from ucudnn.torch.capturing import CapturedStep, call_args, capture, default_loss, diverged, hook_nodes, state_kept
 from ucudnn.torch.operations import counted, same_op
-from ucudnn.torch.conv import Conv2d, as_torch
+from ucudnn.torch.layer import ConvLayer, as_torch
 
 __all__ = ["measure_profile", "plan_memory"]
 
@@ -191,8 +191,8 @@ def _conv_fronts(model: nn.Module, graph: TrainingGraph, native: Handle | None) 
     for step in graph.steps:
         op = convs.get(step.op)
         conv = modules.get(op.module) if op is not None else None
-        converted = isinstance(conv, Conv2d)
-        handle = conv.handle if converted else native if isinstance(conv, nn.Conv2d) else None
+        converted = isinstance(conv, ConvLayer)
+        handle = conv.handle if converted else native if isinstance(conv, nn.modules.conv._ConvNd) else None
         if handle is None:
             continue
         for kind in step.kernels:

@@ -162,9 +162,9 @@ class StepTracker(TorchDispatchMode):
             torch.cuda.synchronize(self.device)  # measuring: the witness below starts from here
             torch.cuda.reset_peak_memory_stats(self.device)
         if self.model is not None:
-            from ucudnn.torch.conv import Conv2d
+            from ucudnn.torch.layer import ConvLayer
 
-            self._convs = [m for m in self.model.modules() if isinstance(m, Conv2d)]
+            self._convs = [m for m in self.model.modules() if isinstance(m, ConvLayer)]
             for handle in {id(c.handle): c.handle for c in self._convs}.values():
                 handle.workspace_listener = self._workspace_event
                 self._listening.append(handle)

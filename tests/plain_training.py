@@ -1,0 +1,95 @@
+"""Training a model a few SGD steps, and plain PyTorch's result with its rounding noise: what test_models.py and
+test_model_convs.py compare converted and planned training against.
+
+Equality of training is judged as the model's own rounding noise allows: the norm of all parameters' difference
+from plain training, against the difference plain training itself shows between one thread and two (batch-norm
+over small maps amplifies rounding; a single tensor's difference says nothing: a bias before a normalisation has
+a gradient that is zero in exact arithmetic and holds only noise)."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import torch
+from torch.nn import functional as F
+
+from ucudnn.torch import execute_plan
+
+STEPS = 2
+
+
+def loss(out, y) -> torch.Tensor:
+    return F.cross_entropy(out.logits if hasattr(out, "logits") else out, y)
+
+
+def train(model, batch: Callable[[int], tuple], plan=None, threads: int = 1, loss: Callable = loss) -> torch.Tensor:
+    """Every parameter, flattened, after `STEPS` SGD steps on ``batch(step)`` (under `plan` if given; dropout
+    drawing the same masks every run), ``loss(output, target)`` backpropagated."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        torch.manual_seed(1)
+        for step in range(STEPS):
+            x, y = batch(step)
+            opt.zero_grad()
+            with execute_plan(model, plan) if plan is not None else torch.enable_grad():
+                loss(model(x), y).backward()
+            opt.step()
+    finally:
+        torch.set_num_threads(before)
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+def plain_runs(tmp_path_factory, build: Callable[[str], torch.nn.Module], batch: Callable[[str, int], tuple]):
+    """A getter: per model name, made once, the model, plain training's parameters, their rounding noise (one
+    thread against two) and a measurement cache URL its converted copies share."""
+    made = {}
+
+    def get(name: str):
+        if name not in made:
+            torch.manual_seed(0)
+            model = build(name)
+            reference = train(copy.deepcopy(model), lambda step: batch(name, step))
+            noise = (reference - train(copy.deepcopy(model), lambda step: batch(name, step), threads=2)).norm().item()
+            made[name] = (model, reference, noise, f"sqlite:///{tmp_path_factory.mktemp(name)}/cache.db")
+        return made[name]
+
+    return get
+
+
+def memtracker_peak(model, plan, x, y, loss: Callable = loss) -> int:
+    """PyTorch's MemTracker's count of one step under `plan` (after a warm-up step), gradients freed before.
+
+    A converted conv's workspace is NumPy memory on the CPU, which MemTracker cannot see: its handle reports
+    each workspace a plan's budget holds for one kernel as it takes it (`Handle.workspace_listener`), and the
+    count at that moment is MemTracker's current total plus that workspace."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from ucudnn.torch.layer import ConvLayer
+
+    handles = {id(m.handle): m.handle for m in model.modules() if isinstance(m, ConvLayer)}.values()
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        tracker, with_workspace = MemTracker(), [0]
+
+        def taken(delta: int) -> None:
+            if delta > 0:
+                now = tracker.get_tracker_snapshot("current")[x.device]["Total"]
+                with_workspace[0] = max(with_workspace[0], now + delta)
+
+        tracker.track_external(model, x)
+        for h in handles:
+            h.workspace_listener = taken
+        try:
+            with tracker, execute_plan(model, plan):
+                loss(model(x), y).backward()
+        finally:
+            for h in handles:
+                h.workspace_listener = None
+    return max(tracker.get_tracker_snapshot("peak")[x.device]["Total"], with_workspace[0])
+
+
+def assert_trains_alike(trained: torch.Tensor, reference: torch.Tensor, noise: float) -> None:
+    assert (trained - reference).norm().item() <= 2 * noise + 1e-6 * reference.norm().item(), noise
