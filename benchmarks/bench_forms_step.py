@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import alternating_medians_ms, table  # noqa: E402
+from common import interleaved_medians_ms, table  # noqa: E402
 from models import build, loss  # noqa: E402
 
 from ucudnn.backends.cpu import NATIVE  # noqa: E402
@@ -93,7 +93,7 @@ def bench(name: str, args) -> list[dict]:
         step_fn(models[contender], x, y)()
         log(f"{contender}: the first step (measuring, planning) took {time.perf_counter() - start:.1f} s")
     steps = {key: step_fn(m, x, y) for key, m in models.items()}
-    med = alternating_medians_ms(steps, args.reps, args.warmup)
+    med = interleaved_medians_ms(steps, args.reps, args.warmup)
     convs = sum(isinstance(m, ConvLayer) for m in models["WD 1GiB"].modules())
     return [{"model": name, "batch": SHAPES[name][0], "size": SHAPES[name][1], "contender": key,
              "convolutions": convs, "ms": round(med[key], 2), "ratio": round(med[key] / med["torch"], 3),

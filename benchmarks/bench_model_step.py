@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import alternating_medians_ms, table  # noqa: E402
+from common import interleaved_medians_ms, table  # noqa: E402
 
 from ucudnn.handle import SEGMENT_ALIGN_BYTES  # noqa: E402
 from ucudnn.sizes import format_size, parse_size  # noqa: E402
@@ -116,7 +116,7 @@ def bench(name: str, args) -> list[dict]:
 
     peaks = {key: counted_peak(models[key], x, y, plans[key]) for key in steps if key.startswith("plan:")}
     peaks["torch"] = plain_peak
-    med = alternating_medians_ms(steps, args.reps, args.warmup)
+    med = interleaved_medians_ms(steps, args.reps, args.warmup)
     rows = []
     for key in steps:
         plan = plans.get(key)

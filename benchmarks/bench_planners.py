@@ -320,8 +320,8 @@ def main() -> None:
     args.policies = args.policies.split(",")
     _hook_inductor_allocations()
     # sac_ilp logs each module where its two estimators disagree and each infeasible budget; what this benchmark
-    # needs of that (a budget with no plan) it prints itself
-    logging.getLogger("torch.distributed._tools.sac_ilp").setLevel(logging.CRITICAL)
+    # needs of that (a budget with no plan) it prints itself (a filter: torch's logging resets levels)
+    logging.getLogger("torch.distributed._tools.sac_ilp").addFilter(lambda record: False)
     torch._functorch.config.enable_autograd_cache = False  # every budget compiles its own graphs
     torch._inductor.config.fx_graph_cache = False
     results = [run_model(m, args) for m in args.models.split(",")]

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import table  # noqa: E402
+from common import interleaved_samples_ms, table  # noqa: E402
 
 from ucudnn.network.zoo import layers as network_layers  # noqa: E402
 from ucudnn.sizes import format_size, parse_size  # noqa: E402
@@ -136,19 +136,6 @@ def timed_ms(fn) -> float:
     return (time.perf_counter() - start) * 1e3
 
 
-def alternate(steps: dict, reps: int, warmup: int) -> dict[str, list[float]]:
-    """Run the step functions alternately, swapping the order every repetition."""
-    names = list(steps)
-    for _ in range(warmup):
-        for name in names:
-            steps[name]()
-    samples: dict[str, list[float]] = {name: [] for name in names}
-    for rep in range(reps):
-        for name in (names if rep % 2 == 0 else names[::-1]):
-            samples[name].append(timed_ms(steps[name]))
-    return samples
-
-
 def iqr(values: list[float]) -> float:
     if len(values) < 2:
         return 0.0
@@ -180,7 +167,7 @@ def bench_model(name: str, args) -> dict:
           f"first undivided step ...", file=sys.stderr, flush=True)
     timed_ms(steps["undivided"])
     print(f"[{name}] timing {args.reps} alternating steps ...", file=sys.stderr, flush=True)
-    samples = alternate(steps, args.reps, args.warmup)
+    samples = interleaved_samples_ms(steps, args.reps, args.warmup)
     t_torch, t_ucudnn, t_undivided = (statistics.median(samples[k]) for k in ("torch", "ucudnn", "undivided"))
 
     changed = []

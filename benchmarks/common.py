@@ -2,29 +2,10 @@
 
 from __future__ import annotations
 
-from ucudnn.kernel.measure import interleaved_medians_ms
+from ucudnn.kernel.measure import interleaved_medians_ms, interleaved_samples_ms
 
-__all__ = ["alternating_medians_ms", "interleaved_medians_ms", "keep_freed_memory", "make_step", "minor_faults",
+__all__ = ["interleaved_medians_ms", "interleaved_samples_ms", "keep_freed_memory", "make_step", "minor_faults",
            "table"]
-
-
-def alternating_medians_ms(steps: dict, reps: int, warmup: int) -> dict[str, float]:
-    """Median wall time (ms) of each step, the steps run in turn after `warmup` untimed rounds, the order reversed
-    every round (so that no contender always follows the same one)."""
-    import statistics
-    import time
-
-    names = list(steps)
-    for _ in range(warmup):
-        for name in names:
-            steps[name]()
-    samples: dict[str, list[float]] = {name: [] for name in names}
-    for rep in range(reps):
-        for name in (names if rep % 2 == 0 else names[::-1]):
-            start = time.perf_counter()
-            steps[name]()
-            samples[name].append((time.perf_counter() - start) * 1e3)
-    return {name: statistics.median(s) for name, s in samples.items()}
 
 
 def make_step(model, x, y, sync):

@@ -91,5 +91,11 @@ def memtracker_peak(model, plan, x, y, loss: Callable = loss) -> int:
     return max(tracker.get_tracker_snapshot("peak")[x.device]["Total"], with_workspace[0])
 
 
+def trains_alike(trained: torch.Tensor, reference: torch.Tensor, noise: float) -> bool:
+    """Within twice plain training's own noise, or a float32 rounding's worth of the parameters' norm (where
+    threads barely change the sums, as without batch-norm, another algorithm's rounding still does)."""
+    return (trained - reference).norm().item() <= 2 * noise + 1e-6 * reference.norm().item()
+
+
 def assert_trains_alike(trained: torch.Tensor, reference: torch.Tensor, noise: float) -> None:
-    assert (trained - reference).norm().item() <= 2 * noise + 1e-6 * reference.norm().item(), noise
+    assert trains_alike(trained, reference, noise), ((trained - reference).norm().item(), noise)

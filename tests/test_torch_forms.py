@@ -21,7 +21,7 @@ from torch.nn.utils.parametrizations import weight_norm  # noqa: E402
 from ucudnn.problem import ConvProblem  # noqa: E402
 from ucudnn.reference import reference, relative_error  # noqa: E402
 from ucudnn.torch import (Conv1d, Conv2d, Conv3d, ConvTranspose1d, ConvTranspose2d, ConvTranspose3d,  # noqa: E402
-                          capture, convert)
+                          capture, convert, execute_plan, plan_memory)
 from ucudnn.torch.layer import ConvLayer  # noqa: E402
 
 # ucudnn's NumPy kernels only, each kernel in micro-batches of one sample: nothing falls back to torch
@@ -231,3 +231,32 @@ def test_a_captured_step_plans_every_form_as_a_convolution(converted):
     problems = [op.conv for op in step.graph.conv_ops]
     assert [(p.h, p.w, p.transposed) for p in problems] == [(1, 8, False), (1, 8, True)]
     assert [op.module for op in step.graph.conv_ops] == ["0", "2"]
+
+
+class _ChannelsLastNorm(nn.Module):
+    """ConvNeXt's pattern: a layer norm over channels through permutes, so the next conv reads a tensor that is
+    not contiguous (its converted layer copies it first, captured and timed alike)."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(channels)
+
+    def forward(self, x):
+        return self.norm(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+
+
+def test_a_converted_conv_reading_a_permuted_tensor_plans_and_trains_like_torch():
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), _ChannelsLastNorm(8), nn.Conv2d(8, 8, 3, padding=1, groups=8),
+                          nn.ReLU(), nn.Conv2d(8, 4, 1))
+    model = convert(copy.deepcopy(plain), **MICRO)
+    x = torch.randn(2, 3, 12, 12)
+    everything = plan_memory(model, x, memory_limit=2**40, policy="checkpoint")
+    smallest = plan_memory(model, x, memory_limit=1, policy="checkpoint")
+    assert smallest.peak_bytes < everything.peak_bytes
+    assert any(t.action == "recompute" for t in smallest.tensors)
+    for net, plan in ((plain, None), (model, smallest)):
+        with execute_plan(net, plan) if plan is not None else torch.enable_grad():
+            net(x).square().sum().backward()
+    for ours, theirs in zip(model.parameters(), plain.parameters()):
+        torch.testing.assert_close(ours.grad, theirs.grad, rtol=1e-4, atol=1e-5)

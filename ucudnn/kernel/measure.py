@@ -183,19 +183,27 @@ def confirm_faster(backend: Backend, problem: ConvProblem, chosen: Configuration
     return chosen if times["chosen"] + charge_ms < times["undivided"] else undivided
 
 
-def interleaved_medians_ms(fns: Mapping[str, Callable[[], object]], reps: int, warmup: int = 1) -> dict[str, float]:
-    """Median wall time (ms) of each function, run in turn rep after rep.
+def interleaved_samples_ms(fns: Mapping[str, Callable[[], object]], reps: int,
+                           warmup: int = 1) -> dict[str, list[float]]:
+    """Wall times (ms) of each function, run in turn rep after rep, the order reversed every rep.
 
     Interleaving puts every contender under the same machine load at the same moments, so the
-    comparison stays meaningful on a noisy machine even when absolute times drift.
+    comparison stays meaningful on a noisy machine even when absolute times drift; reversing the order
+    keeps any contender from always running after the same one (its caches, its freed memory).
     """
+    names = list(fns)
     for _ in range(warmup):
         for fn in fns.values():
             fn()
-    samples: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(reps):
-        for name, fn in fns.items():
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    for rep in range(reps):
+        for name in (names if rep % 2 == 0 else names[::-1]):
             start = time.perf_counter()
-            fn()
+            fns[name]()
             samples[name].append((time.perf_counter() - start) * 1e3)
-    return {name: statistics.median(s) for name, s in samples.items()}
+    return samples
+
+
+def interleaved_medians_ms(fns: Mapping[str, Callable[[], object]], reps: int, warmup: int = 1) -> dict[str, float]:
+    """Median wall time (ms) of each function, timed as `interleaved_samples_ms` does."""
+    return {name: statistics.median(s) for name, s in interleaved_samples_ms(fns, reps, warmup).items()}

@@ -332,8 +332,8 @@ class ConvLayer:
         # run on real tensors (never while traced, nor on fake tensors: their fake implementation runs).
         # (Compiling first: Dynamo cannot trace a ContextVar's get.)
         compiling = torch.compiler.is_compiling()
-        if not compiling and _AS_TORCH.get():
-            return g.torch(input, weight, bias)
+        if not compiling and _AS_TORCH.get():  # the same operations as the captured step's (a copy of the input
+            return g.torch(_layout(input)[0], weight, bias)  # where it is not contiguous, then the convolution)
         operators = compiling or _OPERATORS.get() or isinstance(input, FakeTensor)
         if not operators and self._learning_now():
             self._announce(input, weight, g, input.requires_grad, weight.requires_grad)
