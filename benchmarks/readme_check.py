@@ -12,7 +12,8 @@ comment on the line just before a block tags it:
     <!-- readme-check: slow -->         long (a benchmark from an empty cache): left out by --only fast
     <!-- readme-check: gpu -->          needs an NVIDIA GPU: run only where `nvidia-smi -L` lists one
     <!-- readme-check: torchvision -->  run only where torchvision imports beside torch
-    <!-- readme-check: models -->       run only where transformers and MONAI import (the `models` extra)
+    <!-- readme-check: models -->       run only where transformers and MONAI import (the `models` extra); the
+                                        block stands alone (its names do not reach the blocks after it)
 
 The scratch folder has its own user cache ($XDG_CACHE_HOME; $UCUDNN_DB unset), so every benchmark
 starts from an empty cache, as on a new machine. The Python blocks use names a reader brings
@@ -148,14 +149,17 @@ def run_python(chosen: list[Block], cwd: Path, env: dict[str, str], python: str,
     """The chosen Python blocks in one interpreter, in order; each block timed on its own."""
     if not chosen:
         return []
+    # a `models` block builds its own model and batch: it runs in a copy of the names, so that the blocks after it
+    # still find the reader's (PRELUDE's)
     driver = ("import json, sys, time, traceback\nns = {'__name__': '__main__'}\nexec(PRELUDE, ns)\n"
-              "for line, text in BLOCKS:\n"
+              "for line, text, alone in BLOCKS:\n"
               "    start = time.perf_counter()\n"
-              "    try:\n        exec(compile(text, f'README.md:{line}', 'exec'), ns)\n        code, tail = 0, ''\n"
+              "    try:\n        exec(compile(text, f'README.md:{line}', 'exec'), dict(ns) if alone else ns)\n"
+              "        code, tail = 0, ''\n"
               "    except BaseException:\n        code, tail = 1, traceback.format_exc()[-2000:]\n"
               "    print('@@' + json.dumps([line, time.perf_counter() - start, code, tail]), flush=True)\n"
               "    if code:\n        break\n")
-    script = f"PRELUDE = {PRELUDE!r}\nBLOCKS = {[(b.line, b.text) for b in chosen]!r}\n{driver}"
+    script = f"PRELUDE = {PRELUDE!r}\nBLOCKS = {[(b.line, b.text, b.tag == 'models') for b in chosen]!r}\n{driver}"
     start = time.perf_counter()
     try:
         proc = subprocess.run([python, "-c", script], cwd=cwd, env=env, capture_output=True, text=True,
