@@ -233,13 +233,7 @@ def run_model(name: str, args) -> dict:
             by_limit[(policy, limit)] = seen[key]
     everything = variants + ours
     print(f"[{name}] timing {len(everything)} variants, {args.rounds} interleaved rounds", file=sys.stderr)
-    for _ in range(args.rounds):
-        for v in everything:
-            faults, start, cpu = minor_faults(), time.perf_counter(), time.process_time()
-            v.step(x, y)
-            v.cpu_times.append((time.process_time() - cpu) * 1e3)
-            v.times.append((time.perf_counter() - start) * 1e3)
-            v.faults.append(minor_faults() - faults)
+    time_rounds(everything, x, y, args.rounds)
 
     rows = []
     for v in everything:
@@ -278,21 +272,38 @@ def run_model(name: str, args) -> dict:
             "equal_memory": equal, "beaten": beaten}
 
 
-def plot(results: list[dict], path: str) -> None:
+def time_rounds(variants: list, x, y, rounds: int) -> None:
+    """Each variant's step `rounds` times, the variants taking turns: wall and CPU ms and page faults per step."""
+    for _ in range(rounds):
+        for v in variants:
+            faults, start, cpu = minor_faults(), time.perf_counter(), time.process_time()
+            v.step(x, y)
+            v.cpu_times.append((time.process_time() - cpu) * 1e3)
+            v.times.append((time.perf_counter() - start) * 1e3)
+            v.faults.append(minor_faults() - faults)
+
+
+# tool -> (colour, marker) in the plot
+STYLES = {"plain": ("k", "*"), "checkpoint_sequential": ("tab:blue", "o"), "torch.compile": ("tab:orange", "s"),
+          "ucudnn checkpoint": ("tab:green", "^"), "ucudnn optimal": ("tab:red", "v")}
+
+
+def plot(results: list[dict], path: str, styles: dict = STYLES,
+         joined: tuple[str, ...] = ("checkpoint_sequential",)) -> None:
+    """Peak against step time per model, one marker per tool; ucudnn's points and those of the `joined` tools
+    drawn as lines (fronts)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4.5), squeeze=False)
-    styles = {"plain": ("k", "*"), "checkpoint_sequential": ("tab:blue", "o"), "torch.compile": ("tab:orange", "s"),
-              "ucudnn checkpoint": ("tab:green", "^"), "ucudnn optimal": ("tab:red", "v")}
     for ax, res in zip(axes[0], results):
         for tool in dict.fromkeys(p["tool"] for p in res["points"]):
             pts = sorted((p["peak_bytes"] / MiB, p["step_ms"]) for p in res["points"] if p["tool"] == tool)
             color, marker = styles.get(tool, ("gray", "x"))
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=marker, color=color, label=tool,
-                    linestyle="-" if tool.startswith("ucudnn") or tool == "checkpoint_sequential" else "none")
+                    linestyle="-" if tool.startswith("ucudnn") or tool in joined else "none")
         ax.set_xlabel("peak memory, MiB (counted by StepTracker)")
         ax.set_ylabel("step CPU time, ms (median, interleaved)")
         ax.set_title(f"{res['model']}, batch {res['batch']}, {res['size']}x{res['size']} (CPU)")

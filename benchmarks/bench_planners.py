@@ -43,9 +43,10 @@ import time
 from unittest import mock
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_frontier import (MiB, SLACK, Variant, _fresh_forward, _hook_inductor_allocations,  # noqa: E402
-                            _measure_peak, frontier)
-from common import minor_faults, table  # noqa: E402
+from bench_frontier import (STYLES, MiB, SLACK, Variant, _fresh_forward, _hook_inductor_allocations,  # noqa: E402
+                            _measure_peak, frontier, time_rounds)
+from bench_frontier import plot as frontier_plot  # noqa: E402
+from common import table  # noqa: E402
 from models import build, loss  # noqa: E402
 
 import torch  # noqa: E402
@@ -256,13 +257,7 @@ def run_model(name: str, args) -> dict:
     for v in variants:
         _measure_peak(v, x, y)
     print(f"[{name}] timing, {args.rounds} interleaved rounds", file=sys.stderr)
-    for _ in range(args.rounds):
-        for v in variants:
-            faults, start, cpu = minor_faults(), time.perf_counter(), time.process_time()
-            v.step(x, y)
-            v.cpu_times.append((time.process_time() - cpu) * 1e3)
-            v.times.append((time.perf_counter() - start) * 1e3)
-            v.faults.append(minor_faults() - faults)
+    time_rounds(variants, x, y, args.rounds)
     rows = [[v.name, f"{v.peak / MiB:.1f}", f"{v.peak / plain.peak:.2f}", f"{v.ms:.0f}", f"{v.ms / plain.ms:.2f}",
              f"{v.plan.peak_bytes / MiB:.1f}" if v.plan else ""] for v in variants]
     print(f"\n{name}: batch {args.batch}, {args.size}x{args.size}")
@@ -284,27 +279,7 @@ def run_model(name: str, args) -> dict:
 
 
 def plot(results: list[dict], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    styles = {"plain": ("k", "*"), "PyTorch sac_milp": ("tab:blue", "o"), "torch.compile": ("tab:orange", "s"),
-              "ucudnn checkpoint": ("tab:green", "^"), "ucudnn optimal": ("tab:red", "v")}
-    fig, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4.5), squeeze=False)
-    for ax, res in zip(axes[0], results):
-        for tool in dict.fromkeys(p["tool"] for p in res["points"]):
-            pts = sorted((p["peak_bytes"] / MiB, p["step_ms"]) for p in res["points"] if p["tool"] == tool)
-            color, marker = styles.get(tool, ("gray", "x"))
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=marker, color=color, label=tool,
-                    linestyle="-" if tool.startswith("ucudnn") else "none")
-        ax.set_xlabel("peak memory, MiB (counted)")
-        ax.set_ylabel("step CPU time, ms (median, interleaved)")
-        ax.set_title(f"{res['model']}, batch {res['batch']}, {res['size']}x{res['size']} (CPU)")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    frontier_plot(results, path, {**STYLES, "PyTorch sac_milp": ("tab:blue", "o")}, joined=())
 
 
 def main() -> None:

@@ -55,8 +55,8 @@ from ucudnn.torch.capture_graph import CapturedOp, CapturedStep, build_step
 from ucudnn.torch.layer import through_operators
 from ucudnn.torch.operations import conv_backward_kinds, conv_spec, counted, flops, storage_key, written_keys
 
-__all__ = ["CapturedOp", "CapturedStep", "call_args", "capture", "default_loss", "diverged", "hook_nodes",
-           "input_leaves", "structure"]
+__all__ = ["CapturedOp", "CapturedStep", "batched_call", "call_args", "capture", "default_loss", "diverged",
+           "hook_nodes", "input_leaves", "structure"]
 
 _FAKE_LIMITS = (DataDependentOutputException, DynamicOutputShapeException, UnsupportedOperatorException)
 
@@ -80,6 +80,15 @@ def call_args(example: Any) -> tuple[tuple, dict]:
         return (), dict(example)
     raise InvalidInput(f"example_input must be a tensor, a tuple of positional arguments or a dict of keyword "
                        f"arguments, got {type(example).__name__}")
+
+
+def batched_call(example: Any) -> tuple[tuple, dict, list[torch.Tensor]]:
+    """`call_args(example)` and the tensors in it, the first of which must be batched (its first dimension)."""
+    args, kwargs = call_args(example)
+    tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    if not tensors or tensors[0].dim() < 1:
+        raise InvalidInput("example_input must hold a batched tensor (its first dimension is the batch)")
+    return args, kwargs, tensors
 
 
 def input_leaves(model: nn.Module, args: tuple, kwargs: dict) -> list[tuple[str, Any]]:
@@ -531,10 +540,7 @@ def capture(model: nn.Module, example_input: Any, *, loss: Callable[[Any], torch
         raise InvalidInput(f"weight_grads must be one of {', '.join(WEIGHT_GRADS)}, got {weight_grads!r}")
     if loss is not None and not callable(loss):
         raise InvalidInput(f"loss must be a callable from the model's output to a scalar, got {type(loss).__name__}")
-    args, kwargs = call_args(example_input)
-    leaves = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-    if not leaves or leaves[0].dim() < 1:
-        raise InvalidInput("example_input must hold a batched tensor (its first dimension is the batch)")
+    args, kwargs, leaves = batched_call(example_input)
     given = next((t.fake_mode for t in leaves if isinstance(t, FakeTensor)), None)
     if fake is False and given is not None:
         raise InvalidInput("fake=False needs real example inputs; these are fake tensors")

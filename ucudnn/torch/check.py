@@ -32,11 +32,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves
 
 from ucudnn.errors import InvalidInput
 from ucudnn.memory.plan import MemoryPlan
-from ucudnn.torch.capturing import call_args, default_loss
+from ucudnn.torch.capturing import batched_call, default_loss
 from ucudnn.torch.memory import _prepared, execute_plan
 from ucudnn.torch.tracker import StepTracker, TrackerReport
 
@@ -107,10 +106,7 @@ def check_plan(model: nn.Module, plan: MemoryPlan, example_input: Any, target: t
         raise InvalidInput(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(plan, MemoryPlan):
         raise InvalidInput(f"plan must be a ucudnn.memory.MemoryPlan, got {type(plan).__name__}")
-    args, kwargs = call_args(example_input)
-    inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-    if not inputs or inputs[0].dim() < 1:
-        raise InvalidInput("example_input must hold a batched tensor (its first dimension is the batch)")
+    args, kwargs, inputs = batched_call(example_input)
     for name, value, least in (("warmup", warmup, 1), ("steps", steps, 1)):
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             raise InvalidInput(f"{name} must be an integer of at least {least}, got {value!r}")

@@ -38,7 +38,8 @@ from ucudnn.memory.graph import TrainingGraph
 from ucudnn.memory.plan import MemoryPlan
 from ucudnn.memory.timing import KernelOption, front_of
 from ucudnn.sizes import parse_size
-from ucudnn.torch.capturing import CapturedStep, call_args, capture, default_loss, diverged, hook_nodes, state_kept
+from ucudnn.torch.capturing import (CapturedStep, batched_call, call_args, capture, default_loss, diverged, hook_nodes,
+                                    state_kept)
 from ucudnn.torch.operations import counted, same_op
 from ucudnn.torch.layer import ConvLayer, as_torch
 
@@ -146,8 +147,7 @@ def plan_memory(model: nn.Module, example_input: Any, memory_limit: int | str | 
     if not isinstance(model, nn.Module):
         raise InvalidInput(f"model must be a torch.nn.Module, got {type(model).__name__}")
     step = _captured(model, example_input, loss, fake, weight_grads)
-    args, kwargs = call_args(example_input)
-    first = next(t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
+    args, kwargs, (first, *_) = batched_call(example_input)
     profile = _profile_for(device, first)
     limit = profile.memory_bytes if memory_limit is None else parse_size(memory_limit)
     from ucudnn.memory.planner import make_plan
