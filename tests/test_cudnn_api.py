@@ -23,17 +23,19 @@ import ctypes
 import dataclasses
 import importlib.util
 import inspect
+import re
 import subprocess
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
+from types import ModuleType, SimpleNamespace
 
 import numpy as np
 import pytest
 
 from ucudnn.kernel import selftest
 from ucudnn.backends import cudnn as cudnn_backend
+from ucudnn.backends import cupy_arrays
 from ucudnn.backends.cudnn import CUDNN_API_USED, FRONTEND_MODULES, EngineConfig, declare_graph, layout_strides
 from ucudnn.errors import BackendUnavailable, InvalidInput, UnsupportedProblem
 from ucudnn.problem import KINDS, ConvProblem
@@ -377,35 +379,76 @@ class _RawKernel:
         TRACE.append(("hold", int(args[0])))
 
 
+# C types an ElementwiseKernel's operation may cast to, as NumPy types.
+_C_TYPES = {"float": np.float32, "double": np.float64}
+
+
+def _parse_params(text: str) -> list[tuple[str, str]]:
+    """CuPy's parameter list "T tmp, float32 alpha" as [(type, name)], with CuPy's rules for types
+    (cupy/_core/_kernel.pyx, ParameterInfo): a one-letter type is a placeholder; any other must be
+    a NumPy scalar type's own name ("float32"; "float" is refused). `raw` is not used here."""
+    params = [tuple(part.split()) for part in text.split(",")]
+    assert all(len(p) == 2 for p in params), f"cannot parse parameters {text!r}"
+    for type_name, _ in params:
+        if not _is_placeholder(type_name) and np.dtype(type_name).type.__name__ != type_name:
+            raise ValueError(f"Wrong type {type_name}")
+    return params
+
+
+def _is_placeholder(type_name: str) -> bool:
+    return len(type_name) == 1
+
+
 class _ElementwiseKernel:
-    """CuPy's ElementwiseKernel for the two blends the backend declares, computed in NumPy."""
+    """CuPy's ElementwiseKernel as CuPy resolves and runs it, for `out = (T)(expression)` kernels.
+
+    Types as CuPy decides them (cupy/_core/_kernel.pyx, `_decide_params_type`): a placeholder type
+    takes the dtype of the ARRAY arguments of its parameters; a scalar argument never fills one
+    (CuPy issue #2091), and a placeholder left unfilled raises KeyError, as on the GPU. The operation
+    is then evaluated in NumPy: its casts (`(T)`, `(float)`, `(double)`) become NumPy casts.
+    """
 
     def __init__(self, in_params, out_params, operation, name):
-        self.name = name
+        self.inputs, self.outputs = _parse_params(in_params), _parse_params(out_params)
+        self.operation, self.name = operation, name
 
-    def __call__(self, tmp, *args):
+    def __call__(self, *args):
+        assert len(args) == len(self.inputs) + len(self.outputs), f"{self.name}: wrong argument count"
+        types: dict[str, np.dtype] = {}
+        for (type_name, _), arg in zip(self.inputs + self.outputs, args):
+            if _is_placeholder(type_name) and isinstance(arg, np.ndarray):
+                assert types.setdefault(type_name, arg.dtype) == arg.dtype, f"{self.name}: type mismatch"
+        resolved = {t: types[t] if _is_placeholder(t) else np.dtype(t) for t, _ in self.inputs + self.outputs}
         TRACE.append(("kernel", self.name))
-        out = args[-1]
-        if self.name == "ucudnn_scale":
-            (alpha, _) = args
-            out[...] = alpha * tmp.astype(type(alpha))
-        else:
-            assert self.name == "ucudnn_blend"
-            alpha, beta, _ = args
-            out[...] = alpha * tmp.astype(type(alpha)) + beta * out.astype(type(alpha))
+        values = {name: (arg if isinstance(arg, np.ndarray) else resolved[t].type(arg))
+                  for (t, name), arg in zip(self.inputs + self.outputs, args)}
+        target, expression = (part.strip() for part in self.operation.split("=", 1))
+        casts = {**_C_TYPES, **{t: types[t].type for t in types}}
+        python = re.sub(r"\((\w+)\)\s*(\w+)", lambda m: f"_cast[{m.group(1)!r}]({m.group(2)})", expression)
+        python = re.sub(r"^\((\w+)\)\(", lambda m: f"_cast[{m.group(1)!r}](", python)
+        cast = {name: (lambda t: lambda v: np.asarray(v).astype(t))(t) for name, t in casts.items()}
+        values[target][...] = eval(python, {"_cast": cast}, values)  # noqa: S307 -- the test's own kernels
+
+
+def _pool_block(shape, dtype, like=None) -> np.ndarray:
+    """New memory as CuPy's pool may hand it out: holding old bytes (0xFF, NaN in every float format)."""
+    array = np.empty_like(like) if like is not None else np.empty(shape, dtype)
+    array.fill({np.dtype(np.uint8): 0xFF, np.dtype(np.uint16): 0xFFFF}.get(array.dtype, np.nan))
+    return array
 
 
 def make_fake_cupy():
     runtime = SimpleNamespace(
         getDeviceCount=lambda: 1, getDevice=lambda: 0, runtimeGetVersion=lambda: 12090, driverGetVersion=lambda: 12090,
         getDeviceProperties=lambda i: {"name": b"Fake GPU", "totalGlobalMem": 2**34, "major": 9, "minor": 0})
-    return SimpleNamespace(
+    cupy = ModuleType("cupy")  # hashable, as the real module (the backend caches kernels by it)
+    cupy.__dict__.update(
         __version__="14.fake", ndarray=FakeArray, dtype=np.dtype,
         float16=np.float16, float32=np.float32, float64=np.float64, uint8=np.uint8, uint16=np.uint16,
         uint32=np.uint32,
-        empty=lambda shape, dtype=np.float32: _fake(np.empty(shape, dtype)),
+        empty=lambda shape, dtype=np.float32: _fake(_pool_block(shape, dtype)),
         zeros=lambda shape, dtype=np.float64: _fake(np.zeros(shape, dtype)),
-        empty_like=lambda a: _fake(np.empty_like(a)),
+        empty_like=lambda a: _fake(_pool_block(a.shape, a.dtype, like=a)),
         asarray=lambda a, dtype=None: _fake(np.asarray(a, dtype)),
         pad=lambda a, pads: _fake(np.pad(a, pads)), einsum=lambda *a, **kw: _fake(np.einsum(*a, **kw)),
         abs=lambda a: _fake(np.abs(a)), tensordot=lambda a, b, axes: _fake(np.tensordot(a, b, axes)),
@@ -413,6 +456,7 @@ def make_fake_cupy():
         cuda=SimpleNamespace(runtime=runtime, Device=_Device, Event=_Event,
                              get_current_stream=lambda: SimpleNamespace(ptr=0, synchronize=lambda: None),
                              get_elapsed_time=lambda start, end: (end.at - start.at) * 1e3))
+    return cupy
 
 
 # What the stand-in heuristics offer, in rank order: (engine id, knobs by name, workspace bytes per
@@ -575,7 +619,7 @@ def fake_gpu(monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy", make_fake_cupy())
     monkeypatch.setitem(sys.modules, "cudnn", fake_cudnn)
     TRACE.clear()
-    cudnn_backend._blend_kernels.cache_clear()
+    cupy_arrays._blend_kernels.cache_clear()
     cudnn_backend._hold_kernel.cache_clear()
     return SimpleNamespace(calls=calls, handles=handles, real=real)
 
@@ -786,14 +830,47 @@ def test_bwd_filter_accumulation_is_one_fused_kernel_and_is_timed(fake_gpu):
     problem = SMALL.with_kind("bwd_filter")
     TRACE.clear()
     backend.measure(problem, ["eng0"], reps=2)
-    assert ("kernel", "ucudnn_blend") not in TRACE  # beta = 0 writes out directly
+    assert ("kernel", "ucudnn_blend_float32") not in TRACE  # beta = 0 writes out directly
     TRACE.clear()
     backend.measure(problem, ["eng0"], reps=2, accumulate=True)
-    blends = TRACE.count(("kernel", "ucudnn_blend"))
+    blends = TRACE.count(("kernel", "ucudnn_blend_float32"))
     executes = TRACE.count(("execute",))
     # every run after the verified one accumulates: one blend kernel each
     assert blends == executes - 1 and blends > 0
-    assert ("kernel", "ucudnn_scale") not in TRACE
+    assert ("kernel", "ucudnn_scale_float32") not in TRACE
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64", "bfloat16"])
+def test_the_blend_runs_as_cupy_resolves_its_types(dtype):
+    """The blend's kernels called as CuPy calls them: every type placeholder is filled by an array
+    argument (a scalar never fills one: CuPy issue #2091), and the result is alpha * tmp + beta * out
+    in the data's arithmetic type, checked against float64 on fresh random data."""
+    cupy = make_fake_cupy()
+    rng = np.random.default_rng()
+    storage = {"float16": np.float16, "float32": np.float32, "float64": np.float64, "bfloat16": np.uint16}[dtype]
+    unit = selftest.TOLERANCE[dtype] if dtype in selftest.TOLERANCE else 2.0**-7
+    for alpha, beta in ((1.0, 0.0), (0.7, 0.0), (1.0, 1.0), (-0.3, 2.5)):
+        tmp_values, out_values = rng.standard_normal((2, 3, 4, 5))
+        tmp = _fake(cupy_arrays._narrow(np, tmp_values, dtype))
+        out = _fake(cupy_arrays._narrow(np, out_values, dtype) if beta else _pool_block((3, 4, 5), storage))
+        before = selftest.to_host_float64(out, dtype) if beta else 0.0
+        expected = alpha * selftest.to_host_float64(tmp, dtype) + beta * before
+        cupy_arrays.blend(cupy, dtype, tmp, out, alpha, beta)
+        assert out.dtype == storage
+        assert selftest.relative_error(selftest.to_host_float64(out, dtype), expected) <= unit
+
+
+def test_a_placeholder_only_scalars_use_is_refused_as_cupy_refuses_it():
+    # The blend as it was on 2026-11-22 (W filled by nothing): CuPy raised KeyError: 'W' on every
+    # launch that blends. The stand-in refuses it the same way, so the tests above would catch it.
+    cupy = make_fake_cupy()
+    kernel = cupy.ElementwiseKernel("T tmp, W alpha, W beta", "T out", "out = (T)(alpha * (W)tmp + beta * (W)out)",
+                                    "old_blend")
+    tmp, out = _fake(np.ones(4, np.float32)), _fake(np.ones(4, np.float32))
+    with pytest.raises(KeyError, match="W"):
+        kernel(tmp, np.float32(2.0), np.float32(1.0), out)
+    with pytest.raises(ValueError, match="Wrong type float"):
+        cupy.ElementwiseKernel("T tmp, float alpha", "T out", "out = (T)(alpha * tmp)", "c_type_name")
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -48,7 +48,7 @@ from ucudnn.backends.cuda_timing import HOST_MS_PER_LAUNCH, MAX_HOLD_MS, _hold_k
 from ucudnn.backends.cudnn_engines import (PROMOTED_SUFFIX, EngineConfig, Enumeration, Lru, Plan, build_plan,
                                            enumerate_engines, promotions, static_reason)
 from ucudnn.backends.cudnn_graph import DeclaredGraph, declare_graph, layout_strides
-from ucudnn.backends.cupy_arrays import _blend_kernels, _narrow, _storage_dtype, _widen
+from ucudnn.backends.cupy_arrays import _narrow, _storage_dtype, _widen, blend
 from ucudnn.errors import BackendUnavailable, InvalidInput, UnsupportedProblem
 from ucudnn.problem import ConvProblem
 
@@ -307,24 +307,7 @@ class CudnnBackend(Backend):
             graph.execute_plan_at_index(pack, workspace.data.ptr if plan.workspace_bytes else 0,
                                         index=plan.index, handle=self._handle)
             if not direct:
-                self._blend(problem, target, out, alpha, beta)
-
-    def _blend(self, problem: ConvProblem, target: Any, out: Any, alpha: float, beta: float) -> None:
-        """out = alpha * target + beta * out; beta = 0 never reads `out`, which may hold garbage."""
-        import cupy
-
-        if problem.dtype == "bfloat16":  # uint16 bits: no arithmetic type for the fused kernel
-            blended = _widen(cupy, target, problem.dtype) * alpha
-            if beta != 0.0:
-                blended += beta * _widen(cupy, out, problem.dtype)
-            out[...] = _narrow(cupy, blended, problem.dtype)
-            return
-        wide = cupy.float64 if problem.dtype == "float64" else cupy.float32
-        scale, blend = _blend_kernels()
-        if beta == 0.0:
-            scale(target, wide(alpha), out)
-        else:
-            blend(target, wide(alpha), wide(beta), out)
+                blend(cupy, problem.dtype, target, out, alpha, beta)
 
     def run(self, problem: ConvProblem, algo: str, *, x: Any = None, w: Any = None, dy: Any = None,
             out: Any, workspace: Any, alpha: float = 1.0, beta: float = 0.0) -> None:

@@ -30,16 +30,46 @@ def _narrow(cupy: Any, values: Any, dtype: str) -> Any:
     return values.astype(_storage_dtype(cupy, dtype))
 
 
-@functools.cache
-def _blend_kernels() -> tuple[Any, Any]:
-    """(scale, blend) elementwise kernels: out = alpha * tmp, and out = alpha * tmp + beta * out.
+# The arithmetic type of the blend, by storage dtype (bfloat16 has no CuPy type: see `blend`).
+_ARITHMETIC = {"float16": ("float32", "float"), "float32": ("float32", "float"), "float64": ("float64", "double")}
 
-    W is the arithmetic type (float32, float64 for float64 data); T the storage type. Scaling is
-    its own kernel so that beta = 0 never reads `out`, which may hold NaN.
+
+def blend_kernel_sources(dtype: str) -> dict[str, tuple[str, str, str]]:
+    """(in_params, out_params, operation) of the scale and blend kernels for `dtype`'s data.
+
+    CuPy fills a type placeholder (`T`) only from the arrays it is given, never from a scalar
+    (CuPy issue #2091): the scalars alpha and beta therefore carry a concrete type, the arithmetic
+    type of the data (float32, float64 for float64), and only the arrays use `T`.
     """
-    import cupy
+    wide, ctype = _ARITHMETIC[dtype]
+    return {"scale": (f"T tmp, {wide} alpha", "T out", f"out = (T)(alpha * ({ctype})tmp)"),
+            "blend": (f"T tmp, {wide} alpha, {wide} beta", "T out",
+                      f"out = (T)(alpha * ({ctype})tmp + beta * ({ctype})out)")}
 
-    scale = cupy.ElementwiseKernel("T tmp, W alpha", "T out", "out = (T)(alpha * (W)tmp)", "ucudnn_scale")
-    blend = cupy.ElementwiseKernel("T tmp, W alpha, W beta", "T out", "out = (T)(alpha * (W)tmp + beta * (W)out)",
-                                   "ucudnn_blend")
-    return scale, blend
+
+@functools.cache
+def _blend_kernels(cupy: Any, dtype: str) -> tuple[Any, Any]:
+    """(scale, blend) elementwise kernels for `dtype`'s data: out = alpha * tmp, and out = alpha *
+    tmp + beta * out. Scaling is its own kernel so that beta = 0 never reads `out`, which may hold NaN."""
+    sources = blend_kernel_sources(dtype)
+    wide = _ARITHMETIC[dtype][0]
+    return tuple(cupy.ElementwiseKernel(*sources[name], f"ucudnn_{name}_{wide}") for name in ("scale", "blend"))
+
+
+def blend(cupy: Any, dtype: str, target: Any, out: Any, alpha: float, beta: float) -> None:
+    """out = alpha * target + beta * out in one fused kernel; beta = 0 never reads `out`.
+
+    bfloat16 (uint16 bits, no arithmetic type for a fused kernel) goes through float32 arrays.
+    """
+    if dtype == "bfloat16":
+        blended = _widen(cupy, target, dtype) * alpha
+        if beta != 0.0:
+            blended += beta * _widen(cupy, out, dtype)
+        out[...] = _narrow(cupy, blended, dtype)
+        return
+    wide = cupy.float64 if dtype == "float64" else cupy.float32
+    scale, fused = _blend_kernels(cupy, dtype)
+    if beta == 0.0:
+        scale(target, wide(alpha), out)
+    else:
+        fused(target, wide(alpha), wide(beta), out)
