@@ -481,9 +481,11 @@ def _host_view(address: int, dims, strides, data_type, cudnn) -> np.ndarray:
 
 def make_fake_cudnn(real):
     """The frontend as the backend may see it: only CUDNN_API_USED, with real enums and the real IR."""
-    # "stale_workspace": engine ids that read the first float of their workspace without writing it.
+    # "stale_workspace": engine ids that read the first float of their workspace without writing it;
+    # "reads_output": engine ids that add into their output instead of overwriting it (right on a
+    # zeroed output, wrong on a temporary holding old bytes, as eng70's bwd_filter accumulating).
     calls = {"create_execution_plans": [], "create_execution_plan": [], "build_plan_at_index": [], "execute": 0,
-             "stale_workspace": set()}
+             "stale_workspace": set(), "reads_output": set()}
     knob = real.knob_type
 
     class FakeGraph(real.pygraph):
@@ -580,6 +582,8 @@ def make_fake_cudnn(real):
             engine_id, _ = self._engine(index)
             if engine_id in calls["stale_workspace"]:  # right on zeroed memory, NaN on 0xFF bytes
                 result = result + 0.0 * ctypes.c_float.from_address(workspace).value
+            if engine_id in calls["reads_output"]:
+                result = result + selftest.to_host_float64(views[out_port], dtype)
             if dtype == "bfloat16":
                 bits = result.astype(np.float32).view(np.uint32)
                 views[out_port][...] = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
@@ -785,10 +789,11 @@ def test_more_problems_than_the_caches_hold_run_without_error(fake_gpu, monkeypa
     assert len(backend._enumerations) <= 2 and len(backend._plans) <= 3
 
 
-def test_a_wrong_engine_is_excluded_by_measurement_selftest_and_optimize(fake_gpu):
+@pytest.mark.parametrize("fault", ["stale_workspace", "reads_output"])
+def test_a_wrong_engine_is_excluded_by_measurement_selftest_and_optimize(fake_gpu, fault):
     from ucudnn.network.optimize import expand_kernels, optimize
 
-    fake_gpu.calls["stale_workspace"].add(2)
+    fake_gpu.calls[fault].add(2)
     backend = cudnn_backend.CudnnBackend()
     wrong = "eng2:SPLIT_K_BUF=4,TILEK=0"
     results = {m.algo: m for m in backend.measure(SMALL, backend.algorithms(SMALL), reps=1)}

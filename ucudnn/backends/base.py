@@ -189,11 +189,14 @@ class Backend(abc.ABC):
                 accumulate: bool = False) -> list[MicroConfig]:
         """Verify, then time each algorithm at `problem.n`: warm-up runs, then the median of `reps` runs.
 
-        The first warm-up run is the verified one: its workspace holds UNWRITTEN_WORKSPACE_BYTE and
-        its output is compared with `trusted_result` on the same operands (computed once per call,
-        that is once per problem and micro-batch size). A candidate beyond
-        `verification_tolerance` is returned unusable with the reason `wrong result (rel. error X)`.
-        `accumulate` times the runs with beta = 1, as bwd_filter micro-batches after the first run.
+        The first warm-up run is the verified one: its workspace holds UNWRITTEN_WORKSPACE_BYTE, its
+        output NaN (beta = 0 must not read it), and its output is compared with `trusted_result` on
+        the same operands (computed once per call, that is once per problem and micro-batch size).
+        With `accumulate` (a bwd_filter micro-batch, which `run_configuration` adds into the first
+        one's result with beta = 1) a second run with beta = 1 must double that result: an engine
+        that is right alone and wrong when accumulating is caught at the size it would run at. A
+        candidate beyond `verification_tolerance` is returned unusable with the reason
+        `wrong result (...)`. `accumulate` also times the runs with beta = 1.
 
         An algorithm that cannot run (unsupported, out of memory, or failing with one of
         `candidate_failures()`) is returned with infinite time and the reason; it never stops the
@@ -216,17 +219,20 @@ class Backend(abc.ABC):
             try:
                 workspace = self.empty_workspace(nbytes)
                 workspace.fill(UNWRITTEN_WORKSPACE_BYTE)
-                operands["out"].fill(0)  # an algorithm that writes nothing must not inherit a right answer
+                fill_unwritten(operands["out"])  # nothing to inherit a right answer from, NaN if read
                 self.run(problem, algo, workspace=workspace, **operands)
                 self.synchronize()
                 if trusted is None:
                     trusted = self.trusted_result(problem, inputs)
-                error = self.result_error(problem, operands["out"], trusted)
-                if not error <= tolerance:  # NaN compares false too
-                    results.append(MicroConfig(algo, problem.n, float("inf"), nbytes,
-                                               reason=f"wrong result (rel. error {error:.3g})"))
-                    log.debug("%s on %s (%s): wrong result, rel. error %.3g over %.3g", algo, problem.spec,
-                              problem.kind, error, tolerance)
+                wrong = self._wrong_result(problem, operands["out"], trusted, tolerance, "")
+                if wrong is None and accumulate:
+                    self.run(problem, algo, workspace=workspace, beta=1.0, **operands)
+                    self.synchronize()
+                    wrong = self._wrong_result(problem, operands["out"], 2 * trusted, tolerance,
+                                               "accumulating with beta = 1, ")
+                if wrong is not None:
+                    results.append(MicroConfig(algo, problem.n, float("inf"), nbytes, reason=wrong))
+                    log.debug("%s on %s (%s): %s over %.3g", algo, problem.spec, problem.kind, wrong, tolerance)
                     continue
                 for _ in range(self.warmup_runs - 1):
                     self.run(problem, algo, workspace=workspace, beta=beta, **operands)
@@ -244,6 +250,17 @@ class Backend(abc.ABC):
                 log.debug("noisy timing: %s on %s: median %.3f ms, IQR %.3f ms", algo, problem.spec, median, spread)
             results.append(MicroConfig(algo, problem.n, median, nbytes, spread=spread))
         return results
+
+
+    def _wrong_result(self, problem: ConvProblem, out: Any, trusted: Any, tolerance: float, how: str) -> str | None:
+        error = self.result_error(problem, out, trusted)
+        return None if error <= tolerance else f"wrong result ({how}rel. error {error:.3g})"  # NaN fails too
+
+
+def fill_unwritten(array: Any) -> None:
+    """Fill an output with NaN (all-ones bits for bfloat16's uint16 storage): a kernel that reads
+    an output it should overwrite then gives NaN instead of passing on zeros."""
+    array.fill(0xFFFF if array.dtype.kind == "u" else math.nan)
 
 
 def is_noisy(median_ms: float, spread_ms: float) -> bool:

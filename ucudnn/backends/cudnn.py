@@ -82,6 +82,10 @@ CUDNN_API_USED: dict[str, tuple[str, ...]] = {
 PLAN_CACHE_ENTRIES = 256
 # Enumerated graphs (one per problem, batch and compute type), each holding every plan it built.
 ENUMERATION_CACHE_ENTRIES = 64
+# What a cached cuDNN measurement's verification covered, part of its cache key: 2 verifies against
+# a NaN output and, for accumulating micro-batches, with beta = 1 (2026-11-26). Rows verified before
+# (a zeroed output, beta = 0 only) may hold an engine that is wrong when accumulating: not served.
+VERIFICATION = "2"
 # The frontend declares its tensors 16-byte aligned (CUDNN_ATTR_TENSOR_BYTE_ALIGNMENT); a pointer
 # off that alignment is refused or misread by vectorised kernels, so such operands are copied.
 ALIGNMENT_BYTES = 16
@@ -165,7 +169,7 @@ class CudnnBackend(Backend):
         driver = cupy.cuda.runtime.driverGetVersion()
         versions = {"cudnn": cudnn.backend_version_string(), "cudnn-frontend": cudnn.__version__,
                     "cupy": cupy.__version__, "cuda-runtime": f"{runtime // 1000}.{runtime % 1000 // 10}",
-                    "cuda-driver": f"{driver // 1000}.{driver % 1000 // 10}"}
+                    "cuda-driver": f"{driver // 1000}.{driver % 1000 // 10}", "ucudnn-verification": VERIFICATION}
         return DeviceInfo(model=f"{name} (sm_{props['major']}{props['minor']})",
                           memory_bytes=int(props["totalGlobalMem"]), versions=tuple(sorted(versions.items())))
 

@@ -235,13 +235,24 @@ def _check(backend: Backend, problem: ConvProblem, algo: str, seed: int) -> Chec
 
 
 def _exclude_rejected(backend: Backend, problem: ConvProblem, checks: list[Check]) -> list[Check]:
-    """Failed checks whose algorithm the measurement's verification rejects become `excluded`."""
+    """Failed checks whose algorithm the measurement's verification rejects become `excluded`.
+
+    The measurement is asked at every size the check ran, as `measure_table` would ask it: the
+    whole batch, and each micro-batch size (bwd_filter's accumulating with beta = 1), so an
+    algorithm that is right undivided and wrong micro-batched is rejected where it would run.
+    """
     failed = [c.algo for c in checks if c.status == "fail"]
     if not failed:
         return checks
-    verdicts = {m.algo: m.reason for m in backend.measure(problem, failed, reps=1)}
+    verdicts: dict[str, str] = {}
+    for size in sorted({problem.n, *micro_batches(problem.n)}, reverse=True):
+        part = problem.with_batch(size)
+        accumulate = problem.kind == "bwd_filter" and size < problem.n
+        for m in backend.measure(part, [a for a in failed if a not in verdicts], reps=1, accumulate=accumulate):
+            if m.reason.startswith("wrong result"):
+                verdicts[m.algo] = m.reason if size == problem.n else f"{m.reason} at micro-batch {size}"
     return [dataclasses.replace(c, status="excluded", reason=f"{verdicts[c.algo]}; measurement rejects it")
-            if c.status == "fail" and verdicts[c.algo].startswith("wrong result") else c for c in checks]
+            if c.status == "fail" and c.algo in verdicts else c for c in checks]
 
 
 def _problem_text(problem: ConvProblem) -> str:
