@@ -1,0 +1,61 @@
+"""benchmarks/gpu/first_run.py, the command a GPU session runs first: what runs without a GPU."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu" / "first_run.py"
+
+
+@pytest.fixture(scope="module")
+def first_run():
+    spec = importlib.util.spec_from_file_location("first_run", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_without_a_gpu_it_says_what_is_missing_in_one_line(tmp_path, first_run):
+    if first_run.missing_gpu() is None:
+        pytest.skip("a GPU is here: the command would run")
+    done = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.startswith("first_run: needs a CUDA GPU") and done.stderr.count("\n") == 1
+
+
+def test_every_part_runs_in_its_own_process_with_a_limit(tmp_path, first_run):
+    args = first_run.parse_args([str(tmp_path)])
+    names = [name for name, _, _ in first_run.parts(args)]
+    assert names == ["selftest", "pytest", "bench", "convert", "planned"]
+    assert set(names) == set(first_run.LIMITS_S) and sum(first_run.LIMITS_S.values()) <= 20 * 60
+
+
+def test_summaries_read_what_each_part_prints(first_run):
+    ok, text, _ = first_run.selftest_summary(json.dumps(
+        {"passed": True, "summary": {"passed": 612, "failed": 0, "excluded": 3, "skipped": 0, "seconds": 9.0}}))
+    assert ok and text == "612 passed, 0 failed, 3 excluded, 0 skipped"
+    ok, text, figure = first_run.pytest_summary(
+        "..F\nFAILED tests/test_gpu.py::test_micro_batched_matches_undivided - assert\n1 failed, 19 passed in 80.0s\n")
+    assert not ok and figure["counts"] == {"failed": 1, "passed": 19}
+    assert text == "1 failed, 19 passed: tests/test_gpu.py::test_micro_batched_matches_undivided"
+    assert first_run.pytest_summary("20 passed, 2 deselected in 80.0s")[0]
+    assert not first_run.pytest_summary("no tests ran in 0.1s")[0]
+    ok, text, _ = first_run.bench_summary(json.dumps({"total": {"baseline_ms": 36.65, "time_ms": 15.29, "speedup": 2.4}}))
+    assert ok and text == "36.65 -> 15.29 ms, 2.40x"
+
+
+def test_the_planned_step_runs_on_cpu_tensors_and_trains_like_plain(tmp_path, first_run):
+    # The step code a GPU runs, on the CPU: the plan executes and its loss equals plain PyTorch's.
+    pytest.importorskip("transformers")
+    figure = first_run.training_step("planned", "hf-mobilenet-v2", 2, 32, "cpu", f"sqlite:///{tmp_path}/c.db", reps=1)
+    ok, text, _ = first_run.step_summary(json.dumps(figure))
+    assert ok, text
+    assert figure["loss_diff"] == 0.0 and figure["predicted_peak_mib"] > 0 and math.isfinite(figure["ms"])
+    assert text.startswith("hf-mobilenet-v2 b2: ")
