@@ -384,14 +384,13 @@ _C_TYPES = {"float": np.float32, "double": np.float64}
 
 
 def _parse_params(text: str) -> list[tuple[str, str]]:
-    """CuPy's parameter list "T tmp, float32 alpha" as [(type, name)], with CuPy's rules for types
-    (cupy/_core/_kernel.pyx, ParameterInfo): a one-letter type is a placeholder; any other must be
-    a NumPy scalar type's own name ("float32"; "float" is refused). `raw` is not used here."""
+    """CuPy's parameter list "T tmp, float32 alpha" as [(type, name)]; as CuPy reads it
+    (cupy/_core/_kernel.pyx, ParameterInfo), a one-letter type is a placeholder and any other a
+    NumPy dtype name. `raw` is not used here."""
     params = [tuple(part.split()) for part in text.split(",")]
     assert all(len(p) == 2 for p in params), f"cannot parse parameters {text!r}"
     for type_name, _ in params:
-        if not _is_placeholder(type_name) and np.dtype(type_name).type.__name__ != type_name:
-            raise ValueError(f"Wrong type {type_name}")
+        _is_placeholder(type_name) or np.dtype(type_name)  # an unknown name raises, as in CuPy
     return params
 
 
@@ -415,9 +414,14 @@ class _ElementwiseKernel:
     def __call__(self, *args):
         assert len(args) == len(self.inputs) + len(self.outputs), f"{self.name}: wrong argument count"
         types: dict[str, np.dtype] = {}
-        for (type_name, _), arg in zip(self.inputs + self.outputs, args):
-            if _is_placeholder(type_name) and isinstance(arg, np.ndarray):
-                assert types.setdefault(type_name, arg.dtype) == arg.dtype, f"{self.name}: type mismatch"
+        for (type_name, name), arg in zip(self.outputs + self.inputs, args[len(self.inputs):] + args[:len(self.inputs)]):
+            if not isinstance(arg, np.ndarray):
+                continue  # a scalar: converted to its parameter's type, never filling a placeholder
+            if not _is_placeholder(type_name):
+                if arg.dtype != np.dtype(type_name):
+                    raise TypeError(f"Type is mismatched. {name} {arg.dtype} {type_name}")
+            elif types.setdefault(type_name, arg.dtype) != arg.dtype:
+                raise TypeError(f"Type is mismatched. {name} {arg.dtype} {types[type_name]} {type_name}")
         resolved = {t: types[t] if _is_placeholder(t) else np.dtype(t) for t, _ in self.inputs + self.outputs}
         TRACE.append(("kernel", self.name))
         values = {name: (arg if isinstance(arg, np.ndarray) else resolved[t].type(arg))
@@ -874,8 +878,9 @@ def test_a_placeholder_only_scalars_use_is_refused_as_cupy_refuses_it():
     tmp, out = _fake(np.ones(4, np.float32)), _fake(np.ones(4, np.float32))
     with pytest.raises(KeyError, match="W"):
         kernel(tmp, np.float32(2.0), np.float32(1.0), out)
-    with pytest.raises(ValueError, match="Wrong type float"):
-        cupy.ElementwiseKernel("T tmp, float alpha", "T out", "out = (T)(alpha * tmp)", "c_type_name")
+    # Given as arrays, the same placeholder is filled: the rule is about scalars.
+    kernel(tmp, _fake(np.float32(2.0) * np.ones(4, np.float32)), _fake(np.ones(4, np.float32)), out)
+    assert np.all(out == 3.0)
 
 
 @pytest.mark.parametrize("kind", KINDS)
