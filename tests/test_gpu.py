@@ -41,7 +41,10 @@ def test_each_kind_matches_the_float64_reference(backend, kind):
 
 def test_micro_batched_matches_undivided(backend):
     report = run_selftest(backend, problems=DEFAULT_PROBLEMS[:2])
-    compared = [c for c in report.checks if c.error_micro_undivided is not None]
+    # An engine wrong micro-batched (eng70's bwd_filter accumulating, on an H200) is excluded: measurement
+    # rejects it at that size, so no plan runs it; every engine a plan may run must match.
+    assert all(c.reason.endswith("measurement rejects it") for c in report.checks if c.status == "excluded")
+    compared = [c for c in report.checks if c.error_micro_undivided is not None and c.status != "excluded"]
     assert compared, report.format()
     assert all(c.error_micro_undivided <= c.tolerance for c in compared), report.format()
     assert {c.kind for c in compared} == set(KINDS)  # bwd_filter accumulated over two micro-batches
