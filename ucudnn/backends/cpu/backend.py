@@ -42,6 +42,7 @@ SUPPORTED_DTYPES = ("float32", "float64")
 
 # The NumPy families by name: the workspace each carves, and the code that computes in it.
 _LAYOUTS = {IM2COL_GEMM: _im2col_layout, SHIFT_GEMM: _shift_layout, FFT: _fft_layout, WINOGRAD: _winograd_layout}
+_RANK = {algo: i for i, algo in enumerate((NATIVE, IM2COL_GEMM, WINOGRAD, SHIFT_GEMM, FFT))}
 _RUNS = {IM2COL_GEMM: _run_im2col, SHIFT_GEMM: _run_shift, FFT: _run_fft, WINOGRAD: _run_winograd}
 
 
@@ -137,6 +138,11 @@ class CpuBackend(Backend):
 
     def algorithms(self, problem: ConvProblem) -> list[str]:
         return list(ALGORITHMS) + ([NATIVE] if _torch_version() is not None else [])
+
+    def ranked(self, problem: ConvProblem, algos) -> list[str]:
+        # A fixed order, fastest first on most shapes: PyTorch's own (oneDNN), then one GEMM over
+        # unfolded columns, Winograd (3x3 only), the small-workspace shifted GEMMs, FFT (large filters).
+        return sorted(algos, key=lambda algo: _RANK.get(algo, len(_RANK)))
 
     def versions_for(self, algo: str) -> str:
         # native is PyTorch's convolution; the others are NumPy/SciPy over their BLAS. Both read
