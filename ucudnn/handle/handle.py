@@ -181,6 +181,7 @@ class Handle(_Planning, _Trials, _Recovery, _Workspaces, _Launching):
         self._wr_plans: dict[tuple[str, int, int | None], _Plan] = {}
         self._wr_seen: dict[tuple[str, str, int], ConvProblem] = {}
         self._buffer: Any = None
+        self._slices: tuple[Any, dict] = (None, {})  # the buffer or arena last sliced, and its run slices
         self._buffer_bytes = 0
         # called with +bytes and -bytes around a run whose workspace is held for that run only (a
         # plan's budget); set by `ucudnn.torch.tracker.StepTracker` while it counts
@@ -294,6 +295,7 @@ class Handle(_Planning, _Trials, _Recovery, _Workspaces, _Launching):
         self._buffer = None
         self._buffer_bytes = 0
         self._arena = None
+        self._slices = (None, {})
 
     def __enter__(self) -> Handle:
         return self
