@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ucudnn.backends.cpu import CpuBackend
+from ucudnn.backends.cpu import CpuBackend, im2col
 from ucudnn.problem import KINDS, ConvProblem
 from ucudnn.reference import reference, relative_error
 
@@ -32,10 +32,12 @@ def _operands(problem: ConvProblem, rng) -> dict[str, np.ndarray]:
     return {name: rng.standard_normal(shapes[name]).astype(np.float32) for name in names}
 
 
-@pytest.mark.parametrize("threads", [None, 1])
+@pytest.mark.parametrize("threads, clear_whole", [(None, True), (1, False)])
 @pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("kind", KINDS)
-def test_prepared_launches_match_the_reference_run_after_run(form, kind, threads):
+def test_prepared_launches_match_the_reference_run_after_run(form, kind, threads, clear_whole, monkeypatch):
+    # im2col's columns cleared whole (small ones) or border by border (the larger ones)
+    monkeypatch.setattr(im2col, "CLEAR_WHOLE_BYTES", im2col.CLEAR_WHOLE_BYTES if clear_whole else 0)
     backend = CpuBackend(numpy_threads=threads)
     problem = ConvProblem.from_shapes(kind=kind, **FORMS[form])
     rng = np.random.default_rng(abs(hash((form, kind))) % 2**32)

@@ -12,6 +12,11 @@ from ucudnn.backends.cpu.common import _blend, _gather_plan, _run_gather, _scale
 from ucudnn.backends.cpu.layout import _Layout
 from ucudnn.problem import ConvProblem
 
+# Columns up to this size are cleared whole before the gathers (one call) rather than border by border
+# (a call per border of each filter tap): below it the calls cost more than the bytes; above it, clearing
+# the whole matrix would write it twice (it is filter-size times the input).
+CLEAR_WHOLE_BYTES = 256 * 1024
+
 # Columns are laid out (c, taps..., n, outs...): the rows of one group are one contiguous
 # (c/g * taps) x (n * P) block, so each group is a single large GEMM against the filter viewed as
 # (k/g) x (c/g * taps), and numpy.matmul over a leading group axis runs all groups in one call.
@@ -61,6 +66,10 @@ def _prepare_im2col(p: ConvProblem):
                     if (plan := _scatter_plan(image, tap_shape, mv, (slice(None), *tap))) is not None]
     else:
         gathers = [_gather_plan(tap_shape, image, mv, (slice(None), *tap)) for tap, mv in moves]
+        col_bytes = math.prod(tap_shape) * math.prod(taps) * np.dtype(p.dtype).itemsize
+        clear = col_bytes <= CLEAR_WHOLE_BYTES and sum(len(zeros) for zeros, _, _ in gathers) > 1
+        if clear:  # one clear, then each tap writes its inside only
+            gathers = [([], inside, reads) for _, inside, reads in gathers]
 
     def views(ws: dict[str, np.ndarray]) -> tuple:
         if kind == "fwd":
@@ -78,6 +87,8 @@ def _prepare_im2col(p: ConvProblem):
         def run(v, x, w, dy, out, alpha, beta) -> None:
             col, col_g, yt_g, yt_t = v
             xt = x.swapaxes(0, 1)
+            if clear:
+                col.fill(0)
             for plan in gathers:
                 _run_gather(col, xt, plan)
             np.matmul(w.reshape(g, kg, crs_g), col_g, out=yt_g)
@@ -87,6 +98,8 @@ def _prepare_im2col(p: ConvProblem):
             dyt, dy_g, col, col_t, dw, dw_g = v
             np.copyto(dyt, dy.reshape(n, k, -1).transpose(1, 0, 2))
             xt = x.swapaxes(0, 1)
+            if clear:
+                col.fill(0)
             for plan in gathers:
                 _run_gather(col, xt, plan)
             np.matmul(dy_g, col_t, out=dw_g)
