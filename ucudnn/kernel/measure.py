@@ -76,9 +76,10 @@ class BenchStats:
 # PyTorch's `torch.backends.cudnn.benchmark_limit`: at most this many candidates are timed per kernel and
 # micro-batch size, the backend's best-ranked first (0 or None: every candidate).
 DEFAULT_BENCHMARK_LIMIT = 10
-# A candidate more than this many times slower than another at the next larger micro-batch size (and,
-# where workspace matters, with no less workspace) is not timed at the smaller sizes while that other
-# one fits there. Relative speeds drift with the batch, but not by half: closer contenders are all timed.
+# A candidate more than this many times slower than another at the next larger micro-batch size and at
+# the smallest (and, where workspace matters, with no less workspace) is not timed at the sizes between
+# while that other one fits there. Relative speeds drift with the batch, but not by half: closer
+# contenders are all timed.
 LOSS_MARGIN = 1.5
 PRUNED = "pruned: "  # the reason of every candidate pruned before it was timed starts so
 
@@ -104,12 +105,14 @@ def measure_table(backend: Backend, problem: ConvProblem, sizes: Sequence[int], 
     measurement taken now (not read from the cache).
 
     `benchmark_limit` k (None or 0: every candidate is timed) prunes before timing, as PyTorch's
-    `cudnn.benchmark_limit` does: the sizes are taken largest first, and at each one only the k
-    best-ranked candidates (`Backend.ranked`) that fit the limit and did not lose at the size before
-    (more than `LOSS_MARGIN` times slower than one that fits here too; with `front`, for a Pareto
-    front, only to one that also needs no more workspace) are timed. The others appear with infinite
-    time and a reason starting with `PRUNED`, and are not cached. Which candidates are timed
-    depends only on the timings of those timed before, so a second run finds them all in the cache.
+    `cudnn.benchmark_limit` does: the sizes are taken largest first, then the smallest, then down
+    (`_pruning_order`), and at each one only the k best-ranked candidates (`Backend.ranked`) that fit
+    the limit are timed, leaving out, between the largest and the smallest, one that lost at both the
+    next larger size and the smallest (more than `LOSS_MARGIN` times slower, on a steady timing, than
+    one that fits here too; with `front`, for a Pareto front, only to one that also needs no more
+    workspace). The others appear with infinite time and a reason starting with `PRUNED`, and are not
+    cached. Which candidates are timed depends only on the timings of those timed before, so a second
+    run finds them all in the cache.
     """
     if benchmark_limit is not None and (isinstance(benchmark_limit, bool) or not isinstance(benchmark_limit, int)
                                         or benchmark_limit < 0):
