@@ -97,7 +97,7 @@ def test_a_loser_is_timed_where_its_winners_do_not_fit():
     limit = 10**8
     table, stats = table_of(backend, 10, algos=algos, workspace_limit=limit)
     assert ("fft", 4) in backend.timed and table[4][0].reason.startswith("needs ")
-    # at 2 its winner fits again; fft lost at 4? no: it was timed there at 1.0 ms, not a loss, so timed at 2
+    # at 2 its winner fits again, but fft did not lose at 4 (the next larger size, where it ran alone)
     assert ("fft", 2) in backend.timed and stats.pruned == 0
 
 
