@@ -15,9 +15,13 @@ CUDA tensors for `torch`, any cuDNN engine; no `backend` row there, host time on
 starts after a device synchronisation and the tiny kernels keep up with the launches).
 It only uses APIs that predate the prepared path, so that the same script measures an older
 checkout (PYTHONPATH=that checkout) for a before/after comparison.
-`layer direct` and `layer routed`: forward and backward of a converted tiny layer planned `native`
-(plain F.conv2d behind the layer's checks) and `im2col_gemm` (through the handle), per call;
-`layer operators`: the latter's kernels called through ucudnn's torch.library operators instead.
+`layer direct` and `layer routed`: forward and backward of a converted tiny layer (--layer-batch x 8 x 8 x 8)
+planned `native` (plain F.conv2d behind the layer's checks) and `im2col_gemm` (through the handle), per
+call, interleaved with `torch layer` (nn.Conv2d) and `torch forward` (its forward alone); `layer operators`:
+the routed layer's kernels called through ucudnn's torch.library operators instead, beside `operator
+floor`, a custom operator of the same schema around torch's own convolution. Derived: `routed - torch
+layer` (issue 36's target: at most two torch forwards), `operators - routed` against `floor - torch
+layer` (what the operators add over eager, against what any custom operator adds).
 `torch route` (when ucudnn.torch exists) is what ucudnn.torch charges per kernel call routed through
 ucudnn instead of torch's own convolution (`ucudnn.torch.conv.route_overhead_ms`, forward and
 backward of a tiny layer: the autograd Function plus one kernel's share of the handle route).
@@ -53,37 +57,100 @@ def per_call_us(fn, calls: int, rounds: int, sync=lambda: None) -> float:
     return best
 
 
-def layer_calls_us(calls: int, rounds: int) -> dict[str, float]:
-    """Forward and backward of a converted tiny layer (`ucudnn.torch.convert`), per call: `layer
-    direct` plans `native` (the layer is plain F.conv2d behind ucudnn's checks), `layer routed`
-    plans im2col_gemm (the autograd Function and the handle's kernels); `layer operators` runs the
-    routed layer's kernels through `torch.ops.ucudnn` (what eager calls would cost through them)."""
+def _floor_operator():
+    """The least torch.library custom operators with an autograd formula cost, in ucudnn's arrangement: a
+    forward operator of ucudnn.convolution's schema (a layer key, the geometry, flags, an optional bias)
+    around F.conv2d, whose backward calls two more operators (dx and dw, as ucudnn's do) around
+    aten.convolution_backward: what PyTorch's own machinery requires of three operators."""
+    ops = getattr(torch.ops, "ucudnn_bench", None)
+    if ops is not None and hasattr(ops, "conv"):
+        return ops.conv
+    geometry = "int[] stride, int[] padding, int[] dilation, bool transposed, int[] output_padding, int groups"
+
+    @torch.library.custom_op("ucudnn_bench::conv", mutates_args=(),
+                             schema=f"(Tensor x, Tensor weight, int layer, {geometry}, str layout, bool need_dx, "
+                                    "bool need_dw, Tensor? bias=None) -> Tensor")
+    def conv(x, weight, layer, stride, padding, dilation, transposed, output_padding, groups, layout, need_dx, need_dw,
+             bias=None):
+        return F.conv2d(x, weight, bias, stride, padding, dilation, groups)
+
+    @torch.library.custom_op("ucudnn_bench::conv_dx", mutates_args=(),
+                             schema=f"(Tensor dy, Tensor weight, int layer, SymInt[] x_shape, {geometry}) -> Tensor")
+    def conv_dx(dy, weight, layer, x_shape, stride, padding, dilation, transposed, output_padding, groups):
+        x = dy.new_empty(()).expand(x_shape)
+        return torch.ops.aten.convolution_backward(dy, x, weight, None, stride, padding, dilation, transposed,
+                                                   output_padding, groups, [True, False, False])[0]
+
+    @torch.library.custom_op("ucudnn_bench::conv_dw", mutates_args=(),
+                             schema=f"(Tensor x, Tensor dy, Tensor weight, int layer, {geometry}) -> Tensor")
+    def conv_dw(x, dy, weight, layer, stride, padding, dilation, transposed, output_padding, groups):
+        return torch.ops.aten.convolution_backward(dy, x, weight, None, stride, padding, dilation, transposed,
+                                                   output_padding, groups, [False, True, False])[1]
+
+    def setup(ctx, inputs, output):
+        ctx.save_for_backward(inputs[0], inputs[1])
+        ctx.conv = inputs[2:9]
+
+    def backward(ctx, dy):
+        x, w = ctx.saved_tensors
+        layer, *conv = ctx.conv
+        dx = torch.ops.ucudnn_bench.conv_dx(dy, w, layer, list(x.shape), *conv)
+        dw = torch.ops.ucudnn_bench.conv_dw(x, dy, w, layer, *conv)
+        return dx, dw, *[None] * 11
+
+    conv.register_autograd(backward, setup_context=setup)
+    return torch.ops.ucudnn_bench.conv
+
+
+def layer_calls_us(calls: int, rounds: int, batch: int = 2) -> dict[str, float]:
+    """Forward and backward of a tiny layer (batch x 8 x 8 x 8, 3x3), per call, the contenders interleaved
+    (`interleaved_samples_ms`, each sample a loop of `calls` calls; medians): `torch layer` is plain
+    nn.Conv2d, `layer direct` the converted layer planned `native` (F.conv2d behind ucudnn's checks),
+    `layer routed` the converted layer planned im2col_gemm (the autograd Function and the handle's
+    kernels); `layer operators` runs the routed layer's kernels through `torch.ops.ucudnn` (what a
+    compiled graph calls), `operator floor` a custom operator of the same schema around torch's own
+    convolution (what PyTorch's custom operators cost), `torch forward` nn.Conv2d's forward alone."""
+    import statistics
+
+    from ucudnn.kernel.measure import interleaved_samples_ms
     from ucudnn.torch import convert
 
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(1, 8, 8, 8, generator=g, requires_grad=True)
-    dy = torch.randn(1, 8, 8, 8, generator=g)
-    out = {}
-    for name, algo in (("layer direct", "native"), ("layer routed", "im2col_gemm")):
-        layer = convert(torch.nn.Conv2d(8, 8, 3, padding=1), backend="cpu", policy="undivided", algos=[algo], reps=1,
-                        db=False, call_overhead=0)
-        layer(x).backward(dy)  # plan and prepare
-        out[name] = per_call_us(lambda: layer(x).backward(dy), calls, rounds)
+    x = torch.randn(batch, 8, 8, 8, generator=g, requires_grad=True)
+    dy = torch.randn(batch, 8, 8, 8, generator=g)
+    plain = torch.nn.Conv2d(8, 8, 3, padding=1)
+    layers = {name: convert(torch.nn.Conv2d(8, 8, 3, padding=1), backend="cpu", policy="undivided", algos=[algo],
+                            reps=1, db=False, call_overhead=0)
+              for name, algo in (("layer direct", "native"), ("layer routed", "im2col_gemm"))}
+    fns = {"torch layer": lambda: plain(x).backward(dy), "torch forward": lambda: plain(x)}
+    fns.update({name: (lambda layer=layer: layer(x).backward(dy)) for name, layer in layers.items()})
     try:
         from ucudnn.torch.ops import layer_key
     except ImportError:  # an older checkout: no operators
-        return out
-    # the routed layer's kernels through ucudnn's torch.library operators, as a compiled graph calls them
-    conv = (layer_key(layer), [1, 1], [1, 1], [1, 1], False, [0, 0], 1, "NCHW", True, True)
-    out["layer operators"] = per_call_us(lambda: torch.ops.ucudnn.convolution(x, layer.weight, *conv).backward(dy),
-                                         calls, rounds)
-    return out
+        pass
+    else:
+        routed = layers["layer routed"]
+        conv = (layer_key(routed), [1, 1], [1, 1], [1, 1], False, [0, 0], 1, "NCHW", True, True)
+        fns["layer operators"] = lambda: torch.ops.ucudnn.convolution(x, routed.weight, *conv, routed.bias).backward(dy)
+        floor = _floor_operator()
+        fns["operator floor"] = lambda: floor(x, plain.weight, 0, [1, 1], [1, 1], [1, 1], False, [0, 0], 1, "NCHW",
+                                              True, True, plain.bias).backward(dy)
+    for fn in fns.values():  # plan, prepare, warm up
+        for _ in range(20):
+            fn()
+
+    def loop(fn):
+        return lambda: [fn() for _ in range(calls)]
+
+    samples = interleaved_samples_ms({name: loop(fn) for name, fn in fns.items()}, rounds)
+    return {name: statistics.median(s) / calls * 1e3 for name, s in samples.items()}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=5000)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--layer-batch", type=int, default=2, help="the batch of the layer contenders (issue 36: 2)")
     parser.add_argument("--json", help="also write the results here")
     parser.add_argument("--backend", choices=("cpu", "cudnn"), default="cpu")
     args = parser.parse_args()
@@ -119,7 +186,13 @@ def main() -> int:
                 args.calls, args.rounds)
     results["per micro-batch"] = (results["handle-4"] - results["handle"]) / 3
     if not gpu:
-        results.update(layer_calls_us(args.calls // 5, args.rounds))
+        results.update(layer_calls_us(args.calls // 10, args.rounds, args.layer_batch))
+        torch_fwd = results["torch forward"]
+        results["routed - torch layer"] = results["layer routed"] - results["torch layer"]
+        results["  in torch forwards"] = results["routed - torch layer"] / torch_fwd
+        if "layer operators" in results:
+            results["operators - routed"] = results["layer operators"] - results["layer routed"]
+            results["floor - torch layer"] = results["operator floor"] - results["torch layer"]
     if not gpu:
         results["handle - backend"] = results["handle"] - results["backend"]
         try:
@@ -130,7 +203,7 @@ def main() -> int:
             results["torch route"] = route_overhead_ms() * 1e3
     print(f"# host time per call, tiny convolution, 1 thread; ucudnn from {ucudnn.__file__}")
     for name, us in results.items():
-        print(f"{name:>17}  {us:8.1f} us")
+        print(f"{name:>21}  {us:8.1f}" + ("" if name.startswith("  in") else " us"))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

@@ -12,6 +12,7 @@ import click
 from ucudnn.backends.base import NOISY_SPREAD_FRACTION
 from ucudnn.cli.options import size_option as _size_option
 from ucudnn.errors import InvalidInput
+from ucudnn.kernel.measure import DEFAULT_BENCHMARK_LIMIT
 from ucudnn.problem import KINDS, ConvProblem
 from ucudnn.kernel.resources import check_can_run
 from ucudnn.sizes import format_size
@@ -42,10 +43,15 @@ _UNUSED_LAYER_KEYS = {"kind": "bench runs every kind of --kinds"}
 @click.option("--verbose", is_flag=True, help="After the table, list every noisy timing and every excluded (wrong) algorithm.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @click.option("--workers", default=1, show_default=True, type=click.IntRange(min=1),
-              help="Measure in N processes (one GPU each on cudnn, N CPU workers on cpu) into the one cache.")
+              help="Measure in N processes (one GPU each on cudnn, N CPU workers on cpu) into the one cache; "
+                   "they time every candidate (no --benchmark-limit).")
+@click.option("--benchmark-limit", default=DEFAULT_BENCHMARK_LIMIT, show_default=True, type=click.IntRange(min=0),
+              help="Time at most N candidates per kernel and micro-batch size, the backend's best-ranked first, "
+                   "and skip those that lost clearly at the next larger size (0: time every candidate).")
+@click.option("--exhaustive", is_flag=True, help="Time every candidate at every size (--benchmark-limit 0).")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="WD mode: draw the Pareto front and the workspace division to this PNG.")
 def bench(layer_specs, network, batch, workspace, total_workspace, policy, backend_name, kinds, algos,
-          db_url, reps, as_json, verbose, quiet, workers, plot_path):
+          db_url, reps, as_json, verbose, quiet, workers, benchmark_limit, exhaustive, plot_path):
     """Benchmark every algorithm at several micro-batch sizes and pick the fastest division.
 
     WR (--workspace, or no limit) optimises each kernel within its own limit, so --layer specs
@@ -108,12 +114,12 @@ def bench(layer_specs, network, batch, workspace, total_workspace, policy, backe
 
     total = sum(len(sizes[p.n]) * len(algo_list or backend.algorithms(p)) for p in unique.values())
     try:
-        # One step per candidate (an algorithm at a micro-batch size): measured, from the cache or over the limit.
+        # One step per candidate (an algorithm at a micro-batch size): measured, from the cache, over the limit or pruned.
         with tqdm(total=total, desc="benchmark", unit="candidate", file=sys.stderr, disable=not show_progress,
                   leave=False) as progress, logging_redirect_tqdm():
             report = optimize(backend, kernels, policy=policy_value, workspace_limit=workspace,
                               total_workspace=total_workspace, cache=cache, algos=algo_list, reps=reps,
-                              progress=progress)
+                              progress=progress, benchmark_limit=0 if exhaustive else benchmark_limit)
     finally:
         cache.close()
 
@@ -172,7 +178,8 @@ def format_report(report, verbose: bool = False, layer_specs=None) -> str:
         lines.append("speedup: - in total: some kernel has no baseline (no algorithm ran its undivided batch)")
     s = report.stats
     lines.append(f"benchmark: {s.candidates} candidates (an algorithm at a micro-batch size), {s.measured} measured now, "
-                 f"{s.cached} from the cache, {s.over_limit} not run (workspace over the limit); {s.seconds:.1f} s")
+                 f"{s.cached} from the cache, {s.over_limit} not run (workspace over the limit), {s.pruned} pruned "
+                 f"(--benchmark-limit; --exhaustive times them); {s.seconds:.1f} s")
     if report.noise_text:
         lines.append(f"note: {report.noise_text}")
     skipped: dict[tuple[str, str], int] = {}

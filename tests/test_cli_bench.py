@@ -45,7 +45,7 @@ def test_json_follows_the_contract_and_the_second_run_measures_nothing(tmp_path,
     assert [k["kind"] for k in first["kernels"]] == ["fwd", "bwd_data", "bwd_filter"]
     for k in first["kernels"]:
         assert set(k) == {"layer", "kind", "problem", "baseline", "config", "time_ms", "workspace", "speedup",
-                          "batch", "excluded", "configuration", "doubtful", "unsupported"}
+                          "batch", "excluded", "configuration", "doubtful", "unsupported", "pruned"}
         assert k["layer"] == "layer1" and k["baseline"]["chosen_by"] == "fastest within the limit"
         assert k["unsupported"] == []  # a 2-D 3x3 stride-1 layer: every cpu algorithm runs it
         assert expand(k["configuration"]) == [(m["algo"], m["batch"]) for m in k["config"]]
@@ -65,8 +65,10 @@ def test_json_follows_the_contract_and_the_second_run_measures_nothing(tmp_path,
     assert total["baseline_workspace"] == max(k["baseline"]["workspace"] for k in first["kernels"])
     bench = first["benchmark"]
     assert bench["measured"] > 0 and bench["cached"] == 0
-    # Every candidate the progress bar counts is measured, cached or over the limit.
-    assert bench["candidates"] == bench["measured"] + bench["cached"] + bench["over_limit"] > bench["measured"]
+    # Every candidate the progress bar counts is measured, cached, over the limit or pruned.
+    assert bench["candidates"] == (bench["measured"] + bench["cached"] + bench["over_limit"]
+                                   + bench["pruned"]) > bench["measured"]
+    assert bench["pruned"] == sum(len(k["pruned"]) for k in first["kernels"])
 
     second = bench_json(tmp_path, capsys, "--workspace", "64KiB", "--policy", "powerOfTwo")
     assert second["benchmark"]["measured"] == 0 and second["benchmark"]["remeasured"] == 0

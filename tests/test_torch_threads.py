@@ -22,14 +22,29 @@ def _blas_threads() -> set[int]:
 
 @pytest.fixture
 def watched(monkeypatch):
-    """Record BLAS threads and scipy.fft workers while every NumPy algorithm computes."""
+    """Record BLAS threads and scipy.fft workers while every NumPy algorithm computes: checked runs
+    (`_RUNS`) and prepared launches (`_PREPARE`'s run)."""
     seen = []
     for algo, run in list(cpu._RUNS.items()):
         def watching(*args, _run=run, _algo=algo):
             seen.append((_algo, _blas_threads(), scipy.fft.get_workers()))
             return _run(*args)
         monkeypatch.setitem(cpu._RUNS, algo, watching)
+    for algo, prepare in list(cpu._PREPARE.items()):
+        def preparing(problem, _prepare=prepare, _algo=algo):
+            views, run = _prepare(problem)
+
+            def watching(*args):
+                seen.append((_algo, _blas_threads(), scipy.fft.get_workers()))
+                return run(*args)
+            return views, watching
+        monkeypatch.setitem(cpu._PREPARE, algo, preparing)
     return seen
+
+
+def _one_thread(seen) -> bool:
+    """BLAS on one thread for every algorithm, and scipy.fft on one worker for fft (the only one that calls it)."""
+    return all(blas == {1} and (workers == 1 or algo != "fft") for algo, blas, workers in seen)
 
 
 def _step(model, x):
@@ -46,7 +61,7 @@ def test_a_converted_models_numpy_kernels_run_on_one_thread_inside_a_step(watche
         watched.clear()  # the first step also measured; now one step of running alone
         _step(model, x)
         after = _blas_threads()
-    assert all(blas == {1} and workers == 1 for _, blas, workers in watched), watched
+    assert _one_thread(watched), watched
     assert len(watched) == 2 * 3  # two layers, three kernels each, every one a NumPy algorithm
     assert after == {2}  # the limit is the kernel's own: the process's setting is back afterwards
 
@@ -58,7 +73,7 @@ def test_measurements_run_as_the_step_runs_and_are_keyed_apart(watched):
     with threadpool_limits(limits=2, user_api="blas"):
         Handle(backend=one, policy="undivided", algos=["im2col_gemm"], reps=1, db=False).conv_forward(
             *(a.detach().numpy() for a in (torch.randn(2, 3, 8, 8), torch.randn(4, 3, 3, 3))), padding=1)
-        assert watched and all(blas == {1} and workers == 1 for _, blas, workers in watched)
+        assert watched and _one_thread(watched)
         watched.clear()
         _run_im2col(cpu.CpuBackend())
         assert watched and all(blas == {2} for _, blas, _ in watched)

@@ -112,6 +112,12 @@ class Backend(abc.ABC):
     def algorithms(self, problem: ConvProblem) -> list[str]:
         """Every algorithm this backend knows for the problem's kind, supported or not."""
 
+    def ranked(self, problem: ConvProblem, algos: Sequence[str]) -> list[str]:
+        """`algos` best first, as the backend itself would try them: the order `algorithms` lists
+        them in (cuDNN's is its heuristics' ranking). Pruned benchmarks time the first ones."""
+        rank = {algo: i for i, algo in enumerate(self.algorithms(problem))}
+        return sorted(algos, key=lambda algo: rank.get(algo, len(rank)))
+
     @abc.abstractmethod
     def unsupported_reason(self, problem: ConvProblem, algo: str) -> str | None:
         """Why `algo` cannot run `problem`, or None when it can."""

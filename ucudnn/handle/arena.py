@@ -43,10 +43,21 @@ class _Workspaces:
         if prep.offset is not None:
             if self._arena is None:  # freed by close(); the plans still hold
                 self._arena = self._backend.empty_workspace(self._total_workspace)
-            return self._arena[prep.offset:prep.offset + need]
+            return self._slice(self._arena, prep.offset, need)
         if self._buffer is None or need > self._buffer_bytes:
             self._buffer = None  # release the old buffer before taking the larger one
             self._buffer = self._backend.empty_workspace(need)
             self._buffer_bytes = need
             self._peak_bytes = max(self._peak_bytes, need)
-        return self._buffer[:need]
+        return self._slice(self._buffer, 0, need)
+
+    def _slice(self, base: Any, start: int, need: int) -> Any:
+        """`base[start:start + need]`, the same array object on every run while `base` stays: a backend's
+        prepared launcher keeps what it carved from it (see `CpuBackend.prepare_run`)."""
+        if self._slices[0] is not base:
+            self._slices = (base, {})
+        views = self._slices[1]
+        view = views.get((start, need))
+        if view is None:
+            view = views[start, need] = base[start:start + need]
+        return view

@@ -54,7 +54,7 @@ from ucudnn.handle.planning import _Plan, _Planning
 from ucudnn.handle.replan import _Recovery
 from ucudnn.handle.trials import _Trials
 from ucudnn.kernel.call_overhead import charged_fronts
-from ucudnn.kernel.measure import BenchStats, Policy, parse_policy, policy_name
+from ucudnn.kernel.measure import DEFAULT_BENCHMARK_LIMIT, BenchStats, Policy, parse_policy, policy_name
 from ucudnn.problem import KINDS, ConvProblem
 from ucudnn.sizes import parse_size
 from ucudnn.solver import pareto
@@ -119,16 +119,21 @@ class Handle(_Planning, _Trials, _Recovery, _Workspaces, _Launching):
         and keeps native for good unless the plan's median beats native's by more than
         `call_overhead` (a kernel measured alone can win there and lose inside a step, where
         caches and thread pools are shared). 0 (the default): no trials.
+    benchmark_limit : as PyTorch's ``torch.backends.cudnn.benchmark_limit``: at most this many
+        candidates are timed per kernel and micro-batch size, the backend's best-ranked first, and a
+        candidate that lost clearly at the next larger size is not timed at the smaller ones
+        (`ucudnn.kernel.measure.measure_table`). 0 or None: every candidate at every size.
     """
 
     def __init__(self, *, backend: str | Backend = "auto", policy: Policy = "powerOfTwo",
                  workspace_limit: int | str | None = None, total_workspace: int | str | None = None,
                  db: str | bool | None = None, reps: int = 3, algos: Sequence[str] | None = None,
-                 call_overhead: float = 0.0, trial_runs: int = 0) -> None:
+                 call_overhead: float = 0.0, trial_runs: int = 0,
+                 benchmark_limit: int | None = DEFAULT_BENCHMARK_LIMIT) -> None:
         self._options = {"backend": backend, "policy": policy, "workspace_limit": workspace_limit,
                          "total_workspace": total_workspace, "db": db, "reps": reps,
                          "algos": tuple(algos) if algos is not None else None, "call_overhead": call_overhead,
-                         "trial_runs": trial_runs}
+                         "trial_runs": trial_runs, "benchmark_limit": benchmark_limit}
         if workspace_limit is not None and total_workspace is not None:
             raise InvalidInput("give workspace_limit (WR, per kernel) or total_workspace (WD, per network), not both")
         self._workspace_limit = None if workspace_limit is None else parse_size(workspace_limit)
@@ -149,6 +154,10 @@ class Handle(_Planning, _Trials, _Recovery, _Workspaces, _Launching):
         if isinstance(trial_runs, bool) or not isinstance(trial_runs, int) or trial_runs < 0:
             raise InvalidInput(f"trial_runs must be a non-negative integer, got {trial_runs!r}")
         self._trial_runs = trial_runs
+        if benchmark_limit is not None and (isinstance(benchmark_limit, bool) or not isinstance(benchmark_limit, int)
+                                            or benchmark_limit < 0):
+            raise InvalidInput(f"benchmark_limit must be a non-negative integer or None, got {benchmark_limit!r}")
+        self._benchmark_limit = benchmark_limit or 0
         if db is True or not (db is None or db is False or isinstance(db, str) or hasattr(db, "__fspath__")):
             raise InvalidInput(f"db must be None (default cache), a URL or path, ':memory:', or False; got {db!r}")
         self._db = db
@@ -172,6 +181,7 @@ class Handle(_Planning, _Trials, _Recovery, _Workspaces, _Launching):
         self._wr_plans: dict[tuple[str, int, int | None], _Plan] = {}
         self._wr_seen: dict[tuple[str, str, int], ConvProblem] = {}
         self._buffer: Any = None
+        self._slices: tuple[Any, dict] = (None, {})  # the buffer or arena last sliced, and its run slices
         self._buffer_bytes = 0
         # called with +bytes and -bytes around a run whose workspace is held for that run only (a
         # plan's budget); set by `ucudnn.torch.tracker.StepTracker` while it counts
@@ -209,6 +219,11 @@ class Handle(_Planning, _Trials, _Recovery, _Workspaces, _Launching):
     @property
     def policy(self) -> Policy:
         return self._policy
+
+    @property
+    def benchmark_limit(self) -> int:
+        """Candidates timed per kernel and micro-batch size at most (0: all of them)."""
+        return self._benchmark_limit
 
     @property
     def call_overhead(self) -> float:
@@ -280,6 +295,7 @@ class Handle(_Planning, _Trials, _Recovery, _Workspaces, _Launching):
         self._buffer = None
         self._buffer_bytes = 0
         self._arena = None
+        self._slices = (None, {})
 
     def __enter__(self) -> Handle:
         return self
@@ -454,7 +470,7 @@ class Handle(_Planning, _Trials, _Recovery, _Workspaces, _Launching):
         configuration but native undivided carries the charge in its time. A memory planner picks
         one of these per kernel as its budget (`kernel(..., budget=...)` then runs it)."""
         limit = self._workspace_limit if self.mode == "WR" else self._total_workspace
-        table = self._measure(problem, limit)
+        table = self._measure(problem, limit, front=True)
         try:
             front = pareto.front(table, problem.n, limit)
         except Infeasible as exc:

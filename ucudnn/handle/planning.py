@@ -10,13 +10,15 @@ from dataclasses import dataclass
 from ucudnn.errors import InvalidInput
 from ucudnn.handle.arena import _place_segments
 from ucudnn.kernel.call_overhead import charged_fronts, native_undivided
-from ucudnn.kernel.measure import batch_sizes, confirm_faster, measure_table, policy_name
+from ucudnn.kernel.measure import PRUNED, batch_sizes, confirm_faster, measure_table, policy_name
 from ucudnn.kernel.plans import micro_from_json, micro_to_json, pareto_fronts, plan_key, undivided_baseline
 from ucudnn.kernel.resources import check_can_run
 from ucudnn.problem import ConvProblem
 from ucudnn.solver import wr
 from ucudnn.solver.types import Configuration, Infeasible, MicroConfig
 
+# Seconds of measuring before the progress bar shows: a kernel served by the cache shows none.
+PROGRESS_DELAY_S = 2.0
 # Databases spelled as "keep nothing across processes": mapped to SQLAlchemy's in-memory SQLite.
 _IN_MEMORY_DB = (":memory:", "sqlite://", "sqlite:///:memory:")
 
@@ -32,6 +34,12 @@ class _Plan:
 
 def _config_from_dict(items: Iterable[dict]) -> Configuration:
     return Configuration(tuple(micro_from_json(d) for d in items))
+
+
+def _pruned(table: dict[int, list[MicroConfig]]) -> list[list]:
+    """What the benchmark limit kept from being timed, `[algo, micro-batch size, reason]`, for the stored plan."""
+    return [[m.algo, m.batch, m.reason] for row in table.values() for m in row
+            if m.reason.startswith(PRUNED)]
 
 
 class _Planning:
@@ -60,11 +68,22 @@ class _Planning:
                 self._cache = Cache(url)
         return self._cache
 
-    def _measure(self, problem: ConvProblem, limit: int | None) -> dict[int, list[MicroConfig]]:
-        check_can_run(self._backend, problem, algos=self._candidates(problem), workspace_limit=limit)
-        table, stats = measure_table(self._backend, problem, batch_sizes(self._policy, problem.n),
-                                     cache=self._open_cache(), algos=self._candidates(problem), reps=self._reps,
-                                     workspace_limit=limit)
+    def _measure(self, problem: ConvProblem, limit: int | None, front: bool = False) -> dict[int, list[MicroConfig]]:
+        """The kernel's table at the policy's sizes; pruned by the benchmark limit (`front`: the caller
+        needs a Pareto front of time and workspace, not only the fastest within `limit`)."""
+        import sys
+
+        from tqdm import tqdm
+
+        candidates = self._candidates(problem)
+        check_can_run(self._backend, problem, algos=candidates, workspace_limit=limit)
+        sizes = batch_sizes(self._policy, problem.n)
+        # shown on a terminal only, and only once measuring has taken a while (most kernels come from the cache)
+        with tqdm(total=len(sizes) * len(candidates), desc=f"ucudnn: measuring {problem.kind} {problem.spec}",
+                  unit="candidate", file=sys.stderr, disable=None, delay=PROGRESS_DELAY_S, leave=False) as progress:
+            table, stats = measure_table(self._backend, problem, sizes, cache=self._open_cache(), algos=candidates,
+                                         reps=self._reps, workspace_limit=limit, progress=progress,
+                                         benchmark_limit=self._benchmark_limit, front=front)
         self._stats += stats
         if self._failed:  # algorithms that failed in a plan this session, also without a cache
             table = {size: [self._failed.get((problem.key, m.algo, size), m) for m in row]
@@ -74,6 +93,8 @@ class _Planning:
     def _plan_key(self, **parts) -> str:
         if self._call_overhead:  # charged plans differ; uncharged ones keep their old keys
             parts["call_overhead_ms"] = round(self._call_overhead, 3)
+        if self._benchmark_limit:  # a plan from pruned tables may differ; exhaustive ones keep their old keys
+            parts["benchmark_limit"] = self._benchmark_limit
         return plan_key(self._backend, policy=policy_name(self._policy), algos=self._algos, **parts)
 
     def _wr_limit(self, budget: int | None) -> int | None:
@@ -113,7 +134,8 @@ class _Planning:
             if cache is not None:
                 cache.put_plan(key, {"mode": "WR", "problem": problem.key, "batch": problem.n,
                                      "config": [micro_to_json(m) for m in config.micros],
-                                     "baseline": micro_to_json(baseline) if baseline else None})
+                                     "baseline": micro_to_json(baseline) if baseline else None,
+                                     "pruned": _pruned(table)})
         self._wr_plans[memo] = plan
         return plan
 
@@ -134,11 +156,11 @@ class _Planning:
             baselines = [micro_from_json(k["baseline"]) if k.get("baseline") else None for k in stored["kernels"]]
             offsets, end = _place_segments(configs)
         else:
-            configs, baselines, offsets, end = self._solve_wd_fresh([p for _, _, p in kernels], total)
+            configs, baselines, offsets, end, tables = self._solve_wd_fresh([p for _, _, p in kernels], total)
             if cache is not None:
                 cache.put_plan(key, {"mode": "WD", "total_workspace": total, "batch": batch, "kernels": [
                     {"problem": p, "config": [micro_to_json(m) for m in c.micros],
-                     "baseline": micro_to_json(b) if b else None}
+                     "baseline": micro_to_json(b) if b else None, "pruned": _pruned(tables[p])}
                     for p, c, b in zip(problem_keys, configs, baselines, strict=True)]})
         if end > total:  # only a corrupt stored plan gets here; a fresh solve places within the total
             raise Infeasible(f"the stored WD plan needs {end} B of arena, over the total {total} B")
@@ -158,7 +180,7 @@ class _Planning:
         tables: dict[str, dict[int, list[MicroConfig]]] = {}
         for p in problems:
             if p.key not in tables:
-                tables[p.key] = self._measure(p, total)
+                tables[p.key] = self._measure(p, total, front=True)
         fronts = pareto_fronts(problems, tables, batch, total)
         originals: dict[int, Configuration] = {}
         if self._call_overhead:
@@ -173,7 +195,7 @@ class _Planning:
             configs = [originals.get(id(chosen[i]), chosen[i]) for i in range(len(problems))]
             offsets, end = _place_segments(configs)
             if end <= total:
-                return configs, baselines, offsets, end
+                return configs, baselines, offsets, end, tables
             budget -= end - total
             if budget < 0:
                 raise Infeasible(f"aligned WD segments do not fit the total workspace {total} B")

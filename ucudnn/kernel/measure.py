@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from ucudnn.backends.base import Backend
+from ucudnn.backends.base import Backend, is_noisy
 from ucudnn.errors import InvalidInput
 from ucudnn.kernel.run import run_configuration
 from ucudnn.problem import ConvProblem
@@ -54,22 +54,34 @@ def batch_sizes(policy: Policy, batch: int) -> list[int]:
 @dataclass(frozen=True, slots=True)
 class BenchStats:
     """How a benchmark went, per candidate (one algorithm at one micro-batch size): measured now,
-    taken from the cache, or not run because its workspace is over the limit; and wall time.
-    `measured + cached + over_limit` is every candidate, what the progress bar counts."""
+    taken from the cache, not run because its workspace is over the limit, or pruned before it was
+    timed (`measure_table`'s `benchmark_limit`); and wall time.
+    `measured + cached + over_limit + pruned` is every candidate, what the progress bar counts."""
 
     measured: int = 0
     cached: int = 0
     seconds: float = 0.0
     over_limit: int = 0
+    pruned: int = 0
 
     @property
     def candidates(self) -> int:
-        return self.measured + self.cached + self.over_limit
+        return self.measured + self.cached + self.over_limit + self.pruned
 
     def __add__(self, other: BenchStats) -> BenchStats:
         return BenchStats(self.measured + other.measured, self.cached + other.cached, self.seconds + other.seconds,
-                          self.over_limit + other.over_limit)
+                          self.over_limit + other.over_limit, self.pruned + other.pruned)
 
+
+# PyTorch's `torch.backends.cudnn.benchmark_limit`: at most this many candidates are timed per kernel and
+# micro-batch size, the backend's best-ranked first (0 or None: every candidate).
+DEFAULT_BENCHMARK_LIMIT = 10
+# A candidate more than this many times slower than another at the next larger micro-batch size and at
+# the smallest (and, where workspace matters, with no less workspace) is not timed at the sizes between
+# while that other one fits there. Relative speeds drift with the batch, but not by half: closer
+# contenders are all timed.
+LOSS_MARGIN = 1.5
+PRUNED = "pruned: "  # the reason of every candidate pruned before it was timed starts so
 
 def device_key(backend: Backend, algo: str | None = None) -> dict[str, str]:
     """The cache fields that identify where a measurement was taken: for one algorithm, the
@@ -81,6 +93,7 @@ def device_key(backend: Backend, algo: str | None = None) -> dict[str, str]:
 def measure_table(backend: Backend, problem: ConvProblem, sizes: Sequence[int], *, cache=None,
                   algos: Sequence[str] | None = None, reps: int = 3, workspace_limit: int | None = None,
                   progress=None, fresh: set[tuple[str, int]] | None = None,
+                  benchmark_limit: int | None = None, front: bool = False,
                   ) -> tuple[dict[int, list[MicroConfig]], BenchStats]:
     """Every candidate algorithm at every size: `{size: [MicroConfig, ...]}`.
 
@@ -90,9 +103,23 @@ def measure_table(backend: Backend, problem: ConvProblem, sizes: Sequence[int], 
     reason (and is not cached, since another limit may admit it). `progress`, if given, is a tqdm
     bar advanced once per micro-config. `fresh`, if given, receives the `(algo, size)` of every
     measurement taken now (not read from the cache).
+
+    `benchmark_limit` k (None or 0: every candidate is timed) prunes before timing, as PyTorch's
+    `cudnn.benchmark_limit` does: the sizes are taken largest first, then the smallest, then down
+    (`_pruning_order`), and at each one only the k best-ranked candidates (`Backend.ranked`) that fit
+    the limit are timed, leaving out, between the largest and the smallest, one that lost at both the
+    next larger size and the smallest (more than `LOSS_MARGIN` times slower, on a steady timing, than
+    one that fits here too; with `front`, for a Pareto front, only to one that also needs no more
+    workspace). The others appear with infinite time and a reason starting with `PRUNED`, and are not
+    cached. Which candidates are timed depends only on the timings of those timed before, so a second
+    run finds them all in the cache.
     """
+    if benchmark_limit is not None and (isinstance(benchmark_limit, bool) or not isinstance(benchmark_limit, int)
+                                        or benchmark_limit < 0):
+        raise InvalidInput(f"benchmark_limit must be a non-negative integer or None, got {benchmark_limit!r}")
     start = time.perf_counter()
     candidates = list(algos) if algos is not None else backend.algorithms(problem)
+    pruning = bool(benchmark_limit)
     found = {}
     by_versions: dict[str, list[str]] = {}  # algorithms grouped by their versions key
     for algo in candidates:
@@ -101,26 +128,61 @@ def measure_table(backend: Backend, problem: ConvProblem, sizes: Sequence[int], 
         for group in by_versions.values():
             found.update(cache.lookup(problem_key=problem.key, batches=sizes, algos=group,
                                       **device_key(backend, group[0])))
+    order = backend.ranked(problem, candidates) if pruning else candidates
+    # size -> algo -> {winner: why}: who beat whom, clearly and on a steady timing, at each size timed
+    losses: dict[int, dict[str, dict[str, str]]] = {}
+    ascending = sorted(sizes)
     table: dict[int, list[MicroConfig]] = {}
-    measured = cached = over_limit = 0
-    for size in sizes:
+    measured = cached = over_limit = pruned = 0
+    for size in _pruning_order(sizes) if pruning else sizes:
         part = problem.with_batch(size)
         row: dict[str, MicroConfig] = {}
         to_measure = []
-        for algo in candidates:
-            if (algo, size) in found:
-                row[algo] = found[algo, size]
-                cached += 1
-                continue
+        runnable = []  # supported and within the limit at this size, in rank order
+        for algo in order:
             reason = backend.unsupported_reason(part, algo)
             if reason is None and workspace_limit is not None:
                 need = backend.workspace_size(part, algo)
                 if need > workspace_limit:
-                    row[algo] = MicroConfig(algo, size, float("inf"), need,
-                                            reason=f"needs {need} B of workspace, over the limit {workspace_limit} B")
-                    over_limit += 1
+                    if (algo, size) in found:
+                        row[algo] = found[algo, size]
+                        cached += 1
+                    else:
+                        row[algo] = MicroConfig(algo, size, float("inf"), need, reason=f"needs {need} B of "
+                                                f"workspace, over the limit {workspace_limit} B")
+                        over_limit += 1
                     continue
-            to_measure.append(algo)
+            if reason is None:
+                runnable.append(algo)
+            elif (algo, size) in found:
+                row[algo] = found[algo, size]
+                cached += 1
+            else:
+                to_measure.append(algo)  # `measure` records why it cannot run
+        # The largest and the smallest sizes are timed first; a size between them drops a candidate that
+        # lost at both the next larger size and the smallest (one stray timing prunes nothing).
+        larger = ascending[ascending.index(size) + 1] if pruning and size < ascending[-1] else None
+        lost_both = {} if larger is None or size == ascending[0] else {
+            algo: why for algo, why in losses[larger].items() if algo in losses[ascending[0]]}
+        timed, kept_losses = [], {}
+        for algo in runnable:
+            winners = [f"{why} and at micro-batch {ascending[0]}"
+                       for winner, why in lost_both.get(algo, {}).items() if winner in runnable]
+            if winners:
+                row[algo] = MicroConfig(algo, size, float("inf"), 0, reason=PRUNED + winners[0])
+                kept_losses[algo] = lost_both[algo]  # still lost, for the next smaller size
+            elif pruning and len(timed) >= benchmark_limit:
+                row[algo] = MicroConfig(algo, size, float("inf"), 0,
+                                        reason=f"{PRUNED}beyond the benchmark limit of {benchmark_limit} candidates")
+            else:
+                timed.append(algo)
+                if (algo, size) in found:
+                    row[algo] = found[algo, size]
+                    cached += 1
+                else:
+                    to_measure.append(algo)
+                continue
+            pruned += 1
         if to_measure:
             # A bwd_filter micro-batch smaller than the batch runs with beta = 1 after the first
             # one (run_configuration): time it so, to charge the accumulation where it happens.
@@ -134,10 +196,36 @@ def measure_table(backend: Backend, problem: ConvProblem, sizes: Sequence[int], 
             measured += len(new)
             if fresh is not None:
                 fresh.update((m.algo, size) for m in new)
+        if pruning:
+            losses[size] = _losses(row, timed, size, front) | kept_losses
         table[size] = [row[algo] for algo in candidates]
         if progress is not None:
             progress.update(len(candidates))
-    return table, BenchStats(measured, cached, time.perf_counter() - start, over_limit)
+    table = {size: table[size] for size in sizes}
+    return table, BenchStats(measured, cached, time.perf_counter() - start, over_limit, pruned)
+
+
+def _pruning_order(sizes: Sequence[int]) -> list[int]:
+    """The order a pruned benchmark takes the sizes in: the largest (the undivided baseline), the
+    smallest, then the rest from the larger down, each after its larger neighbour."""
+    ascending = sorted(sizes)
+    return ascending[-1:] + ascending[:1][:len(ascending) - 1] + ascending[-2:0:-1]
+
+
+def _losses(row: Mapping[str, MicroConfig], timed: Sequence[str], size: int, front: bool) -> dict[str, dict[str, str]]:
+    """Who beat whom at this size by more than LOSS_MARGIN (with `front`, also needing no more
+    workspace). A noisy timing loses nothing: it may be the machine, not the algorithm."""
+    usable = [row[a] for a in timed if row[a].usable]
+    losses = {}
+    for m in usable:
+        if is_noisy(m.time, m.spread):
+            continue
+        why = {b.algo: f"over {LOSS_MARGIN}x slower than {b.algo} at micro-batch {size} "
+                       f"({m.time:.3g} ms against {b.time:.3g} ms)"
+               for b in usable if b.time * LOSS_MARGIN < m.time and (not front or b.workspace <= m.workspace)}
+        if why:
+            losses[m.algo] = why
+    return losses
 
 
 def remeasure(backend: Backend, problem: ConvProblem, micro: MicroConfig, *, reps: int, cache=None) -> MicroConfig:

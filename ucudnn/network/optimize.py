@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ucudnn.backends.base import NOISY_SPREAD_FRACTION, Backend, is_noisy
-from ucudnn.kernel.measure import BenchStats, Policy, batch_sizes, measure_table, policy_name, remeasure
+from ucudnn.kernel.measure import PRUNED, BenchStats, Policy, batch_sizes, measure_table, policy_name, remeasure
 from ucudnn.kernel.plans import micro_to_json, pareto_fronts, undivided_baseline
 from ucudnn.errors import InvalidInput
 from ucudnn.problem import KINDS, ConvProblem
@@ -63,6 +63,8 @@ class KernelPlan:
     # Algorithms the backend cannot run for this kernel at all, with its reason (`Backend.unsupported_reason`:
     # a dtype or layout it lacks, an algorithm without a 3-D form): (algo, reason), never measured.
     unsupported: tuple[tuple[str, str], ...] = ()
+    # Candidates the benchmark limit kept from being timed (reason starting `PRUNED`), at every size.
+    pruned: tuple[MicroConfig, ...] = ()
 
     @property
     def speedup(self) -> float:
@@ -172,13 +174,15 @@ class Report:
                 "batch": k.problem.n,
                 "excluded": [{"algo": m.algo, "batch": m.batch, "reason": m.reason} for m in k.excluded],
                 "unsupported": [{"algo": algo, "reason": reason} for algo, reason in k.unsupported],
+                "pruned": [{"algo": m.algo, "batch": m.batch, "reason": m.reason} for m in k.pruned],
             } for k in self.kernels],
             "total": {"baseline_ms": finite(self.baseline_ms), "time_ms": self.time_ms,
                       "speedup": finite(self.baseline_ms / self.time_ms), "workspace": self.workspace,
                       "baseline_workspace": self.baseline_workspace},
             "benchmark": {"measured": self.stats.measured, "cached": self.stats.cached,
                           "seconds": round(self.stats.seconds, 3), "candidates": self.stats.candidates,
-                          "over_limit": self.stats.over_limit, "remeasured": self.remeasured},
+                          "over_limit": self.stats.over_limit, "pruned": self.stats.pruned,
+                          "remeasured": self.remeasured},
             "legend": {"configuration": configuration_notation(self.example_configuration),
                        "baseline": self.baseline_text,
                        "speedup": "the baseline's time divided by the configuration's; the total's is the sum "
@@ -205,7 +209,8 @@ def expand_kernels(layers: Sequence[tuple[str, ConvProblem]], batch: int,
 
 def optimize(backend: Backend, kernels: Sequence[tuple[str, ConvProblem]], *, policy: Policy,
              workspace_limit: int | None = None, total_workspace: int | None = None, cache=None,
-             algos: Sequence[str] | None = None, reps: int = 3, progress=None) -> Report:
+             algos: Sequence[str] | None = None, reps: int = 3, progress=None,
+             benchmark_limit: int | None = None) -> Report:
     """Measure every kernel (each distinct problem once) and choose its configuration.
 
     WR (`workspace_limit`, or no limit): each kernel independently by `wr.solve`, each at its own
@@ -213,6 +218,8 @@ def optimize(backend: Backend, kernels: Sequence[tuple[str, ConvProblem]], *, po
     WD (`total_workspace`): Pareto fronts per kernel, then `wd.solve` over all of them. The WD
     baseline is the undivided fastest algorithm within an equal share `total_workspace / K`, the
     division a framework without WD would make.
+
+    `benchmark_limit` prunes candidates before they are timed (`measure_table`; None or 0: none).
 
     Every kernel has a baseline (`choose_baseline`). A time measured now that a speedup rests on
     (the baseline's, or one of the chosen configuration's) and that looks like an outlier
@@ -239,7 +246,8 @@ def optimize(backend: Backend, kernels: Sequence[tuple[str, ConvProblem]], *, po
             fresh[tk], problem_of[tk] = set(), problem
             tables[tk], s = measure_table(
                 backend, problem, batch_sizes(policy, problem.n), cache=cache, algos=algos, reps=reps,
-                workspace_limit=measure_limit, progress=progress, fresh=fresh[tk])
+                workspace_limit=measure_limit, progress=progress, fresh=fresh[tk],
+                benchmark_limit=benchmark_limit, front=mode == "WD")
             stats += s
 
     baseline_limit = total_workspace // len(kernels) if mode == "WD" else workspace_limit
@@ -301,8 +309,9 @@ def optimize(backend: Backend, kernels: Sequence[tuple[str, ConvProblem]], *, po
         base, rule = baselines[p.key, p.n]
         excluded, noisy = _findings(tables[p.key, p.n])
         doubtful = any(looks_like_outlier(m, tables[p.key, p.n]) for m in ((base,) if base else ()) + config.micros)
+        pruned = tuple(m for row in tables[p.key, p.n].values() for m in row if m.reason.startswith(PRUNED))
         plans.append(KernelPlan(name, p, base, config, excluded, noisy, baseline_rule=rule, doubtful=doubtful,
-                                unsupported=unsupported[p.key, p.n]))
+                                unsupported=unsupported[p.key, p.n], pruned=pruned))
     return Report(device=backend.device.model, backend=backend.name, policy=policy_name(policy), mode=mode,
                   workspace_limit=workspace_limit, total_workspace=total_workspace,
                   batch=batch if len(batches) == 1 else None,

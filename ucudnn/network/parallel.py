@@ -123,7 +123,9 @@ def parallel_optimize(workers: int, db_url: str | None):
     from ucudnn.network.optimize import optimize
 
     def run(backend, kernels, *, policy, workspace_limit=None, total_workspace=None, cache=None, algos=None,
-            reps=3, progress=None):
+            reps=3, progress=None, benchmark_limit=None):
+        # The workers time every candidate (each takes whole sizes, so none can prune by another's timings):
+        # the report then solves over all of them, whatever the limit.
         done = prefill(backend, kernels, workers=workers, db_url=db_url, policy=policy,
                        workspace_limit=workspace_limit if total_workspace is None else total_workspace,
                        algos=algos, reps=reps, progress=progress)

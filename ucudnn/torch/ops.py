@@ -29,6 +29,7 @@ dispatcher and the operator's autograd wrapper would add host time per call (see
 
 from __future__ import annotations
 
+import functools
 import itertools
 import weakref
 from collections.abc import Sequence
@@ -93,6 +94,14 @@ def _check(x_shape: Sequence, w_shape: Sequence, g: Geometry, layout: str) -> tu
     return shape
 
 
+@functools.lru_cache(maxsize=4096)
+def _checked(x_shape: tuple[int, ...], w_shape: tuple[int, ...], g: Geometry, layout: str) -> tuple:
+    """`_check` of concrete shapes, made once per signature: a real call repeats its layer's few signatures
+    (the fake implementations, on symbolic shapes, call `_check` itself). A failing check raises, and is
+    not remembered."""
+    return _check(x_shape, w_shape, g, layout)
+
+
 def _shaped(like: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
     """A tensor of `shape` with `like`'s dtype and device and no memory: what planning reads of an
     operand that the kernel does not take (the input, for bwd_data)."""
@@ -111,7 +120,7 @@ def convolution(x: torch.Tensor, weight: torch.Tensor, layer: int, stride: Seque
                 need_dx: bool, need_dw: bool, bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = convolution(x, weight) + bias as layer `layer` plans it."""
     g = _geometry(stride, padding, dilation, transposed, output_padding, groups)
-    _check(x.shape, weight.shape, g, layout)
+    _checked(x.shape, weight.shape, g, layout)
     conv, fmt = _layer(layer), _memory_format(layout, x.dim())
     x, weight = x.contiguous(memory_format=fmt), weight.contiguous(memory_format=fmt)
     if conv._learning_now():  # WD's learning pass, or announce: register, and torch computes
@@ -141,7 +150,7 @@ def convolution_backward_data(dy: torch.Tensor, weight: torch.Tensor, layer: int
                               need_dw: bool) -> torch.Tensor:
     """dx of layer `layer` for an input of `x_shape`, as the layer plans it."""
     g = _geometry(stride, padding, dilation, transposed, output_padding, groups)
-    _check(x_shape, weight.shape, g, layout)
+    _checked(tuple(x_shape), weight.shape, g, layout)
     conv, fmt = _layer(layer), _memory_format(layout, dy.dim())
     dy, weight = dy.contiguous(memory_format=fmt), weight.contiguous(memory_format=fmt)
     x = _shaped(dy, x_shape)
@@ -166,7 +175,7 @@ def convolution_backward_filter(x: torch.Tensor, dy: torch.Tensor, weight: torch
                                 need_dx: bool) -> torch.Tensor:
     """dw of layer `layer` (`weight` gives its shape, dtype and the route's key), as the layer plans it."""
     g = _geometry(stride, padding, dilation, transposed, output_padding, groups)
-    _check(x.shape, weight.shape, g, layout)
+    _checked(x.shape, weight.shape, g, layout)
     conv, fmt = _layer(layer), _memory_format(layout, x.dim())
     x, dy = x.contiguous(memory_format=fmt), dy.contiguous(memory_format=fmt)
     weight = weight.contiguous(memory_format=fmt)

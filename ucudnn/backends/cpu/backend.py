@@ -16,6 +16,7 @@ import functools
 import math
 import os
 import platform
+import weakref
 from typing import Any
 
 import numpy as np
@@ -24,7 +25,7 @@ import scipy.fft
 
 from ucudnn.backends.base import Backend, DeviceInfo, wall_clock_samples_ms
 from ucudnn.backends.cpu.fft import FFT_WORKERS, _fft_layout, _run_fft
-from ucudnn.backends.cpu.im2col import _im2col_layout, _run_im2col
+from ucudnn.backends.cpu.im2col import _im2col_layout, _prepare_im2col, _run_im2col
 from ucudnn.backends.cpu.native import _native_launcher, _torch_version
 from ucudnn.backends.cpu.shifted import _run_shift, _shift_layout
 from ucudnn.backends.cpu.winograd import _run_winograd, _winograd_layout, _winograd_reason
@@ -42,6 +43,9 @@ SUPPORTED_DTYPES = ("float32", "float64")
 
 # The NumPy families by name: the workspace each carves, and the code that computes in it.
 _LAYOUTS = {IM2COL_GEMM: _im2col_layout, SHIFT_GEMM: _shift_layout, FFT: _fft_layout, WINOGRAD: _winograd_layout}
+# Families that make their per-problem work once (`prepare_run`): (views, run) as `_prepare_im2col` returns.
+_PREPARE = {IM2COL_GEMM: _prepare_im2col}
+_RANK = {algo: i for i, algo in enumerate((NATIVE, IM2COL_GEMM, WINOGRAD, SHIFT_GEMM, FFT))}
 _RUNS = {IM2COL_GEMM: _run_im2col, SHIFT_GEMM: _run_shift, FFT: _run_fft, WINOGRAD: _run_winograd}
 
 
@@ -83,6 +87,10 @@ def _device_info() -> DeviceInfo:
         versions[var] = os.environ.get(var, "default")
     return DeviceInfo(model=f"{model} ({cores} cores)", memory_bytes=int(memory_bytes),
                       versions=tuple(sorted(versions.items())))
+
+
+def _same(views):
+    return views
 
 
 @functools.cache
@@ -137,6 +145,11 @@ class CpuBackend(Backend):
 
     def algorithms(self, problem: ConvProblem) -> list[str]:
         return list(ALGORITHMS) + ([NATIVE] if _torch_version() is not None else [])
+
+    def ranked(self, problem: ConvProblem, algos) -> list[str]:
+        # A fixed order, fastest first on most shapes: PyTorch's own (oneDNN), then one GEMM over
+        # unfolded columns, Winograd (3x3 only), the small-workspace shifted GEMMs, FFT (large filters).
+        return sorted(algos, key=lambda algo: _RANK.get(algo, len(_RANK)))
 
     def versions_for(self, algo: str) -> str:
         # native is PyTorch's convolution; the others are NumPy/SciPy over their BLAS. Both read
@@ -205,21 +218,55 @@ class CpuBackend(Backend):
         return wall_clock_samples_ms(lambda: launch(x, w, dy, out, workspace, 1.0, beta), reps)
 
     def prepare_run(self, problem: ConvProblem, algo: str):
-        """`run` without its per-call work: the workspace layout is computed once and no operand is
-        checked (the caller's first, checked `run` vouched for their kind)."""
+        """`run` without its per-call work: the workspace layout (and, for im2col_gemm, every index its
+        copies take) made once, the workspace carved once per buffer, no operand checked (the caller's
+        first, checked `run` vouched for their kind), and the thread setting applied by a direct call
+        to each BLAS pool (threadpoolctl's `limit` context re-reads every pool: more than a small
+        kernel's whole time)."""
         reason = self.unsupported_reason(problem, algo)
         if reason is not None:
             raise UnsupportedProblem(reason)
         if algo == NATIVE:
             return _native_launcher(problem)
         conv, swap = problem.lowered(), problem.transposed  # the NumPy families run convolutions only
-        carve, compute, threads = _LAYOUTS[algo](conv).carve, _RUNS[algo], self.numpy_threads
+        carve = _LAYOUTS[algo](conv).carve
+        if algo in _PREPARE:
+            shape_views, compute = _PREPARE[algo](conv)
+        else:
+            family = _RUNS[algo]
+            shape_views = _same
+
+            def compute(ws, x, w, dy, out, alpha, beta):
+                family(conv, ws, x, w, dy, out, alpha, beta)
+        threads = self.numpy_threads
+        pools = _blas_pools().lib_controllers if threads is not None else ()
+        fft = algo == FFT
+        last: list = [None, None]  # the handle's workspace slice last carved (a weak reference) and its views
 
         def launch(x, w, dy, out, workspace, alpha, beta):
             if swap:
                 x, dy = dy, x
-            with _numpy_threads(threads):
-                compute(conv, carve(workspace), x, w, dy, out, alpha, beta)
+            seen = last[0]
+            if seen is not None and seen() is workspace:
+                views = last[1]
+            else:
+                views = shape_views(carve(workspace))
+                if workspace.base is not None:  # a slice of a buffer that outlives the run (the handle's)
+                    last[0], last[1] = weakref.ref(workspace), views
+            if fft:
+                with _numpy_threads(threads):
+                    compute(views, x, w, dy, out, alpha, beta)
+                return
+            saved = [(pool, pool.get_num_threads()) for pool in pools]
+            for pool, count in saved:
+                if count != threads:
+                    pool.set_num_threads(threads)
+            try:
+                compute(views, x, w, dy, out, alpha, beta)
+            finally:
+                for pool, count in saved:
+                    if count != threads:
+                        pool.set_num_threads(count)
         return launch
 
     def run(self, problem: ConvProblem, algo: str, *, x: Any = None, w: Any = None, dy: Any = None,

@@ -38,39 +38,65 @@ def _ranges(dst_shape: tuple[int, ...], src_shape: tuple[int, ...], moves: tuple
     return ranges
 
 
+def _gather_plan(dst_shape: tuple[int, ...], src_shape: tuple[int, ...], moves, prefix: tuple = ()):
+    """`_gather` as index tuples, made once per shape: (dst indices to zero, the dst index written, the src
+    index read; the last two None where nothing of src is read). `prefix` indexes dst before its
+    `dst_shape` part (a filter tap of im2col's columns)."""
+    ranges = _ranges(dst_shape, src_shape, moves, True)
+    if ranges is None:
+        return [prefix + (Ellipsis,)], None, None
+    count = len(moves)
+    zeros = []
+    inside: tuple = prefix + (Ellipsis,)
+    reads: tuple = (Ellipsis,)
+    for i, (lo, hi, first, step) in enumerate(ranges):  # axis i's border, inside the axes before it
+        rest = (_ALL,) * (count - i - 1)
+        if lo:
+            zeros.append(inside + (slice(None, lo),) + rest)
+        if hi < dst_shape[i - count]:
+            zeros.append(inside + (slice(hi, None),) + rest)
+        inside += (slice(lo, hi),)
+        reads += (slice(first, first + (hi - lo - 1) * step + 1, step),)
+    return zeros, inside, reads
+
+
+def _run_gather(dst: np.ndarray, src: np.ndarray, plan) -> None:
+    """One `_gather_plan`: only the border that falls outside `src` is zeroed, so each element of `dst`
+    is written once."""
+    zeros, inside, reads = plan
+    for index in zeros:
+        dst[index] = 0
+    if inside is not None:
+        np.copyto(dst[inside], src[reads])
+
+
 def _gather(dst: np.ndarray, src: np.ndarray, *moves: tuple[int, int]) -> None:
     """dst[..., p, q] = src[..., p * rows[0] + rows[1], q * cols[0] + cols[1]], zero outside src.
 
     One (step, offset) move per trailing axis, as many as the problem has spatial axes (rows and
     columns in 2-D, depth first in 3-D). Only the border that falls outside `src` is zeroed, so each
-    element of `dst` is written once. (Called per filter tap and per sample: kept to few Python steps.)
+    element of `dst` is written once.
     """
-    ranges = _ranges(dst.shape, src.shape, moves, True)
+    _run_gather(dst, src, _gather_plan(dst.shape, src.shape, moves))
+
+
+def _scatter_plan(dst_shape: tuple[int, ...], src_shape: tuple[int, ...], moves, prefix: tuple = ()):
+    """`_scatter_add` as index tuples, made once per shape: (the dst index added to, the src index read),
+    or None where nothing lands inside dst. `prefix` indexes src before its `src_shape` part."""
+    ranges = _ranges(dst_shape, src_shape, moves, False)
     if ranges is None:
-        dst[...] = 0
-        return
-    count = len(moves)
-    inside: tuple = (Ellipsis,)
-    reads: tuple = (Ellipsis,)
-    for i, (lo, hi, first, step) in enumerate(ranges):  # axis i's border, inside the axes before it
-        rest = (_ALL,) * (count - i - 1)
-        if lo:
-            dst[inside + (slice(None, lo),) + rest] = 0
-        if hi < dst.shape[i - count]:
-            dst[inside + (slice(hi, None),) + rest] = 0
-        inside += (slice(lo, hi),)
-        reads += (slice(first, first + (hi - lo - 1) * step + 1, step),)
-    np.copyto(dst[inside], src[reads])
+        return None
+    return ((Ellipsis, *(slice(first, first + (hi - lo - 1) * step + 1, step) for lo, hi, first, step in ranges)),
+            prefix + (Ellipsis, *(slice(lo, hi) for lo, hi, _, _ in ranges)))
 
 
 def _scatter_add(dst: np.ndarray, src: np.ndarray, *moves: tuple[int, int]) -> None:
     """dst[..., p * rows[0] + rows[1], q * cols[0] + cols[1]] += src[..., p, q] where inside dst
     (one (step, offset) move per trailing axis, as `_gather`)."""
-    ranges = _ranges(dst.shape, src.shape, moves, False)
-    if ranges is None:
-        return
-    target = dst[(Ellipsis, *(slice(first, first + (hi - lo - 1) * step + 1, step) for lo, hi, first, step in ranges))]
-    np.add(target, src[(Ellipsis, *(slice(lo, hi) for lo, hi, _, _ in ranges))], out=target)
+    plan = _scatter_plan(dst.shape, src.shape, moves)
+    if plan is not None:
+        target = dst[plan[0]]
+        np.add(target, src[plan[1]], out=target)
 
 
 def _tap_moves(p: ConvProblem) -> list[tuple[tuple[int, ...], list[tuple[int, int]]]]:

@@ -1,0 +1,139 @@
+"""Pruned benchmarks (`benchmark_limit`) against full measurement: what they time and what they choose.
+
+Part 1, the zoo (`ucudnn networks`) on the CPU backend: each network's kernels are benchmarked in full
+(`benchmark_limit=0`), then pruned (`benchmark_limit=10`, the default) on the same measurement cache, so
+that both solve from the same timings and any difference is the pruning's alone. Per network: candidates
+timed by each, and the chosen configurations' total time, pruned over full (the target: at most 1.05, on
+every kernel too). Where the two choices differ, both are also run side by side
+(`interleaved_samples_ms`, real runs of `run_configuration`), and that ratio is printed as well.
+
+Part 2 (`--model hf-resnet50`): a converted library model's first training step from an empty cache,
+with the default limit and with none: measurements taken, candidates pruned, seconds.
+
+    OMP_NUM_THREADS=1 python benchmarks/bench_pruning.py --networks alexnet,resnet18 --batch 4
+    OMP_NUM_THREADS=1 python benchmarks/bench_pruning.py --model hf-resnet50 --batch 4 --size 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from ucudnn.backends import get_backend
+from ucudnn.db import Cache
+from ucudnn.kernel.measure import DEFAULT_BENCHMARK_LIMIT, interleaved_samples_ms
+from ucudnn.kernel.run import PreparedConfiguration
+from ucudnn.network.optimize import expand_kernels, optimize
+from ucudnn.network.zoo import layers as network_layers
+
+# The target: the pruned choice may be at most this much slower than full measurement's.
+TARGET_RATIO = 1.05
+
+
+def side_by_side(backend, problem, pruned, full, reps: int) -> float:
+    """Median time of the pruned configuration over the full one's, run in turn on the same operands."""
+    operands = backend.random_operands(problem)
+    workspace = backend.empty_workspace(max(pruned.workspace, full.workspace))
+    runs = {}
+    for name, config in (("pruned", pruned), ("full", full)):
+        prepared = PreparedConfiguration(backend, problem, config)
+        prepared.run(workspace=workspace, **operands)  # the checked first run
+        runs[name] = lambda p=prepared: p.run(workspace=workspace, **operands)
+    samples = interleaved_samples_ms(runs, reps)
+    return statistics.median(samples["pruned"]) / statistics.median(samples["full"])
+
+
+def zoo(networks: list[str], batch: int, workspace: int, reps: int, check_reps: int) -> list[dict]:
+    backend = get_backend("cpu")
+    rows = []
+    for network in networks:
+        kernels = [k for layer in network_layers(network, batch)
+                   for k in expand_kernels([(layer.name, layer.problem)], batch)]
+        with tempfile.TemporaryDirectory() as folder:
+            cache = Cache(f"sqlite:///{folder}/cache.db")
+            start = time.perf_counter()
+            full = optimize(backend, kernels, policy="powerOfTwo", workspace_limit=workspace, cache=cache,
+                            reps=reps, benchmark_limit=0)
+            full_s = time.perf_counter() - start
+            pruned = optimize(backend, kernels, policy="powerOfTwo", workspace_limit=workspace, cache=cache,
+                              reps=reps, benchmark_limit=DEFAULT_BENCHMARK_LIMIT)
+            cache.close()
+        worst, differ, checked = 1.0, 0, []
+        seen = set()
+        for a, b in zip(pruned.kernels, full.kernels, strict=True):
+            worst = max(worst, a.config.time / b.config.time)
+            if a.config.micros != b.config.micros and (a.problem.key, a.problem.n) not in seen:
+                seen.add((a.problem.key, a.problem.n))
+                differ += 1
+                checked.append(side_by_side(backend, a.problem, a.config, b.config, check_reps))
+        row = {"network": network, "batch": batch, "kernels": len(kernels),
+               "timed_full": full.stats.measured, "timed_pruned": pruned.stats.cached,
+               "pruned": pruned.stats.pruned, "full_s": round(full_s, 1),
+               "ratio_total": pruned.time_ms / full.time_ms, "ratio_worst_kernel": worst,
+               "choices_differ": differ, "side_by_side_worst": max(checked, default=1.0)}
+        rows.append(row)
+        print(f"{network:>10}  batch {batch}: timed {row['timed_pruned']:5d} of {row['timed_full']:5d} "
+              f"({row['pruned']} pruned); chosen time pruned/full {row['ratio_total']:.3f} total, "
+              f"{worst:.3f} worst kernel; {differ} choices differ, side by side worst "
+              f"{row['side_by_side_worst']:.3f} ({full_s:.0f} s to measure in full)", flush=True)
+    return rows
+
+
+def model_step(name: str, batch: int, size: int, reps: int) -> list[dict]:
+    """A converted model's first training step from an empty cache, pruned (default) and in full."""
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import models
+    from ucudnn.torch import convert
+
+    rows = []
+    for limit in (DEFAULT_BENCHMARK_LIMIT, 0):
+        torch.manual_seed(0)
+        model, x, target = models.build(name, batch, size)
+        with tempfile.TemporaryDirectory() as folder:
+            converted = convert(model, backend="cpu", db=f"sqlite:///{folder}/cache.db", reps=reps,
+                                benchmark_limit=limit)
+            handle = next(m for m in converted.modules() if hasattr(m, "handle")).handle
+            start = time.perf_counter()
+            models.loss(converted(x), target).backward()
+            seconds = time.perf_counter() - start
+            s = handle.stats
+            rows.append({"model": name, "batch": batch, "size": size, "benchmark_limit": limit,
+                         "measured": s.measured, "cached": s.cached, "pruned": s.pruned,
+                         "over_limit": s.over_limit, "candidates": s.candidates, "step_s": round(seconds, 1)})
+            handle.close()
+        print(f"{name} batch {batch} {size} px, benchmark_limit {limit}: {s.measured} measured, {s.pruned} pruned, "
+              f"{s.over_limit} over the limit, of {s.candidates} candidates; first step {seconds:.1f} s", flush=True)
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--networks", default="alexnet,resnet18,densenet40", help="zoo networks, comma-separated")
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--workspace", type=int, default=64 << 20, help="WR limit per kernel, bytes")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--check-reps", type=int, default=15, help="side-by-side runs of differing choices")
+    parser.add_argument("--model", help="a benchmarks/models.py model for part 2 instead (e.g. hf-resnet50)")
+    parser.add_argument("--size", type=int, default=64, help="--model's image size")
+    parser.add_argument("--json", help="also write the rows here")
+    args = parser.parse_args()
+    if args.model:
+        rows = model_step(args.model, args.batch, args.size, args.reps)
+    else:
+        rows = zoo([n for n in args.networks.split(",") if n], args.batch, args.workspace, args.reps, args.check_reps)
+        worst = max(max(r["ratio_worst_kernel"], r["side_by_side_worst"]) for r in rows)
+        print(f"worst pruned/full: {worst:.3f} (target <= {TARGET_RATIO})")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
