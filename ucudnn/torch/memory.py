@@ -164,6 +164,7 @@ class _Prepared:
             if isinstance(conv, ConvLayer):  # torch's own conv: its workspace is torch's business
                 self.budgets.append((conv, kinds))
         self.convs = [m for m in modules.values() if isinstance(m, ConvLayer)]
+        self.params = {p.untyped_storage()._cdata for p in model.parameters()}  # passed as they are to a replay
         backward = {r for s in graph.steps if s.phase == "bwd" for r in s.reads}
         self.acting = any(a in ("offload", "recompute") or (a == "release" and t in backward)
                           for t, a in self.actions.items())
@@ -180,6 +181,7 @@ class _Prepared:
         offloaded = {name for name, *_, action in self.saves if action == "offload"}
         last_reads = [step.last_read[name] for name in offloaded if name in step.last_read]
         self.root, self.scopes = _scopes(step, self.saves, self.programs_at, last_reads)
+        self.scoped = [(name, modules[name]) for name in self.scopes]  # hooked in each block
         self.step = step
 
     def _action(self, name: str | None) -> str | None:
@@ -309,7 +311,7 @@ class _Follow(TorchDispatchMode):
             ex.current = i
             others = ex._record(programs, i, func, args, kwargs, op.random)
         out = func(*args, **kwargs)
-        leaves = tree_leaves(out)
+        leaves = _leaves(out)
         if not counted(func, leaves):
             return out
         if op is None or not same_op(func, op.func) or not _same_outputs(leaves, op):
@@ -326,6 +328,15 @@ class _Follow(TorchDispatchMode):
         return out
 
 
+def _leaves(out: Any) -> list:
+    """An operation's outputs, flat (`tree_leaves`, without walking a pytree for the usual flat ones)."""
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if type(out) in (tuple, list) and not any(type(o) in (tuple, list, dict) for o in out):
+        return list(out)
+    return tree_leaves(out)
+
+
 def _same_outputs(leaves: list, op: Any) -> bool:
     return len(leaves) == len(op.outputs) and all(
         (t is None if meta is None else isinstance(t, torch.Tensor) and tuple(t.shape) == meta[0] and t.dtype == meta[1])
@@ -339,7 +350,6 @@ class _Executor(_OffloadHooks, _Recompute):
     def __init__(self, model: nn.Module, prep: _Prepared, prefetch_ahead: int) -> None:
         self.model, self.prep, self.prefetch_ahead = model, prep, prefetch_ahead
         self.stats = ExecutionStats()
-        self.params = {p.untyped_storage()._cdata for p in model.parameters()}
         self.step: CapturedStep | None = None
         self.saved = 0                 # saves packed in the forward pass so far
         self.position = 0              # the captured op the next followed operation is
@@ -379,8 +389,7 @@ class _Executor(_OffloadHooks, _Recompute):
         self.rebuilds = _Rebuilds(prep.programs, self.pass_)
         self.saved = self.position = self.current = 0
         if not self.handles and prep.scopes:
-            for name in prep.scopes:
-                m = self.model.get_submodule(name)
+            for name, m in prep.scoped:
                 self.handles += [m.register_forward_pre_hook(functools.partial(self._scope_starts, name)),
                                  m.register_forward_hook(functools.partial(self._scope_ends, name), always_call=True)]
         self.calls = dict.fromkeys(prep.scopes, 0)

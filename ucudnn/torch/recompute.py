@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils._pytree import tree_leaves
 
 from ucudnn.errors import UnsupportedProblem
 
@@ -126,7 +126,7 @@ class _Rebuilds:
 
 class _Recompute:
     """The executor's recomputation. A base of `ucudnn.torch.memory._Executor`, whose state and hooks
-    it uses: `prep`, `step`, `stats`, `params`, `unpack`, `reached` and `_offload`; `rebuilds` is the forward
+    it uses: `prep` (and its `params`), `step`, `stats`, `unpack`, `reached` and `_offload`; `rebuilds` is the forward
     pass's (a handle keeps its own: two forward passes may precede their backward passes)."""
 
     rebuilds: _Rebuilds
@@ -155,11 +155,11 @@ class _Recompute:
                 return _View(name, tuple(a.size()), tuple(a.stride()), a.storage_offset())
             if name is not None:
                 return _Source(self._save_source(name, a, len(storages)), a._version)
-            others.append(_Other(a, a.untyped_storage()._cdata in self.params))
+            others.append(_Other(a, a.untyped_storage()._cdata in self.prep.params))
             return others[-1]
 
         rng = _rng_state() if random else None
-        self.rebuilds.calls[index] = [func, tree_map(keep, (args, kwargs)), rng, len(storages)]
+        self.rebuilds.calls[index] = [func, _map_args(keep, args, kwargs), rng, len(storages)]
         return others
 
     def _save_source(self, name: str, t: torch.Tensor, uses: int) -> Any:
@@ -175,7 +175,7 @@ class _Recompute:
         (their autograd history would tie the executor's records to the graph). Detached inside a dispatch
         mode, below autograd, a tensor would not share its version counter, which the checks read."""
         for _, (args, kwargs), _, _ in self.rebuilds.calls.values():
-            for a in tree_leaves((args, kwargs)):
+            for a in _args(args, kwargs):
                 if isinstance(a, _Source) and isinstance(a.saved, torch.Tensor):
                     a.saved = a.saved.detach()
                 elif isinstance(a, _Other):
@@ -225,7 +225,7 @@ class _Recompute:
             call[3] -= 1
             if call[3] == 0:  # its last program: what it holds goes
                 del r.calls[index]
-            args, kwargs = tree_map(value, recorded, is_leaf=lambda a: isinstance(a, (_View, _Source, _Other)))
+            args, kwargs = _map_args(value, *recorded)
             before = _rng_state() if rng is not None else None
             try:
                 if rng is not None:
@@ -239,6 +239,23 @@ class _Recompute:
                 base = tree_leaves(out)[program.leaf]
         self.stats.recomputed += 1
         return base
+
+
+def _map_args(fn: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """`fn` on each argument of an ATen call and on each element of a list argument, in `tree_leaves`' order
+    (which the capture named them in): an operator's arguments nest one list deep at most (``Tensor[]``), so
+    a replay's hot path walks no pytree."""
+    def one(a: Any) -> Any:
+        return type(a)(map(fn, a)) if type(a) in (list, tuple) else fn(a)
+
+    return tuple(map(one, args)), {k: one(v) for k, v in kwargs.items()}
+
+
+def _args(args: tuple, kwargs: dict) -> list:
+    """The arguments of an ATen call, list elements in place of their lists (as `_map_args` sees them)."""
+    out: list = []
+    _map_args(out.append, args, kwargs)
+    return out
 
 
 def _rng_state() -> tuple:
