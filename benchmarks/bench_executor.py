@@ -6,14 +6,17 @@ UNet, built from their configs (`models.py`), at ``--batch`` 4 and ``--size`` 64
 ``--policy`` (``optimal``): everything kept (no limit), the smallest (a 1-byte limit) and halfway between their
 peaks. Each planned step runs under `execute_plan`; plain is the model's own step. Steps are timed in
 ``--rounds`` rounds of ``--reps`` interleaved repetitions (as `interleaved_samples_ms`: every variant under the
-same load, the order reversed every repetition), in wall time and in this process's CPU time; per round the
-ratio of medians to plain's, then the median and range of the rounds' ratios. Targets: everything kept at most 1.02x plain; halfway at most the plan's own predicted
+same load, the order reversed every repetition; each plan in its own pair with plain), in wall time and in this
+process's CPU time; per round the ratio of medians to plain's, then the median and range of the rounds' ratios. Targets: everything kept at most 1.02x plain; halfway at most the plan's own predicted
 ratio (its step with recomputation and transfers over its baseline step: ``step_ms / baseline_step_ms``) plus 5%.
 
 Python calls per planned step: the entries into the executor's code from outside it (PyTorch calling its hooks,
 its dispatch mode, its context manager), counted by `sys.setprofile` over one untimed step, beside the step's
 operations (the captured forward pass's) and the tensors autograd saves, and the saved tensors the plan offloads
 or recomputes. Where the executor has them (`ExecutionStats.hook_calls`, ...), its own counts too.
+
+Planning time: the three `plan_memory` calls, and the seconds spent in each of their parts (capture, device
+profile, other operations timed in real steps, the convolutions' options, solve), timed where they are called.
 
 The same script runs against another checkout of the package (``PYTHONPATH=<checkout>``): what the numbers were
 before this executor.
@@ -26,11 +29,13 @@ before this executor.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -84,16 +89,51 @@ def entries(fn) -> int:
     return count
 
 
+@contextlib.contextmanager
+def planning_parts() -> Iterator[dict[str, float]]:
+    """Seconds spent in each part of `plan_memory` inside the block (its own functions, timed where they are
+    called): the capture, the device profile, the other operations timed in real steps, the convolutions'
+    options, and the solve (`make_plan`: the policy and its simulation)."""
+    from ucudnn.memory import planner
+    from ucudnn.torch import planning
+
+    spent = {"capture": 0.0, "profile": 0.0, "timed steps": 0.0, "conv options": 0.0, "solve": 0.0}
+    parts = [(planning, "_captured", "capture"), (planning, "_profile_for", "profile"),
+             (planning, "_timed_ops", "timed steps"), (planning, "_conv_fronts", "conv options"),
+             (planner, "make_plan", "solve")]
+
+    def timed(fn, part):
+        def run(*a, **k):
+            start = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                spent[part] += time.perf_counter() - start
+        return run
+
+    originals = [(module, attr, getattr(module, attr)) for module, attr, _ in parts]
+    for (module, attr, part), (_, _, fn) in zip(parts, originals):
+        setattr(module, attr, timed(fn, part))
+    try:
+        yield spent
+    finally:
+        for module, attr, fn in originals:
+            setattr(module, attr, fn)
+
+
 def bench(name: str, args) -> dict:
     model, x, y = build(name, args.batch, args.size)
 
     def labelled(out):
         return loss(out, y)
 
-    everything = plan_memory(model, x, memory_limit=2**40, policy=args.policy, loss=labelled)
-    smallest = plan_memory(model, x, memory_limit=1, policy=args.policy, loss=labelled)
-    halfway = plan_memory(model, x, memory_limit=(everything.peak_bytes + smallest.peak_bytes) // 2,
-                          policy=args.policy, loss=labelled)
+    start = time.perf_counter()
+    with planning_parts() as spent:
+        everything = plan_memory(model, x, memory_limit=2**40, policy=args.policy, loss=labelled)
+        smallest = plan_memory(model, x, memory_limit=1, policy=args.policy, loss=labelled)
+        halfway = plan_memory(model, x, memory_limit=(everything.peak_bytes + smallest.peak_bytes) // 2,
+                              policy=args.policy, loss=labelled)
+    planning_s = time.perf_counter() - start
     plans = {"everything kept": everything, "halfway": halfway, "smallest": smallest}
     last_stats = {}
 
@@ -109,19 +149,22 @@ def bench(name: str, args) -> dict:
             last_stats[label] = stats
         return step
 
-    steps = {"plain": plain} | {label: planned(label) for label in plans}
+    # each plan against plain in its own interleaved pair: a step after another plan's (its freed memory, its
+    # caches) would time that plan too
     ratios = {clock: {label: [] for label in plans} for clock in ("wall", "cpu")}
     plain_ms = {"wall": [], "cpu": []}
     for _ in range(args.rounds):
-        samples = interleaved(steps, args.reps)
-        for c, clock in enumerate(("wall", "cpu")):
-            plain_ms[clock].append(statistics.median(s[c] for s in samples["plain"]))
-            for label in plans:
-                ratios[clock][label].append(statistics.median(s[c] for s in samples[label]) / plain_ms[clock][-1])
+        for label in plans:
+            samples = interleaved({"plain": plain, label: planned(label)}, args.reps)
+            for c, clock in enumerate(("wall", "cpu")):
+                base = statistics.median(s[c] for s in samples["plain"])
+                plain_ms[clock].append(base)
+                ratios[clock][label].append(statistics.median(s[c] for s in samples[label]) / base)
     step = halfway.capture
     row = {"model": name, "batch": args.batch, "size": args.size, "policy": args.policy,
            "plain_ms": statistics.median(plain_ms["wall"]), "plain_cpu_ms": statistics.median(plain_ms["cpu"]),
-           "model_ops": step.model_ops, "saves": len(getattr(step, "saves", ())), "plans": {}}
+           "model_ops": step.model_ops, "saves": len(getattr(step, "saves", ())), "plans": {},
+           "planning_s": planning_s, "planning_parts_s": dict(spent)}
     for label, plan in plans.items():
         stats = last_stats[label]
         row["plans"][label] = {
@@ -180,6 +223,9 @@ def main(argv=None) -> int:
                   "-" if p["hook_calls"] is None else f"{p['hook_calls']} / {p['acting_calls']} / {p['followed_ops']}",
                   f"{r['model_ops']}, {r['saves'] or '-'}"]
                  for r in rows for label, p in r["plans"].items()]))
+    print(table(["model", "3 plans s", *rows[0]["planning_parts_s"]],
+                [[r["model"], f"{r['planning_s']:.1f}", *(f"{v:.1f}" for v in r["planning_parts_s"].values())]
+                 for r in rows]))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
     return 0

@@ -58,6 +58,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import functools
+import operator
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -249,17 +250,20 @@ def _scopes(step: CapturedStep, saves: tuple, programs_at: dict[int, tuple[str, 
 
 def _tree(model: nn.Module) -> tuple:
     """What a prepared run rests on: the model's modules, each with its children (by name and identity)
-    and class. Checked in two list comparisons per step, without walking the model: where every module
-    kept has the same children as when prepared, the tree is the same."""
+    and class. Checked in two list comparisons per step, without walking the model (and without a list per
+    module, which would wake the garbage collector): where every module kept has the same children as
+    when prepared, the tree is the same."""
     modules = list(model.modules())[1:]  # (not the model: the prepared run would keep it alive)
-    return (type(model), list(model._modules.items()), modules, [type(m) for m in modules],
-            [list(m._modules.items()) for m in modules])
+    return type(model), dict(model._modules), modules, list(map(type, modules)), [dict(m._modules) for m in modules]
+
+
+_CHILDREN = operator.attrgetter("_modules")
 
 
 def _same_tree(model: nn.Module, tree: tuple) -> bool:
     root_type, root, modules, types, children = tree
-    return (type(model) is root_type and list(model._modules.items()) == root
-            and [type(m) for m in modules] == types and [list(m._modules.items()) for m in modules] == children)
+    return (type(model) is root_type and model._modules == root and list(map(type, modules)) == types
+            and list(map(_CHILDREN, modules)) == children)
 
 
 def _example(args: tuple, kwargs: dict) -> Any:
