@@ -283,6 +283,10 @@ _PLANS_PER_MODEL = 2
 def _prepared(model: nn.Module, plan: MemoryPlan) -> _Prepared:
     """The prepared run of `model` under `plan`: the cached one while the model's modules are the same."""
     plans = _PREPARED.setdefault(model, {})
+    if plans:  # the plan of the last block, the same object: no hash of the plan (its every tensor) per step
+        last = next(reversed(plans.values()))
+        if last.plan is plan and _same_tree(model, last.tree):
+            return last
     prep = plans.pop(plan, None)
     if prep is None or not _same_tree(model, prep.tree):
         prep = _Prepared(model, plan)
