@@ -7,8 +7,10 @@ UNet, built from their configs (`models.py`), at ``--batch`` 4 and ``--size`` 64
 peaks. Each planned step runs under `execute_plan`; plain is the model's own step. Steps are timed in
 ``--rounds`` rounds of ``--reps`` interleaved repetitions (as `interleaved_samples_ms`: every variant under the
 same load, the order reversed every repetition; each plan in its own pair with plain), in wall time and in this
-process's CPU time; per round the ratio of medians to plain's, then the median and range of the rounds' ratios. Targets: everything kept at most 1.02x plain; halfway at most the plan's own predicted
-ratio (its step with recomputation and transfers over its baseline step: ``step_ms / baseline_step_ms``) plus 5%.
+process's CPU time (on a shared machine, run it with one thread: the CPU time of two threads spinning for a
+descheduled one is not the step's); per round the ratio of medians to plain's, then the median and range of the
+rounds' ratios. Targets: everything kept at most 1.02x plain; halfway at most the plan's own predicted ratio (its
+step with recomputation and transfers over its baseline step: ``step_ms / baseline_step_ms``) plus 5%.
 
 Python calls per planned step: the entries into the executor's code from outside it (PyTorch calling its hooks,
 its dispatch mode, its context manager), counted by `sys.setprofile` over one untimed step, beside the step's
@@ -22,7 +24,7 @@ The same script runs against another checkout of the package (``PYTHONPATH=<chec
 before this executor.
 
     pip install '.[models]'
-    OMP_NUM_THREADS=2 python benchmarks/bench_executor.py [--models hf-resnet50,hf-mobilenet-v2,monai-unet]
+    OMP_NUM_THREADS=1 python benchmarks/bench_executor.py [--models hf-resnet50,hf-mobilenet-v2,monai-unet]
         [--batch 4] [--size 64] [--policy optimal] [--rounds 5] [--reps 5] [--json FILE]
 """
 

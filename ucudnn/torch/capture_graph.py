@@ -78,8 +78,8 @@ class CapturedStep:
     `fake`: captured on fake tensors. `graph`: see `ucudnn.torch.capture_graph`. `saves`: what autograd
     saved in the model's forward pass, in order, each as (feature map or None, shape, dtype, the op whose
     backward step unpacks it). `calls`: the model's module calls in order (not the model's own), each as
-    (module name, ops run before it, saves before it, ops run at its end). `model_nodes`: the autograd nodes the model's forward
-    pass made."""
+    (module name, ops run before it, saves before it, ops run at its end). `model_nodes`: the autograd nodes
+    the model's forward pass made."""
 
     ops: tuple[CapturedOp, ...]
     model_ops: int
