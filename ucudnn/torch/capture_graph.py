@@ -52,7 +52,8 @@ class CapturedOp:
     parameters). `creates`: (output leaf, feature map) of each storage it makes: `name` for the first,
     ``<name>.<leaf>`` for the others (a batch-norm's saved statistics, a max-pool's indices). `writes`:
     the feature map it writes in place. `outputs`: (shape, dtype) per flattened output, None where not a tensor.
-    `node`: the autograd node it made, as an offset from the step's first node (None: none)."""
+    `node`: the autograd node it made, as an offset from the step's first node (None: none). `args`: per
+    tensor among its flattened arguments, the feature map it is (None: a parameter, buffer or constant)."""
 
     func: Any
     name: str
@@ -63,6 +64,7 @@ class CapturedOp:
     writes: str = ""
     random: bool = False
     node: int | None = None
+    args: tuple[str | None, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -73,7 +75,11 @@ class CapturedStep:
     tensor the model was called with, by the name `input_leaves` gives it: its feature map, shape and
     dtype. `writers`: the ops that make each feature
     map's storage and then write it in place, in order. `last_read`: the last model op reading each.
-    `fake`: captured on fake tensors. `graph`: see `ucudnn.torch.capture_graph`."""
+    `fake`: captured on fake tensors. `graph`: see `ucudnn.torch.capture_graph`. `saves`: what autograd
+    saved in the model's forward pass, in order, each as (feature map or None, shape, dtype, the op whose
+    backward step unpacks it). `calls`: the model's module calls in order (not the model's own), each as
+    (module name, ops run before it, saves before it, ops run at its end). `model_nodes`: the autograd nodes
+    the model's forward pass made."""
 
     ops: tuple[CapturedOp, ...]
     model_ops: int
@@ -83,6 +89,9 @@ class CapturedStep:
     graph: Any
     fake: bool
     structure: tuple = ()   # the model's modules by name and class (`structure`)
+    saves: tuple[tuple[str | None, tuple[int, ...], torch.dtype, int], ...] = ()
+    calls: tuple[tuple[str, int, int, int], ...] = ()
+    model_nodes: int = 0
 
 
 
@@ -177,10 +186,16 @@ def build_step(rec: Any, inputs: list, title: str, batch: int, weight_grads: str
                                 tuple((act.leaf, act.name) for act in raw.made),
                                 raw.writes.name if raw.writes is not None else "",
                                 torch.Tag.nondeterministic_seeded in raw.func.tags,
-                                raw.node - rec.first_seq if raw.node is not None else None)
+                                raw.node - rec.first_seq if raw.node is not None else None,
+                                tuple(act.name if act is not None else None for act in raw.args))
                      for i, raw in enumerate(rec.raw))
     step_inputs = {path: (act.name, act.shape, act.dtype) for path, act in inputs}
-    return CapturedStep(step_ops, model_ops, step_inputs, writers, last_read, graph, fake)
+    # a save's op: the one that made its node (an input is saved before its op runs, an output after)
+    saves = tuple((act.name if act is not None and act.name else None, shape, dtype,
+                   rec.node_op.get(node, max(ran - 1, 0))) for act, shape, dtype, node, ran in rec.saves)
+    return CapturedStep(step_ops, model_ops, step_inputs, writers, last_read, graph, fake, saves=saves,
+                        calls=tuple((name, start, saved, rec.model_ops if end is None else end)
+                                               for name, start, saved, end in rec.calls), model_nodes=rec.model_nodes)
 
 
 def _changed_sources(rec: Any, ops: tuple[Op, ...]) -> set[str]:

@@ -163,6 +163,7 @@ class _Raw:
     bytes_moved: float
     ms: float
     conv: tuple | None = None  # a convolution's (x shape, w shape, stride, padding, dilation, transposed, groups)
+    args: tuple = ()           # per tensor argument (flattened): its feature map, None for any other tensor
 
 
 @dataclass(eq=False, slots=True)
@@ -214,6 +215,12 @@ class _Recorder(TorchDispatchMode):
         self.step = -1
         self.done = False                    # the backward pass is over
         self.grads: dict[int, int] = {}      # the parameters' gradients made: storage -> bytes
+        # what the model's forward pass saved, in order: (feature map or None, shape, dtype, node, raw ops so far)
+        self.saves: list[tuple] = []
+        # the model's module calls in order: [name, raw ops before, saves before, raw ops at its end]
+        self.calls: list[list] = []
+        self.open_calls: list[int] = []      # per module on the stack: its call's place in `calls` (-1: none)
+        self.model_nodes = 0                 # autograd nodes the model's forward pass made
         self._refs: list[weakref.ref] = []
 
     # -- positions --------------------------------------------------------------------------------------
@@ -258,12 +265,14 @@ class _Recorder(TorchDispatchMode):
         weights: list[int] = []
         writes: _Act | None = None
         in_bytes = 0
+        roles: list[_Act | None] = []
         for t in tree_leaves((args, kwargs)):
             if not isinstance(t, torch.Tensor):
                 continue
             key = storage_key(t)
             in_bytes += t.numel() * t.element_size()
             act = self.live.get(key)
+            roles.append(act)
             if act is not None:
                 if key in written and writes is None:
                     writes = act
@@ -297,7 +306,7 @@ class _Recorder(TorchDispatchMode):
         self.raw.append(_Raw(func, self.modules[-1] if self.modules else "", self.phase == "loss", node, reads,
                              weights, tuple(outputs), made, None if made else writes,
                              flops(func, args, kwargs, out, out_bytes), float(in_bytes + out_bytes), ms,
-                             conv_spec(func, args)))
+                             conv_spec(func, args), tuple(roles)))
         if node is not None:
             self.node_op[node] = index
         if writes is not None and not made:
@@ -311,6 +320,9 @@ class _Recorder(TorchDispatchMode):
         self.quiet += 1
         try:
             act = self.live.get(storage_key(t))
+            if self.phase == "model":  # autograd made the node that saves it just before (see `_forward_op`)
+                self.saves.append((act, tuple(t.shape), t.dtype, torch._C._autograd._get_sequence_nr() - 1,
+                                   len(self.raw)))
             if act is None:
                 return t  # a parameter, a buffer: never planned
             act.saved = True
@@ -379,19 +391,27 @@ class _Recorder(TorchDispatchMode):
     # -- module names and the model's forward pass -------------------------------------------------------
     def module_starts(self, module: nn.Module, args: Any) -> None:
         self.modules.append(self.names.get(id(module), type(module).__name__))
+        self.open_calls.append(len(self.calls) if self.phase == "model" else -1)
+        if self.phase == "model":
+            self.calls.append([self.modules[-1], len(self.raw), len(self.saves), None])
 
     def module_ends(self, module: nn.Module, args: Any, output: Any) -> None:
         if self.modules:
             self.modules.pop()
+            call = self.open_calls.pop()
+            if call >= 0:
+                self.calls[call][3] = len(self.raw)
 
     def model_starts(self, module: nn.Module, args: Any) -> None:
         if self.phase == "idle":
             self.phase = "model"
+            self.model_nodes = -torch._C._autograd._get_sequence_nr()
 
     def model_ends(self, module: nn.Module, args: Any, output: Any) -> None:
         if self.phase == "model":
             self.phase = "loss"
             self.model_ops = len(self.raw)
+            self.model_nodes += torch._C._autograd._get_sequence_nr()
 
 
 def hook_nodes(root: Any, hook: Callable[[int, Any], None]) -> list[Any]:

@@ -11,25 +11,35 @@ This module runs a plan (`execute_plan`). Making one is `ucudnn.torch.planning` 
 `measure_profile` stay importable from here); the offload and prefetch copies are `ucudnn.torch.offload`,
 recomputation `ucudnn.torch.recompute`.
 
-**Following the captured step.** A plan names the feature maps of a captured step
-(`ucudnn.torch.capturing`). Inside the block, the model's forward pass runs as it always does, under a
-dispatch mode that follows it operation by operation against the captured one: each operation must be
-the captured one with the same outputs (a convolution may be torch's or a converted layer's), else
-the step is refused in one line (`UnsupportedProblem`: its control flow depends on its data, or the
-model changed). Each storage an operation makes is tagged with its feature map's name, so that
-`saved_tensors_hooks`, which see tensors, know which feature map autograd saves: a parameter or an
-untagged tensor is kept; a tagged one is kept, offloaded or dropped as the plan says. Converted
-convolutions run as ucudnn's operator inside the block (`through_operators`), as they did when
-captured. The loss runs outside the model's forward pass: what it saves is kept.
+**Following the captured step, at the tensors the plan acts on.** A plan names the feature maps of a
+captured step (`ucudnn.torch.capturing`), which also recorded, in order, every tensor autograd saved in
+the model's forward pass (`CapturedStep.saves`). Inside the block the model's forward and backward passes
+are PyTorch's own; `saved_tensors_hooks` see each save, and the k-th save of the forward pass is the
+captured step's k-th: its feature map and action come from a table made once per plan (no lookup by
+storage, no walk over modules). A kept save returns the tensor; an offloaded one is copied out, a dropped
+one leaves a handle. Each save's shape and dtype must be the captured one's, and the forward pass must
+save as many: else the step is refused in one line (`UnsupportedProblem`: its control flow depends on its
+data, or the model changed). A dropped map's save must moreover be the storage its producer made.
+
+Operations are seen only where a map is dropped: its program (`ucudnn.torch.recompute`) replays the
+captured operations that made it with the arguments they ran with, so the module calls that run those
+operations (as captured: `CapturedStep.calls`) are followed by a dispatch mode, op by op against the
+captured ones (a convolution may be torch's or a converted layer's); where such an operation runs in
+the model's own forward (outside every submodule), the whole forward pass is. Converted convolutions run
+as ucudnn's operator inside the block (`through_operators`), as they did when captured. The loss runs
+outside the model's forward pass: what it saves is kept. What a step cost in Python is counted in
+`ExecutionStats` (`hook_calls`, `acting_calls`, `followed_ops`).
 
 **Acting on nothing costs nothing.** A plan that keeps every map autograd saves (its actions are keep
 and release) needs no mode and no hooks: the block checks the inputs and gives the convolutions their
 budgets, and the step is the plain step.
 
-**Prepared once.** The plan's check against the model, its recompute programs, the conv budgets and
-the host buffers belong to the (model, plan) pair: made at its first `execute_plan` and reused by later
-blocks (kept weakly with the model, for its latest plans). A plan without its captured step (read
-from JSON) captures the model at the first forward call and is checked against that capture.
+**Prepared once.** The plan's check against the model, the saves' actions, the followed module calls,
+its recompute programs, the conv budgets and the host buffers belong to the (model, plan) pair: made at
+its first `execute_plan` and reused by later blocks (kept weakly with the model, for its latest plans;
+a module replaced since is seen by comparing each module's children, not by walking names). A plan
+without its captured step (read from JSON) captures the model at the first forward call and is checked
+against that capture.
 
 **Offload and prefetch**: see `ucudnn.torch.offload`. **Recompute**: see `ucudnn.torch.recompute`.
 
@@ -45,7 +55,10 @@ from its handle (`Handle.front`), so the budgets are ones those kernels can run 
 
 from __future__ import annotations
 
+import bisect
 import contextlib
+import functools
+import operator
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -58,11 +71,11 @@ from torch.utils._pytree import tree_leaves
 
 from ucudnn.errors import InvalidInput, UnsupportedProblem
 from ucudnn.memory.plan import MemoryPlan
-from ucudnn.torch.capturing import CapturedStep, capture, diverged, input_leaves, structure
+from ucudnn.torch.capturing import CapturedStep, _tensors, capture, diverged, input_leaves, structure
 from ucudnn.torch.operations import counted, same_op
 from ucudnn.torch.layer import ConvLayer, through_operators
 from ucudnn.torch.offload import _copier_for, _HostBuffers, _Offloaded, _OffloadHooks, _Pass, _PrefetchHook
-from ucudnn.torch.planning import _fingerprint, measure_profile, plan_memory
+from ucudnn.torch.planning import measure_profile, plan_memory
 from ucudnn.torch.recompute import _Dropped, _Rebuilds, _Recompute, programs_for
 
 __all__ = ["ExecutionStats", "execute_plan", "measure_profile", "plan_memory"]
@@ -76,6 +89,12 @@ class ExecutionStats:
 
     `events` is the order of copies and uses: ``("offload", name)``, ``("prefetch", name)`` and
     ``("unpack", name)``.
+
+    What the executor's Python cost: `hook_calls` counts every call of its hooks (each tensor autograd
+    saves or unpacks in the model's forward and backward passes, the model's forward hooks, the module hooks
+    where a recomputed map is made, the backward pass's first prefetch), `acting_calls` those that did
+    something (offload, drop, fetch, rebuild, follow a module call), `followed_ops` the operations the
+    dispatch mode saw inside the module calls it followed.
     """
 
     offloaded: int = 0
@@ -86,16 +105,20 @@ class ExecutionStats:
     host_buffers_allocated: int = 0
     kept_released: set[str] = field(default_factory=set)
     events: list[tuple[str, str]] = field(default_factory=list)
+    hook_calls: int = 0
+    acting_calls: int = 0
+    followed_ops: int = 0
 
 
 # ---- the (model, plan) pair, prepared ----------------------------------------------------------------
 class _Prepared:
     """What running a model under a plan needs that stays the same from step to step: the captured step
-    and the plan checked against it, the recompute programs, the conv budgets, and the copiers with
-    their host buffers. Holds no reference to the model (see `_prepared`)."""
+    and the plan checked against it, each save's action, the modules where recomputed maps are made, the
+    recompute programs, the conv budgets, and the copiers with their host buffers. Holds no reference to
+    the model itself (see `_prepared`)."""
 
     def __init__(self, model: nn.Module, plan: MemoryPlan) -> None:
-        self.plan, self.fingerprint = plan, _fingerprint(model)
+        self.plan, self.tree = plan, _tree(model)
         self.structure = structure(model)
         self.actions = {t.name: t.action for t in plan.tensors}
         self.step: CapturedStep | None = None
@@ -141,6 +164,8 @@ class _Prepared:
             conv = modules.get(module)
             if isinstance(conv, ConvLayer):  # torch's own conv: its workspace is torch's business
                 self.budgets.append((conv, kinds))
+        self.convs = [m for m in modules.values() if isinstance(m, ConvLayer)]
+        self.params = {p.untyped_storage()._cdata for p in model.parameters()}  # passed as they are to a replay
         backward = {r for s in graph.steps if s.phase == "bwd" for r in s.reads}
         self.acting = any(a in ("offload", "recompute") or (a == "release" and t in backward)
                           for t, a in self.actions.items())
@@ -150,7 +175,22 @@ class _Prepared:
             for i in p.ops:
                 self.programs_at[i] = (*self.programs_at.get(i, ()), p.storage)
         self.offloading = "offload" in self.actions.values()
+        self.saves = tuple((name, torch.Size(shape), dtype, op, self._action(name))
+                           for name, shape, dtype, op in step.saves)
+        # autograd saves these maps: kept (it must), and named in the stats
+        self.kept_released = {name for name, *_ in step.saves if self.actions.get(name) == "release"}
+        offloaded = {name for name, *_, action in self.saves if action == "offload"}
+        last_reads = [step.last_read[name] for name in offloaded if name in step.last_read]
+        self.root, self.scopes = _scopes(step, self.saves, self.programs_at, last_reads)
+        self.scoped = [(name, modules[name]) for name in self.scopes]  # hooked in each block
         self.step = step
+
+    def _action(self, name: str | None) -> str | None:
+        """What a save of feature map `name` does (None: it is kept as it is)."""
+        action = self.actions.get(name, "keep") if name is not None else "keep"
+        if action == "recompute" and name not in self.programs:
+            return None
+        return None if action == "keep" else action
 
     def copies_for(self, device: torch.device) -> tuple[Any, _HostBuffers]:
         """The copier for `device` and its host buffers, made at the first offload to the host."""
@@ -158,6 +198,72 @@ class _Prepared:
             copier = _copier_for(device)
             self.copies[device] = copier, _HostBuffers(pin=copier.pin)
         return self.copies[device]
+
+
+@dataclass(frozen=True, slots=True)
+class _Scope:
+    """A module call where the executor acts: its saves go through the saved-tensor hooks (the `save`-th
+    of the forward pass first), and, where a recompute program replays one of its operations, its operations
+    through the dispatch mode (`follow`; the `op`-th first). `end`: the operations run when it returns."""
+
+    op: int
+    save: int
+    end: int
+    follow: bool
+
+
+def _scopes(step: CapturedStep, saves: tuple, programs_at: dict[int, tuple[str, ...]], last_reads: list[int]
+            ) -> tuple[_Scope | None, dict[str, dict[int, _Scope]]]:
+    """Where the executor acts (see `_Scope`): the module calls that save a tensor the plan offloads or drops,
+    run an operation a recompute program replays, or read an offloaded map last (its device copy goes once
+    the call returns), as {module: {call number: scope}}; and the model's own call, where one of those
+    operations runs outside every submodule (then the whole forward pass is a scope; else None)."""
+    calls: dict[str, list[tuple[str, int, int, int]]] = {}
+    for call in step.calls:
+        calls.setdefault(call[0], []).append(call)
+    wanted: dict[tuple[str, int], bool] = {}  # (module, call number) -> follow
+    root: bool | None = None
+
+    def want(op: int, follow: bool) -> None:
+        nonlocal root
+        module = step.ops[op].module
+        starts = [c[1] for c in calls.get(module, ())]
+        k = bisect.bisect_right(starts, op) - 1
+        if k < 0 or calls[module][k][3] <= op:  # the model's own forward runs it
+            root = bool(root) or follow
+        else:
+            wanted[(module, k)] = wanted.get((module, k), False) or follow
+
+    for i in programs_at:
+        want(i, True)
+    for name, _, _, op, action in saves:
+        if action in ("offload", "recompute"):
+            want(op, False)
+    for op in last_reads:
+        want(op, False)
+    scopes: dict[str, dict[int, _Scope]] = {}
+    for (module, k), follow in wanted.items():
+        _, start, saved, end = calls[module][k]
+        scopes.setdefault(module, {})[k] = _Scope(start, saved, end, follow)
+    return (None if root is None else _Scope(0, 0, step.model_ops, root)), scopes
+
+
+def _tree(model: nn.Module) -> tuple:
+    """What a prepared run rests on: the model's modules, each with its children (by name and identity)
+    and class. Checked in two list comparisons per step, without walking the model (and without a list per
+    module, which would wake the garbage collector): where every module kept has the same children as
+    when prepared, the tree is the same."""
+    modules = list(model.modules())[1:]  # (not the model: the prepared run would keep it alive)
+    return type(model), dict(model._modules), modules, list(map(type, modules)), [dict(m._modules) for m in modules]
+
+
+_CHILDREN = operator.attrgetter("_modules")
+
+
+def _same_tree(model: nn.Module, tree: tuple) -> bool:
+    root_type, root, modules, types, children = tree
+    return (type(model) is root_type and model._modules == root and list(map(type, modules)) == types
+            and list(map(_CHILDREN, modules)) == children)
 
 
 def _example(args: tuple, kwargs: dict) -> Any:
@@ -177,8 +283,12 @@ _PLANS_PER_MODEL = 2
 def _prepared(model: nn.Module, plan: MemoryPlan) -> _Prepared:
     """The prepared run of `model` under `plan`: the cached one while the model's modules are the same."""
     plans = _PREPARED.setdefault(model, {})
+    if plans:  # the plan of the last block, the same object: no hash of the plan (its every tensor) per step
+        last = next(reversed(plans.values()))
+        if last.plan is plan and _same_tree(model, last.tree):
+            return last
     prep = plans.pop(plan, None)
-    if prep is None or prep.fingerprint != _fingerprint(model):
+    if prep is None or not _same_tree(model, prep.tree):
         prep = _Prepared(model, plan)
     plans[plan] = prep
     while len(plans) > _PLANS_PER_MODEL:
@@ -188,7 +298,9 @@ def _prepared(model: nn.Module, plan: MemoryPlan) -> _Prepared:
 
 # ---- the executor --------------------------------------------------------------------------------
 class _Follow(TorchDispatchMode):
-    """Follows the model's forward pass against the captured step (see the module docstring)."""
+    """Follows the model's operations against the captured step inside a module call where a recomputed
+    map is made (see the module docstring): records what its program will replay, and refuses a step that
+    runs other operations there."""
 
     def __init__(self, executor: _Executor) -> None:
         super().__init__()
@@ -199,20 +311,38 @@ class _Follow(TorchDispatchMode):
         ex = self.executor
         if ex.quiet:
             return func(*args, **kwargs)
+        ex.stats.followed_ops += 1
         step, i = ex.step, ex.position
-        programs = ex.prep.programs_at.get(i) if i < step.model_ops and same_op(func, step.ops[i].func) else None
-        others = ex._record(programs, i, func, args, kwargs, step.ops[i].random) if programs else ()
+        op = step.ops[i] if i < step.model_ops else None
+        programs = ex.prep.programs_at.get(i) if op is not None and same_op(func, op.func) else None
+        if programs:
+            ex.current = i
+            others = ex._record(programs, i, func, args, kwargs, op.random)
         out = func(*args, **kwargs)
-        leaves = tree_leaves(out)
+        leaves = _leaves(out)
         if not counted(func, leaves):
             return out
-        if i >= step.model_ops or not same_op(func, step.ops[i].func) or not _same_outputs(leaves, step.ops[i]):
+        if op is None or not same_op(func, op.func) or not _same_outputs(leaves, op):
             ex.diverged = True
             raise UnsupportedProblem(diverged(step, i, func))
-        for o in others:  # the arguments as the operation left them (a batch-norm moves its statistics)
-            o.version = o.tensor._version
-        ex.ran(i, leaves)
+        if programs:
+            for o in others:  # the arguments as the operation left them (a batch-norm moves its statistics)
+                o.version = o.tensor._version
+            made = ex.rebuilds.made
+            for leaf, name in op.creates:  # what a save of a dropped map must be (`_Executor.pack`)
+                if name in ex.rebuilds.programs:
+                    made[name] = leaves[leaf].untyped_storage()._cdata
+        ex.position = i + 1
         return out
+
+
+def _leaves(out: Any) -> list:
+    """An operation's outputs, flat (`tree_leaves`, without walking a pytree for the usual flat ones)."""
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if type(out) in (tuple, list) and not any(type(o) in (tuple, list, dict) for o in out):
+        return list(out)
+    return tree_leaves(out)
 
 
 def _same_outputs(leaves: list, op: Any) -> bool:
@@ -222,24 +352,26 @@ def _same_outputs(leaves: list, op: Any) -> bool:
 
 
 class _Executor(_OffloadHooks, _Recompute):
-    """One `execute_plan` block: follows the forward pass, names saved tensors and keeps, offloads or
-    drops each as the plan says."""
+    """One `execute_plan` block: names each save by its place in the captured step's saves and keeps,
+    offloads or drops it as the plan says; follows operations only where a dropped map is made."""
 
     def __init__(self, model: nn.Module, prep: _Prepared, prefetch_ahead: int) -> None:
         self.model, self.prep, self.prefetch_ahead = model, prep, prefetch_ahead
         self.stats = ExecutionStats()
-        self.params = {p.untyped_storage()._cdata for p in model.parameters()}
-        self.tags: dict[int, tuple[str, weakref.ref]] = {}  # storage -> (its feature map, the storage)
         self.step: CapturedStep | None = None
-        self.position = 0              # operations of the forward pass done
+        self.saved = 0                 # saves packed in the forward pass so far
+        self.position = 0              # the captured op the next followed operation is
         self.current = 0               # what an offloaded tensor's use is counted against (offload.py)
         self.forward_running = False
         self.preparing = False         # capturing the model for a plan read back
-        self.diverged = False          # the forward pass stopped at an operation the captured step did not run
+        self.diverged = False          # the step was refused: the checks at its end stand down
         self.quiet = 0                 # inside the executor's own hooks: their operations are not the step's
         self.mode = _Follow(self)
-        self.hooked: set[int] = set()
-        self.to_hook: list[tuple[int, torch.Tensor]] = []
+        self.hooked: nn.Module | None = None     # the module whose call pushed the saved-tensor hooks
+        self.following: nn.Module | None = None  # the module whose call the mode follows
+        self.calls: dict[str, int] = {}          # per scoped module: its calls in this forward pass
+        self.nodes = 0                           # the autograd sequence number when the forward pass began
+        self.handles: list[Any] = []
         self.copier: Any = None
         self.buffers: _HostBuffers | None = None
         self.pending: list[tuple[Any, torch.Tensor, int]] = []  # device tensors whose host copy may be in flight
@@ -249,6 +381,7 @@ class _Executor(_OffloadHooks, _Recompute):
     def model_starts(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if self.preparing:
             return  # the capture of a plan read back runs the model: not a step
+        self.stats.hook_calls += 1
         prep = self.prep
         self.preparing = True
         try:
@@ -260,28 +393,76 @@ class _Executor(_OffloadHooks, _Recompute):
             conv._budgets = budgets
         if not prep.acting:
             return
-        self.pass_, self.rebuilds = _Pass(), _Rebuilds(prep.programs)
-        self.tags.clear()
-        self.position = self.current = 0
-        self.hooked.clear()
-        for path, t in input_leaves(self.model, args, kwargs):
-            if isinstance(t, torch.Tensor) and path in step.inputs:
-                self._tag(t, step.inputs[path][0])
+        self.pass_ = _Pass()
+        self.rebuilds = _Rebuilds(prep.programs, self.pass_)
+        self.saved = self.position = self.current = 0
+        if not self.handles and prep.scopes:
+            for name, m in prep.scoped:
+                self.handles += [m.register_forward_pre_hook(functools.partial(self._scope_starts, name)),
+                                 m.register_forward_hook(functools.partial(self._scope_ends, name), always_call=True)]
+        self.calls = dict.fromkeys(prep.scopes, 0)
         self.forward_running = True
-        self.mode.__enter__()
+        self.nodes = torch._C._autograd._get_sequence_nr()
+        if prep.root is not None:
+            self._enter(self.model, prep.root)
 
     def model_ends(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        self.stats.hook_calls += 1
         if not self.forward_running:
             return
         self.forward_running = False
-        self.mode.__exit__(None, None, None)
+        self._leave(self.model, None)
         self._settle_sources()
-        self._hook_ready()
         self._release(None)
-        if self.position != self.step.model_ops and not self.diverged:  # (else that error is on its way)
-            raise UnsupportedProblem(f"the step's forward pass ran {self.position} operations where the captured one "
-                                     f"ran {self.step.model_ops}: its control flow depends on its data, or the model "
-                                     "changed; plan again")
+        if self.diverged:
+            return  # (that error is on its way)
+        nodes = torch._C._autograd._get_sequence_nr() - self.nodes
+        if nodes != self.step.model_nodes:
+            self.diverged = True
+            raise UnsupportedProblem(f"the step diverged from the captured one: its forward pass made {nodes} autograd "
+                                     f"nodes where the captured one made {self.step.model_nodes}; its control flow "
+                                     "depends on its data, or the model changed; plan again")
+        self.stats.kept_released |= self.prep.kept_released
+        if self.prep.offloading and self.pass_.entries:  # the backward pass's first step prefetches ahead
+            hook, seen = _PrefetchHook(self, self.pass_, self.step.model_ops), set()
+            for t in _tensors(output):
+                if t.grad_fn is not None and id(t.grad_fn) not in seen:
+                    seen.add(id(t.grad_fn))
+                    t.grad_fn.register_prehook(hook)
+
+    def _scope_starts(self, name: str, module: nn.Module, args: tuple) -> None:
+        self.stats.hook_calls += 1
+        k = self.calls[name]
+        self.calls[name] = k + 1
+        if self.forward_running:
+            scope = self.prep.scopes[name].get(k)
+            if scope is not None:
+                self._enter(module, scope)
+
+    def _scope_ends(self, name: str, module: nn.Module, args: tuple, output: Any) -> None:
+        self.stats.hook_calls += 1
+        self._leave(module, self.prep.scopes[name].get(self.calls[name] - 1))
+
+    def _enter(self, module: nn.Module, scope: _Scope) -> None:
+        """A call where the plan acts begins: its saves go through the hooks (unless an outer call's do), its
+        operations through the mode where a program replays one (unless an outer call's do)."""
+        self.stats.acting_calls += 1
+        if self.hooked is None:
+            self.hooked, self.saved = module, scope.save
+            torch._C._autograd._push_saved_tensors_default_hooks(self.pack, self.unpack)
+        if scope.follow and self.following is None:
+            self.following, self.position = module, scope.op
+            self.mode.__enter__()
+
+    def _leave(self, module: nn.Module, scope: _Scope | None) -> None:
+        if self.following is module:
+            self.following = None
+            self.mode.__exit__(None, None, None)
+        if self.hooked is module:
+            self.hooked = None
+            torch._C._autograd._pop_saved_tensors_default_hooks()
+        if self.pending and scope is not None:  # (on a GPU) offloaded maps this call read last go
+            self._release(scope.end)
 
     def _check_inputs(self, args: tuple, kwargs: dict) -> None:
         step, plan = self.step, self.prep.plan
@@ -298,70 +479,76 @@ class _Executor(_OffloadHooks, _Recompute):
                 raise InvalidInput(f"the plan was made for input {path} of shape {shape} ({dtype}), the model was "
                                    f"given {tuple(t.shape)} ({t.dtype}); a plan made for another input size?")
 
-    def ran(self, i: int, leaves: list) -> None:
-        """Operation `i` ran and returned `leaves`: tag what it made, hook the nodes it will need."""
-        self._hook_ready()
-        op = self.step.ops[i]
-        for leaf, name in op.creates:
-            self._tag(leaves[leaf], name)
-        self.position = self.current = i + 1
-        if self.prep.offloading:
-            self.to_hook = [(i, t) for t in leaves if isinstance(t, torch.Tensor)]
-            self._release(self.position)
-
-    def _tag(self, t: torch.Tensor, name: str) -> None:
-        storage = t.untyped_storage()
-        self.tags[storage._cdata] = (name, weakref.ref(storage))
-
-    def _hook_ready(self) -> None:
-        """The autograd nodes of the last operation's outputs (set once it returned) get a pre-hook that
-        prefetches ahead of their backward step."""
-        for i, t in self.to_hook:
-            node = t.grad_fn
-            if node is not None and id(node) not in self.hooked:
-                self.hooked.add(id(node))
-                node.register_prehook(_PrefetchHook(self, self.pass_, i))
-        self.to_hook = []
-
     # -- saved-tensor hooks ---------------------------------------------------------------------------
     def pack(self, t: torch.Tensor) -> Any:
-        if not self.forward_running or t.numel() == 0:
+        self.stats.hook_calls += 1
+        if not self.forward_running:
             return t.detach()  # (why detached: below)
-        self.quiet += 1
-        try:
-            name = self._name_of(t)
-            action = self.prep.actions.get(name, "keep") if name is not None else "keep"
-            if action == "offload":
-                return self._offload(name, t)
-            if action == "recompute" and name in self.rebuilds.programs:
-                return self._drop(name, t)
-            if action == "release":
-                self.stats.kept_released.add(name)
+        k = self.saved
+        self.saved = k + 1
+        saves = self.prep.saves
+        if k >= len(saves) or t.shape != saves[k][1] or t.dtype != saves[k][2]:
+            self._refuse(k, t)
+        name, _, _, op, action = saves[k]
+        if self.pending:  # (on a GPU) device tensors whose forward readers have run go after their copies
+            self._release(op)
+        if action is None or t.numel() == 0:
             # detached: autograd would hold the tensor object, and through its grad_fn (an op saving its
             # own output) itself, a cycle the garbage collector cannot see into when no backward frees it
             return t.detach()
+        if action == "release":  # autograd saves it: kept (named in the stats at the forward pass's end)
+            return t.detach()
+        self.stats.acting_calls += 1
+        self.quiet += 1
+        try:
+            self.current = op
+            if action == "offload":
+                return self.pass_, self._offload(name, t), op
+            # recompute: the storage its producer made in this pass (a same-shaped stranger would be rebuilt wrong)
+            if self.rebuilds.made.get(name) != t.untyped_storage()._cdata:
+                self._refuse(k, t)
+            return self._drop(name, t, at=op)
         finally:
             self.quiet -= 1
 
     def unpack(self, saved: Any) -> torch.Tensor:
-        if isinstance(saved, _Offloaded):
+        self.stats.hook_calls += 1
+        if type(saved) is tuple:  # offloaded, unpacked by the backward step of op `at`
+            p, entry, at = saved
+            self.stats.acting_calls += 1
+            self.reached(p, at)
+            return self._fetch(entry)
+        if isinstance(saved, _Offloaded):  # a source of a rebuild
             return self._fetch(saved)
         if isinstance(saved, _Dropped):
+            self.stats.acting_calls += 1
             return self._unpack_dropped(saved)
         return saved
 
-    def _name_of(self, t: torch.Tensor) -> str | None:
-        """The feature map `t`'s storage is (None: a parameter, or a tensor the step did not make)."""
-        storage = t.untyped_storage()
-        known = self.tags.get(storage._cdata)
-        return known[0] if known is not None and known[1]() is storage else None
+    def _refuse(self, k: int, t: torch.Tensor) -> None:
+        """The forward pass's save `k` is not the captured one's: the step is refused, in one line."""
+        self.diverged = True
+        saves = self.prep.saves
+        if k >= len(saves):
+            raise UnsupportedProblem(f"the step's forward pass saved more tensors for backward than the captured one "
+                                     f"({len(saves)}): its control flow depends on its data, or the model changed; "
+                                     "plan again")
+        name, shape, dtype, op, _ = saves[k]
+        where = f" in {self.step.ops[op].module}" if self.step.ops[op].module else ""
+        raise UnsupportedProblem(
+            f"the step diverged from the captured one at operation {op}{where}: it saved a {tuple(t.shape)} "
+            f"{t.dtype} tensor{'' if name is None else ' of another storage'} where the captured one saved "
+            f"{tuple(shape)} {dtype}{'' if name is None else f' ({name})'}; its control flow depends on its data, "
+            "or the model changed; plan again")
 
     # -- workspaces ---------------------------------------------------------------------------------
     @contextlib.contextmanager
     def workspaces(self) -> Iterator[None]:
         """Each converted conv runs its kernels within the plan's budgets (set at the forward pass's start;
         the same dict object each step, so its routes are kept); as they were afterwards."""
-        saved = [(conv, conv._budgets) for conv in self.model.modules() if isinstance(conv, ConvLayer)]
+        convs = self.prep.convs if self.prep.step is not None else [
+            m for m in self.model.modules() if isinstance(m, ConvLayer)]
+        saved = [(conv, conv._budgets) for conv in convs]
         try:
             yield
         finally:
@@ -394,9 +581,8 @@ def execute_plan(model: nn.Module, plan: MemoryPlan, *, prefetch_ahead: int = 1)
             stack.enter_context(executor.workspaces())
             if executor.prep.step is None or executor.prep.acting:
                 stack.enter_context(through_operators())
-                stack.enter_context(torch.autograd.graph.saved_tensors_hooks(executor.pack, executor.unpack))
             yield executor.stats
     finally:
-        for h in handles:
+        for h in handles + executor.handles:
             h.remove()
 

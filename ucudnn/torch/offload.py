@@ -5,17 +5,18 @@ copies a tensor out and back.
 **Offload.** `pack` copies the tensor into a pooled host buffer (pinned memory on CUDA; reused from
 step to step, see `_HostBuffers`) on a dedicated device-to-host stream, records an event, and keeps
 the device tensor referenced until the forward pass has run the last operation that reads its storage
-(as captured); then the compute stream waits for the copy's event and the reference goes, so that the caching
-allocator gives the memory to the compute stream's next allocations, ordered after the copy (nothing
-waits on the host; polling the event instead would free nothing while the host runs ahead of the
-GPU, which it does by up to a whole forward pass). One storage saved by several ops (a ReLU's
-output, saved by the ReLU and by the next conv) is copied once.
+(as captured; seen at the next save, or at the forward pass's end); then the compute stream waits for
+the copy's event and the reference goes, so that the caching allocator gives the memory to the compute
+stream's next allocations, ordered after the copy (nothing waits on the host; polling the event instead
+would free nothing while the host runs ahead of the GPU, which it does by up to a whole forward pass).
+One storage saved by several ops (a ReLU's output, saved by the ReLU and by the next conv) is copied once.
 Each offloaded tensor's *use* is the last operation (in forward order) that saved it: the first to need
-it in the backward pass. **Prefetch.** A pre-hook on the autograd node of every operation's output
-fires just before that node's backward step; at operation i it issues the host-to-device copies of every offloaded tensor used at
-i or later that is not issued yet, and of the `prefetch_ahead` tensors needed next. `unpack` makes
-the compute stream wait for its copy's event (no host synchronisation); a tensor whose prefetch was
-not issued yet is fetched on the spot and counted in `ExecutionStats.late_prefetches`. On the CPU
+it in the backward pass. **Prefetch.** Just before the backward step of operation i (at the first prefetch
+hook on the model output's node, and at each unpack of an offloaded or dropped tensor saved by operation i:
+the only steps where what is issued can change) the executor issues the host-to-device copies of every
+offloaded tensor used at i or later that is not issued yet, and of the `prefetch_ahead` tensors needed
+next. `unpack` makes the compute stream wait for its copy's event (no host synchronisation); a tensor whose
+prefetch was not issued yet is fetched on the spot and counted in `ExecutionStats.late_prefetches`. On the CPU
 the same code runs with plain copies (no streams or events), so that the order can be tested.
 """
 
@@ -262,4 +263,5 @@ class _PrefetchHook:
         self.executor, self.pass_, self.index = executor, pass_, index
 
     def __call__(self, grads: Any) -> None:
+        self.executor.stats.hook_calls += 1
         self.executor.reached(self.pass_, self.index)

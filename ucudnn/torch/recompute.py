@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils._pytree import tree_leaves
 
 from ucudnn.errors import UnsupportedProblem
 
@@ -70,12 +70,13 @@ def programs_for(step: Any, actions: dict[str, str]) -> dict[str, Program]:
 
 
 class _Dropped:
-    """What a saved tensor of a dropped storage leaves behind: where in the storage it lies."""
+    """What a saved tensor of a dropped storage leaves behind: where in the storage it lies, and the op whose
+    backward step unpacks it (None: a source saved for a rebuild)."""
 
-    __slots__ = ("rebuilds", "name", "size", "stride", "offset")
+    __slots__ = ("rebuilds", "name", "size", "stride", "offset", "at")
 
-    def __init__(self, rebuilds: _Rebuilds, name: str, t: torch.Tensor) -> None:
-        self.rebuilds, self.name = rebuilds, name
+    def __init__(self, rebuilds: _Rebuilds, name: str, t: torch.Tensor, at: int | None = None) -> None:
+        self.rebuilds, self.name, self.at = rebuilds, name, at
         self.size, self.stride, self.offset = t.size(), t.stride(), t.storage_offset()
 
 
@@ -111,8 +112,10 @@ class _Rebuilds:
     """One forward pass's dropped storages: each program operation's recorded call, and, in the backward
     pass, the rebuilt storages in use."""
 
-    def __init__(self, programs: dict[str, Program]) -> None:
+    def __init__(self, programs: dict[str, Program], pass_: Any = None) -> None:
         self.programs = programs
+        self.pass_ = pass_                 # the forward pass's offloads (`ucudnn.torch.offload._Pass`)
+        self.made: dict[str, int] = {}     # storage -> the key of the storage its producer made in this pass
         # op -> [func, (args, kwargs), rng, programs yet to replay it]: an op making several dropped storages
         # (a batch-norm's output and statistics) is in several programs, and its sources go after the last
         self.calls: dict[int, list] = {}
@@ -123,37 +126,40 @@ class _Rebuilds:
 
 class _Recompute:
     """The executor's recomputation. A base of `ucudnn.torch.memory._Executor`, whose state and hooks
-    it uses: `prep`, `stats`, `params`, `unpack`, `_offload` and `_name_of`; `rebuilds` is the forward pass's (a
-    handle keeps its own: two forward passes may precede their backward passes)."""
+    it uses: `prep` (and its `params`), `step`, `stats`, `unpack`, `reached` and `_offload`; `rebuilds` is the forward
+    pass's (a handle keeps its own: two forward passes may precede their backward passes)."""
 
     rebuilds: _Rebuilds
 
     # -- the forward pass ---------------------------------------------------------------------------
-    def _drop(self, name: str, t: torch.Tensor, uses: int = 1) -> _Dropped:
-        """The handle saved in place of `t`, in dropped storage `name`, to be unpacked `uses` times."""
+    def _drop(self, name: str, t: torch.Tensor, uses: int = 1, at: int | None = None) -> _Dropped:
+        """The handle saved in place of `t`, in dropped storage `name`, to be unpacked `uses` times (by the
+        backward step of op `at`)."""
         r = self.rebuilds
         r.handles[name] = r.handles.get(name, 0) + uses
-        return _Dropped(r, name, t)
+        return _Dropped(r, name, t, at)
 
     def _record(self, storages: tuple[str, ...], index: int, func: Any, args: tuple, kwargs: dict,
                 random: bool) -> list[_Other]:
         """Keep what operation `index`, a producer of `storages`' programs, reads (see the module docstring);
-        the non-feature-map arguments, whose versions are taken once the operation has run."""
+        the non-feature-map arguments, whose versions are taken once the operation has run. Which argument
+        is which feature map, the capture says (`CapturedOp.args`)."""
         others: list[_Other] = []
+        roles = iter(self.step.ops[index].args)
 
         def keep(a: Any) -> Any:
             if not isinstance(a, torch.Tensor):
                 return a
-            name = self._name_of(a)
+            name = next(roles, None)
             if name in storages:
                 return _View(name, tuple(a.size()), tuple(a.stride()), a.storage_offset())
             if name is not None:
                 return _Source(self._save_source(name, a, len(storages)), a._version)
-            others.append(_Other(a, a.untyped_storage()._cdata in self.params))
+            others.append(_Other(a, a.untyped_storage()._cdata in self.prep.params))
             return others[-1]
 
         rng = _rng_state() if random else None
-        self.rebuilds.calls[index] = [func, tree_map(keep, (args, kwargs)), rng, len(storages)]
+        self.rebuilds.calls[index] = [func, _map_args(keep, args, kwargs), rng, len(storages)]
         return others
 
     def _save_source(self, name: str, t: torch.Tensor, uses: int) -> Any:
@@ -169,7 +175,7 @@ class _Recompute:
         (their autograd history would tie the executor's records to the graph). Detached inside a dispatch
         mode, below autograd, a tensor would not share its version counter, which the checks read."""
         for _, (args, kwargs), _, _ in self.rebuilds.calls.values():
-            for a in tree_leaves((args, kwargs)):
+            for a in _args(args, kwargs):
                 if isinstance(a, _Source) and isinstance(a.saved, torch.Tensor):
                     a.saved = a.saved.detach()
                 elif isinstance(a, _Other):
@@ -178,6 +184,8 @@ class _Recompute:
     # -- the backward pass --------------------------------------------------------------------------
     def _unpack_dropped(self, dropped: _Dropped) -> torch.Tensor:
         r = dropped.rebuilds
+        if dropped.at is not None and r.pass_ is not None and r.pass_.entries:
+            self.reached(r.pass_, dropped.at)  # the backward step of op `at` runs: prefetch for it and ahead
         base = r.rebuilt.get(dropped.name)
         if base is None:
             base = r.rebuilt[dropped.name] = self._rebuild(r, r.programs[dropped.name])
@@ -217,7 +225,7 @@ class _Recompute:
             call[3] -= 1
             if call[3] == 0:  # its last program: what it holds goes
                 del r.calls[index]
-            args, kwargs = tree_map(value, recorded, is_leaf=lambda a: isinstance(a, (_View, _Source, _Other)))
+            args, kwargs = _map_args(value, *recorded)
             before = _rng_state() if rng is not None else None
             try:
                 if rng is not None:
@@ -231,6 +239,23 @@ class _Recompute:
                 base = tree_leaves(out)[program.leaf]
         self.stats.recomputed += 1
         return base
+
+
+def _map_args(fn: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """`fn` on each argument of an ATen call and on each element of a list argument, in `tree_leaves`' order
+    (which the capture named them in): an operator's arguments nest one list deep at most (``Tensor[]``), so
+    a replay's hot path walks no pytree."""
+    def one(a: Any) -> Any:
+        return type(a)(map(fn, a)) if type(a) in (list, tuple) else fn(a)
+
+    return tuple(map(one, args)), {k: one(v) for k, v in kwargs.items()}
+
+
+def _args(args: tuple, kwargs: dict) -> list:
+    """The arguments of an ATen call, list elements in place of their lists (as `_map_args` sees them)."""
+    out: list = []
+    _map_args(out.append, args, kwargs)
+    return out
 
 
 def _rng_state() -> tuple:
