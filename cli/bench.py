@@ -34,7 +34,9 @@ _UNUSED_LAYER_KEYS = {"kind": "bench runs every kind of --kinds"}
               help="Total workspace of all kernels, WD mode (e.g. 256MiB).")
 @click.option("--policy", default="powerOfTwo", show_default=True,
               help="Micro-batch sizes to benchmark: all, powerOfTwo, undivided, or a list like 1,4,16.")
-@click.option("--backend", "backend_name", default="auto", show_default=True, type=click.Choice(["auto", "cpu", "cudnn"]))
+@click.option("--backend", "backend_name", default="auto", show_default=True, type=click.Choice(["auto", "cpu", "cudnn"]),
+              help="Where the kernels run: cpu (NumPy/SciPy algorithms, and PyTorch's own as native when torch is "
+                   "installed), cudnn (cuDNN's engines on an NVIDIA GPU), auto (cudnn when a GPU is usable, else cpu).")
 @click.option("--kinds", default=",".join(KINDS), show_default=True, help="Kernels to optimise, comma-separated.")
 @click.option("--algos", help="Restrict the candidate algorithms (comma-separated).")
 @click.option("--db", "db_url", metavar="URL", help="Measurement cache (SQLAlchemy URL or SQLite file); default $UCUDNN_DB or the user cache.")

@@ -294,3 +294,30 @@ def test_alexnet_layers_match_reference(layer: str, kind: str) -> None:
     for algo in ALL_ALGOS:
         if BACKEND.unsupported_reason(problem, algo) is None:
             run_and_check(problem, algo, seed=13)
+
+
+@pytest.mark.parametrize("numpy_threads, waits", [(None, 1), (1, 0)])
+def test_native_is_timed_once_a_spinning_blas_pool_is_quiet(monkeypatch, numpy_threads, waits) -> None:
+    """After NumPy algorithms on several BLAS threads, OpenBLAS's idle threads spin for about 0.1 s:
+    `native` is timed only after they stop (on one BLAS thread nothing spins, and nothing waits), and its
+    measurements carry their own protocol in the cache key."""
+    if torch is None:
+        pytest.skip("native needs torch")
+    import ucudnn.backends.cpu.backend as cpu_backend
+
+    waited = []
+    monkeypatch.setattr(cpu_backend, "_wait_for_idle_threads", lambda: waited.append(1) or 0.0)
+    monkeypatch.setattr(cpu_backend, "_blas_pool_may_spin", False)
+    backend = CpuBackend(numpy_threads=numpy_threads)
+    problem = ConvProblem.parse("n=2,c=4,h=8,w=8,k=4,r=3,s=3,pad=1")
+    results = backend.measure(problem, ["native", "im2col_gemm", "shift_gemm", "native"], reps=1)
+    assert all(m.usable for m in results)
+    assert len(waited) == waits  # the first native follows nothing; the second follows shift_gemm
+    assert backend.versions_for(NATIVE).endswith(",protocol=3")
+    assert ",protocol=2" in backend.versions_for("im2col_gemm")
+
+
+def test_waiting_for_idle_threads_ends_when_they_are_idle() -> None:
+    from ucudnn.backends.cpu.backend import _wait_for_idle_threads
+
+    assert _wait_for_idle_threads(limit_s=0.5) < 0.5  # nothing else runs in this process

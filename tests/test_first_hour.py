@@ -240,3 +240,39 @@ def test_db_info_says_what_a_device_is(tmp_path, capsys):
     code, out, err = run(capsys, "db", "info", "--db", url, "--json")
     facts = json.loads(out)
     assert facts["devices"] == 2 and facts["device_models"] == 1
+
+
+# ---- the note under the table reads, and says only what happened ----
+
+def test_the_note_says_only_what_happened(tmp_path):
+    import dataclasses
+
+    kernels = expand_kernels([("layer1", PROBLEM)], 8, ["fwd"])
+    report = optimize(CpuBackend(), kernels, policy="undivided", algos=["shift_gemm"], reps=3)
+    quiet = dataclasses.replace(report, noisy_now=0, remeasured=0)
+    assert quiet.noise_text == ""
+    noisy = dataclasses.replace(report, noisy_now=4, remeasured=0).noise_text
+    assert noisy.startswith("4 of the ") and "timings taken now were noisy" in noisy
+    assert "measured again" not in noisy and " 0 " not in noisy and "raise --reps (now 3)" in noisy
+    one = dataclasses.replace(report, noisy_now=1, remeasured=1).noise_text
+    assert "timings taken now was noisy" in one
+    assert "1 timing that a speedup rests on looked like an outlier and was measured again (9 runs" in one
+    both = dataclasses.replace(report, noisy_now=0, remeasured=2).noise_text
+    assert both.startswith("2 timings that a speedup rests on looked like outliers and were measured again")
+
+
+def test_every_option_of_every_command_says_what_it_does():
+    import click
+
+    from ucudnn.cli.main import cli
+
+    def commands(group, path):
+        for name, command in group.commands.items():
+            if isinstance(command, click.Group):
+                yield from commands(command, [*path, name])
+            else:
+                yield [*path, name], command
+
+    silent = [(" ".join(path), param.opts[0]) for path, command in commands(cli, [])
+              for param in command.params if isinstance(param, click.Option) and not param.help]
+    assert not silent, silent

@@ -74,15 +74,16 @@ def test_spec_round_trips():
     ("c=3,h=5,w=5,k=2,r=3,s=3,q=1", "unknown key 'q'"),
     ("c=3,h=5,w=5,k=2,r=3,s=x", "s must be an integer"),
     ("c=3,h=5,w=5,k=2,r=3,s=3,pad", "key=value"),
-    ("c=0,h=5,w=5,k=2,r=3,s=3", "'c' must be positive"),
-    ("c=3,h=5,w=5,k=2,r=3,s=3,pad=-1", "'pad_h' must be non-negative"),
+    ("c=0,h=5,w=5,k=2,r=3,s=3", "c must be positive, got 0"),
+    ("c=3,h=5,w=5,k=2,r=3,s=3,pad=-1", "pad must be non-negative, got -1"),
+    ("c=3,h=5,w=5,k=2,r=3,s=3,stride_w=0", "stride_w must be positive, got 0"),
     ("c=3,h=2,w=5,k=2,r=3,s=3", "larger than the padded input"),
-    ("c=3,h=5,w=5,k=2,r=3,s=3,groups=2", "'groups' (2) must divide c (3)"),
-    ("c=3,h=5,w=5,k=2,r=3,s=3,dtype=int8", "'dtype'"),
-    ("c=3,h=5,w=5,k=2,r=3,s=3,layout=CHWN", "'layout'"),
-    ("c=3,h=5,w=5,k=2,r=3,s=3,kind=bwd", "'kind'"),
+    ("c=3,h=5,w=5,k=2,r=3,s=3,groups=2", "groups (2) must divide c (3)"),
+    ("c=3,h=5,w=5,k=2,r=3,s=3,dtype=int8", "dtype must be one of"),
+    ("c=3,h=5,w=5,k=2,r=3,s=3,layout=CHWN", "layout must be one of"),
+    ("c=3,h=5,w=5,k=2,r=3,s=3,kind=bwd", "kind must be one of"),
     ("c=3,h=5,w=5,k=2,r=3,s=3,pad=1,pad_h=2", "given twice"),
-    ("c=3,h=5,w=5,k=2,r=3,s=3,t=3", "'t' (3) belongs to a depth axis"),
+    ("c=3,h=5,w=5,k=2,r=3,s=3,t=3", "t (3) belongs to a depth axis"),
     ("c=3,h=5,w=5,k=2,r=3,s=3,pad_d=1", "give d (the input depth)"),
     ("c=3,d=0,h=5,w=5,k=2,r=3,s=3", "d must be positive"),
     ("c=3,h=5,w=5,k=2,r=3,s=3,output_padding=1", "transposed convolutions only"),
@@ -96,6 +97,13 @@ def test_bad_specs_are_refused_with_the_field_named(spec, words):
     with pytest.raises(InvalidInput) as info:
         ConvProblem.parse(spec)
     assert words in str(info.value)
+    # In the spec's words: the key as written, never the class's own name for it.
+    assert "ConvProblem" not in str(info.value) and (not spec or str(info.value).startswith("layer spec"))
+
+
+def test_a_problem_built_in_python_names_its_field():
+    with pytest.raises(InvalidInput, match="ConvProblem field 'pad_h' must be non-negative, got -1"):
+        ConvProblem(c=3, h=5, w=5, k=2, r=3, s=3, pad_h=-1)
 
 
 def test_3d_shapes_and_pad_on_every_axis():

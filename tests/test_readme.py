@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import importlib.util
+import itertools
+import re
 import shlex
 import sys
 from pathlib import Path
@@ -85,3 +87,55 @@ def test_every_readme_block_runs():
     failed = [(r.what, r.code, r.tail) for r in results if r.code]
     assert not failed, failed
     assert results and all(why for _, why in left_out)
+
+
+# ---- what the first section promises (issue 37) ----
+
+README_TEXT = checker.README.read_text(encoding="utf-8")
+BENCHMARKS = checker.ROOT / "BENCHMARKS.md"
+CI_RUN = checker.ROOT / ".ci" / "run"
+
+
+def _setup_block():
+    (setup,) = [b for b in BLOCKS if b.tag == "setup"]
+    return setup.commands()
+
+
+def test_the_test_command_lists_skip_reasons_as_ci_runs_it():
+    pytest_command = _setup_block()[-1]
+    assert pytest_command.startswith("bash .ci/setup && ") and pytest_command.endswith("python -m pytest -ra")
+    assert ".venv/bin/python -m pytest -ra" in CI_RUN.read_text(encoding="utf-8")
+
+
+def _main_job_runs() -> tuple[str, list[tuple[float, float]]]:
+    """The main job's command and its recorded runs, (cold seconds, total speedup), from BENCHMARKS.md's
+    table of runs that nothing else slowed."""
+    section = BENCHMARKS.read_text(encoding="utf-8").split("## The first hour, again (issue 37)", 1)[1]
+    command = next(line.strip("` ") for line in section.splitlines() if line.startswith("`ucudnn bench "))
+    lines = section.split("### The main job, run after run", 1)[1].splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("| run | load | cold s |"))
+    runs = []
+    for row in itertools.takewhile(lambda line: line.startswith("|"), lines[start + 2:]):
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        runs.append((float(cells[2]), float(cells[4].rstrip("x"))))
+    return command, runs
+
+
+def test_the_main_job_headline_is_the_range_of_the_recorded_runs():
+    command, runs = _main_job_runs()
+    assert len(runs) >= 5
+    # The README's main job is the command that was measured, with a fresh --db each time.
+    main_job = _setup_block()[1]
+    assert main_job.removeprefix(".venv/bin/") == command.split(" --db ")[0]
+    low, high = min(s for _, s in runs), max(s for _, s in runs)
+    stated = re.search(r"the `speedup:` line read (\d+\.\d+)x to (\d+\.\d+)x in total", " ".join(README_TEXT.split()))
+    assert stated, "the README states the main job's headline as a range"
+    assert (float(stated.group(1)), float(stated.group(2))) == (low, high)
+    assert f"In {len(runs)} runs from an empty cache" in " ".join(README_TEXT.split())
+    cold = re.search(r"the main job (\d+\.\d+) to (\d+\.\d+) s from an empty cache", " ".join(README_TEXT.split()))
+    assert cold and (float(cold.group(1)), float(cold.group(2))) == (min(c for c, _ in runs), max(c for c, _ in runs))
+
+
+def test_the_readme_says_one_table_is_printed():
+    text = " ".join(README_TEXT.split())
+    assert "a table per kernel" not in text and "prints one table, a row per kernel" in text

@@ -7,6 +7,7 @@ import contextlib
 import copy
 import gc
 import json
+import os
 import re
 import subprocess
 import sys
@@ -593,6 +594,8 @@ _RSS_CHILD = textwrap.dedent("""
 def _training_added_rss(variant: str) -> int:
     out = subprocess.run([sys.executable, "-c", _RSS_CHILD, variant], capture_output=True, text=True, check=True,
                          env={"OMP_NUM_THREADS": "1", "PATH": "",
+                              # the run's own folders (tests/conftest.py), not the user's
+                              "HOME": os.environ["HOME"], "XDG_CACHE_HOME": os.environ["XDG_CACHE_HOME"],
                               # a fixed mmap threshold: freed feature maps go back to the system, so
                               # that the peak RSS follows the live tensors
                               "MALLOC_MMAP_THRESHOLD_": "65536"})

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -61,6 +62,17 @@ SPEC_KEYS = ("n", "c", "h", "w", "k", "r", "s", "pad", "pad_h", "pad_w", "stride
              "dilation", "dilation_h", "dilation_w", "groups", "d", "t", "pad_d", "stride_d", "dilation_d",
              "transposed", "output_padding", "output_padding_h", "output_padding_w", "output_padding_d",
              "dtype", "compute_type", "layout", "kind")
+
+
+_FIELD_WORDS = re.compile(r"ConvProblem field '(\w+)'")
+
+
+def _in_spec_words(message: str, written: Mapping[str, str]) -> str:
+    """A ConvProblem refusal as a layer spec's reader says it: `pad must be non-negative, got -1` for
+    `ConvProblem field 'pad_h' must be ...` when the spec wrote `pad=-1`."""
+    message = _FIELD_WORDS.sub(lambda m: written.get(m.group(1), m.group(1)), message)
+    return message.replace("ConvProblem transposed output", "the transposed output").replace(
+        "ConvProblem output", "the output")
 
 
 @dataclass(frozen=True, slots=True)
@@ -388,7 +400,12 @@ class ConvProblem:
         missing = [name for name in _REQUIRED if name not in values]
         if missing:
             raise InvalidInput(f"layer spec {spec!r}: missing {', '.join(missing)}")
-        return cls(**values)  # type: ignore[arg-type]
+        try:
+            return cls(**values)  # type: ignore[arg-type]
+        except InvalidInput as exc:  # in the spec's words: the key as written (pad, not pad_h)
+            written = {target: key for key, _ in items
+                       for target in (tuple(f"{key}_{a}" for a in axes) if key in _ALL_AXES else (key,))}
+            raise InvalidInput(f"layer spec {spec!r}: {_in_spec_words(str(exc), written)}") from None
 
     @classmethod
     def from_shapes(cls, x_shape: Sequence[int], w_shape: Sequence[int], *, stride: int | Sequence[int] = 1,

@@ -114,15 +114,25 @@ class Report:
 
     @property
     def noise_text(self) -> str:
-        """One sentence on noisy timings and what to do, or "" when this run measured none."""
-        if not self.noisy_now and not self.remeasured:
+        """What this run's noisy timings and re-measurements were, and what to do; "" when there were none.
+
+        Each sentence is there only when its count is not 0."""
+        parts = []
+        if self.noisy_now:
+            were = "was" if self.noisy_now == 1 else "were"
+            parts.append(f"{self.noisy_now} of the {self.stats.measured} timings taken now {were} noisy (spread "
+                         f"over {NOISY_SPREAD_FRACTION:.0%} of the median: the machine was busy).")
+        if self.remeasured:
+            one = self.remeasured == 1
+            parts.append(f"{self.remeasured} {'timing' if one else 'timings'} that a speedup rests on "
+                         f"looked like {'an outlier' if one else 'outliers'} and "
+                         f"{'was' if one else 'were'} measured again ({REMEASURE_REPS_FACTOR * self.reps} runs, "
+                         f"up to {REMEASURE_ATTEMPTS} times); the fastest median is kept.")
+        if not parts:
             return ""
-        measured = self.stats.measured
-        return (f"{self.noisy_now} of the {measured} timings taken now were noisy (spread over "
-                f"{NOISY_SPREAD_FRACTION:.0%} of the median: the machine was busy); {self.remeasured} times a "
-                f"speedup rests on looked like outliers and were measured again ({REMEASURE_REPS_FACTOR * self.reps} "
-                f"runs, up to {REMEASURE_ATTEMPTS} times), the fastest median kept. For steadier figures run on a quiet machine or raise --reps "
-                f"(now {self.reps}), after `ucudnn db prune --device '{self.device}'` drops the cached ones.")
+        parts.append(f"For steadier figures run on a quiet machine or raise --reps (now {self.reps}), after "
+                     f"`ucudnn db prune --device '{self.device}'` drops the cached timings.")
+        return " ".join(parts)
 
     @property
     def baseline_ms(self) -> float:

@@ -27,10 +27,11 @@ offers and launches them (`backend`).
 
 from __future__ import annotations
 
-from ucudnn.backends.cpu.backend import (ALGORITHMS, FFT, IM2COL_GEMM, MEASUREMENT_PROTOCOL, NATIVE, SHIFT_GEMM,
-                                         SUPPORTED_DTYPES, WINOGRAD, CpuBackend)
+from ucudnn.backends.cpu.backend import (ALGORITHMS, FFT, IM2COL_GEMM, MEASUREMENT_PROTOCOL, NATIVE,
+                                         NATIVE_MEASUREMENT_PROTOCOL, SHIFT_GEMM, SUPPORTED_DTYPES, WINOGRAD,
+                                         CpuBackend)
 from ucudnn.backends.cpu.fft import FFT_WORKERS
 from ucudnn.backends.cpu.layout import ALIGN_BYTES
 
 __all__ = ["ALGORITHMS", "ALIGN_BYTES", "FFT", "FFT_WORKERS", "IM2COL_GEMM", "MEASUREMENT_PROTOCOL", "NATIVE",
-           "SHIFT_GEMM", "SUPPORTED_DTYPES", "WINOGRAD", "CpuBackend"]
+           "NATIVE_MEASUREMENT_PROTOCOL", "SHIFT_GEMM", "SUPPORTED_DTYPES", "WINOGRAD", "CpuBackend"]

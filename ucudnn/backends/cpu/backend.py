@@ -16,6 +16,7 @@ import functools
 import math
 import os
 import platform
+import time
 import weakref
 from typing import Any
 
@@ -59,6 +60,33 @@ _THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS
 # that older timings are not reused. 2: the verification reference runs on one BLAS thread (before,
 # its pool still spun while the next candidate was timed).
 MEASUREMENT_PROTOCOL = 2
+# `native`'s own: 3, timed only once a multi-threaded BLAS call's pool has stopped spinning (below).
+NATIVE_MEASUREMENT_PROTOCOL = 3
+
+# After a multi-threaded call, OpenBLAS's idle threads spin at full speed for about 0.1 s (2**28
+# cycles) before they sleep. On a 2-core machine, PyTorch's convolution timed in that window shares a
+# core with a spinning thread: measured 10-30x slower (the main job's backward kernels at batch 1:
+# 13-33 ms against 1.1-1.6 ms), so that micro-batches of `native` lost to the undivided NumPy baseline
+# and both backward kernels stayed at 1.00x. So `native` is timed after the spin is over. (A NumPy
+# algorithm on one BLAS thread, as converted layers run them, leaves no pool spinning.)
+_IDLE_POLL_S = 0.005       # how often the process's CPU time is read while waiting
+_IDLE_CPU_FRACTION = 0.2   # other threads idle: they used under this share of one core over a poll
+_IDLE_WAIT_MAX_S = 0.5     # never wait longer (a process whose own threads are busy with other work)
+_blas_pool_may_spin = False  # the last candidate timed was a NumPy algorithm on more than one BLAS thread
+
+
+def _wait_for_idle_threads(poll_s: float = _IDLE_POLL_S, limit_s: float = _IDLE_WAIT_MAX_S) -> float:
+    """Sleep until this process's other threads stop using the CPU (a thread pool's idle spin is over),
+    at most `limit_s`; the seconds waited. Read from the process's CPU time while this thread sleeps."""
+    start = quiet = time.perf_counter()
+    while True:
+        cpu, wall = time.process_time(), time.perf_counter()
+        time.sleep(poll_s)
+        now = time.perf_counter()
+        if time.process_time() - cpu >= _IDLE_CPU_FRACTION * (now - wall):
+            quiet = now  # busy over this poll: the quiet spell starts again
+        if now - quiet >= 2 * poll_s or now - start >= limit_s:  # two quiet polls in a row, or enough
+            return now - start
 
 
 @functools.cache
@@ -156,7 +184,7 @@ class CpuBackend(Backend):
         # the thread-count variables. So installing torch keeps every NumPy measurement.
         own = ("torch",) if algo == NATIVE else ("numpy", "numpy-blas", "scipy", "scipy-blas")
         key = ",".join(f"{lib}={ver}" for lib, ver in self.device.versions if lib in own or lib in _THREAD_VARIABLES)
-        key += f",protocol={MEASUREMENT_PROTOCOL}"
+        key += f",protocol={NATIVE_MEASUREMENT_PROTOCOL if algo == NATIVE else MEASUREMENT_PROTOCOL}"
         if algo != NATIVE and self.numpy_threads is not None:  # default keys stay as they were
             key += f",numpy-threads={self.numpy_threads}"
         return key
@@ -213,8 +241,14 @@ class CpuBackend(Backend):
         # The launcher a Handle runs in steady state, after `measure`'s checked warm-up run: the
         # per-call checks and layout work of `run` would otherwise count against every algorithm.
         # It honours beta itself (BLAS beta, or one blend into out), so what is timed is what runs.
+        # native is timed only once the BLAS pool of a NumPy candidate timed before it has stopped
+        # spinning (NATIVE_MEASUREMENT_PROTOCOL).
+        global _blas_pool_may_spin
         launch = self.prepare_run(problem, algo)
         x, w, dy, out = (operands.get(name) for name in ("x", "w", "dy", "out"))
+        if algo == NATIVE and _blas_pool_may_spin:
+            _wait_for_idle_threads()
+        _blas_pool_may_spin = algo != NATIVE and self.numpy_threads != 1
         return wall_clock_samples_ms(lambda: launch(x, w, dy, out, workspace, 1.0, beta), reps)
 
     def prepare_run(self, problem: ConvProblem, algo: str):
