@@ -367,6 +367,8 @@ class _Executor(_OffloadHooks, _Recompute):
         self.diverged = False          # the step was refused: the checks at its end stand down
         self.quiet = 0                 # inside the executor's own hooks: their operations are not the step's
         self.mode = _Follow(self)
+        # entered and left at the calls where the plan acts (`_enter`, `_leave`), not around the whole step
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
         self.hooked: nn.Module | None = None     # the module whose call pushed the saved-tensor hooks
         self.following: nn.Module | None = None  # the module whose call the mode follows
         self.calls: dict[str, int] = {}          # per scoped module: its calls in this forward pass
@@ -449,7 +451,7 @@ class _Executor(_OffloadHooks, _Recompute):
         self.stats.acting_calls += 1
         if self.hooked is None:
             self.hooked, self.saved = module, scope.save
-            torch._C._autograd._push_saved_tensors_default_hooks(self.pack, self.unpack)
+            self.hooks.__enter__()
         if scope.follow and self.following is None:
             self.following, self.position = module, scope.op
             self.mode.__enter__()
@@ -460,7 +462,7 @@ class _Executor(_OffloadHooks, _Recompute):
             self.mode.__exit__(None, None, None)
         if self.hooked is module:
             self.hooked = None
-            torch._C._autograd._pop_saved_tensors_default_hooks()
+            self.hooks.__exit__(None, None, None)
         if self.pending and scope is not None:  # (on a GPU) offloaded maps this call read last go
             self._release(scope.end)
 
