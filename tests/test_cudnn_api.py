@@ -21,12 +21,14 @@ from __future__ import annotations
 import ast
 import ctypes
 import dataclasses
+import gc
 import importlib.util
 import inspect
 import re
 import subprocess
 import sys
 import time
+import weakref
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
 
@@ -434,11 +436,23 @@ class _ElementwiseKernel:
         values[target][...] = eval(python, {"_cast": cast}, values)  # noqa: S307 -- the test's own kernels
 
 
-def _pool_block(shape, dtype, like=None) -> np.ndarray:
+# Every block of device memory the stand-in CuPy handed out (`empty`, `empty_like`, `zeros`), weakly: a
+# CUDA graph's private pool under torch.compile must hold only what the graph returns, so a test can
+# ask which blocks taken in a span of work are still alive (cudagraph_trees.check_memory_pool).
+BLOCKS: list = []
+
+
+def _block(array: np.ndarray) -> FakeArray:
+    block = _fake(array)
+    BLOCKS.append(weakref.ref(block))
+    return block
+
+
+def _pool_block(shape, dtype, like=None) -> FakeArray:
     """New memory as CuPy's pool may hand it out: holding old bytes (0xFF, NaN in every float format)."""
     array = np.empty_like(like) if like is not None else np.empty(shape, dtype)
     array.fill({np.dtype(np.uint8): 0xFF, np.dtype(np.uint16): 0xFFFF}.get(array.dtype, np.nan))
-    return array
+    return _block(array)
 
 
 def make_fake_cupy():
@@ -450,9 +464,9 @@ def make_fake_cupy():
         __version__="14.fake", ndarray=FakeArray, dtype=np.dtype,
         float16=np.float16, float32=np.float32, float64=np.float64, uint8=np.uint8, uint16=np.uint16,
         uint32=np.uint32,
-        empty=lambda shape, dtype=np.float32: _fake(_pool_block(shape, dtype)),
-        zeros=lambda shape, dtype=np.float64: _fake(np.zeros(shape, dtype)),
-        empty_like=lambda a: _fake(_pool_block(a.shape, a.dtype, like=a)),
+        empty=lambda shape, dtype=np.float32: _pool_block(shape, dtype),
+        zeros=lambda shape, dtype=np.float64: _block(np.zeros(shape, dtype)),
+        empty_like=lambda a: _pool_block(a.shape, a.dtype, like=a),
         asarray=lambda a, dtype=None: _fake(np.asarray(a, dtype)),
         pad=lambda a, pads: _fake(np.pad(a, pads)), einsum=lambda *a, **kw: _fake(np.einsum(*a, **kw)),
         abs=lambda a: _fake(np.abs(a)), tensordot=lambda a, b, axes: _fake(np.tensordot(a, b, axes)),
@@ -627,6 +641,7 @@ def fake_gpu(monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy", make_fake_cupy())
     monkeypatch.setitem(sys.modules, "cudnn", fake_cudnn)
     TRACE.clear()
+    BLOCKS.clear()
     cupy_arrays._blend_kernels.cache_clear()
     cudnn_backend._hold_kernel.cache_clear()
     return SimpleNamespace(calls=calls, handles=handles, real=real)
@@ -909,6 +924,37 @@ def test_prepared_launches_check_operands_once(fake_gpu, kind, monkeypatch):
         if seed == 0:
             first = len(checks)
     assert first == 3 * len(micros) and len(checks) == first  # checked on the first run only
+
+
+@pytest.mark.parametrize("mode", [{"workspace_limit": 4096}, {"total_workspace": 8192}], ids=["WR", "WD"])
+def test_a_handle_keeps_no_device_memory_between_runs(fake_gpu, mode):
+    # torch.compile(mode="reduce-overhead") runs a step once to warm up with every allocation in its CUDA
+    # graphs' private pool, then requires every block still alive there to be one of the graph's outputs
+    # (cudagraph_trees.check_memory_pool). A workspace the handle kept (WR's buffer, WD's arena) would be
+    # such a block; on the cudnn backend each run takes its workspace and lets it go.
+    from ucudnn.handle import Handle
+
+    backend = cudnn_backend.CudnnBackend()
+    handle = Handle(backend=backend, db=False, reps=1, policy=(1, 2, 4), algos=["eng1:TILE_SIZE=2",
+                                                                                "eng2:SPLIT_K_BUF=4,TILEK=0"], **mode)
+    problems = {kind: SMALL.with_kind(kind) for kind in KINDS}
+    handle.register("conv", SMALL, kinds=KINDS)
+    operands = {kind: backend.random_operands(problem, seed=1) for kind, problem in problems.items()}
+    taken = len(BLOCKS)
+    kernels = {kind: handle.kernel(kind, SMALL.x_shape, SMALL.w_shape, padding=1, layer="conv") for kind in KINDS}
+    for _ in range(3):
+        for kind, kernel in kernels.items():
+            kernel.run(**operands[kind])
+    assert all(k.config.workspace > 0 for k in kernels.values()), [k.config for k in kernels.values()]
+    gc.collect()
+    alive = [ref() for ref in BLOCKS[taken:] if ref() is not None]
+    assert not alive, f"{len(alive)} blocks of {[a.nbytes for a in alive]} B outlive the runs"
+    assert handle.workspace_bytes == 0 and handle.arena is None
+    assert handle.peak_workspace >= max(k.config.workspace for k in kernels.values())
+    for kind, problem in problems.items():
+        inputs = {n: np.asarray(a, np.float64) for n, a in operands[kind].items() if n != "out"}
+        expected = selftest.reference(problem, **inputs)
+        assert selftest.relative_error(np.asarray(operands[kind]["out"], np.float64), expected) < 1e-6
 
 
 # ---- every form through the stand-in: 1-D, 3-D and transposed, lowered and run -----------------------

@@ -98,6 +98,9 @@ class Backend(abc.ABC):
     name: str
     warmup_runs = 1  # untimed runs before the timed ones (caches, lazy compilation); the first is verified
     tf32 = False  # float32 compute may round operands to TF32 (GPU tensor cores)
+    # Whether a handle takes each run's workspace from `empty_workspace` and lets it go after the run,
+    # instead of keeping a buffer (WR) or an arena (WD) between runs: see CudnnBackend.
+    workspace_per_run = False
 
     @property
     @abc.abstractmethod

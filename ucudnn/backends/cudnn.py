@@ -143,6 +143,11 @@ class CudnnBackend(Backend):
     warmup_runs = 2
     # float32 graphs may run on TF32 tensor cores (cuDNN's default math mode on sm_80 and later).
     tf32 = True
+    # Device memory comes from a caching allocator (PyTorch's under ucudnn.torch, else CuPy's pool), which
+    # hands the same block back run after run, as for PyTorch's own cuDNN convolutions. Held between runs,
+    # a buffer first taken while torch.compile's CUDA graphs warm up would sit in their private pool,
+    # where every live block must be a graph's output (cudagraph_trees.check_memory_pool).
+    workspace_per_run = True
 
     def __init__(self) -> None:
         cupy, cudnn, device_id = _probe()

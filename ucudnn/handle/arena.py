@@ -40,6 +40,9 @@ class _Workspaces:
             return self._backend.empty_workspace(0)
         if prep.budget is not None:  # a plan's budget: held for this run only, as the plan counted it
             return self._backend.empty_workspace(need)
+        if self._backend.workspace_per_run:  # WR or WD, taken for this run only (`Backend.workspace_per_run`)
+            self._peak_bytes = max(self._peak_bytes, need)
+            return self._backend.empty_workspace(need)
         if prep.offset is not None:
             if self._arena is None:  # freed by close(); the plans still hold
                 self._arena = self._backend.empty_workspace(self._total_workspace)

@@ -243,7 +243,8 @@ class Handle(_Planning, _Trials, _Recovery, _Workspaces, _Launching):
 
     @property
     def arena(self) -> Any:
-        """The WD arena (one buffer of `total_workspace` bytes, allocated at the first solve), else None."""
+        """The WD arena (one buffer of `total_workspace` bytes, allocated at the first solve), else None (as
+        on a backend whose kernels take their workspace per run: `Backend.workspace_per_run`)."""
         return self._arena
 
     @property

@@ -89,10 +89,11 @@ class _Launching:
 
     def _run_kernels(self, prep: _Prepared, **operands: Any) -> None:
         workspace = self._workspace(prep)
-        # a budget's workspace lives for this run only: a memory tracker (`workspace_listener`) hears of it
+        # a workspace taken for this run only (a budget's; any on a per-run backend): a memory tracker
+        # (`workspace_listener`) hears of it
         # (torch's own convolution takes none from us: `_workspace`)
-        held = prep.config.workspace if prep.budget is not None and self.workspace_listener is not None \
-            and not native_only(prep.config) else 0
+        held = prep.config.workspace if (prep.budget is not None or self._backend.workspace_per_run) \
+            and self.workspace_listener is not None and not native_only(prep.config) else 0
         if held:
             self.workspace_listener(held)
         try:

@@ -164,7 +164,7 @@ class _Planning:
                     for p, c, b in zip(problem_keys, configs, baselines, strict=True)]})
         if end > total:  # only a corrupt stored plan gets here; a fresh solve places within the total
             raise Infeasible(f"the stored WD plan needs {end} B of arena, over the total {total} B")
-        if self._arena is None:
+        if self._arena is None and not self._backend.workspace_per_run:
             self._arena = self._backend.empty_workspace(total)
         self._peak_bytes = max(self._peak_bytes, end)
         plans = {(layer, kind): (p, _Plan(c, b, o))
