@@ -352,6 +352,31 @@ class _Event:
         pass
 
 
+class _Stream:
+    """A CUDA stream as CuPy wraps one (`cupy.cuda.ExternalStream(ptr)`): `with stream:` makes it the
+    current stream, on which CuPy launches its kernels."""
+
+    def __init__(self, ptr, device_id=-1):
+        self.ptr = ptr
+
+    def __enter__(self):
+        STREAMS.append(self)
+        return self
+
+    def __exit__(self, *exc):
+        STREAMS.pop()
+        return False
+
+    def synchronize(self):
+        pass
+
+
+# CuPy's current stream is the last entered (the null stream, 0, outside every `with`).
+STREAMS = [_Stream(0)]
+# The stream of each launch, in order: ("execute", stream) for the frontend, ("kernel", name, stream) for CuPy.
+LAUNCHES: list[tuple] = []
+
+
 class _Device:
     def __init__(self, device_id=0):
         self.id = device_id
@@ -426,6 +451,7 @@ class _ElementwiseKernel:
                 raise TypeError(f"Type is mismatched. {name} {arg.dtype} {types[type_name]} {type_name}")
         resolved = {t: types[t] if _is_placeholder(t) else np.dtype(t) for t, _ in self.inputs + self.outputs}
         TRACE.append(("kernel", self.name))
+        LAUNCHES.append(("kernel", self.name, STREAMS[-1].ptr))
         values = {name: (arg if isinstance(arg, np.ndarray) else resolved[t].type(arg))
                   for (t, name), arg in zip(self.inputs + self.outputs, args)}
         target, expression = (part.strip() for part in self.operation.split("=", 1))
@@ -472,7 +498,7 @@ def make_fake_cupy():
         abs=lambda a: _fake(np.abs(a)), tensordot=lambda a, b, axes: _fake(np.tensordot(a, b, axes)),
         random=SimpleNamespace(default_rng=_Rng), RawKernel=_RawKernel, ElementwiseKernel=_ElementwiseKernel,
         cuda=SimpleNamespace(runtime=runtime, Device=_Device, Event=_Event,
-                             get_current_stream=lambda: SimpleNamespace(ptr=0, synchronize=lambda: None),
+                             get_current_stream=lambda: STREAMS[-1], ExternalStream=_Stream,
                              get_elapsed_time=lambda start, end: (end.at - start.at) * 1e3))
     return cupy
 
@@ -574,6 +600,10 @@ def make_fake_cudnn(real):
                 assert workspace, "a plan with workspace got a null workspace pointer"
             calls["execute"] += 1
             TRACE.append(("execute",))
+            # the frontend launches on its handle's stream (classic set_stream semantics), which must be the
+            # one the caller's work is ordered on: CuPy's current stream (ucudnn.torch makes it torch's)
+            assert handle.stream == STREAMS[-1].ptr, f"executed on stream {handle.stream}, current {STREAMS[-1].ptr}"
+            LAUNCHES.append(("execute", handle.stream))
             pointers = self._uid_to_data(tensor_dict)
             (node,) = self.nodes
             kind = {"CONV_FPROP": "fwd", "CONV_DGRAD": "bwd_data", "CONV_WGRAD": "bwd_filter"}[node.node_type.name]
@@ -609,9 +639,10 @@ def make_fake_cudnn(real):
                 views[out_port][...] = result
 
     class FakeHandle:
-        pass
+        stream = 0  # as cudnn.create_handle seeds it: a new cudnnHandle_t runs on the null stream
 
-    handles = {"created": 0, "destroyed": 0, "streams": []}
+    # "set_stream": every stream passed to set_stream; "switched": those cudnnSetStream was called for
+    handles = {"created": 0, "destroyed": 0, "set_stream": [], "switched": []}
 
     def create_handle():
         handles["created"] += 1
@@ -622,8 +653,13 @@ def make_fake_cudnn(real):
         handles["destroyed"] += 1
 
     def set_stream(handle, stream):
+        # As cudnn/__init__.py (1.32) does: the Handle remembers its stream and calls the backend's
+        # cudnnSetStream only when it changes.
         assert isinstance(handle, FakeHandle) and isinstance(stream, int)
-        handles["streams"].append(stream)
+        handles["set_stream"].append(stream)
+        if handle.stream != stream:
+            handles["switched"].append(stream)
+            handle.stream = stream
 
     api = {"__version__": real.__version__, "backend_version": lambda: 92800,
            "backend_version_string": lambda: "9.28.0", "create_handle": create_handle,
@@ -642,6 +678,7 @@ def fake_gpu(monkeypatch):
     monkeypatch.setitem(sys.modules, "cudnn", fake_cudnn)
     TRACE.clear()
     BLOCKS.clear()
+    LAUNCHES.clear()
     cupy_arrays._blend_kernels.cache_clear()
     cudnn_backend._hold_kernel.cache_clear()
     return SimpleNamespace(calls=calls, handles=handles, real=real)
@@ -726,7 +763,7 @@ def test_selftest_through_the_backend_passes(fake_gpu, dtype):
     assert report.passed, report.format()
     assert report.count("skip") == 3 * 3 * (2 if dtype in ("float16", "bfloat16") else 1)  # engine 7
     assert {c.algo for c in report.checks if c.status == "pass"} >= {"eng0", "eng2:SPLIT_K_BUF=4,TILEK=0"}
-    assert fake_gpu.handles["streams"] and set(fake_gpu.handles["streams"]) == {0}
+    assert fake_gpu.handles["set_stream"] and set(fake_gpu.handles["set_stream"]) == {0}
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -955,6 +992,32 @@ def test_a_handle_keeps_no_device_memory_between_runs(fake_gpu, mode):
         inputs = {n: np.asarray(a, np.float64) for n, a in operands[kind].items() if n != "out"}
         expected = selftest.reference(problem, **inputs)
         assert selftest.relative_error(np.asarray(operands[kind]["out"], np.float64), expected) < 1e-6
+
+
+def test_every_launch_runs_on_the_callers_current_stream(fake_gpu):
+    # ucudnn.torch enters cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream) around a layer's
+    # kernels: under CUDA graph capture that is the capturing stream, and every launch (the frontend's
+    # execute, CuPy's blend and copies) must be enqueued there. The handle's stream is set before each
+    # execute; the frontend calls cudnnSetStream only when it changes.
+    import cupy
+
+    from ucudnn.kernel.run import PreparedConfiguration
+    from ucudnn.solver.types import Configuration, MicroConfig
+
+    backend = cudnn_backend.CudnnBackend()
+    problem = SMALL.with_kind("bwd_filter")  # micro-batches after the first accumulate: a blend per launch
+    algo = "eng1:TILE_SIZE=2"
+    micros = tuple(MicroConfig(algo, b, 0.0, backend.workspace_size(problem.with_batch(b), algo)) for b in (2, 1))
+    prepared = PreparedConfiguration(backend, problem, Configuration(micros))
+    operands = backend.random_operands(problem, seed=2)
+    workspace = backend.empty_workspace(max(m.workspace for m in micros))
+    for stream in (7, 9, 9, 0):
+        LAUNCHES.clear()
+        with cupy.cuda.ExternalStream(stream, 0):
+            prepared.run(workspace=workspace, **operands)
+        kinds = {launch[0] for launch in LAUNCHES}
+        assert kinds == {"execute", "kernel"} and {launch[-1] for launch in LAUNCHES} == {stream}, LAUNCHES
+    assert fake_gpu.handles["switched"] == [7, 9, 0]
 
 
 # ---- every form through the stand-in: 1-D, 3-D and transposed, lowered and run -----------------------
