@@ -204,7 +204,7 @@ def test_signatures_take_the_arguments_the_backend_passes():
     _accepts(cudnn.pygraph.build_plan_at_index, "index")
     _accepts(cudnn.pygraph.get_workspace_size_plan_at_index, "index")
     _accepts(cudnn.pygraph.get_engine_and_knobs_at_index, "index")
-    _accepts(cudnn.pygraph.execute_plan_at_index, "tensor_dict", "workspace", "index", "handle")
+    _accepts(cudnn.pygraph.execute_plan_at_index, "tensor_dict", "workspace", "index", "handle", "tensor_uids")
     _accepts(cudnn.set_stream, "handle", "stream")
     _accepts(cudnn.destroy_handle, "handle")
     # The knob dict is keyed by enum members that round-trip through their names.
@@ -593,7 +593,7 @@ def make_fake_cudnn(real):
             assert index in self.fake_state["built"]
             return self._engine(index)[1] * self.nodes[0].inputs[next(iter(self.nodes[0].inputs))].dim[0]
 
-        def execute_plan_at_index(self, tensor_dict, workspace=None, index=0, handle=None):
+        def execute_plan_at_index(self, tensor_dict, workspace=None, index=0, handle=None, *, tensor_uids=None):
             assert index in self.fake_state["built"], "executing a plan that was not built"
             assert isinstance(handle, FakeHandle)
             if self.get_workspace_size_plan_at_index(index):
@@ -604,6 +604,10 @@ def make_fake_cudnn(real):
             # one the caller's work is ordered on: CuPy's current stream (ucudnn.torch makes it torch's)
             assert handle.stream == STREAMS[-1].ptr, f"executed on stream {handle.stream}, current {STREAMS[-1].ptr}"
             LAUNCHES.append(("execute", handle.stream))
+            if tensor_uids is not None:  # buffers in a sequence, one distinct operand uid each (pygraph.execute)
+                assert isinstance(tensor_dict, (tuple, list)) and len(tensor_uids) == len(tensor_dict)
+                assert len(set(tensor_uids)) == len(tensor_uids), "duplicate uids are rejected"
+                tensor_dict = dict(zip(tensor_uids, tensor_dict))
             pointers = self._uid_to_data(tensor_dict)
             (node,) = self.nodes
             kind = {"CONV_FPROP": "fwd", "CONV_DGRAD": "bwd_data", "CONV_WGRAD": "bwd_filter"}[node.node_type.name]

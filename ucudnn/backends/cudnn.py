@@ -10,9 +10,10 @@ swapped), so no transposed graph is ever declared.
 
 API followed (nvidia-cudnn-frontend 1.32, read from its installed sources and NVIDIA/cudnn-frontend):
 `execute_plan_at_index` addresses a built plan (cudnn/_pygraph.py); `cudnn.create_handle()` and
-`cudnn.set_stream(handle, stream)`: cudnn/__init__.py; a variant pack keyed by graph tensors with
-raw device pointers (CuPy's `.data.ptr`), which borrow the graph's declared geometry:
-cudnn/_pygraph.py (`pygraph._describe`).
+`cudnn.set_stream(handle, stream)`: cudnn/__init__.py; a variant pack keyed by graph tensors, or
+a tuple of buffers with their `tensor_uids` (`pygraph.execute`'s docstring), of raw device pointers
+(CuPy's `.data.ptr`), which borrow the graph's declared geometry: cudnn/_pygraph.py
+(`pygraph._describe`).
 
 Code conventions that tests/test_cudnn_api.py relies on, in every module of `FRONTEND_MODULES`: the
 frontend module is always the local name `cudnn`, a graph is always `graph`, and graph tensors are
@@ -73,7 +74,7 @@ CUDNN_API_USED: dict[str, tuple[str, ...]] = {
               "conv_fprop", "conv_wgrad", "create_execution_plan", "create_execution_plans",
               "execute_plan_at_index", "get_engine_and_knobs_at_index", "get_execution_plan_count",
               "get_workspace_size_plan_at_index", "tensor", "validate"),
-    "tensor": ("set_data_type", "set_dim", "set_output", "set_stride"),
+    "tensor": ("set_data_type", "set_dim", "set_output", "set_stride", "uid"),
 }
 
 # Built plans kept per (problem, batch, algorithm). A plan holds host descriptors and, for
@@ -325,13 +326,15 @@ class CudnnBackend(Backend):
         self._launch(problem, plan, inputs, out, workspace, alpha, beta)
 
     def prepare_run(self, problem: ConvProblem, algo: str):
-        """`run` with its per-call work done once: the built plan, the graph tensors of the variant
+        """`run` with its per-call work done once: the built plan, the operand uids of the variant
         pack and the operand order are fixed here, and no operand is checked (the caller's first,
         checked `run` vouched for them). A launch with alpha = 1, beta = 0 and aligned pointers
-        builds the pack and executes; anything else takes `run`'s blending or copying path.
+        sets the stream and executes; anything else takes `run`'s blending or copying path.
 
-        The frontend's public `execute_plan_at_index` is the lowest entry point used: below it
-        (`_lowered_graph`, the raw-pointer execute) the frontend offers only private names.
+        The frontend's fastest public execution (1.32): `execute_plan_at_index` with the buffers in a
+        tuple and their uids fixed (`tensor_uids`, whose metadata the graph caches; what its own
+        torch operators use), and `cudnn.set_stream`, which calls cudnnSetStream only when the
+        handle's stream changes. Below that (`_lowered_graph`, a native pack) its names are private.
         """
         import cudnn
         import cupy
@@ -340,6 +343,7 @@ class CudnnBackend(Backend):
         graph, index, handle = plan.declared.graph, plan.index, self._handle
         (first, first_t), (second, second_t) = plan.declared.inputs
         output_t = plan.declared.output
+        uids = (first_t.uid, second_t.uid, output_t.uid)
         position = {"x": 0, "w": 1, "dy": 2}
         a, b = position[_caller_name(problem, first)], position[_caller_name(problem, second)]
         with_workspace = plan.workspace_bytes > 0
@@ -353,9 +357,9 @@ class CudnnBackend(Backend):
                 return
             with device:
                 cudnn.set_stream(handle, cupy.cuda.get_current_stream().ptr)
-                graph.execute_plan_at_index({first_t: inputs[0].data.ptr, second_t: inputs[1].data.ptr,
-                                             output_t: out.data.ptr},
-                                            workspace.data.ptr if with_workspace else 0, index=index, handle=handle)
+                graph.execute_plan_at_index((inputs[0].data.ptr, inputs[1].data.ptr, out.data.ptr),
+                                            workspace.data.ptr if with_workspace else 0, index=index, handle=handle,
+                                            tensor_uids=uids)
 
         return launch
 
