@@ -2,7 +2,7 @@
 
     python benchmarks/gpu/first_run.py [OUT_DIR] [--quick]
 
-Five parts, each in its own process with its own time limit (a crash or a hang in one leaves the
+Six parts, each in its own process with its own time limit (a crash or a hang in one leaves the
 others standing), one summary line each, every line of their output in OUT_DIR/first_run.log and
 the figures in OUT_DIR/first_run.json:
 
@@ -11,10 +11,13 @@ the figures in OUT_DIR/first_run.json:
 - bench: `ucudnn bench --network alexnet --batch 256 --workspace 64MiB --backend cudnn --json`;
 - convert step: HF ResNet-50 at batch 64, 224 px, converted (cudnn, 64 MiB per kernel) against
   plain PyTorch: first step's seconds, steps interleaved, peak memory, loss difference;
+- compiled step: the same model, converted, under `torch.compile(mode="reduce-overhead")` (CUDA graphs
+  of the whole step, the micro-batch launches inside) against plain PyTorch compiled the same way:
+  step ms interleaved, peak memory above what each had before its first step, loss difference;
 - planned step: the same model under vDNN's conv plan (every convolution's input offloaded to
   pinned host memory and prefetched), executed: step time against plain, peak against predicted.
 
-About 5 minutes on an H100 (`--quick`: a small model at batch 8 for the two steps). Without a GPU it
+About 8 minutes on an H100 (the compiled step compiles two ResNet-50 steps with Inductor) (`--quick`: a small model at batch 8 for the two steps). Without a GPU it
 exits 2 with one line saying what is missing; it needs ucudnn installed (`pip install --no-deps -e .`
 from the repository root) and, for the two steps, transformers (the `models` extra).
 """
@@ -35,7 +38,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 MIB = 2**20
 # Per-part limits (s): generous for an H100, so that a part that hangs still leaves time for the rest.
-LIMITS_S = {"selftest": 120, "pytest": 300, "bench": 120, "convert": 300, "planned": 300}
+LIMITS_S = {"selftest": 120, "pytest": 300, "bench": 120, "convert": 300, "compiled": 420, "planned": 300}
 STEP_REPS = 10
 
 
@@ -44,7 +47,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("out_dir", nargs="?", type=Path, default=Path("gpu-first-run"),
                         help="folder for first_run.log, first_run.json and the measurement cache")
     parser.add_argument("--quick", action="store_true", help="a small model at batch 8 for the two training steps")
-    parser.add_argument("--part", choices=("convert", "planned"), help=argparse.SUPPRESS)  # one step, in a child
+    parser.add_argument("--part", choices=("convert", "compiled", "planned"),
+                        help="run one training step's part here and print its figures as JSON")
     parser.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # cpu: the tests' smoke run
     return parser.parse_args(argv)
 
@@ -166,6 +170,8 @@ def training_step(part: str, name: str, batch: int, size: int, device: str, db: 
         return step
 
     figure: dict = {"model": name, "batch": batch, "size": size, "device": device}
+    if part == "compiled":
+        return _compiled_steps(plain, figure, x, target, device, db, reps)
     if part == "convert":
         ours = convert(copy.deepcopy(plain), backend="cudnn" if device == "cuda" else "cpu", workspace_limit=64 * MIB,
                        db=db)
@@ -209,6 +215,53 @@ def training_step(part: str, name: str, batch: int, size: int, device: str, db: 
     return figure
 
 
+def _compiled_steps(plain, figure: dict, x, target, device: str, db: str, reps: int) -> dict:
+    """Converted and plain, each under torch.compile: mode="reduce-overhead" on CUDA (the whole step in
+    CUDA graphs, after a warm-up run and a recorded one); aot_eager on the CPU, where the smoke run
+    checks the step code. Peaks are what each step took above the memory allocated before it first
+    ran (the other's graphs stay allocated in their private pool)."""
+    import copy
+
+    import torch
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import models
+    from ucudnn.torch import convert
+
+    options = {"mode": "reduce-overhead"} if device == "cuda" else {"backend": "aot_eager"}
+    ours = convert(copy.deepcopy(plain), backend="cudnn" if device == "cuda" else "cpu", workspace_limit=64 * MIB,
+                   db=db)
+    steps, peaks, losses = {}, {}, {}
+    for name, net in (("ours", ours), ("plain", plain)):
+        compiled = torch.compile(net, **options)
+
+        def step(net=net, compiled=compiled):
+            torch.compiler.cudagraph_mark_step_begin()  # the last step's graph outputs are not read again
+            net.zero_grad(set_to_none=True)
+            loss = models.loss(compiled(x), target)
+            loss.backward()
+            return float(loss.detach())
+
+        before = torch.cuda.memory_allocated() if device == "cuda" else 0
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        torch.manual_seed(0)
+        losses[name] = step()  # compiles (and, converted, plans every kernel)
+        figure[f"{name}_first_step_s"] = time.perf_counter() - start
+        step(), step()  # recorded, then replayed
+        if device == "cuda":
+            torch.cuda.synchronize()
+            peaks[name] = (torch.cuda.max_memory_allocated() - before) / MIB
+        steps[name] = step
+    times = _timed_steps({"plain": steps["plain"], "ours": steps["ours"]}, device, reps)
+    figure.update(ms=times["ours"], plain_ms=times["plain"], first_step_s=figure["ours_first_step_s"],
+                  peak_mib=peaks.get("ours", float("nan")), plain_peak_mib=peaks.get("plain", float("nan")),
+                  loss_diff=abs(losses["ours"] - losses["plain"]), loss_tolerance=1e-2 * max(1.0, abs(losses["plain"])),
+                  compile=options)
+    return figure
+
+
 class _nothing:
     def __enter__(self):
         return self
@@ -228,6 +281,7 @@ def parts(args: argparse.Namespace) -> list[tuple[str, list[str], object]]:
         ("bench", [python, "-m", "ucudnn.cli.main", "bench", "--network", "alexnet", "--batch", "256", "--workspace",
                    "64MiB", "--backend", "cudnn", "--json", "--db", db], bench_summary),
         ("convert", step + ["--part", "convert"], step_summary),
+        ("compiled", step + ["--part", "compiled"], step_summary),  # after convert: its kernels are measured
         ("planned", step + ["--part", "planned"], step_summary),
     ]
 
