@@ -17,9 +17,10 @@ the figures in OUT_DIR/first_run.json:
 - planned step: the same model under vDNN's conv plan (every convolution's input offloaded to
   pinned host memory and prefetched), executed: step time against plain, peak against predicted.
 
-About 8 minutes on an H100 (the compiled step compiles two ResNet-50 steps with Inductor) (`--quick`: a small model at batch 8 for the two steps). Without a GPU it
-exits 2 with one line saying what is missing; it needs ucudnn installed (`pip install --no-deps -e .`
-from the repository root) and, for the two steps, transformers (the `models` extra).
+About 8 minutes on an H100, two of them Inductor compiling the compiled part's two steps (`--quick`: a
+small model at batch 8 for the three steps). Without a GPU it exits 2 with one line saying what is
+missing; it needs ucudnn installed (`pip install --no-deps -e .` from the repository root) and, for the
+steps, transformers (the `models` extra).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out_dir", nargs="?", type=Path, default=Path("gpu-first-run"),
                         help="folder for first_run.log, first_run.json and the measurement cache")
-    parser.add_argument("--quick", action="store_true", help="a small model at batch 8 for the two training steps")
+    parser.add_argument("--quick", action="store_true", help="a small model at batch 8 for the training steps")
     parser.add_argument("--part", choices=("convert", "compiled", "planned"),
                         help="run one training step's part here and print its figures as JSON")
     parser.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # cpu: the tests' smoke run
