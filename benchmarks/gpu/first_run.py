@@ -17,8 +17,8 @@ the figures in OUT_DIR/first_run.json:
 - planned step: the same model under vDNN's conv plan (every convolution's input offloaded to
   pinned host memory and prefetched), executed: step time against plain, peak against predicted.
 
-About 8 minutes on an H100, two of them Inductor compiling the compiled part's two steps (`--quick`: a
-small model at batch 8 for the three steps). Without a GPU it exits 2 with one line saying what is
+Not timed on a GPU yet (estimated 8 minutes on an H100, Inductor compiling two ResNet-50 steps among
+them; the parts' limits add up to 26); `--quick`: a small model at batch 8 for the three steps. Without a GPU it exits 2 with one line saying what is
 missing; it needs ucudnn installed (`pip install --no-deps -e .` from the repository root) and, for the
 steps, transformers (the `models` extra).
 """
