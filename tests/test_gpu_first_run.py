@@ -37,6 +37,16 @@ def test_every_part_runs_in_its_own_process_with_a_limit(tmp_path, first_run):
     assert set(names) == set(first_run.LIMITS_S) and sum(first_run.LIMITS_S.values()) <= 30 * 60
 
 
+def test_the_run_keeps_within_its_budget_and_says_which_parts_it_left(tmp_path, first_run, capsys):
+    # the parts' own limits add up to more than a lent GPU's command may run: with no budget left, none starts
+    assert sum(first_run.LIMITS_S.values()) > first_run.parse_args([str(tmp_path)]).budget
+    assert first_run.run_parts(first_run.parse_args([str(tmp_path), "--budget", "30"])) == 1
+    parts = json.loads((tmp_path / "first_run.json").read_text())["parts"]
+    assert list(parts) == list(first_run.LIMITS_S)
+    assert all(p == {"ok": False, "seconds": 0, "exit": None, "summary": "not run: budget spent"} for p in parts.values())
+    assert capsys.readouterr().out.count("SKIP not run") == len(parts)
+
+
 def test_summaries_read_what_each_part_prints(first_run):
     ok, text, _ = first_run.selftest_summary(json.dumps(
         {"passed": True, "summary": {"passed": 612, "failed": 0, "excluded": 3, "skipped": 0, "seconds": 9.0}}))

@@ -18,7 +18,9 @@ the figures in OUT_DIR/first_run.json:
   pinned host memory and prefetched), executed: step time against plain, peak against predicted.
 
 Not timed on a GPU yet (estimated 8 minutes on an H100, Inductor compiling two ResNet-50 steps among
-them; the parts' limits add up to 26); `--quick`: a small model at batch 8 for the three steps. Without a GPU it exits 2 with one line saying what is
+them). The parts' own limits add up to 26 minutes, more than a lent GPU's command may run, so the whole
+run keeps within `--budget` seconds (default 540): each part gets what is left of it, and a part with less
+than a minute left is not started (its line says so). `--quick`: a small model at batch 8 for the three steps. Without a GPU it exits 2 with one line saying what is
 missing; it needs ucudnn installed (`pip install --no-deps -e .` from the repository root) and, for the
 steps, transformers (the `models` extra).
 """
@@ -40,6 +42,7 @@ ROOT = Path(__file__).resolve().parents[2]
 MIB = 2**20
 # Per-part limits (s): generous for an H100, so that a part that hangs still leaves time for the rest.
 LIMITS_S = {"selftest": 120, "pytest": 300, "bench": 120, "convert": 300, "compiled": 420, "planned": 300}
+MIN_PART_S = 60  # a part is not started with less of the budget left than this
 STEP_REPS = 10
 
 
@@ -48,6 +51,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("out_dir", nargs="?", type=Path, default=Path("gpu-first-run"),
                         help="folder for first_run.log, first_run.json and the measurement cache")
     parser.add_argument("--quick", action="store_true", help="a small model at batch 8 for the training steps")
+    parser.add_argument("--budget", type=float, default=540.0,
+                        help="seconds the whole run may take (default 540: a lent GPU's command runs 600 at most)")
     parser.add_argument("--part", choices=("convert", "compiled", "planned"),
                         help="run one training step's part here and print its figures as JSON")
     parser.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # cpu: the tests' smoke run
@@ -293,10 +298,19 @@ def run_parts(args: argparse.Namespace) -> int:
     figures: dict = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "parts": {}}
     failures = 0
     with log_path.open("w") as log:
+        deadline = time.perf_counter() + args.budget
         for name, command, summarise in parts(args):
             start = time.perf_counter()
+            left = deadline - start
+            if left < MIN_PART_S:
+                failures += 1
+                figures["parts"][name] = {"ok": False, "seconds": 0, "exit": None, "summary": "not run: budget spent"}
+                print(f"{name:<9} SKIP not run: {left:.0f} s of the --budget left", flush=True)
+                json_path.write_text(json.dumps(figures, indent=2, default=str))
+                continue
             try:
-                done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=LIMITS_S[name])
+                done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True,
+                                      timeout=min(LIMITS_S[name], left))
                 stdout, stderr, code = done.stdout, done.stderr, done.returncode
             except subprocess.TimeoutExpired as exc:
                 stdout, stderr, code = _text(exc.stdout), _text(exc.stderr), None
