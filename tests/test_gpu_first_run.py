@@ -45,6 +45,10 @@ def test_the_run_keeps_within_its_budget_and_says_which_parts_it_left(tmp_path, 
     assert list(parts) == list(first_run.LIMITS_S)
     assert all(p == {"ok": False, "seconds": 0, "exit": None, "summary": "not run: budget spent"} for p in parts.values())
     assert capsys.readouterr().out.count("SKIP not run") == len(parts)
+    # a second command runs the parts the first had no time for
+    assert first_run.run_parts(first_run.parse_args([str(tmp_path), "--budget", "30", "--only", "convert,planned"])) == 1
+    assert list(json.loads((tmp_path / "first_run.json").read_text())["parts"]) == ["convert", "planned"]
+    assert first_run.main([str(tmp_path), "--only", "convert,nope"]) == 2
 
 
 def test_summaries_read_what_each_part_prints(first_run):

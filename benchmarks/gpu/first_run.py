@@ -20,7 +20,8 @@ the figures in OUT_DIR/first_run.json:
 Not timed on a GPU yet (estimated 8 minutes on an H100, Inductor compiling two ResNet-50 steps among
 them). The parts' own limits add up to 26 minutes, more than a lent GPU's command may run, so the whole
 run keeps within `--budget` seconds (default 540): each part gets what is left of it, and a part with less
-than a minute left is not started (its line says so). `--quick`: a small model at batch 8 for the three steps. Without a GPU it exits 2 with one line saying what is
+than a minute left is not started (its line says so); `--only convert,compiled,planned` runs those parts
+in a second command, into the same OUT_DIR (its cache kept). `--quick`: a small model at batch 8 for the three steps. Without a GPU it exits 2 with one line saying what is
 missing; it needs ucudnn installed (`pip install --no-deps -e .` from the repository root) and, for the
 steps, transformers (the `models` extra).
 """
@@ -53,6 +54,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="a small model at batch 8 for the training steps")
     parser.add_argument("--budget", type=float, default=540.0,
                         help="seconds the whole run may take (default 540: a lent GPU's command runs 600 at most)")
+    parser.add_argument("--only", type=lambda text: text.split(","), default=None, metavar="PART,...",
+                        help=f"run these parts only ({','.join(LIMITS_S)})")
     parser.add_argument("--part", choices=("convert", "compiled", "planned"),
                         help="run one training step's part here and print its figures as JSON")
     parser.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # cpu: the tests' smoke run
@@ -300,6 +303,8 @@ def run_parts(args: argparse.Namespace) -> int:
     with log_path.open("w") as log:
         deadline = time.perf_counter() + args.budget
         for name, command, summarise in parts(args):
+            if args.only is not None and name not in args.only:
+                continue
             start = time.perf_counter()
             left = deadline - start
             if left < MIN_PART_S:
@@ -338,6 +343,10 @@ def _text(value) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    unknown = sorted(set(args.only or ()) - set(LIMITS_S))
+    if unknown:
+        print(f"first_run: no part named {', '.join(unknown)} (parts: {', '.join(LIMITS_S)})", file=sys.stderr)
+        return 2
     if args.part:  # a child: one training step's figures as the last line of its output
         name, batch, size = ("hf-mobilenet-v2", 8, 224) if args.quick else ("hf-resnet50", 64, 224)
         db = f"sqlite:///{(args.out_dir / 'cache.db').resolve()}"
