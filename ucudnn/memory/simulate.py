@@ -115,6 +115,7 @@ class SimResult:
     timeline: tuple[Interval, ...]
     devices: tuple[DeviceResult, ...]
     schedule: tuple[tuple[SimStep, ...], ...]  # each device's expanded schedule
+    costs: tuple[StepCost, ...] = ()           # what each graph step cost (to simulate the same step again)
 
     def _max(self, name: str):
         return max(getattr(d, name) for d in self.devices)
@@ -211,6 +212,7 @@ class _Plan:
     waits_for: dict[int, list[str]]              # step -> prefetched storages it needs
     nbytes: dict[str, int]
     persistent: int
+    allocate_at_issue: bool                      # a copy back holds its memory from its trigger (else: its start)
 
 
 def _prepare(graph: TrainingGraph, costs: Sequence[StepCost], actions: Mapping[str, str] | None,
@@ -271,15 +273,20 @@ def _prepare(graph: TrainingGraph, costs: Sequence[StepCost], actions: Mapping[s
         nbytes[label] = b
         alloc_at.setdefault(start, []).append((label, b))
         free_after.setdefault(end, []).append(label)
+    if prefetch == "ahead":
+        at = _ahead(graph, sched, {name: use for _, use, name in prefetches})
+        prefetches = [(at[name], use, name) for _, use, name in prefetches]
     prefetches.sort()
     persistent = graph.persistent_bytes
     workspace = [costs[s.step].workspace for s in sched]
     return _Plan(sched, ms, workspace, alloc_at, free_after, offload_after, offload_free_after, prefetches,
-                 waits_for, nbytes, persistent)
+                 waits_for, nbytes, persistent, prefetch == "ahead")
 
 
 def _trigger(sched: Sequence[SimStep], ms: Sequence[float], use: int, name: str, nbytes: int,
              device: DeviceProfile, prefetch) -> int:
+    if prefetch == "ahead":
+        return use  # (set with the others': `_ahead`)
     if isinstance(prefetch, Mapping):
         if name in prefetch:
             at = int(prefetch[name])
@@ -300,7 +307,41 @@ def _trigger(sched: Sequence[SimStep], ms: Sequence[float], use: int, name: str,
             if left >= need or sched[k].phase == "fwd":
                 return k
         return 0
-    raise InvalidInput(f"prefetch must be 'layer', 'adaptive' or a mapping of storage to step, got {prefetch!r}")
+    raise InvalidInput(f"prefetch must be 'layer', 'adaptive', 'ahead' or a mapping of storage to step, got {prefetch!r}")
+
+
+def _ahead(graph: TrainingGraph, sched: Sequence[SimStep], uses: Mapping[str, int]) -> dict[str, int]:
+    """`ucudnn.torch.execute_plan`'s prefetch triggers (`_OffloadHooks.reached`, one map ahead): it looks at
+    the start of the model's first backward step and wherever a backward step unpacks an offloaded or
+    recomputed map (before that step's recomputation, which unpacks it); there it issues every map used by
+    then and the next one. `uses`: each offloaded map's first use after the forward pass."""
+    nf = graph.forward_steps
+    late = set(uses) | {w for s in sched if s.phase == "recompute" for w in s.writes}
+    points = []
+    for k in range(nf, len(sched)):
+        s = sched[k]
+        if s.phase != "bwd":
+            continue
+        start = k
+        while start > nf and sched[start - 1].phase == "recompute":
+            start -= 1
+        if not points and not (s.op.startswith("loss:") or graph.op(s.op).type == "loss"):
+            points.append((k, k))  # the model's first backward step
+        elif any(r in late for r in s.reads):
+            points.append((start, k))
+    order = sorted(uses, key=lambda name: uses[name])
+    at: dict[str, int] = {}
+    i = 0
+    for start, k in points:
+        while i < len(order) and uses[order[i]] <= k:
+            at[order[i]] = start
+            i += 1
+        if i < len(order) and not (i and uses[order[i - 1]] > k):  # one ahead
+            at[order[i]] = start
+            i += 1
+    for name in order[i:]:  # (used where the executor does not look: issued at their use)
+        at[name] = uses[name]
+    return at
 
 
 # ---- the event loop ----------------------------------------------------------------------------------------
@@ -414,8 +455,12 @@ def simulate(graph: TrainingGraph, device: DeviceProfile, costs: Sequence[StepCo
             return False  # (an offloaded storage past its last reader: the compute stream waits for its copy)
         # the prefetches this step triggers queue on the copy stream as soon as it is next
         while dv.trigger_pos < len(p.prefetches) and p.prefetches[dv.trigger_pos][0] <= k:
-            dv.h2d_queue.append(p.prefetches[dv.trigger_pos][2])
+            name = p.prefetches[dv.trigger_pos][2]
+            dv.h2d_queue.append(name)
             dv.trigger_pos += 1
+            if p.allocate_at_issue and name not in dv.resident:
+                dv.resident[name] = p.nbytes[name]
+                dv.set_used(t, p.nbytes[name], name)
         for name in p.waits_for.get(k, ()):
             if name not in dv.h2d_done:
                 return False
@@ -478,10 +523,11 @@ def simulate(graph: TrainingGraph, device: DeviceProfile, costs: Sequence[StepCo
             reserve = 0
             if dv.running is None and k < len(dv.p.sched) and name not in dv.p.waits_for.get(k, ()):
                 reserve = dv.step_needs(k)
-            if name in dv.offloaded and (dv.fits(b + reserve) or force):
+            if name in dv.offloaded and (dv.p.allocate_at_issue or dv.fits(b + reserve) or force):
                 dv.h2d_queue.pop(0)
-                dv.resident[name] = b
-                dv.set_used(t, b, name)
+                if name not in dv.resident:
+                    dv.resident[name] = b
+                    dv.set_used(t, b, name)
                 dv.h2d = _Copy(dv.index, "h2d", name, b, b, t)
                 started = True
         return started
@@ -571,5 +617,6 @@ def simulate(graph: TrainingGraph, device: DeviceProfile, costs: Sequence[StepCo
         timeline=tuple(sorted(intervals, key=lambda i: (i.device, i.start_ms))),
         devices=tuple(results),
         schedule=tuple(dv.p.sched for dv in devs),
+        costs=tuple(costs),
     )
 
