@@ -21,8 +21,9 @@ What is simulated, per device:
   forward reader waits for that copy, and the storage is freed (vDNN synchronises its memory stream
   at the end of a layer; `ucudnn.torch.execute_plan` makes the compute stream wait for the copy's
   event, as the GPU's allocator can hand the memory out in stream order only then). It is copied
-  back (allocated when its copy starts) at a prefetch trigger (`prefetch`, below) and the step that
-  reads it waits for the copy.
+  back at a prefetch trigger (`prefetch`, below), allocated when its copy starts (or, under
+  ``"ahead"``, when it is issued, as the executor's copy back is), and the step that reads it waits
+  for the copy.
 - **Bandwidth** comes from the `DeviceProfile`: a copy alone on its link gets the direction's
   bandwidth; while both directions copy, each gets half the duplex figure; copies of several devices
   on one link (`devices_per_link`) share it equally (a fluid model: rates change whenever a copy
@@ -37,9 +38,14 @@ What is simulated, per device:
 
 `prefetch` says when a copy back starts: ``"layer"`` (vDNN: at the start of the last conv or
 linear backward step before its first use), ``"adaptive"`` (the latest step from which the compute
-left before the use is at least the copy's time alone on the link; Kim et al.'s trigger), or a
-mapping from storage to the index, in the expanded schedule, of the step at whose start it begins;
-or a sequence of these, one per device (each device sets its own triggers from its own timings).
+left before the use is at least the copy's time alone on the link; Kim et al.'s trigger),
+``"ahead"`` (`ucudnn.torch.execute_plan`'s rule: at the model's first backward step and at each
+backward step that unpacks an offloaded or recomputed map, every map used by then and the next one
+are issued; each holds its memory from its issue, whatever the limit), or a mapping from storage to
+the index, in the expanded schedule, of the step at whose start it begins; or a sequence of these,
+one per device (each device sets its own triggers from its own timings). The policies time their
+copies by their own triggers; the figures of a plan for a PyTorch model are its step under
+``"ahead"`` (`ucudnn.memory.planner.as_executed`).
 """
 
 from __future__ import annotations
@@ -52,6 +58,7 @@ from ucudnn.errors import InvalidInput
 from ucudnn.memory.gradients import gradient_lives
 from ucudnn.memory.graph import TrainingGraph
 from ucudnn.memory.plan import ACTIONS
+from ucudnn.memory.prefetch import ahead, trigger
 
 __all__ = ["DeviceResult", "Interval", "SimResult", "SimStep", "StepCost", "expand", "network_wide_bytes",
            "simulate"]
@@ -266,7 +273,7 @@ def _prepare(graph: TrainingGraph, costs: Sequence[StepCost], actions: Mapping[s
             offload_free_after[name] = last_fwd_use[name]
             if name in first_late_use:
                 use = first_late_use[name]
-                prefetches.append((_trigger(sched, ms, use, name, nbytes[name], device, prefetch), use, name))
+                prefetches.append((trigger(sched, ms, use, name, nbytes[name], device, prefetch), use, name))
                 waits_for.setdefault(use, []).append(name)
                 free_after.setdefault(last_use[name], []).append(name)
     for label, b, start, end in gradient_lives(graph, sched):
@@ -274,74 +281,13 @@ def _prepare(graph: TrainingGraph, costs: Sequence[StepCost], actions: Mapping[s
         alloc_at.setdefault(start, []).append((label, b))
         free_after.setdefault(end, []).append(label)
     if prefetch == "ahead":
-        at = _ahead(graph, sched, {name: use for _, use, name in prefetches})
+        at = ahead(graph, sched, {name: use for _, use, name in prefetches})
         prefetches = [(at[name], use, name) for _, use, name in prefetches]
     prefetches.sort()
     persistent = graph.persistent_bytes
     workspace = [costs[s.step].workspace for s in sched]
     return _Plan(sched, ms, workspace, alloc_at, free_after, offload_after, offload_free_after, prefetches,
                  waits_for, nbytes, persistent, prefetch == "ahead")
-
-
-def _trigger(sched: Sequence[SimStep], ms: Sequence[float], use: int, name: str, nbytes: int,
-             device: DeviceProfile, prefetch) -> int:
-    if prefetch == "ahead":
-        return use  # (set with the others': `_ahead`)
-    if isinstance(prefetch, Mapping):
-        if name in prefetch:
-            at = int(prefetch[name])
-            if not 0 <= at <= use:
-                raise InvalidInput(f"prefetch of {name!r} at step {at}: must be between 0 and its use at {use}")
-            return at
-        prefetch = "layer"
-    if prefetch == "layer":
-        for k in range(use - 1, -1, -1):
-            if sched[k].phase == "bwd" and any(w.startswith("wgrad:") for w in sched[k].writes):
-                return k
-        return max(use - 1, 0)
-    if prefetch == "adaptive":
-        need = device.copy_ms(nbytes, "h2d")
-        left = 0.0
-        for k in range(use - 1, -1, -1):
-            left += ms[k]
-            if left >= need or sched[k].phase == "fwd":
-                return k
-        return 0
-    raise InvalidInput(f"prefetch must be 'layer', 'adaptive', 'ahead' or a mapping of storage to step, got {prefetch!r}")
-
-
-def _ahead(graph: TrainingGraph, sched: Sequence[SimStep], uses: Mapping[str, int]) -> dict[str, int]:
-    """`ucudnn.torch.execute_plan`'s prefetch triggers (`_OffloadHooks.reached`, one map ahead): it looks at
-    the start of the model's first backward step and wherever a backward step unpacks an offloaded or
-    recomputed map (before that step's recomputation, which unpacks it); there it issues every map used by
-    then and the next one. `uses`: each offloaded map's first use after the forward pass."""
-    nf = graph.forward_steps
-    late = set(uses) | {w for s in sched if s.phase == "recompute" for w in s.writes}
-    points = []
-    for k in range(nf, len(sched)):
-        s = sched[k]
-        if s.phase != "bwd":
-            continue
-        start = k
-        while start > nf and sched[start - 1].phase == "recompute":
-            start -= 1
-        if not points and not (s.op.startswith("loss:") or graph.op(s.op).type == "loss"):
-            points.append((k, k))  # the model's first backward step
-        elif any(r in late for r in s.reads):
-            points.append((start, k))
-    order = sorted(uses, key=lambda name: uses[name])
-    at: dict[str, int] = {}
-    i = 0
-    for start, k in points:
-        while i < len(order) and uses[order[i]] <= k:
-            at[order[i]] = start
-            i += 1
-        if i < len(order) and not (i and uses[order[i - 1]] > k):  # one ahead
-            at[order[i]] = start
-            i += 1
-    for name in order[i:]:  # (used where the executor does not look: issued at their use)
-        at[name] = uses[name]
-    return at
 
 
 # ---- the event loop ----------------------------------------------------------------------------------------

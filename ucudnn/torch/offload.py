@@ -17,7 +17,12 @@ the only steps where what is issued can change) the executor issues the host-to-
 offloaded tensor used at i or later that is not issued yet, and of the `prefetch_ahead` tensors needed
 next. `unpack` makes the compute stream wait for its copy's event (no host synchronisation); a tensor whose
 prefetch was not issued yet is fetched on the spot and counted in `ExecutionStats.late_prefetches`. On the CPU
-the same code runs with plain copies (no streams or events), so that the order can be tested.
+the same code runs with plain copies (no streams or events), so that the order can be tested; inside
+`late_copies()`, with copies that run only when something waits for them (`_LateCopier`), so that the
+executor holds every device tensor as long as on a GPU. A GPU's caching allocator counts a tensor from its
+allocation to the host's release of it (`torch.cuda.max_memory_allocated`), whenever the device's streams
+reach them: what a `StepTracker` counts in such a CPU run, a plan's prediction must (`simulate`'s
+``prefetch="ahead"``).
 """
 
 from __future__ import annotations
