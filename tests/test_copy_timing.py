@@ -109,6 +109,45 @@ def test_a_late_copy_is_made_when_something_waits_for_it():
     assert out.run is None and back.run is None  # done: the copies hold their tensors no longer
 
 
+class RootReads(nn.Module):
+    """conv1's output is saved by conv2, which reads it last in the model's own forward (no module call ends
+    there), and the next operation, a scaling, allocates and saves nothing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w1, self.w2, self.w3 = (nn.Parameter(torch.randn(8, c, 3, 3) * 0.1) for c in (3, 8, 8))
+
+    def forward(self, x):
+        x = nn.functional.conv2d(x, self.w1, padding=1)
+        x = nn.functional.conv2d(x, self.w2, padding=1)
+        x = x * 2.0
+        x = nn.functional.conv2d(x, self.w3, padding=1)
+        return x.mean((2, 3))
+
+
+def test_late_copies_hold_an_offloaded_map_until_the_executor_lets_it_go():
+    # On a GPU the executor holds an offloaded map's device tensor until its copy may still run, and lets it go
+    # at the next save or scoped module call's end after its last reader: here conv3's save, after the scaling
+    # has allocated its output. With prompt copies the CPU frees it when the forward drops it, before the
+    # scaling; with late ones after it: the two events change places, and nothing else changes.
+    torch.manual_seed(0)
+    model = RootReads()
+    x = torch.randn(4, 3, 16, 16)
+
+    def loss(out):
+        return out.square().sum()
+
+    plan = _hand_plan(model, x, {"conv": "offload"}, loss=loss)
+    prompt = check_plan(model, plan, x, loss=loss, steps=1).tracker.memory
+    with late_copies():
+        late = check_plan(model, plan, x, loss=loss, steps=1).tracker.memory
+    assert len(prompt) == len(late)
+    (i, a, b), = [(i, a, b) for i, ((_, a), (_, b)) in enumerate(zip(prompt, late)) if a != b]
+    held = prompt[i - 1][1]  # conv1's and conv2's outputs and what came before
+    one_map = 4 * 8 * 16 * 16 * 4
+    assert (a, b) == (held - one_map, held + one_map)
+
+
 @pytest.mark.parametrize("name", ["offload-all", "mixed"])
 def test_late_copies_train_like_plain_pytorch(name):
     def batch(step):
