@@ -74,7 +74,7 @@ from ucudnn.memory.plan import MemoryPlan
 from ucudnn.torch.capturing import CapturedStep, _tensors, capture, diverged, input_leaves, structure
 from ucudnn.torch.operations import counted, same_op
 from ucudnn.torch.layer import ConvLayer, through_operators
-from ucudnn.torch.offload import _copier_for, _HostBuffers, copier_kind, _Offloaded, _OffloadHooks, _Pass, _PrefetchHook
+from ucudnn.torch.offload import _copier_for, _HostBuffers, _Offloaded, _OffloadHooks, _Pass, _PrefetchHook, copier_kind
 from ucudnn.torch.planning import measure_profile, plan_memory
 from ucudnn.torch.recompute import _Dropped, _Rebuilds, _Recompute, programs_for
 
