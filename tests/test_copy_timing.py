@@ -206,3 +206,17 @@ def test_a_plan_that_fits_only_by_its_policys_copy_timing_is_made_again_within_a
     with late_copies():
         checked = check_plan(model, plan, x, loss=loss, steps=1)
     assert checked.peak_bytes <= limit and 0.95 <= checked.peak_ratio <= 1.05
+
+
+def test_optimals_prefetch_comes_no_later_than_a_rebuild_that_reads_the_map():
+    # steps: fwd x, l1, l2, l3, loss (0-4); bwd loss, l3, l2, l1 (5-8). l2 is recomputed from l1 before l3's
+    # backward: the expanded schedule is ..., loss bwd (5), l2 again (6), l3 bwd (7), l2 bwd (8), l1 bwd (9).
+    # The program's row for l1's copy back is l2's backward (graph step 7, position 8); the rebuild at 6 reads l1
+    # first, so the copy back starts there (a trigger after its use was refused, and HF RegNet's plans with it).
+    from ucudnn.memory.optimal import _triggers
+
+    graph = chain(3)
+    actions = {"l1": "offload", "l2": "recompute"}
+    assert _triggers(graph, actions, {"l1": 7}) == {"l1": 6}
+    costs = [StepCost(1)] * len(graph.steps)
+    assert simulate(graph, FAST, costs, actions, prefetch=_triggers(graph, actions, {"l1": 7})).bytes_prefetched == MB
