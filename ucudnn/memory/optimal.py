@@ -160,10 +160,15 @@ def _triggers(graph: TrainingGraph, actions: dict[str, str], prefetch_at: dict[s
     from ucudnn.memory.simulate import expand
 
     position = {}
+    first_read = {}  # each storage's first read after the forward pass: a rebuild reading it may come before its row
     for i, st in enumerate(expand(graph, actions)):
         if st.phase != "recompute":
             position.setdefault(st.step, i)
-    return {s: position[prefetch_at[s]] for s, a in actions.items() if a == "offload"}
+        if i >= graph.forward_steps:
+            for r in st.reads:
+                first_read.setdefault(r, i)
+    rows = {s: position[prefetch_at[s]] for s, a in actions.items() if a == "offload"}
+    return {s: min(row, first_read.get(s, row)) for s, row in rows.items()}
 
 
 def search(graph: TrainingGraph, device: DeviceProfile, memory_limit: int, *, devices: int = 1, db=None,

@@ -18,8 +18,8 @@ from ucudnn.memory.graph import TrainingGraph
 from ucudnn.memory.plan import ConvWorkspace, MemoryPlan, TensorAction
 from ucudnn.memory.simulate import SimResult, StepCost, network_wide_bytes, simulate
 
-__all__ = ["OFFLOADING", "POLICIES", "Baseline", "available_policies", "baseline", "make_plan", "smallest_fitting_limit",
-           "to_plan"]
+__all__ = ["OFFLOADING", "POLICIES", "Baseline", "as_executed", "available_policies", "baseline", "make_executed_plan",
+           "make_plan", "smallest_fitting_limit", "to_plan"]
 
 # name -> (module, function, keyword options)
 POLICIES: dict[str, tuple[str, str, dict]] = {
@@ -31,6 +31,8 @@ POLICIES: dict[str, tuple[str, str, dict]] = {
     "checkpoint": ("ucudnn.memory.checkpoint", "plan", {}),
     "optimal": ("ucudnn.memory.optimal", "plan", {}),
 }
+EXECUTED_ROUNDS = 4  # make_executed_plan: plans made at lowered limits until one fits as executed
+
 # The policies that save memory by offloading alone: on a device that shares the host's memory,
 # they plan as vdnn-dyn does there (keep every map, shrink workspaces).
 OFFLOADING = ("vdnn-all", "vdnn-conv", "vdnn-dyn", "swap-multi", "dymem")
@@ -125,6 +127,43 @@ def to_plan(graph: TrainingGraph, device: DeviceProfile, memory_limit: int, poli
                       stall_ms=result.stall_ms, bytes_offloaded=result.bytes_offloaded, tensors=tensors,
                       conv_workspace=conv_ws, search=search,
                       device_tensors=tuple(tensors_of(acts) for acts in device_actions), simulation=result)
+
+
+def as_executed(plan: MemoryPlan, graph: TrainingGraph, device: DeviceProfile) -> MemoryPlan:
+    """`plan` with the figures of its step as `ucudnn.torch.execute_plan` runs it. A policy times its copies
+    back by its own trigger and starts each when memory allows; the executor issues them by its own rule,
+    one map ahead of the backward pass, and each holds its memory from its issue, whatever the limit
+    (`simulate`'s ``prefetch="ahead"``, without a limit: `fits` is then whether its peak is within the
+    plan's). A plan that offloads nothing, or carries no simulation (read from JSON), is returned as it is."""
+    sim = plan.simulation
+    acts = [{t.name: t.action for t in ts} for ts in plan.device_actions()]
+    if sim is None or not sim.costs or not any("offload" in a.values() for a in acts):
+        return plan
+    result = simulate(graph, device, sim.costs, acts, prefetch="ahead", devices=plan.devices)
+    return dataclasses.replace(plan, fits=result.peak_bytes <= plan.memory_limit, peak_bytes=result.peak_bytes,
+                               average_bytes=result.average_bytes, step_ms=result.step_ms,
+                               stall_ms=result.stall_ms, bytes_offloaded=result.bytes_offloaded, simulation=result)
+
+
+def make_executed_plan(graph: TrainingGraph, device: DeviceProfile | str, memory_limit: int, policy: str, *,
+                       devices: int = 1, db=None, fronts=None) -> MemoryPlan:
+    """`make_plan` with the figures of its step as `ucudnn.torch.execute_plan` runs it (`as_executed`). Where
+    the policy's plan fits by its own timing of the copies back but not as executed, the policy plans again
+    within the limit lowered by the overflow (`EXECUTED_ROUNDS` times at most); the first plan that fits as
+    executed is returned, else the one made at `memory_limit`."""
+    profile = device if isinstance(device, DeviceProfile) else load_profile(device)
+    first = None
+    target = memory_limit
+    for _ in range(EXECUTED_ROUNDS):
+        made = make_plan(graph, profile, target, policy, devices=devices, db=db, fronts=fronts)
+        plan = as_executed(dataclasses.replace(made, memory_limit=memory_limit), graph, profile)
+        first = first or plan
+        if plan.fits or not made.fits:  # fits, or the policy itself does not: a lower limit will not help
+            break
+        target -= plan.peak_bytes - memory_limit
+        if target <= 0:
+            break
+    return plan if plan.fits else first
 
 
 def smallest_fitting_limit(graph: TrainingGraph, device: DeviceProfile, policy: str, *, devices: int = 1,

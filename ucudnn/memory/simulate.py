@@ -21,8 +21,9 @@ What is simulated, per device:
   forward reader waits for that copy, and the storage is freed (vDNN synchronises its memory stream
   at the end of a layer; `ucudnn.torch.execute_plan` makes the compute stream wait for the copy's
   event, as the GPU's allocator can hand the memory out in stream order only then). It is copied
-  back (allocated when its copy starts) at a prefetch trigger (`prefetch`, below) and the step that
-  reads it waits for the copy.
+  back at a prefetch trigger (`prefetch`, below), allocated when its copy starts (or, under
+  ``"ahead"``, when it is issued, as the executor's copy back is), and the step that reads it waits
+  for the copy.
 - **Bandwidth** comes from the `DeviceProfile`: a copy alone on its link gets the direction's
   bandwidth; while both directions copy, each gets half the duplex figure; copies of several devices
   on one link (`devices_per_link`) share it equally (a fluid model: rates change whenever a copy
@@ -37,9 +38,14 @@ What is simulated, per device:
 
 `prefetch` says when a copy back starts: ``"layer"`` (vDNN: at the start of the last conv or
 linear backward step before its first use), ``"adaptive"`` (the latest step from which the compute
-left before the use is at least the copy's time alone on the link; Kim et al.'s trigger), or a
-mapping from storage to the index, in the expanded schedule, of the step at whose start it begins;
-or a sequence of these, one per device (each device sets its own triggers from its own timings).
+left before the use is at least the copy's time alone on the link; Kim et al.'s trigger),
+``"ahead"`` (`ucudnn.torch.execute_plan`'s rule: at the model's first backward step and at each
+backward step that unpacks an offloaded or recomputed map, every map used by then and the next one
+are issued; each holds its memory from its issue, whatever the limit), or a mapping from storage to
+the index, in the expanded schedule, of the step at whose start it begins; or a sequence of these,
+one per device (each device sets its own triggers from its own timings). The policies time their
+copies by their own triggers; the figures of a plan for a PyTorch model are its step under
+``"ahead"`` (`ucudnn.memory.planner.as_executed`).
 """
 
 from __future__ import annotations
@@ -52,6 +58,7 @@ from ucudnn.errors import InvalidInput
 from ucudnn.memory.gradients import gradient_lives
 from ucudnn.memory.graph import TrainingGraph
 from ucudnn.memory.plan import ACTIONS
+from ucudnn.memory.prefetch import ahead, trigger
 
 __all__ = ["DeviceResult", "Interval", "SimResult", "SimStep", "StepCost", "expand", "network_wide_bytes",
            "simulate"]
@@ -115,6 +122,7 @@ class SimResult:
     timeline: tuple[Interval, ...]
     devices: tuple[DeviceResult, ...]
     schedule: tuple[tuple[SimStep, ...], ...]  # each device's expanded schedule
+    costs: tuple[StepCost, ...] = ()           # what each graph step cost (to simulate the same step again)
 
     def _max(self, name: str):
         return max(getattr(d, name) for d in self.devices)
@@ -211,6 +219,7 @@ class _Plan:
     waits_for: dict[int, list[str]]              # step -> prefetched storages it needs
     nbytes: dict[str, int]
     persistent: int
+    allocate_at_issue: bool                      # a copy back holds its memory from its trigger (else: its start)
 
 
 def _prepare(graph: TrainingGraph, costs: Sequence[StepCost], actions: Mapping[str, str] | None,
@@ -264,43 +273,21 @@ def _prepare(graph: TrainingGraph, costs: Sequence[StepCost], actions: Mapping[s
             offload_free_after[name] = last_fwd_use[name]
             if name in first_late_use:
                 use = first_late_use[name]
-                prefetches.append((_trigger(sched, ms, use, name, nbytes[name], device, prefetch), use, name))
+                prefetches.append((trigger(sched, ms, use, name, nbytes[name], device, prefetch), use, name))
                 waits_for.setdefault(use, []).append(name)
                 free_after.setdefault(last_use[name], []).append(name)
     for label, b, start, end in gradient_lives(graph, sched):
         nbytes[label] = b
         alloc_at.setdefault(start, []).append((label, b))
         free_after.setdefault(end, []).append(label)
+    if prefetch == "ahead":
+        at = ahead(graph, sched, {name: use for _, use, name in prefetches})
+        prefetches = [(at[name], use, name) for _, use, name in prefetches]
     prefetches.sort()
     persistent = graph.persistent_bytes
     workspace = [costs[s.step].workspace for s in sched]
     return _Plan(sched, ms, workspace, alloc_at, free_after, offload_after, offload_free_after, prefetches,
-                 waits_for, nbytes, persistent)
-
-
-def _trigger(sched: Sequence[SimStep], ms: Sequence[float], use: int, name: str, nbytes: int,
-             device: DeviceProfile, prefetch) -> int:
-    if isinstance(prefetch, Mapping):
-        if name in prefetch:
-            at = int(prefetch[name])
-            if not 0 <= at <= use:
-                raise InvalidInput(f"prefetch of {name!r} at step {at}: must be between 0 and its use at {use}")
-            return at
-        prefetch = "layer"
-    if prefetch == "layer":
-        for k in range(use - 1, -1, -1):
-            if sched[k].phase == "bwd" and any(w.startswith("wgrad:") for w in sched[k].writes):
-                return k
-        return max(use - 1, 0)
-    if prefetch == "adaptive":
-        need = device.copy_ms(nbytes, "h2d")
-        left = 0.0
-        for k in range(use - 1, -1, -1):
-            left += ms[k]
-            if left >= need or sched[k].phase == "fwd":
-                return k
-        return 0
-    raise InvalidInput(f"prefetch must be 'layer', 'adaptive' or a mapping of storage to step, got {prefetch!r}")
+                 waits_for, nbytes, persistent, prefetch == "ahead")
 
 
 # ---- the event loop ----------------------------------------------------------------------------------------
@@ -414,8 +401,12 @@ def simulate(graph: TrainingGraph, device: DeviceProfile, costs: Sequence[StepCo
             return False  # (an offloaded storage past its last reader: the compute stream waits for its copy)
         # the prefetches this step triggers queue on the copy stream as soon as it is next
         while dv.trigger_pos < len(p.prefetches) and p.prefetches[dv.trigger_pos][0] <= k:
-            dv.h2d_queue.append(p.prefetches[dv.trigger_pos][2])
+            name = p.prefetches[dv.trigger_pos][2]
+            dv.h2d_queue.append(name)
             dv.trigger_pos += 1
+            if p.allocate_at_issue and name not in dv.resident:
+                dv.resident[name] = p.nbytes[name]
+                dv.set_used(t, p.nbytes[name], name)
         for name in p.waits_for.get(k, ()):
             if name not in dv.h2d_done:
                 return False
@@ -478,10 +469,11 @@ def simulate(graph: TrainingGraph, device: DeviceProfile, costs: Sequence[StepCo
             reserve = 0
             if dv.running is None and k < len(dv.p.sched) and name not in dv.p.waits_for.get(k, ()):
                 reserve = dv.step_needs(k)
-            if name in dv.offloaded and (dv.fits(b + reserve) or force):
+            if name in dv.offloaded and (dv.p.allocate_at_issue or dv.fits(b + reserve) or force):
                 dv.h2d_queue.pop(0)
-                dv.resident[name] = b
-                dv.set_used(t, b, name)
+                if name not in dv.resident:
+                    dv.resident[name] = b
+                    dv.set_used(t, b, name)
                 dv.h2d = _Copy(dv.index, "h2d", name, b, b, t)
                 started = True
         return started
@@ -571,5 +563,6 @@ def simulate(graph: TrainingGraph, device: DeviceProfile, costs: Sequence[StepCo
         timeline=tuple(sorted(intervals, key=lambda i: (i.device, i.start_ms))),
         devices=tuple(results),
         schedule=tuple(dv.p.sched for dv in devs),
+        costs=tuple(costs),
     )
 

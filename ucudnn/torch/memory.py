@@ -74,7 +74,7 @@ from ucudnn.memory.plan import MemoryPlan
 from ucudnn.torch.capturing import CapturedStep, _tensors, capture, diverged, input_leaves, structure
 from ucudnn.torch.operations import counted, same_op
 from ucudnn.torch.layer import ConvLayer, through_operators
-from ucudnn.torch.offload import _copier_for, _HostBuffers, _Offloaded, _OffloadHooks, _Pass, _PrefetchHook
+from ucudnn.torch.offload import _copier_for, _HostBuffers, _Offloaded, _OffloadHooks, _Pass, _PrefetchHook, copier_kind
 from ucudnn.torch.planning import measure_profile, plan_memory
 from ucudnn.torch.recompute import _Dropped, _Rebuilds, _Recompute, programs_for
 
@@ -122,7 +122,7 @@ class _Prepared:
         self.structure = structure(model)
         self.actions = {t.name: t.action for t in plan.tensors}
         self.step: CapturedStep | None = None
-        self.copies: dict[torch.device, tuple[Any, _HostBuffers]] = {}
+        self.copies: dict[tuple[torch.device, str], tuple[Any, _HostBuffers]] = {}
         if plan.capture is not None:
             if plan.capture.structure != self.structure:
                 raise InvalidInput(f"plan for {plan.network!r} was captured from another model ("
@@ -193,11 +193,13 @@ class _Prepared:
         return None if action == "keep" else action
 
     def copies_for(self, device: torch.device) -> tuple[Any, _HostBuffers]:
-        """The copier for `device` and its host buffers, made at the first offload to the host."""
-        if device not in self.copies:
+        """The copier for `device` (`late_copies` may choose another on the CPU) and its host buffers, made at
+        the first offload to the host."""
+        key = device, copier_kind(device)
+        if key not in self.copies:
             copier = _copier_for(device)
-            self.copies[device] = copier, _HostBuffers(pin=copier.pin)
-        return self.copies[device]
+            self.copies[key] = copier, _HostBuffers(pin=copier.pin)
+        return self.copies[key]
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,12 +17,20 @@ the only steps where what is issued can change) the executor issues the host-to-
 offloaded tensor used at i or later that is not issued yet, and of the `prefetch_ahead` tensors needed
 next. `unpack` makes the compute stream wait for its copy's event (no host synchronisation); a tensor whose
 prefetch was not issued yet is fetched on the spot and counted in `ExecutionStats.late_prefetches`. On the CPU
-the same code runs with plain copies (no streams or events), so that the order can be tested.
+the same code runs with plain copies (no streams or events), so that the order can be tested; inside
+`late_copies()`, with copies that run only when something waits for them (`_LateCopier`), so that the
+executor holds every device tensor as long as on a GPU. A GPU's caching allocator counts a tensor from its
+allocation to the host's release of it (`torch.cuda.max_memory_allocated`), whenever the device's streams
+reach them: what a `StepTracker` counts in such a CPU run, a plan's prediction must (`simulate`'s
+``prefetch="ahead"``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -123,8 +131,74 @@ class _CudaCopier:  # pragma: no cover - needs a GPU
             torch.cuda.current_stream(device).wait_event(event)
 
 
+class _Copy:
+    """An event of `_LateCopier`'s stand-in streams: the copy it marks runs when something first waits for it."""
+
+    __slots__ = ("run",)
+
+    def __init__(self, run) -> None:
+        self.run = run
+
+    def wait(self) -> None:
+        if self.run is not None:
+            run, self.run = self.run, None  # (the closure, and the tensors it holds, go once run)
+            run()
+
+
+class _LateCopier:
+    """Offload on the CPU with copies that finish as late as a GPU's copy streams may finish them: a copy
+    runs only when something waits for its event (the compute stream before the offloaded tensor goes, the
+    copy back before it reads the host buffer, the next copy out before it writes the buffer again). The
+    executor then keeps every tensor as long as it does on a GPU (`_CudaCopier`: an offloaded device tensor
+    until its storage's last forward reader has run, a prefetched one from its issue), so that a memory
+    tracker on the CPU counts what the GPU's allocator counts; and a missing wait reads a buffer not yet
+    written, which a comparison with plain training finds."""
+
+    pin = False
+
+    def to_host(self, t: torch.Tensor, host: torch.Tensor, free_after: Any) -> _Copy:
+        if free_after is not None:
+            free_after.wait()  # the last step's copy back has read the buffer
+        t = t.detach()  # (the copy may run where autograd records: not an operation of the model's)
+        return _Copy(lambda: host.copy_(t))
+
+    def to_device(self, host: torch.Tensor, device: torch.device, after: Any) -> tuple[torch.Tensor, _Copy]:
+        dev = torch.empty_like(host)  # allocated at issue, as on a GPU
+
+        def run() -> None:
+            if after is not None:
+                after.wait()  # the copy out has landed
+            dev.copy_(host)
+
+        return dev, _Copy(run)
+
+    def wait(self, event: Any, device: torch.device) -> None:
+        if event is not None:
+            event.wait()
+
+
+_LATE = contextvars.ContextVar("ucudnn_late_copies", default=False)
+
+
+@contextlib.contextmanager
+def late_copies() -> Iterator[None]:
+    """Plans executed on CPU tensors inside this block copy with `_LateCopier`: their memory over the step is
+    what a GPU's allocator counts (`StepTracker` sees it; for tests and benchmarks of a plan made for a GPU)."""
+    token = _LATE.set(True)
+    try:
+        yield
+    finally:
+        _LATE.reset(token)
+
+
+def copier_kind(device: torch.device) -> str:
+    """Which copier offloads from `device` now: ``"cuda"``, ``"late"`` or ``"host"``."""
+    return "cuda" if device.type == "cuda" else "late" if _LATE.get() else "host"
+
+
 def _copier_for(device: torch.device):
-    return _CudaCopier(device) if device.type == "cuda" else _HostCopier()
+    kind = copier_kind(device)
+    return _CudaCopier(device) if kind == "cuda" else _LateCopier() if kind == "late" else _HostCopier()
 
 
 class _Offloaded:
@@ -246,11 +320,15 @@ class _OffloadHooks:
         if not self.pending:
             return
         still = []
-        for event, t, last in self.pending:
-            if position is not None and last >= position:
-                still.append((event, t, last))
-            else:
-                self.copier.wait(event, t.device)
+        self.quiet += 1  # (a stand-in stream's copy may run now: not an operation of the step)
+        try:
+            for event, t, last in self.pending:
+                if position is not None and last >= position:
+                    still.append((event, t, last))
+                else:
+                    self.copier.wait(event, t.device)
+        finally:
+            self.quiet -= 1
         self.pending = still
 
 

@@ -4,7 +4,8 @@ for it), and call the planner. Running a plan (`ucudnn.torch.memory`) follows th
 
 `plan_memory(model, example_input, ...)` captures one training step (`ucudnn.torch.capturing`: forward,
 loss, backward, on fake tensors where the model runs on them) and calls the planner
-(`ucudnn.memory.make_plan`). With ``device=None`` the device is the example input's: a built-in
+(`ucudnn.memory.planner.make_executed_plan`: the policy's plan, with the figures of its step as
+`execute_plan` times the copies back). With ``device=None`` the device is the example input's: a built-in
 profile when a CUDA device's name matches one (an H100 is ``h100``), else a profile measured on the
 spot (`measure_profile`: the host's memory and its copy and matmul throughput on the CPU; the
 GPU's memory, pinned copy bandwidth and matmul throughput on CUDA). Planning for the machine the
@@ -150,7 +151,7 @@ def plan_memory(model: nn.Module, example_input: Any, memory_limit: int | str | 
     args, kwargs, (first, *_) = batched_call(example_input)
     profile = _profile_for(device, first)
     limit = profile.memory_bytes if memory_limit is None else parse_size(memory_limit)
-    from ucudnn.memory.planner import make_plan
+    from ucudnn.memory.planner import make_executed_plan
 
     graph, fronts = step.graph, None
     here = device is None and not isinstance(first, torch._subclasses.fake_tensor.FakeTensor)
@@ -159,7 +160,7 @@ def plan_memory(model: nn.Module, example_input: Any, memory_limit: int | str | 
         native = Handle(backend=CpuBackend(numpy_threads=1), policy="undivided", algos=[NATIVE], db=db) \
             if first.device.type == "cpu" else None
         fronts = _conv_fronts(model, graph, native)
-    plan = make_plan(graph, profile, limit, policy, devices=devices, db=db, fronts=fronts)
+    plan = make_executed_plan(graph, profile, limit, policy, devices=devices, db=db, fronts=fronts)
     return dataclasses.replace(plan, capture=step)
 
 
