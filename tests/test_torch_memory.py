@@ -24,7 +24,9 @@ from ucudnn.memory import available_policies  # noqa: E402
 from ucudnn.memory.plan import ConvWorkspace, MemoryPlan, TensorAction  # noqa: E402
 from ucudnn.torch import capture, convert  # noqa: E402
 from ucudnn.torch import memory as tm  # noqa: E402
+from ucudnn.torch import ops as tm_ops  # noqa: E402
 from ucudnn.torch import planning  # noqa: E402
+from ucudnn.torch.layer import ConvLayer  # noqa: E402
 from ucudnn.torch.memory import ExecutionStats, execute_plan, plan_memory  # noqa: E402
 
 RTOL, ATOL = 1e-5, 1e-6
@@ -951,3 +953,46 @@ def test_a_tensor_saved_where_a_dropped_map_was_is_refused_not_rebuilt_as_that_m
             model(x).sum().backward()
     assert "\n" not in str(err.value) and "plan again" in str(err.value)
     assert not model._forward_pre_hooks and not model.conv2._forward_pre_hooks and not model.a._forward_hooks
+
+
+def test_a_converted_model_under_an_acting_plan_runs_its_layers_eagerly_except_where_a_dropped_map_is_made(
+        monkeypatch):
+    """The plan drops one converted conv's output: that layer's call is followed (its operation, and its rebuild
+    in the backward pass, run as ucudnn's operator, as captured); the five other converted layers run their own
+    eager routes (no operator, whose dispatch costs host time per call), and the training is plain PyTorch's."""
+    ref_state, _ = _train(_model())
+    model = convert(_model(), backend="cpu", policy="powerOfTwo", reps=1, db="sqlite://",
+                    algos=["im2col_gemm", "shift_gemm", "fft"])  # not torch's own: ucudnn's kernels run
+    plan = _hand_plan(model, _data()[0], {"layer1.1.conv2:conv": "recompute"})
+    through = []
+    layer = tm_ops._layer
+    monkeypatch.setattr(tm_ops, "_layer", lambda key: through.append(key) or layer(key))
+    state, stats = _train(model, plan)
+    _assert_same_state(ref_state, state)
+    assert stats.recomputed == 1
+    dropped = model.layer1[1].conv2._key
+    # per step: its forward, its rebuild, its two backward kernels
+    assert set(through) == {dropped} and len(through) == 4 * STEPS
+
+
+def test_converted_layers_keep_their_routes_between_planned_and_plain_steps(monkeypatch):
+    """A training loop that runs some steps under a plan (its workspace budgets) and some without plans each
+    layer's routes once per budget, not again at every switch."""
+    model = convert(_model(), backend="cpu", policy="powerOfTwo", reps=1, db="sqlite://",
+                    algos=["im2col_gemm", "shift_gemm", "fft"])
+    x = _data()[0]
+    graph = capture(model, x).graph
+    plan = _hand_plan(model, x, {"layer1.1.conv2:conv": "recompute"},
+                      [ConvWorkspace(op.name, kind, 2**30) for op in graph.conv_ops for kind in ("fwd",)])
+    planned = []
+    route = ConvLayer._route
+    monkeypatch.setattr(ConvLayer, "_route", lambda self, *a: planned.append(self.layer_id) or route(self, *a))
+    for _ in range(2):
+        _train(model, steps=1)
+        _train(model, plan, steps=1)
+    first = len(planned)
+    assert first == 2 * 6  # each layer, with and without the plan's budgets
+    for _ in range(2):
+        _train(model, steps=1)
+        _train(model, plan, steps=1)
+    assert len(planned) == first

@@ -26,7 +26,8 @@ captured operations that made it with the arguments they ran with, so the module
 operations (as captured: `CapturedStep.calls`) are followed by a dispatch mode, op by op against the
 captured ones (a convolution may be torch's or a converted layer's); where such an operation runs in
 the model's own forward (outside every submodule), the whole forward pass is. Converted convolutions run
-as ucudnn's operator inside the block (`through_operators`), as they did when captured. The loss runs
+as ucudnn's operator (`through_operators`) only inside the followed calls, as the mode saw them captured;
+elsewhere they run their own eager routes (the operator's dispatch would cost host time per call). The loss runs
 outside the model's forward pass: what it saves is kept. What a step cost in Python is counted in
 `ExecutionStats` (`hook_calls`, `acting_calls`, `followed_ops`).
 
@@ -371,6 +372,7 @@ class _Executor(_OffloadHooks, _Recompute):
         self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
         self.hooked: nn.Module | None = None     # the module whose call pushed the saved-tensor hooks
         self.following: nn.Module | None = None  # the module whose call the mode follows
+        self.operators: Any = None               # `through_operators` while it does
         self.calls: dict[str, int] = {}          # per scoped module: its calls in this forward pass
         self.nodes = 0                           # the autograd sequence number when the forward pass began
         self.handles: list[Any] = []
@@ -454,12 +456,15 @@ class _Executor(_OffloadHooks, _Recompute):
             self.hooks.__enter__()
         if scope.follow and self.following is None:
             self.following, self.position = module, scope.op
+            self.operators = through_operators()  # its converted convolutions as the mode sees them captured
+            self.operators.__enter__()
             self.mode.__enter__()
 
     def _leave(self, module: nn.Module, scope: _Scope | None) -> None:
         if self.following is module:
             self.following = None
             self.mode.__exit__(None, None, None)
+            self.operators.__exit__(None, None, None)
         if self.hooked is module:
             self.hooked = None
             self.hooks.__exit__(None, None, None)
@@ -579,10 +584,7 @@ def execute_plan(model: nn.Module, plan: MemoryPlan, *, prefetch_ahead: int = 1)
     handles = [model.register_forward_pre_hook(executor.model_starts, prepend=True, with_kwargs=True),
                model.register_forward_hook(executor.model_ends, with_kwargs=True, always_call=True)]
     try:
-        with contextlib.ExitStack() as stack:
-            stack.enter_context(executor.workspaces())
-            if executor.prep.step is None or executor.prep.acting:
-                stack.enter_context(through_operators())
+        with executor.workspaces():
             yield executor.stats
     finally:
         for h in handles + executor.handles:
