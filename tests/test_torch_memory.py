@@ -996,3 +996,28 @@ def test_converted_layers_keep_their_routes_between_planned_and_plain_steps(monk
         _train(model, steps=1)
         _train(model, plan, steps=1)
     assert len(planned) == first
+
+
+def test_plans_of_one_model_at_several_limits_read_each_kernel_s_options_once(monkeypatch):
+    """The second and third plans of a sweep take the convolutions' options the first read (each read is a
+    query of the measurement database); a converted model whose handle is replaced reads them again."""
+    model = _model()
+    x = _data()[0]
+    reads = []
+    front = planning.Handle.front
+    monkeypatch.setattr(planning.Handle, "front", lambda self, problem: reads.append(problem) or front(self, problem))
+    roomy = plan_memory(model, x, memory_limit=2**40, db="sqlite://")
+    first = len(reads)
+    assert first == 6 * 3 - 1  # six convs, three kernels each, but the first conv's bwd_data
+    tight = plan_memory(model, x, memory_limit=roomy.peak_bytes * 3 // 4, db="sqlite://")
+    assert len(reads) == first and tight.peak_bytes < roomy.peak_bytes
+    converted = convert(_model(), backend="cpu", algos=["native"], reps=1, db="sqlite://")
+    plan_memory(converted, x, memory_limit=2**40, db="sqlite://")
+    before = len(reads)
+    plan_memory(converted, x, memory_limit=2**40, db="sqlite://")
+    assert len(reads) == before
+    for m in converted.modules():
+        if isinstance(m, ConvLayer):
+            m.handle = planning.Handle(backend="cpu", algos=["native"], reps=1, db="sqlite://")
+    plan_memory(converted, x, memory_limit=2**40, db="sqlite://")
+    assert len(reads) > before
