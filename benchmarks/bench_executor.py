@@ -20,18 +20,23 @@ or recomputes. Where the executor has them (`ExecutionStats.hook_calls`, ...), i
 Planning time: the three `plan_memory` calls, and the seconds spent in each of their parts (capture, device
 profile, other operations timed in real steps, the convolutions' options, solve), timed where they are called.
 
+``--convert``: each model converted (`ucudnn.torch.convert`, backend ``cpu``, its defaults: some layers run
+ucudnn's kernels, others torch's), warmed up, planned; "plain" is then the converted model's own step, and
+the converted step is timed against torch's own copy of the model too (the ``converted`` line).
+
 The same script runs against another checkout of the package (``PYTHONPATH=<checkout>``): what the numbers were
 before this executor.
 
     pip install '.[models]'
     OMP_NUM_THREADS=1 python benchmarks/bench_executor.py [--models hf-resnet50,hf-mobilenet-v2,monai-unet]
-        [--batch 4] [--size 64] [--policy optimal] [--rounds 5] [--reps 5] [--json FILE]
+        [--batch 4] [--size 64] [--policy optimal] [--rounds 5] [--reps 5] [--convert] [--json FILE]
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import json
 import os
 import statistics
@@ -47,13 +52,14 @@ from models import NAMES, build, loss  # noqa: E402
 import torch  # noqa: E402
 
 import ucudnn  # noqa: E402
-from ucudnn.torch import execute_plan, plan_memory  # noqa: E402
+from ucudnn.torch import convert, execute_plan, plan_memory  # noqa: E402
 
 EXECUTOR_FILES = tuple(str(Path(ucudnn.__file__).parent / "torch" / f) for f in ("memory.py", "offload.py",
                                                                                "recompute.py"))
 MODELS = ("hf-resnet50", "hf-mobilenet-v2", "monai-unet")
 KEPT_TARGET = 1.02       # everything kept: the executor's own cost, at most 2% of a plain step
 HALFWAY_SLACK = 0.05     # halfway: the plan's predicted ratio plus 5%
+CONVERTED_WARMUP = 8     # --convert: steps before planning (TRIAL_RUNS each way, and the first plans)
 
 
 def interleaved(fns: dict, reps: int) -> dict[str, list[tuple[float, float]]]:
@@ -135,6 +141,14 @@ def bench(name: str, args) -> dict:
     def labelled(out):
         return loss(out, y)
 
+    torch_model = None
+    if args.convert:  # the converted model's own step is the one each plan is timed against
+        torch_model = copy.deepcopy(model)
+        model = convert(model, backend="cpu")
+        for _ in range(CONVERTED_WARMUP):  # its kernels planned and their trials against torch's settled
+            model.zero_grad(set_to_none=True)
+            loss(model(x), y).backward()
+
     start = time.perf_counter()
     with planning_parts() as spent:
         everything = plan_memory(model, x, memory_limit=2**40, policy=args.policy, loss=labelled)
@@ -157,11 +171,24 @@ def bench(name: str, args) -> dict:
             last_stats[label] = stats
         return step
 
+    if args.convert:  # under a plan's budgets a layer's kernels are planned (and tried against torch's) again
+        for label in plans:
+            for _ in range(CONVERTED_WARMUP):
+                planned(label)()
     # each plan against plain in its own interleaved pair: a step after another plan's (its freed memory, its
     # caches) would time that plan too
     ratios = {clock: {label: [] for label in plans} for clock in ("wall", "cpu")}
     plain_ms = {"wall": [], "cpu": []}
+    converted = {"wall": [], "cpu": []}  # the converted step against torch's own model's
     for _ in range(args.rounds):
+        if torch_model is not None:
+            def torch_step():
+                torch_model.zero_grad(set_to_none=True)
+                loss(torch_model(x), y).backward()
+            samples = interleaved({"torch": torch_step, "converted": plain}, args.reps)
+            for c, clock in enumerate(("wall", "cpu")):
+                converted[clock].append(statistics.median(s[c] for s in samples["converted"])
+                                        / statistics.median(s[c] for s in samples["torch"]))
         for label in plans:
             samples = interleaved({"plain": plain, label: planned(label)}, args.reps)
             for c, clock in enumerate(("wall", "cpu")):
@@ -172,7 +199,12 @@ def bench(name: str, args) -> dict:
     row = {"model": name, "batch": args.batch, "size": args.size, "policy": args.policy,
            "plain_ms": statistics.median(plain_ms["wall"]), "plain_cpu_ms": statistics.median(plain_ms["cpu"]),
            "model_ops": step.model_ops, "saves": len(getattr(step, "saves", ())), "plans": {},
-           "planning_s": planning_s, "planning_parts_s": dict(spent)}
+           "planning_s": planning_s, "planning_parts_s": dict(spent), "converted": bool(args.convert)}
+    if args.convert:
+        row["converted_ratio"] = statistics.median(converted["wall"])
+        row["converted_cpu_ratio"] = statistics.median(converted["cpu"])
+        print(f"[{name}] converted: {row['converted_ratio']:.3f}x torch's own model (wall), "
+              f"{row['converted_cpu_ratio']:.3f}x (CPU)", file=sys.stderr, flush=True)
     for label, plan in plans.items():
         stats = last_stats[label]
         row["plans"][label] = {
@@ -200,6 +232,9 @@ def main(argv=None) -> int:
     ap.add_argument("--policy", default="optimal")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--convert", action="store_true",
+                    help="convert each model (ucudnn.torch.convert, backend cpu, its defaults) and time its plans "
+                         "against the converted model's own step (also timed against torch's own model)")
     ap.add_argument("--json", help="also write the rows to this file")
     args = ap.parse_args(argv)
     unknown = [m for m in args.models.split(",") if m not in NAMES]

@@ -717,6 +717,27 @@ def test_keyword_inputs_are_bound_as_python_binds_them():
                 call()
 
 
+def test_inputs_are_bound_to_the_forward_the_model_has_now(monkeypatch):
+    """The executor keeps the forward's signature between steps (making it costs tens of us a step), and binds
+    a call to a forward replaced since by the new one's."""
+    model = KeywordNet()
+    x, _ = _data()
+    plan = _hand_plan(model, {"image": x}, HAND_PLANS["recompute-all"], loss=lambda out: out.sum())
+    made = []
+    signature = tm.inspect.signature
+    monkeypatch.setattr(tm.inspect, "signature", lambda f: made.append(f) or signature(f))
+    for _ in range(3):
+        with execute_plan(model, plan):
+            model(x).sum().backward()
+    assert len(made) == 1
+    forward = model.forward
+    model.forward = lambda picture: forward(picture)  # the same computation, its input named otherwise
+    with execute_plan(model, plan):
+        with pytest.raises(InvalidInput, match="made for inputs image, the model was given picture"):
+            model(x)
+    assert len(made) == 2
+
+
 def test_steady_steps_allocate_no_host_buffers(monkeypatch):
     taken: list[set[int]] = []
     real_take = tm._HostBuffers.take

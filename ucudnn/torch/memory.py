@@ -59,6 +59,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import functools
+import inspect
 import operator
 import weakref
 from collections.abc import Iterator
@@ -124,6 +125,8 @@ class _Prepared:
         self.actions = {t.name: t.action for t in plan.tensors}
         self.step: CapturedStep | None = None
         self.copies: dict[torch.device, tuple[Any, _HostBuffers]] = {}
+        self.forward: Any = None  # the model's forward function and its signature (`signature_of`)
+        self.signature: inspect.Signature | None = None
         if plan.capture is not None:
             if plan.capture.structure != self.structure:
                 raise InvalidInput(f"plan for {plan.network!r} was captured from another model ("
@@ -192,6 +195,18 @@ class _Prepared:
         if action == "recompute" and name not in self.programs:
             return None
         return None if action == "keep" else action
+
+    def signature_of(self, model: nn.Module) -> inspect.Signature | None:
+        """The signature of the model's forward, made once per forward function (None: it has none)."""
+        forward = model.forward
+        function = getattr(forward, "__func__", forward)
+        if function is not self.forward:
+            self.forward = function
+            try:
+                self.signature = inspect.signature(forward)
+            except (TypeError, ValueError):
+                self.signature = None
+        return self.signature
 
     def copies_for(self, device: torch.device) -> tuple[Any, _HostBuffers]:
         """The copier for `device` and its host buffers, made at the first offload to the host."""
@@ -473,7 +488,8 @@ class _Executor(_OffloadHooks, _Recompute):
 
     def _check_inputs(self, args: tuple, kwargs: dict) -> None:
         step, plan = self.step, self.prep.plan
-        given = {path: t for path, t in input_leaves(self.model, args, kwargs) if isinstance(t, torch.Tensor)}
+        leaves = input_leaves(self.model, args, kwargs, self.prep.signature_of(self.model))
+        given = {path: t for path, t in leaves if isinstance(t, torch.Tensor)}
         if set(given) != set(step.inputs):
             raise InvalidInput(f"the plan was made for inputs {', '.join(sorted(step.inputs))}, the model was given "
                                f"{', '.join(sorted(given)) or 'none'}")
