@@ -1042,3 +1042,25 @@ def test_plans_of_one_model_at_several_limits_read_each_kernel_s_options_once(mo
             m.handle = planning.Handle(backend="cpu", algos=["native"], reps=1, db="sqlite://")
     plan_memory(converted, x, memory_limit=2**40, db="sqlite://")
     assert len(reads) > before
+
+
+class ReluThenConv(nn.Module):
+    """A ReLU in the module's own forward, then a conv submodule and more operations."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(4, 4, 3, padding=1)
+
+    def forward(self, x):
+        return self.conv(torch.relu(x)).tanh() * 2
+
+
+def test_a_followed_call_is_followed_up_to_the_last_operation_a_rebuild_replays():
+    """The dropped ReLU output is made in the block's own forward: the dispatch mode follows that call from its
+    start, and stops at the next module call after the ReLU (the conv, the tanh and the product are not
+    followed); training is plain PyTorch's."""
+    model = nn.Sequential(nn.Conv2d(4, 4, 3, padding=1), ReluThenConv(), ReluThenConv())
+    x = torch.randn(2, 4, 8, 8)
+    stats = _step_costs(model, x, ["recompute"])
+    assert stats.recomputed == 1 and stats.followed_ops == 1
+    assert not torch.nn.modules.module._global_forward_pre_hooks  # the stopping hook went with the following

@@ -220,12 +220,14 @@ class _Prepared:
 class _Scope:
     """A module call where the executor acts: its saves go through the saved-tensor hooks (the `save`-th
     of the forward pass first), and, where a recompute program replays one of its operations, its operations
-    through the dispatch mode (`follow`; the `op`-th first). `end`: the operations run when it returns."""
+    through the dispatch mode (`follow`; the `op`-th first, up to the `last`-th, the last a program replays
+    that runs in it outside its submodules). `end`: the operations run when it returns."""
 
     op: int
     save: int
     end: int
     follow: bool
+    last: int = -1
 
 
 def _scopes(step: CapturedStep, saves: tuple, programs_at: dict[int, tuple[str, ...]], last_reads: list[int]
@@ -237,18 +239,17 @@ def _scopes(step: CapturedStep, saves: tuple, programs_at: dict[int, tuple[str, 
     calls: dict[str, list[tuple[str, int, int, int]]] = {}
     for call in step.calls:
         calls.setdefault(call[0], []).append(call)
-    wanted: dict[tuple[str, int], bool] = {}  # (module, call number) -> follow
-    root: bool | None = None
+    wanted: dict[tuple[str, int] | None, bool] = {}  # (module, call number), None for the model's -> follow
+    last: dict[tuple[str, int] | None, int] = {}     # -> the last operation a program replays there
 
     def want(op: int, follow: bool) -> None:
-        nonlocal root
         module = step.ops[op].module
         starts = [c[1] for c in calls.get(module, ())]
         k = bisect.bisect_right(starts, op) - 1
-        if k < 0 or calls[module][k][3] <= op:  # the model's own forward runs it
-            root = bool(root) or follow
-        else:
-            wanted[(module, k)] = wanted.get((module, k), False) or follow
+        key = None if k < 0 or calls[module][k][3] <= op else (module, k)  # None: the model's own forward runs it
+        wanted[key] = wanted.get(key, False) or follow
+        if follow:
+            last[key] = max(last.get(key, -1), op)
 
     for i in programs_at:
         want(i, True)
@@ -258,10 +259,12 @@ def _scopes(step: CapturedStep, saves: tuple, programs_at: dict[int, tuple[str, 
     for op in last_reads:
         want(op, False)
     scopes: dict[str, dict[int, _Scope]] = {}
-    for (module, k), follow in wanted.items():
-        _, start, saved, end = calls[module][k]
-        scopes.setdefault(module, {})[k] = _Scope(start, saved, end, follow)
-    return (None if root is None else _Scope(0, 0, step.model_ops, root)), scopes
+    for key, follow in wanted.items():
+        if key is not None:
+            _, start, saved, end = calls[key[0]][key[1]]
+            scopes.setdefault(key[0], {})[key[1]] = _Scope(start, saved, end, follow, last.get(key, -1))
+    root = None if None not in wanted else _Scope(0, 0, step.model_ops, wanted[None], last.get(None, -1))
+    return root, scopes
 
 
 def _tree(model: nn.Module) -> tuple:
@@ -388,6 +391,8 @@ class _Executor(_OffloadHooks, _Recompute):
         self.hooked: nn.Module | None = None     # the module whose call pushed the saved-tensor hooks
         self.following: nn.Module | None = None  # the module whose call the mode follows
         self.operators: Any = None               # `through_operators` while it does
+        self.last = -1                           # the last operation it follows
+        self.stopper: Any = None                 # the module hook that stops following after that operation
         self.calls: dict[str, int] = {}          # per scoped module: its calls in this forward pass
         self.nodes = 0                           # the autograd sequence number when the forward pass began
         self.handles: list[Any] = []
@@ -470,16 +475,30 @@ class _Executor(_OffloadHooks, _Recompute):
             self.hooked, self.saved = module, scope.save
             self.hooks.__enter__()
         if scope.follow and self.following is None:
-            self.following, self.position = module, scope.op
+            self.following, self.position, self.last = module, scope.op, scope.last
             self.operators = through_operators()  # its converted convolutions as the mode sees them captured
             self.operators.__enter__()
             self.mode.__enter__()
+            if scope.last + 1 < scope.end:  # the call runs more after its last replayed operation: stop
+                # following at the first module call after that one (outside the dispatcher, where the mode may go)
+                self.stopper = torch.nn.modules.module.register_module_forward_pre_hook(self._maybe_stop)
+
+    def _maybe_stop(self, module: nn.Module, args: tuple) -> None:
+        self.stats.hook_calls += 1
+        if self.position > self.last:
+            self._stop_following()
+
+    def _stop_following(self) -> None:
+        self.following = None
+        self.mode.__exit__(None, None, None)
+        self.operators.__exit__(None, None, None)
+        if self.stopper is not None:
+            self.stopper.remove()
+            self.stopper = None
 
     def _leave(self, module: nn.Module, scope: _Scope | None) -> None:
         if self.following is module:
-            self.following = None
-            self.mode.__exit__(None, None, None)
-            self.operators.__exit__(None, None, None)
+            self._stop_following()
         if self.hooked is module:
             self.hooked = None
             self.hooks.__exit__(None, None, None)
@@ -603,6 +622,6 @@ def execute_plan(model: nn.Module, plan: MemoryPlan, *, prefetch_ahead: int = 1)
         with executor.workspaces():
             yield executor.stats
     finally:
-        for h in handles + executor.handles:
+        for h in handles + executor.handles + ([executor.stopper] if executor.stopper is not None else []):
             h.remove()
 
