@@ -909,12 +909,13 @@ def _chain(blocks):
 
 
 def _step_costs(model, x, actions):
-    """One step of `model` under a hand plan with `actions` for its ReLU outputs (the first ones, in order):
-    its stats, after checking its gradients against plain PyTorch's."""
+    """One step of `model` under a hand plan with `actions` for its ReLU outputs (the first ones, in order; or
+    a function of each storage and its op): its stats, after checking its gradients against plain PyTorch's."""
     reference = copy.deepcopy(model)
     reference(x).square().mean().backward()
-    plan = _hand_plan(model, x, lambda s, op: actions.pop(0) if op.type == "relu" and actions else "keep",
-                      loss=lambda out: out.square().mean())
+    if not callable(actions):
+        actions = (lambda todo: lambda s, op: todo.pop(0) if op.type == "relu" and todo else "keep")(actions)
+    plan = _hand_plan(model, x, actions, loss=lambda out: out.square().mean())
     with execute_plan(model, plan) as stats:
         model(x).square().mean().backward()
     for p, q in zip(model.parameters(), reference.parameters()):
@@ -1063,4 +1064,27 @@ def test_a_followed_call_is_followed_up_to_the_last_operation_a_rebuild_replays(
     x = torch.randn(2, 4, 8, 8)
     stats = _step_costs(model, x, ["recompute"])
     assert stats.recomputed == 1 and stats.followed_ops == 1
-    assert not torch.nn.modules.module._global_forward_pre_hooks  # the stopping hook went with the following
+    assert not any(m._forward_pre_hooks for m in model.modules())  # the stopping hook went with the following
+
+
+class ReluThenConvs(nn.Module):
+    """A ReLU in the module's own forward, then a conv (or none), a ReLU module and a conv."""
+
+    def __init__(self, conv1: bool) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(4, 4, 3, padding=1) if conv1 else None
+        self.act, self.conv2 = nn.ReLU(), nn.Conv2d(4, 4, 3, padding=1)
+
+    def forward(self, x):
+        h = torch.relu(x) * 2
+        return self.conv2(self.act(self.conv1(h) if self.conv1 is not None else h))
+
+
+@pytest.mark.parametrize("conv1", [True, False])
+def test_a_call_followed_where_an_outer_one_stops_being_followed_is_followed_itself(conv1):
+    """Both ReLUs' outputs are dropped: the outer call is followed up to its own ReLU and stops at the next
+    module call (conv1's, or without it the ReLU module's own); the ReLU module's call is followed itself
+    (conv1 and conv2 are not)."""
+    model = nn.Sequential(nn.Conv2d(4, 4, 3, padding=1), ReluThenConvs(conv1))
+    stats = _step_costs(model, torch.randn(2, 4, 8, 8), ["recompute", "recompute"])
+    assert stats.recomputed == 2 and stats.followed_ops == 3  # the ReLU and the product, the ReLU module's

@@ -187,6 +187,9 @@ class _Prepared:
         last_reads = [step.last_read[name] for name in offloaded if name in step.last_read]
         self.root, self.scopes = _scopes(step, self.saves, self.programs_at, last_reads)
         self.scoped = [(name, modules[name]) for name in self.scopes]  # hooked in each block
+        stops = [scope.stop for scope in (self.root, *(s for calls in self.scopes.values() for s in calls.values()))
+                 if scope is not None and scope.stop is not None]
+        self.stops = {name: modules[name] for name in stops}  # hooked while a call is followed
         self.step = step
 
     def _action(self, name: str | None) -> str | None:
@@ -221,13 +224,15 @@ class _Scope:
     """A module call where the executor acts: its saves go through the saved-tensor hooks (the `save`-th
     of the forward pass first), and, where a recompute program replays one of its operations, its operations
     through the dispatch mode (`follow`; the `op`-th first, up to the `last`-th, the last a program replays
-    that runs in it outside its submodules). `end`: the operations run when it returns."""
+    that runs in it outside its submodules, and until `stop`, the module whose call is the first after
+    that one, where there is one). `end`: the operations run when it returns."""
 
     op: int
     save: int
     end: int
     follow: bool
     last: int = -1
+    stop: str | None = None
 
 
 def _scopes(step: CapturedStep, saves: tuple, programs_at: dict[int, tuple[str, ...]], last_reads: list[int]
@@ -258,12 +263,21 @@ def _scopes(step: CapturedStep, saves: tuple, programs_at: dict[int, tuple[str, 
             want(op, False)
     for op in last_reads:
         want(op, False)
+    starts = [call[1] for call in step.calls]  # (in call order: by first operation)
+
+    def stop(op: int, end: int) -> str | None:
+        """The module of the first call after operation `op` that starts before `end`."""
+        i = bisect.bisect_right(starts, op)
+        return step.calls[i][0] if op >= 0 and i < len(starts) and starts[i] < end else None
+
     scopes: dict[str, dict[int, _Scope]] = {}
     for key, follow in wanted.items():
         if key is not None:
             _, start, saved, end = calls[key[0]][key[1]]
-            scopes.setdefault(key[0], {})[key[1]] = _Scope(start, saved, end, follow, last.get(key, -1))
-    root = None if None not in wanted else _Scope(0, 0, step.model_ops, wanted[None], last.get(None, -1))
+            op = last.get(key, -1)
+            scopes.setdefault(key[0], {})[key[1]] = _Scope(start, saved, end, follow, op, stop(op, end))
+    op = last.get(None, -1)
+    root = None if None not in wanted else _Scope(0, 0, step.model_ops, wanted[None], op, stop(op, step.model_ops))
     return root, scopes
 
 
@@ -479,13 +493,14 @@ class _Executor(_OffloadHooks, _Recompute):
             self.operators = through_operators()  # its converted convolutions as the mode sees them captured
             self.operators.__enter__()
             self.mode.__enter__()
-            if scope.last + 1 < scope.end:  # the call runs more after its last replayed operation: stop
-                # following at the first module call after that one (outside the dispatcher, where the mode may go)
-                self.stopper = torch.nn.modules.module.register_module_forward_pre_hook(self._maybe_stop)
+            if scope.stop is not None:  # a module call follows its last replayed operation: following stops
+                # there (outside the dispatcher, where the mode may go)
+                # (first: where that call is followed itself, its own hook starts following it after this one)
+                self.stopper = self.prep.stops[scope.stop].register_forward_pre_hook(self._maybe_stop, prepend=True)
 
     def _maybe_stop(self, module: nn.Module, args: tuple) -> None:
         self.stats.hook_calls += 1
-        if self.position > self.last:
+        if self.following is not None and self.position > self.last:
             self._stop_following()
 
     def _stop_following(self) -> None:
