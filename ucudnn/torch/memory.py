@@ -24,10 +24,11 @@ data, or the model changed). A dropped map's save must moreover be the storage i
 Operations are seen only where a map is dropped: its program (`ucudnn.torch.recompute`) replays the
 captured operations that made it with the arguments they ran with, so the module calls that run those
 operations (as captured: `CapturedStep.calls`) are followed by a dispatch mode, op by op against the
-captured ones (a convolution may be torch's or a converted layer's); where such an operation runs in
-the model's own forward (outside every submodule), the whole forward pass is. Converted convolutions run
+captured ones (a convolution may be torch's or a converted layer's), from the call's start up to the last
+such operation (a hook on the next module call stops the mode); where such an operation runs in the
+model's own forward (outside every submodule), the forward pass is, from its start. Converted convolutions run
 as ucudnn's operator (`through_operators`) only inside the followed calls, as the mode saw them captured;
-elsewhere they run their own eager routes (the operator's dispatch would cost host time per call). The loss runs
+elsewhere they run their own eager routes (the operator's dispatch costs host time per call). The loss runs
 outside the model's forward pass: what it saves is kept. What a step cost in Python is counted in
 `ExecutionStats` (`hook_calls`, `acting_calls`, `followed_ops`).
 
@@ -493,9 +494,9 @@ class _Executor(_OffloadHooks, _Recompute):
             self.operators = through_operators()  # its converted convolutions as the mode sees them captured
             self.operators.__enter__()
             self.mode.__enter__()
-            if scope.stop is not None:  # a module call follows its last replayed operation: following stops
-                # there (outside the dispatcher, where the mode may go)
-                # (first: where that call is followed itself, its own hook starts following it after this one)
+            if scope.stop is not None:  # following stops at the module call after its last replayed operation
+                # (outside the dispatcher, where the mode may go; first, so that where that call is followed
+                # itself, its own hook starts following it after this one)
                 self.stopper = self.prep.stops[scope.stop].register_forward_pre_hook(self._maybe_stop, prepend=True)
 
     def _maybe_stop(self, module: nn.Module, args: tuple) -> None:
