@@ -24,12 +24,16 @@ profile, other operations timed in real steps, the convolutions' options, solve)
 ucudnn's kernels, others torch's), warmed up, planned; "plain" is then the converted model's own step, and
 the converted step is timed against torch's own copy of the model too (the ``converted`` line).
 
+``--host``: only the executor's own host time, with compute made negligible (tiny tensors, one thread: what
+a GPU step pays on its host): a block that acts on nothing over a plain step, and each dropped map.
+
 The same script runs against another checkout of the package (``PYTHONPATH=<checkout>``): what the numbers were
 before this executor.
 
     pip install '.[models]'
     OMP_NUM_THREADS=1 python benchmarks/bench_executor.py [--models hf-resnet50,hf-mobilenet-v2,monai-unet]
         [--batch 4] [--size 64] [--policy optimal] [--rounds 5] [--reps 5] [--convert] [--json FILE]
+    OMP_NUM_THREADS=1 python benchmarks/bench_executor.py --host [--rounds 5] [--reps 200]
 """
 
 from __future__ import annotations
@@ -60,6 +64,7 @@ MODELS = ("hf-resnet50", "hf-mobilenet-v2", "monai-unet")
 KEPT_TARGET = 1.02       # everything kept: the executor's own cost, at most 2% of a plain step
 HALFWAY_SLACK = 0.05     # halfway: the plan's predicted ratio plus 5%
 CONVERTED_WARMUP = 8     # --convert: steps before planning (TRIAL_RUNS each way, and the first plans)
+HOST_BLOCKS, HOST_DROPPED, HOST_REPS = 16, 8, 200  # --host: the chain, the maps dropped, steps per round
 
 
 def interleaved(fns: dict, reps: int) -> dict[str, list[tuple[float, float]]]:
@@ -224,6 +229,50 @@ def bench(name: str, args) -> dict:
     return row
 
 
+def host_cost(reps: int, rounds: int) -> dict:
+    """The executor's host time with compute made negligible (what a GPU step pays on its host): a chain of
+    `HOST_BLOCKS` tiny conv+ReLU blocks (1x4x4x4), plain and under hand-made plans that recompute none and
+    `HOST_DROPPED` of its ReLU outputs, interleaved; per round the differences of the medians (CPU us): the
+    block's own cost (none recomputed, over plain) and each dropped map's."""
+    from torch import nn
+
+    from ucudnn.memory.plan import MemoryPlan, TensorAction
+    from ucudnn.torch import capture
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[m for _ in range(HOST_BLOCKS) for m in (nn.Conv2d(4, 4, 3, padding=1), nn.ReLU())])
+    x = torch.randn(1, 4, 4, 4)
+    step = capture(model, x, loss=lambda out: out.square().mean())
+    graph = step.graph
+    relus = [s for s in graph.storages if graph.op(s).type == "relu"]
+
+    def plan(k: int) -> MemoryPlan:
+        dropped = set(relus[:k])
+        tensors = tuple(TensorAction(s, graph.bytes_of(s), "recompute" if s in dropped else "keep")
+                        for s in graph.storages)
+        return MemoryPlan(network=graph.network, batch=1, device="host", devices=1, memory_limit=2**30,
+                          policy="hand", fits=True, peak_bytes=0, average_bytes=0, baseline_peak_bytes=0,
+                          step_ms=1.0, baseline_step_ms=1.0, stall_ms=0.0, bytes_offloaded=0, tensors=tensors,
+                          conv_workspace=(), capture=step)
+
+    def run(p: MemoryPlan | None):
+        def one():
+            model.zero_grad(set_to_none=True)
+            with execute_plan(model, p) if p is not None else contextlib.nullcontext():
+                model(x).square().mean().backward()
+        return one
+
+    fns = {"plain": run(None), "none dropped": run(plan(0)), f"{HOST_DROPPED} dropped": run(plan(HOST_DROPPED))}
+    block, per_map = [], []
+    for _ in range(rounds):
+        samples = interleaved(fns, reps)
+        us = {name: statistics.median(cpu for _, cpu in v) * 1e3 for name, v in samples.items()}
+        block.append(us["none dropped"] - us["plain"])
+        per_map.append((us[f"{HOST_DROPPED} dropped"] - us["none dropped"]) / HOST_DROPPED)
+    return {"plain_us": us["plain"], "block_us": statistics.median(block), "block_range": (min(block), max(block)),
+            "per_dropped_map_us": statistics.median(per_map), "per_dropped_map_range": (min(per_map), max(per_map))}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default=",".join(MODELS))
@@ -235,8 +284,22 @@ def main(argv=None) -> int:
     ap.add_argument("--convert", action="store_true",
                     help="convert each model (ucudnn.torch.convert, backend cpu, its defaults) and time its plans "
                          "against the converted model's own step (also timed against torch's own model)")
+    ap.add_argument("--host", action="store_true",
+                    help="only the executor's host time per block and per dropped map, on a chain of tiny layers "
+                         f"(--reps interleaved steps, {HOST_REPS} by default, in --rounds rounds)")
     ap.add_argument("--json", help="also write the rows to this file")
     args = ap.parse_args(argv)
+    if args.host:
+        torch.set_num_threads(1)
+        cost = host_cost(args.reps if args.reps != ap.get_default("reps") else HOST_REPS, args.rounds)
+        print(f"executor's host time (CPU us, median of {args.rounds} rounds, range): plain step "
+              f"{cost['plain_us']:.0f}; a block that acts on nothing +{cost['block_us']:.0f} "
+              f"({cost['block_range'][0]:.0f}-{cost['block_range'][1]:.0f}); per dropped map "
+              f"+{cost['per_dropped_map_us']:.0f} ({cost['per_dropped_map_range'][0]:.0f}-"
+              f"{cost['per_dropped_map_range'][1]:.0f})")
+        if args.json:
+            Path(args.json).write_text(json.dumps(cost, indent=2))
+        return 0
     unknown = [m for m in args.models.split(",") if m not in NAMES]
     if unknown:
         ap.error(f"unknown model(s) {', '.join(unknown)}: {', '.join(NAMES)}")
