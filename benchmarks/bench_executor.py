@@ -33,7 +33,7 @@ before this executor.
     pip install '.[models]'
     OMP_NUM_THREADS=1 python benchmarks/bench_executor.py [--models hf-resnet50,hf-mobilenet-v2,monai-unet]
         [--batch 4] [--size 64] [--policy optimal] [--rounds 5] [--reps 5] [--convert] [--json FILE]
-    OMP_NUM_THREADS=1 python benchmarks/bench_executor.py --host [--rounds 5] [--reps 200]
+    OMP_NUM_THREADS=1 python benchmarks/bench_executor.py --host [--rounds 5]
 """
 
 from __future__ import annotations
@@ -286,12 +286,12 @@ def main(argv=None) -> int:
                          "against the converted model's own step (also timed against torch's own model)")
     ap.add_argument("--host", action="store_true",
                     help="only the executor's host time per block and per dropped map, on a chain of tiny layers "
-                         f"(--reps interleaved steps, {HOST_REPS} by default, in --rounds rounds)")
+                         f"({HOST_REPS} interleaved steps in each of --rounds rounds)")
     ap.add_argument("--json", help="also write the rows to this file")
     args = ap.parse_args(argv)
     if args.host:
         torch.set_num_threads(1)
-        cost = host_cost(args.reps if args.reps != ap.get_default("reps") else HOST_REPS, args.rounds)
+        cost = host_cost(HOST_REPS, args.rounds)
         print(f"executor's host time (CPU us, median of {args.rounds} rounds, range): plain step "
               f"{cost['plain_us']:.0f}; a block that acts on nothing +{cost['block_us']:.0f} "
               f"({cost['block_range'][0]:.0f}-{cost['block_range'][1]:.0f}); per dropped map "
