@@ -20,18 +20,27 @@ or recomputes. Where the executor has them (`ExecutionStats.hook_calls`, ...), i
 Planning time: the three `plan_memory` calls, and the seconds spent in each of their parts (capture, device
 profile, other operations timed in real steps, the convolutions' options, solve), timed where they are called.
 
+``--convert``: each model converted (`ucudnn.torch.convert`, backend ``cpu``, its defaults: some layers run
+ucudnn's kernels, others torch's), warmed up, planned; "plain" is then the converted model's own step, and
+the converted step is timed against torch's own copy of the model too (the ``converted`` line).
+
+``--host``: only the executor's own host time, with compute made negligible (tiny tensors, one thread: what
+a GPU step pays on its host): a block that acts on nothing over a plain step, and each dropped map.
+
 The same script runs against another checkout of the package (``PYTHONPATH=<checkout>``): what the numbers were
 before this executor.
 
     pip install '.[models]'
     OMP_NUM_THREADS=1 python benchmarks/bench_executor.py [--models hf-resnet50,hf-mobilenet-v2,monai-unet]
-        [--batch 4] [--size 64] [--policy optimal] [--rounds 5] [--reps 5] [--json FILE]
+        [--batch 4] [--size 64] [--policy optimal] [--rounds 5] [--reps 5] [--convert] [--json FILE]
+    OMP_NUM_THREADS=1 python benchmarks/bench_executor.py --host [--rounds 5]
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import json
 import os
 import statistics
@@ -47,13 +56,15 @@ from models import NAMES, build, loss  # noqa: E402
 import torch  # noqa: E402
 
 import ucudnn  # noqa: E402
-from ucudnn.torch import execute_plan, plan_memory  # noqa: E402
+from ucudnn.torch import convert, execute_plan, plan_memory  # noqa: E402
 
 EXECUTOR_FILES = tuple(str(Path(ucudnn.__file__).parent / "torch" / f) for f in ("memory.py", "offload.py",
                                                                                "recompute.py"))
 MODELS = ("hf-resnet50", "hf-mobilenet-v2", "monai-unet")
 KEPT_TARGET = 1.02       # everything kept: the executor's own cost, at most 2% of a plain step
 HALFWAY_SLACK = 0.05     # halfway: the plan's predicted ratio plus 5%
+CONVERTED_WARMUP = 8     # --convert: steps before planning (TRIAL_RUNS each way, and the first plans)
+HOST_BLOCKS, HOST_DROPPED, HOST_REPS = 16, 8, 200  # --host: the chain, the maps dropped, steps per round
 
 
 def interleaved(fns: dict, reps: int) -> dict[str, list[tuple[float, float]]]:
@@ -104,12 +115,18 @@ def planning_parts() -> Iterator[dict[str, float]]:
              (planning, "_timed_ops", "timed steps"), (planning, "_conv_fronts", "conv options"),
              (planner, "make_plan", "solve")]
 
+    running: set[str] = set()
+
     def timed(fn, part):
         def run(*a, **k):
+            if part in running:  # a call inside another of the same part (make_plan runs the heuristics'): once
+                return fn(*a, **k)
+            running.add(part)
             start = time.perf_counter()
             try:
                 return fn(*a, **k)
             finally:
+                running.discard(part)
                 spent[part] += time.perf_counter() - start
         return run
 
@@ -128,6 +145,14 @@ def bench(name: str, args) -> dict:
 
     def labelled(out):
         return loss(out, y)
+
+    torch_model = None
+    if args.convert:  # the converted model's own step is the one each plan is timed against
+        torch_model = copy.deepcopy(model)
+        model = convert(model, backend="cpu")
+        for _ in range(CONVERTED_WARMUP):  # its kernels planned and their trials against torch's settled
+            model.zero_grad(set_to_none=True)
+            loss(model(x), y).backward()
 
     start = time.perf_counter()
     with planning_parts() as spent:
@@ -151,11 +176,24 @@ def bench(name: str, args) -> dict:
             last_stats[label] = stats
         return step
 
+    if args.convert:  # under a plan's budgets a layer's kernels are planned (and tried against torch's) again
+        for label in plans:
+            for _ in range(CONVERTED_WARMUP):
+                planned(label)()
     # each plan against plain in its own interleaved pair: a step after another plan's (its freed memory, its
     # caches) would time that plan too
     ratios = {clock: {label: [] for label in plans} for clock in ("wall", "cpu")}
     plain_ms = {"wall": [], "cpu": []}
+    converted = {"wall": [], "cpu": []}  # the converted step against torch's own model's
     for _ in range(args.rounds):
+        if torch_model is not None:
+            def torch_step():
+                torch_model.zero_grad(set_to_none=True)
+                loss(torch_model(x), y).backward()
+            samples = interleaved({"torch": torch_step, "converted": plain}, args.reps)
+            for c, clock in enumerate(("wall", "cpu")):
+                converted[clock].append(statistics.median(s[c] for s in samples["converted"])
+                                        / statistics.median(s[c] for s in samples["torch"]))
         for label in plans:
             samples = interleaved({"plain": plain, label: planned(label)}, args.reps)
             for c, clock in enumerate(("wall", "cpu")):
@@ -166,7 +204,12 @@ def bench(name: str, args) -> dict:
     row = {"model": name, "batch": args.batch, "size": args.size, "policy": args.policy,
            "plain_ms": statistics.median(plain_ms["wall"]), "plain_cpu_ms": statistics.median(plain_ms["cpu"]),
            "model_ops": step.model_ops, "saves": len(getattr(step, "saves", ())), "plans": {},
-           "planning_s": planning_s, "planning_parts_s": dict(spent)}
+           "planning_s": planning_s, "planning_parts_s": dict(spent), "converted": bool(args.convert)}
+    if args.convert:
+        row["converted_ratio"] = statistics.median(converted["wall"])
+        row["converted_cpu_ratio"] = statistics.median(converted["cpu"])
+        print(f"[{name}] converted: {row['converted_ratio']:.3f}x torch's own model (wall), "
+              f"{row['converted_cpu_ratio']:.3f}x (CPU)", file=sys.stderr, flush=True)
     for label, plan in plans.items():
         stats = last_stats[label]
         row["plans"][label] = {
@@ -186,6 +229,50 @@ def bench(name: str, args) -> dict:
     return row
 
 
+def host_cost(reps: int, rounds: int) -> dict:
+    """The executor's host time with compute made negligible (what a GPU step pays on its host): a chain of
+    `HOST_BLOCKS` tiny conv+ReLU blocks (1x4x4x4), plain and under hand-made plans that recompute none and
+    `HOST_DROPPED` of its ReLU outputs, interleaved; per round the differences of the medians (CPU us): the
+    block's own cost (none recomputed, over plain) and each dropped map's."""
+    from torch import nn
+
+    from ucudnn.memory.plan import MemoryPlan, TensorAction
+    from ucudnn.torch import capture
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[m for _ in range(HOST_BLOCKS) for m in (nn.Conv2d(4, 4, 3, padding=1), nn.ReLU())])
+    x = torch.randn(1, 4, 4, 4)
+    step = capture(model, x, loss=lambda out: out.square().mean())
+    graph = step.graph
+    relus = [s for s in graph.storages if graph.op(s).type == "relu"]
+
+    def plan(k: int) -> MemoryPlan:
+        dropped = set(relus[:k])
+        tensors = tuple(TensorAction(s, graph.bytes_of(s), "recompute" if s in dropped else "keep")
+                        for s in graph.storages)
+        return MemoryPlan(network=graph.network, batch=1, device="host", devices=1, memory_limit=2**30,
+                          policy="hand", fits=True, peak_bytes=0, average_bytes=0, baseline_peak_bytes=0,
+                          step_ms=1.0, baseline_step_ms=1.0, stall_ms=0.0, bytes_offloaded=0, tensors=tensors,
+                          conv_workspace=(), capture=step)
+
+    def run(p: MemoryPlan | None):
+        def one():
+            model.zero_grad(set_to_none=True)
+            with execute_plan(model, p) if p is not None else contextlib.nullcontext():
+                model(x).square().mean().backward()
+        return one
+
+    fns = {"plain": run(None), "none dropped": run(plan(0)), f"{HOST_DROPPED} dropped": run(plan(HOST_DROPPED))}
+    block, per_map = [], []
+    for _ in range(rounds):
+        samples = interleaved(fns, reps)
+        us = {name: statistics.median(cpu for _, cpu in v) * 1e3 for name, v in samples.items()}
+        block.append(us["none dropped"] - us["plain"])
+        per_map.append((us[f"{HOST_DROPPED} dropped"] - us["none dropped"]) / HOST_DROPPED)
+    return {"plain_us": us["plain"], "block_us": statistics.median(block), "block_range": (min(block), max(block)),
+            "per_dropped_map_us": statistics.median(per_map), "per_dropped_map_range": (min(per_map), max(per_map))}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default=",".join(MODELS))
@@ -194,8 +281,25 @@ def main(argv=None) -> int:
     ap.add_argument("--policy", default="optimal")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--convert", action="store_true",
+                    help="convert each model (ucudnn.torch.convert, backend cpu, its defaults) and time its plans "
+                         "against the converted model's own step (also timed against torch's own model)")
+    ap.add_argument("--host", action="store_true",
+                    help="only the executor's host time per block and per dropped map, on a chain of tiny layers "
+                         f"({HOST_REPS} interleaved steps in each of --rounds rounds)")
     ap.add_argument("--json", help="also write the rows to this file")
     args = ap.parse_args(argv)
+    if args.host:
+        torch.set_num_threads(1)
+        cost = host_cost(HOST_REPS, args.rounds)
+        print(f"executor's host time (CPU us, median of {args.rounds} rounds, range): plain step "
+              f"{cost['plain_us']:.0f}; a block that acts on nothing +{cost['block_us']:.0f} "
+              f"({cost['block_range'][0]:.0f}-{cost['block_range'][1]:.0f}); per dropped map "
+              f"+{cost['per_dropped_map_us']:.0f} ({cost['per_dropped_map_range'][0]:.0f}-"
+              f"{cost['per_dropped_map_range'][1]:.0f})")
+        if args.json:
+            Path(args.json).write_text(json.dumps(cost, indent=2))
+        return 0
     unknown = [m for m in args.models.split(",") if m not in NAMES]
     if unknown:
         ap.error(f"unknown model(s) {', '.join(unknown)}: {', '.join(NAMES)}")

@@ -109,3 +109,17 @@ def test_a_looser_limit_buys_less_recompute():
 
     assert 0 < recomputed(looser) < recomputed(tightest)
     assert looser.step_ms < tightest.step_ms
+
+
+def test_plans_at_several_limits_search_the_chain_s_frontier_once(monkeypatch):
+    """The frontier of equation 1 does not depend on the limit: a sweep of limits computes it once."""
+    graph = from_network("resnet50", 8)
+    device = load_profile("h100")
+    keep_all = simulate(graph, device, baseline(graph, device).costs).peak_bytes
+    checkpoint._frontier.cache_clear()
+    calls = []
+    frontier = checkpoint.chain.frontier
+    monkeypatch.setattr(checkpoint.chain, "frontier", lambda *a, **k: calls.append(1) or frontier(*a, **k))
+    plans = [checkpoint.plan(graph, device, int(keep_all * f), search="frontier") for f in (0.5, 0.6, 0.7)]
+    assert len(calls) == 1
+    assert all(p.fits for p in plans) and plans[0].step_ms >= plans[2].step_ms  # each limit its own plan

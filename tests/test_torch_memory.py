@@ -24,7 +24,9 @@ from ucudnn.memory import available_policies  # noqa: E402
 from ucudnn.memory.plan import ConvWorkspace, MemoryPlan, TensorAction  # noqa: E402
 from ucudnn.torch import capture, convert  # noqa: E402
 from ucudnn.torch import memory as tm  # noqa: E402
+from ucudnn.torch import ops as tm_ops  # noqa: E402
 from ucudnn.torch import planning  # noqa: E402
+from ucudnn.torch.layer import ConvLayer  # noqa: E402
 from ucudnn.torch.memory import ExecutionStats, execute_plan, plan_memory  # noqa: E402
 
 RTOL, ATOL = 1e-5, 1e-6
@@ -716,6 +718,27 @@ def test_keyword_inputs_are_bound_as_python_binds_them():
                 call()
 
 
+def test_inputs_are_bound_to_the_forward_the_model_has_now(monkeypatch):
+    """The executor keeps the forward's signature between steps (making it costs tens of us a step), and binds
+    a call to a forward replaced since by the new one's."""
+    model = KeywordNet()
+    x, _ = _data()
+    plan = _hand_plan(model, {"image": x}, HAND_PLANS["recompute-all"], loss=lambda out: out.sum())
+    made = []
+    signature = tm.inspect.signature
+    monkeypatch.setattr(tm.inspect, "signature", lambda f: made.append(f) or signature(f))
+    for _ in range(3):
+        with execute_plan(model, plan):
+            model(x).sum().backward()
+    assert len(made) == 1
+    forward = model.forward
+    model.forward = lambda picture: forward(picture)  # the same computation, its input named otherwise
+    with execute_plan(model, plan):
+        with pytest.raises(InvalidInput, match="made for inputs image, the model was given picture"):
+            model(x)
+    assert len(made) == 2
+
+
 def test_steady_steps_allocate_no_host_buffers(monkeypatch):
     taken: list[set[int]] = []
     real_take = tm._HostBuffers.take
@@ -895,12 +918,13 @@ def _chain(blocks):
 
 
 def _step_costs(model, x, actions):
-    """One step of `model` under a hand plan with `actions` for its ReLU outputs (the first ones, in order):
-    its stats, after checking its gradients against plain PyTorch's."""
+    """One step of `model` under a hand plan with `actions` for its ReLU outputs (the first ones, in order; or
+    a function of each storage and its op): its stats, after checking its gradients against plain PyTorch's."""
     reference = copy.deepcopy(model)
     reference(x).square().mean().backward()
-    plan = _hand_plan(model, x, lambda s, op: actions.pop(0) if op.type == "relu" and actions else "keep",
-                      loss=lambda out: out.square().mean())
+    if not callable(actions):
+        actions = (lambda todo: lambda s, op: todo.pop(0) if op.type == "relu" and todo else "keep")(actions)
+    plan = _hand_plan(model, x, actions, loss=lambda out: out.square().mean())
     with execute_plan(model, plan) as stats:
         model(x).square().mean().backward()
     for p, q in zip(model.parameters(), reference.parameters()):
@@ -960,3 +984,116 @@ def test_a_tensor_saved_where_a_dropped_map_was_is_refused_not_rebuilt_as_that_m
             model(x).sum().backward()
     assert "\n" not in str(err.value) and "plan again" in str(err.value)
     assert not model._forward_pre_hooks and not model.conv2._forward_pre_hooks and not model.a._forward_hooks
+
+
+def test_a_converted_model_under_an_acting_plan_runs_its_layers_eagerly_except_where_a_dropped_map_is_made(
+        monkeypatch):
+    """The plan drops one converted conv's output: that layer's call is followed (its operation, and its rebuild
+    in the backward pass, run as ucudnn's operator, as captured); the five other converted layers run their own
+    eager routes (no operator, whose dispatch costs host time per call), and the training is plain PyTorch's."""
+    ref_state, _ = _train(_model())
+    model = convert(_model(), backend="cpu", policy="powerOfTwo", reps=1, db="sqlite://",
+                    algos=["im2col_gemm", "shift_gemm", "fft"])  # not torch's own: ucudnn's kernels run
+    plan = _hand_plan(model, _data()[0], {"layer1.1.conv2:conv": "recompute"})
+    through = []
+    layer = tm_ops._layer
+    monkeypatch.setattr(tm_ops, "_layer", lambda key: through.append(key) or layer(key))
+    state, stats = _train(model, plan)
+    _assert_same_state(ref_state, state)
+    assert stats.recomputed == 1
+    dropped = model.layer1[1].conv2._key
+    # per step: its forward, its rebuild, its two backward kernels
+    assert set(through) == {dropped} and len(through) == 4 * STEPS
+
+
+def test_converted_layers_keep_their_routes_between_planned_and_plain_steps(monkeypatch):
+    """A training loop that runs some steps under a plan (its workspace budgets) and some without plans each
+    layer's routes once per budget, not again at every switch."""
+    model = convert(_model(), backend="cpu", policy="powerOfTwo", reps=1, db="sqlite://",
+                    algos=["im2col_gemm", "shift_gemm", "fft"])
+    x = _data()[0]
+    graph = capture(model, x).graph
+    plan = _hand_plan(model, x, {"layer1.1.conv2:conv": "recompute"},
+                      [ConvWorkspace(op.name, kind, 2**30) for op in graph.conv_ops for kind in ("fwd",)])
+    planned = []
+    route = ConvLayer._route
+    monkeypatch.setattr(ConvLayer, "_route", lambda self, *a: planned.append(self.layer_id) or route(self, *a))
+    for _ in range(2):
+        _train(model, steps=1)
+        _train(model, plan, steps=1)
+    first = len(planned)
+    assert first == 2 * 6  # each layer, with and without the plan's budgets
+    for _ in range(2):
+        _train(model, steps=1)
+        _train(model, plan, steps=1)
+    assert len(planned) == first
+
+
+def test_plans_of_one_model_at_several_limits_read_each_kernel_s_options_once(monkeypatch):
+    """The second and third plans of a sweep take the convolutions' options the first read (each read is a
+    query of the measurement database); a converted model whose handle is replaced reads them again."""
+    model = _model()
+    x = _data()[0]
+    reads = []
+    front = planning.Handle.front
+    monkeypatch.setattr(planning.Handle, "front", lambda self, problem: reads.append(problem) or front(self, problem))
+    roomy = plan_memory(model, x, memory_limit=2**40, db="sqlite://")
+    first = len(reads)
+    assert first == 6 * 3 - 1  # six convs, three kernels each, but the first conv's bwd_data
+    tight = plan_memory(model, x, memory_limit=roomy.peak_bytes * 3 // 4, db="sqlite://")
+    assert len(reads) == first and tight.peak_bytes < roomy.peak_bytes
+    converted = convert(_model(), backend="cpu", algos=["native"], reps=1, db="sqlite://")
+    plan_memory(converted, x, memory_limit=2**40, db="sqlite://")
+    before = len(reads)
+    plan_memory(converted, x, memory_limit=2**40, db="sqlite://")
+    assert len(reads) == before
+    for m in converted.modules():
+        if isinstance(m, ConvLayer):
+            m.handle = planning.Handle(backend="cpu", algos=["native"], reps=1, db="sqlite://")
+    plan_memory(converted, x, memory_limit=2**40, db="sqlite://")
+    assert len(reads) > before
+
+
+class ReluThenConv(nn.Module):
+    """A ReLU in the module's own forward, then a conv submodule and more operations."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(4, 4, 3, padding=1)
+
+    def forward(self, x):
+        return self.conv(torch.relu(x)).tanh() * 2
+
+
+def test_a_followed_call_is_followed_up_to_the_last_operation_a_rebuild_replays():
+    """The dropped ReLU output is made in the block's own forward: the dispatch mode follows that call from its
+    start, and stops at the next module call after the ReLU (the conv, the tanh and the product are not
+    followed); training is plain PyTorch's."""
+    model = nn.Sequential(nn.Conv2d(4, 4, 3, padding=1), ReluThenConv(), ReluThenConv())
+    x = torch.randn(2, 4, 8, 8)
+    stats = _step_costs(model, x, ["recompute"])
+    assert stats.recomputed == 1 and stats.followed_ops == 1
+    assert not any(m._forward_pre_hooks for m in model.modules())  # the stopping hook went with the following
+
+
+class ReluThenConvs(nn.Module):
+    """A ReLU in the module's own forward, then a conv (or none), a ReLU module and a conv."""
+
+    def __init__(self, conv1: bool) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(4, 4, 3, padding=1) if conv1 else None
+        self.act, self.conv2 = nn.ReLU(), nn.Conv2d(4, 4, 3, padding=1)
+
+    def forward(self, x):
+        h = torch.relu(x) * 2
+        return self.conv2(self.act(self.conv1(h) if self.conv1 is not None else h))
+
+
+@pytest.mark.parametrize("conv1", [True, False])
+def test_a_call_followed_where_an_outer_one_stops_being_followed_is_followed_itself(conv1):
+    """Both ReLUs' outputs are dropped: the outer call is followed up to its own ReLU and stops at the next
+    module call (conv1's, or without it the ReLU module's own); the ReLU module's call is followed itself
+    (conv1 and conv2 are not)."""
+    model = nn.Sequential(nn.Conv2d(4, 4, 3, padding=1), ReluThenConvs(conv1))
+    stats = _step_costs(model, torch.randn(2, 4, 8, 8), ["recompute", "recompute"])
+    assert stats.recomputed == 2 and stats.followed_ops == 3  # the ReLU and the product, the ReLU module's

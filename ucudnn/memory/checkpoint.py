@@ -24,6 +24,7 @@ smallest simulated peak. Convs run their fastest algorithms.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 
@@ -157,7 +158,7 @@ def plan(graph: TrainingGraph, device: DeviceProfile, memory_limit: int, *, devi
         # that rest is what the everything-kept simulation peaks at beyond all the maps backward reads.
         everything = tried[0][1] if search == "auto" else run(actions_for(graph, storages))
         rest = everything.peak_bytes - sum(sizes)
-        front = chain.frontier(sizes, forward_costs, candidates=candidates, kept_sizes=kept_sizes)  # peak up
+        front = _frontier(tuple(sizes), tuple(forward_costs), tuple(candidates), tuple(kept_sizes))  # peak up
         likely = [seg for seg in reversed(front) if seg.peak_bytes + rest <= memory_limit][:FRONT_SIMULATED]
         for seg in likely or front[:1]:
             if attempt(seg):
@@ -166,6 +167,13 @@ def plan(graph: TrainingGraph, device: DeviceProfile, memory_limit: int, *, devi
     actions, result = (min(fitting, key=lambda t: t[1].step_ms) if fitting
                        else min(tried, key=lambda t: t[1].peak_bytes))
     return to_plan(graph, device, memory_limit, "checkpoint", actions, workspace, result, devices=devices, base=base)
+
+
+@functools.lru_cache(maxsize=8)
+def _frontier(sizes: tuple, forward_costs: tuple, candidates: tuple, kept_sizes: tuple) -> tuple:
+    """`chain.frontier`, once per chain: it does not depend on the limit, and plans at several limits (a sweep,
+    the optimal policy's comparison with this one) ask for the same chain's."""
+    return tuple(chain.frontier(sizes, forward_costs, candidates=candidates, kept_sizes=kept_sizes))
 
 
 def forward_ms(graph: TrainingGraph, costs: Sequence[StepCost]) -> float:

@@ -91,11 +91,13 @@ def batched_call(example: Any) -> tuple[tuple, dict, list[torch.Tensor]]:
     return args, kwargs, tensors
 
 
-def input_leaves(model: nn.Module, args: tuple, kwargs: dict) -> list[tuple[str, Any]]:
+def input_leaves(model: nn.Module, args: tuple, kwargs: dict, signature: inspect.Signature | None = None
+                 ) -> list[tuple[str, Any]]:
     """Each leaf of a call's arguments with the name of the parameter it binds to (and its place in a
-    nested argument): a call with positional arguments and one with keywords name them alike."""
+    nested argument): a call with positional arguments and one with keywords name them alike. `signature`:
+    the model's forward's, where the caller keeps it (a step's executor: making it costs tens of us)."""
     try:
-        items = list(inspect.signature(model.forward).bind(*args, **kwargs).arguments.items())
+        items = list((signature or inspect.signature(model.forward)).bind(*args, **kwargs).arguments.items())
     except (TypeError, ValueError):  # no signature to bind to: positions, then keywords
         items = [(str(i), a) for i, a in enumerate(args)] + list(kwargs.items())
     out = []

@@ -354,8 +354,10 @@ class ConvLayer:
 
     def _planned(self, input, weight, g: Geometry, layout: str, need_dx: bool, need_dw: bool) -> _Route:
         """This layer's route at this input with its current handle, planned on first use."""
+        # (and per memory plan's budgets, so that steps in and out of execute_plan do not re-plan each other's:
+        # a route holds its budgets, so their id is not reused while it lives)
         key = (input.shape, weight.shape, input.dtype, weight.dtype, input.device, weight.device, layout, g,
-               need_dx, need_dw)
+               need_dx, need_dw, id(self._budgets))
         route = self._routes.get(key)
         handle = self.handle
         if route is None or route.handle is not handle or route.generation != handle.generation \

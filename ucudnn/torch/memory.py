@@ -24,9 +24,11 @@ data, or the model changed). A dropped map's save must moreover be the storage i
 Operations are seen only where a map is dropped: its program (`ucudnn.torch.recompute`) replays the
 captured operations that made it with the arguments they ran with, so the module calls that run those
 operations (as captured: `CapturedStep.calls`) are followed by a dispatch mode, op by op against the
-captured ones (a convolution may be torch's or a converted layer's); where such an operation runs in
-the model's own forward (outside every submodule), the whole forward pass is. Converted convolutions run
-as ucudnn's operator inside the block (`through_operators`), as they did when captured. The loss runs
+captured ones (a convolution may be torch's or a converted layer's), from the call's start up to the last
+such operation (a hook on the next module call stops the mode); where such an operation runs in the
+model's own forward (outside every submodule), the forward pass is, from its start. Converted convolutions run
+as ucudnn's operator (`through_operators`) only inside the followed calls, as the mode saw them captured;
+elsewhere they run their own eager routes (the operator's dispatch costs host time per call). The loss runs
 outside the model's forward pass: what it saves is kept. What a step cost in Python is counted in
 `ExecutionStats` (`hook_calls`, `acting_calls`, `followed_ops`).
 
@@ -58,6 +60,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import functools
+import inspect
 import operator
 import weakref
 from collections.abc import Iterator
@@ -123,6 +126,8 @@ class _Prepared:
         self.actions = {t.name: t.action for t in plan.tensors}
         self.step: CapturedStep | None = None
         self.copies: dict[tuple[torch.device, str], tuple[Any, _HostBuffers]] = {}
+        self.forward: Any = None  # the model's forward function and its signature (`signature_of`)
+        self.signature: inspect.Signature | None = None
         if plan.capture is not None:
             if plan.capture.structure != self.structure:
                 raise InvalidInput(f"plan for {plan.network!r} was captured from another model ("
@@ -183,6 +188,9 @@ class _Prepared:
         last_reads = [step.last_read[name] for name in offloaded if name in step.last_read]
         self.root, self.scopes = _scopes(step, self.saves, self.programs_at, last_reads)
         self.scoped = [(name, modules[name]) for name in self.scopes]  # hooked in each block
+        stops = [scope.stop for scope in (self.root, *(s for calls in self.scopes.values() for s in calls.values()))
+                 if scope is not None and scope.stop is not None]
+        self.stops = {name: modules[name] for name in stops}  # hooked while a call is followed
         self.step = step
 
     def _action(self, name: str | None) -> str | None:
@@ -191,6 +199,18 @@ class _Prepared:
         if action == "recompute" and name not in self.programs:
             return None
         return None if action == "keep" else action
+
+    def signature_of(self, model: nn.Module) -> inspect.Signature | None:
+        """The signature of the model's forward, made once per forward function (None: it has none)."""
+        forward = model.forward
+        function = getattr(forward, "__func__", forward)
+        if function is not self.forward:
+            self.forward = function
+            try:
+                self.signature = inspect.signature(forward)
+            except (TypeError, ValueError):
+                self.signature = None
+        return self.signature
 
     def copies_for(self, device: torch.device) -> tuple[Any, _HostBuffers]:
         """The copier for `device` (`late_copies` may choose another on the CPU) and its host buffers, made at
@@ -206,12 +226,16 @@ class _Prepared:
 class _Scope:
     """A module call where the executor acts: its saves go through the saved-tensor hooks (the `save`-th
     of the forward pass first), and, where a recompute program replays one of its operations, its operations
-    through the dispatch mode (`follow`; the `op`-th first). `end`: the operations run when it returns."""
+    through the dispatch mode (`follow`; the `op`-th first, up to the `last`-th, the last a program replays
+    that runs in it outside its submodules, and until `stop`, the module whose call is the first after
+    that one, where there is one). `end`: the operations run when it returns."""
 
     op: int
     save: int
     end: int
     follow: bool
+    last: int = -1
+    stop: str | None = None
 
 
 def _scopes(step: CapturedStep, saves: tuple, programs_at: dict[int, tuple[str, ...]], last_reads: list[int]
@@ -223,18 +247,17 @@ def _scopes(step: CapturedStep, saves: tuple, programs_at: dict[int, tuple[str, 
     calls: dict[str, list[tuple[str, int, int, int]]] = {}
     for call in step.calls:
         calls.setdefault(call[0], []).append(call)
-    wanted: dict[tuple[str, int], bool] = {}  # (module, call number) -> follow
-    root: bool | None = None
+    wanted: dict[tuple[str, int] | None, bool] = {}  # (module, call number), None for the model's -> follow
+    last: dict[tuple[str, int] | None, int] = {}     # -> the last operation a program replays there
 
     def want(op: int, follow: bool) -> None:
-        nonlocal root
         module = step.ops[op].module
         starts = [c[1] for c in calls.get(module, ())]
         k = bisect.bisect_right(starts, op) - 1
-        if k < 0 or calls[module][k][3] <= op:  # the model's own forward runs it
-            root = bool(root) or follow
-        else:
-            wanted[(module, k)] = wanted.get((module, k), False) or follow
+        key = None if k < 0 or calls[module][k][3] <= op else (module, k)  # None: the model's own forward runs it
+        wanted[key] = wanted.get(key, False) or follow
+        if follow:
+            last[key] = max(last.get(key, -1), op)
 
     for i in programs_at:
         want(i, True)
@@ -243,11 +266,22 @@ def _scopes(step: CapturedStep, saves: tuple, programs_at: dict[int, tuple[str, 
             want(op, False)
     for op in last_reads:
         want(op, False)
+    starts = [call[1] for call in step.calls]  # (in call order: by first operation)
+
+    def stop(op: int, end: int) -> str | None:
+        """The module of the first call after operation `op` that starts before `end`."""
+        i = bisect.bisect_right(starts, op)
+        return step.calls[i][0] if op >= 0 and i < len(starts) and starts[i] < end else None
+
     scopes: dict[str, dict[int, _Scope]] = {}
-    for (module, k), follow in wanted.items():
-        _, start, saved, end = calls[module][k]
-        scopes.setdefault(module, {})[k] = _Scope(start, saved, end, follow)
-    return (None if root is None else _Scope(0, 0, step.model_ops, root)), scopes
+    for key, follow in wanted.items():
+        if key is not None:
+            _, start, saved, end = calls[key[0]][key[1]]
+            op = last.get(key, -1)
+            scopes.setdefault(key[0], {})[key[1]] = _Scope(start, saved, end, follow, op, stop(op, end))
+    op = last.get(None, -1)
+    root = None if None not in wanted else _Scope(0, 0, step.model_ops, wanted[None], op, stop(op, step.model_ops))
+    return root, scopes
 
 
 def _tree(model: nn.Module) -> tuple:
@@ -373,6 +407,9 @@ class _Executor(_OffloadHooks, _Recompute):
         self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
         self.hooked: nn.Module | None = None     # the module whose call pushed the saved-tensor hooks
         self.following: nn.Module | None = None  # the module whose call the mode follows
+        self.operators: Any = None               # `through_operators` while it does
+        self.last = -1                           # the last operation it follows
+        self.stopper: Any = None                 # the module hook that stops following after that operation
         self.calls: dict[str, int] = {}          # per scoped module: its calls in this forward pass
         self.nodes = 0                           # the autograd sequence number when the forward pass began
         self.handles: list[Any] = []
@@ -455,13 +492,31 @@ class _Executor(_OffloadHooks, _Recompute):
             self.hooked, self.saved = module, scope.save
             self.hooks.__enter__()
         if scope.follow and self.following is None:
-            self.following, self.position = module, scope.op
+            self.following, self.position, self.last = module, scope.op, scope.last
+            self.operators = through_operators()  # its converted convolutions as the mode sees them captured
+            self.operators.__enter__()
             self.mode.__enter__()
+            if scope.stop is not None:  # following stops at the module call after its last replayed operation
+                # (outside the dispatcher, where the mode may go; first, so that where that call is followed
+                # itself, its own hook starts following it after this one)
+                self.stopper = self.prep.stops[scope.stop].register_forward_pre_hook(self._maybe_stop, prepend=True)
+
+    def _maybe_stop(self, module: nn.Module, args: tuple) -> None:
+        self.stats.hook_calls += 1
+        if self.following is not None and self.position > self.last:
+            self._stop_following()
+
+    def _stop_following(self) -> None:
+        self.following = None
+        self.mode.__exit__(None, None, None)
+        self.operators.__exit__(None, None, None)
+        if self.stopper is not None:
+            self.stopper.remove()
+            self.stopper = None
 
     def _leave(self, module: nn.Module, scope: _Scope | None) -> None:
         if self.following is module:
-            self.following = None
-            self.mode.__exit__(None, None, None)
+            self._stop_following()
         if self.hooked is module:
             self.hooked = None
             self.hooks.__exit__(None, None, None)
@@ -470,7 +525,8 @@ class _Executor(_OffloadHooks, _Recompute):
 
     def _check_inputs(self, args: tuple, kwargs: dict) -> None:
         step, plan = self.step, self.prep.plan
-        given = {path: t for path, t in input_leaves(self.model, args, kwargs) if isinstance(t, torch.Tensor)}
+        leaves = input_leaves(self.model, args, kwargs, self.prep.signature_of(self.model))
+        given = {path: t for path, t in leaves if isinstance(t, torch.Tensor)}
         if set(given) != set(step.inputs):
             raise InvalidInput(f"the plan was made for inputs {', '.join(sorted(step.inputs))}, the model was given "
                                f"{', '.join(sorted(given)) or 'none'}")
@@ -581,12 +637,9 @@ def execute_plan(model: nn.Module, plan: MemoryPlan, *, prefetch_ahead: int = 1)
     handles = [model.register_forward_pre_hook(executor.model_starts, prepend=True, with_kwargs=True),
                model.register_forward_hook(executor.model_ends, with_kwargs=True, always_call=True)]
     try:
-        with contextlib.ExitStack() as stack:
-            stack.enter_context(executor.workspaces())
-            if executor.prep.step is None or executor.prep.acting:
-                stack.enter_context(through_operators())
+        with executor.workspaces():
             yield executor.stats
     finally:
-        for h in handles + executor.handles:
+        for h in handles + executor.handles + ([executor.stopper] if executor.stopper is not None else []):
             h.remove()
 

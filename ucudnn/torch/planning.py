@@ -157,9 +157,7 @@ def plan_memory(model: nn.Module, example_input: Any, memory_limit: int | str | 
     here = device is None and not isinstance(first, torch._subclasses.fake_tensor.FakeTensor)
     if here:  # planning for the machine the inputs are on: time the ops there, measure the kernels
         graph = _timed_ops(model, step, args, kwargs, loss or default_loss)
-        native = Handle(backend=CpuBackend(numpy_threads=1), policy="undivided", algos=[NATIVE], db=db) \
-            if first.device.type == "cpu" else None
-        fronts = _conv_fronts(model, graph, native)
+        fronts = _fronts_for(model, step, graph, db, first.device.type == "cpu")
     plan = make_executed_plan(graph, profile, limit, policy, devices=devices, db=db, fronts=fronts)
     return dataclasses.replace(plan, capture=step)
 
@@ -179,6 +177,28 @@ def _captured(model: nn.Module, example_input: Any, loss: Callable | None, fake:
     if key not in steps:
         steps[key] = capture(model, example_input, loss=loss, fake=fake, weight_grads=weight_grads)
     return steps[key]
+
+
+# model -> {(captured step, db, its converted layers' handles): (step, handles, the kernels' options)}, weak on
+# the model: the plans of a sweep read each kernel's options once (each read queries the measurement database)
+_FRONTS: weakref.WeakKeyDictionary[nn.Module, dict[tuple, tuple]] = weakref.WeakKeyDictionary()
+
+
+def _fronts_for(model: nn.Module, step: CapturedStep, graph: TrainingGraph, db: Any, cpu: bool) -> dict:
+    """`_conv_fronts` of the timed `graph` of `step`, where planning for this machine: on the CPU, torch's own
+    convolutions measured by a handle of PyTorch's kernel. Made once per (model, step, db, handles): a converted
+    layer's handle that is replaced or re-planned since (its generation) reads its options again."""
+    native = partial(Handle, backend=CpuBackend(numpy_threads=1), policy="undivided", algos=[NATIVE], db=db)
+    if db is not None and not isinstance(db, (str, bool, os.PathLike)):  # a database object: not a key
+        return _conv_fronts(model, graph, native() if cpu else None)
+    handles = {id(m.handle): m.handle for m in model.modules() if isinstance(m, ConvLayer)}
+    key = (id(step), db, cpu, tuple(sorted((i, h.generation) for i, h in handles.items())))
+    cached = _FRONTS.setdefault(model, {})
+    held = cached.get(key)
+    # (what the key names by id is held with it, so that no other object has taken that id)
+    if held is None or held[0] is not step or any(held[1].get(i) is not h for i, h in handles.items()):
+        held = cached[key] = step, handles, _conv_fronts(model, graph, native() if cpu else None)
+    return held[2]
 
 
 def _conv_fronts(model: nn.Module, graph: TrainingGraph, native: Handle | None) -> dict:
