@@ -8,7 +8,8 @@ every kernel too). Where the two choices differ, both are also run side by side
 (`interleaved_samples_ms`, real runs of `run_configuration`), and that ratio is printed as well.
 
 Part 2 (`--model hf-resnet50`): a converted library model's first training step from an empty cache,
-with the default limit and with none: measurements taken, candidates pruned, seconds.
+with the default limit and with none, then in a second process on the first one's cache (warm):
+measurements taken, taken from the cache, candidates pruned, seconds.
 
     OMP_NUM_THREADS=1 python benchmarks/bench_pruning.py --networks alexnet,resnet18 --batch 4
     OMP_NUM_THREADS=1 python benchmarks/bench_pruning.py --model hf-resnet50 --batch 4 --size 64
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -84,32 +86,47 @@ def zoo(networks: list[str], batch: int, workspace: int, reps: int, check_reps: 
     return rows
 
 
-def model_step(name: str, batch: int, size: int, reps: int) -> list[dict]:
-    """A converted model's first training step from an empty cache, pruned (default) and in full."""
+def first_step(name: str, batch: int, size: int, reps: int, limit: int, db: str) -> dict:
+    """A converted model's first training step (forward and backward) on the cache at `db`: what it measured,
+    took from the cache and pruned, and its seconds."""
     import torch
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import models
     from ucudnn.torch import convert
 
+    torch.manual_seed(0)
+    model, x, target = models.build(name, batch, size)
+    converted = convert(model, backend="cpu", db=db, reps=reps, benchmark_limit=limit)
+    handle = next(m for m in converted.modules() if hasattr(m, "handle")).handle
+    start = time.perf_counter()
+    models.loss(converted(x), target).backward()
+    seconds = time.perf_counter() - start
+    s = handle.stats
+    handle.close()
+    return {"model": name, "batch": batch, "size": size, "benchmark_limit": limit, "measured": s.measured,
+            "cached": s.cached, "pruned": s.pruned, "over_limit": s.over_limit, "candidates": s.candidates,
+            "step_s": round(seconds, 1)}
+
+
+def model_step(name: str, batch: int, size: int, reps: int) -> list[dict]:
+    """A converted model's first training step from an empty cache, pruned (default) and in full, then a second
+    process's on the pruned run's cache (warm: it should measure nothing)."""
     rows = []
-    for limit in (DEFAULT_BENCHMARK_LIMIT, 0):
-        torch.manual_seed(0)
-        model, x, target = models.build(name, batch, size)
-        with tempfile.TemporaryDirectory() as folder:
-            converted = convert(model, backend="cpu", db=f"sqlite:///{folder}/cache.db", reps=reps,
-                                benchmark_limit=limit)
-            handle = next(m for m in converted.modules() if hasattr(m, "handle")).handle
-            start = time.perf_counter()
-            models.loss(converted(x), target).backward()
-            seconds = time.perf_counter() - start
-            s = handle.stats
-            rows.append({"model": name, "batch": batch, "size": size, "benchmark_limit": limit,
-                         "measured": s.measured, "cached": s.cached, "pruned": s.pruned,
-                         "over_limit": s.over_limit, "candidates": s.candidates, "step_s": round(seconds, 1)})
-            handle.close()
-        print(f"{name} batch {batch} {size} px, benchmark_limit {limit}: {s.measured} measured, {s.pruned} pruned, "
-              f"{s.over_limit} over the limit, of {s.candidates} candidates; first step {seconds:.1f} s", flush=True)
+    with tempfile.TemporaryDirectory() as folder:
+        for limit, cache in ((DEFAULT_BENCHMARK_LIMIT, "empty"), (0, "empty"), (DEFAULT_BENCHMARK_LIMIT, "warm")):
+            db = f"sqlite:///{folder}/{limit}.db"
+            if cache == "empty":
+                row = first_step(name, batch, size, reps, limit, db)
+            else:  # a new process: nothing of the first one's memory, only its cache
+                out = subprocess.run([sys.executable, __file__, "--model", name, "--batch", str(batch), "--size",
+                                      str(size), "--reps", str(reps), "--warm-db", db],
+                                     check=True, capture_output=True, text=True).stdout
+                row = json.loads(out)
+            rows.append({**row, "cache": cache})
+            print(f"{name} batch {batch} {size} px, benchmark_limit {limit}, {cache} cache: {row['measured']} "
+                  f"measured, {row['cached']} cached, {row['pruned']} pruned, {row['over_limit']} over the limit, "
+                  f"of {row['candidates']} candidates; first step {row['step_s']:.1f} s", flush=True)
     return rows
 
 
@@ -123,7 +140,12 @@ def main() -> int:
     parser.add_argument("--model", help="a benchmarks/models.py model for part 2 instead (e.g. hf-resnet50)")
     parser.add_argument("--size", type=int, default=64, help="--model's image size")
     parser.add_argument("--json", help="also write the rows here")
+    parser.add_argument("--warm-db", help=argparse.SUPPRESS)  # model_step's second process: one step on this cache
     args = parser.parse_args()
+    if args.warm_db:
+        print(json.dumps(first_step(args.model, args.batch, args.size, args.reps, DEFAULT_BENCHMARK_LIMIT,
+                                    args.warm_db)))
+        return 0
     if args.model:
         rows = model_step(args.model, args.batch, args.size, args.reps)
     else:

@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import functools
+import statistics
+import time
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -37,7 +40,8 @@ from ucudnn.torch import ops as _ops
 from ucudnn.torch.launch import (Geometry, _dtype_name, _memory_format, _on_device, geometry, run_backward,
                                  run_forward)
 
-__all__ = ["ConvLayer", "ConvTransposeLayer", "as_torch", "route_overhead_ms", "through_operators"]
+__all__ = ["TRIAL_RUNS", "TRIAL_STEPS", "ConvLayer", "ConvTransposeLayer", "as_torch", "route_overhead_ms",
+           "through_operators"]
 
 _OPERATORS: contextvars.ContextVar[bool] = contextvars.ContextVar("ucudnn_through_operators", default=False)
 _AS_TORCH: contextvars.ContextVar[bool] = contextvars.ContextVar("ucudnn_as_torch", default=False)
@@ -97,6 +101,45 @@ class _Route:
     bwd_filter: Kernel | None
     direct: bool
     budgets: dict | None = None  # the memory plan's workspace per kind it was planned under (execute_plan)
+    trial: _BackwardTrial | None = None  # its backward against torch's fused one, for its first backward passes
+
+
+@dataclass(slots=True)
+class _BackwardTrial:
+    """A route's backward pass against torch's own, timed in the step, for routes that run a planned backward
+    kernel where torch would compute dx and dw in one fused call. The kernels' own trials (`Handle`'s
+    trial_runs) time a planned kernel against torch's kernel of that kind alone, which costs more than its
+    share of the fused call: a kernel that wins its trial can lose the layer's backward pass (on the CPU,
+    ResNet-18's last stage's weight gradients). The two take turns once the kernels' trials have closed (the
+    first run of each untimed); then, unless the route won by more than the handle's call overhead per
+    routed kernel, the layer's route becomes torch's for the backward pass."""
+
+    routes: dict          # the layer's routes, and this route's key in them: the verdict replaces it there
+    key: tuple
+    runs: int             # timed runs of each
+    overhead_ms: float    # charged to the route
+    calls: int = 0
+    routed_ms: list[float] = dataclasses.field(default_factory=list)
+    fused_ms: list[float] = dataclasses.field(default_factory=list)
+
+    @property
+    def open(self) -> bool:
+        return len(self.fused_ms) < self.runs
+
+    def run(self, route: _Route, dy, x, w, g: Geometry) -> tuple[torch.Tensor, torch.Tensor]:
+        if any(k is not None and k.trying for k in (route.bwd_data, route.bwd_filter)):
+            return run_backward(route, dy, x, w, g, True, True)
+        fused = self.calls % 2 == 1
+        self.calls += 1
+        start = time.perf_counter()
+        dx, dw = g.torch_backward(dy, x, w, True, True) if fused else run_backward(route, dy, x, w, g, True, True)
+        if self.calls > 2:
+            (self.fused_ms if fused else self.routed_ms).append((time.perf_counter() - start) * 1e3)
+            if not self.open and self.routes.get(self.key) is route and statistics.median(self.routed_ms) \
+                    + self.overhead_ms >= statistics.median(self.fused_ms):
+                self.routes[self.key] = dataclasses.replace(route, bwd_data=None, bwd_filter=None,
+                                                            direct=route.fwd is None, trial=None)
+        return dx, dw
 
 
 class _Routes(dict):
@@ -157,15 +200,22 @@ class _ConvFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
-        dy = dy.contiguous(memory_format=_memory_format(ctx.route.layout, dy.dim()))
-        dx, dw = run_backward(ctx.route, dy, x, weight, ctx.geometry, ctx.needs_input_grad[0],
-                              ctx.needs_input_grad[1])
+        route = ctx.route
+        dy = dy.contiguous(memory_format=_memory_format(route.layout, dy.dim()))
+        if route.trial is not None and route.trial.open and ctx.needs_input_grad[0] and ctx.needs_input_grad[1]:
+            dx, dw = route.trial.run(route, dy, x, weight, ctx.geometry)
+        else:
+            dx, dw = run_backward(route, dy, x, weight, ctx.geometry, ctx.needs_input_grad[0],
+                                  ctx.needs_input_grad[1])
         db = dy.sum((0, *range(2, dy.dim()))) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return dx, dw, db, None, None
 
 
 # Timed runs of each side in a kernel's in-step trial against torch's own convolution (CPU handles)
 TRIAL_RUNS = 3
+# Training steps until every trial of a converted model has closed: the kernels' (each side's first run
+# untimed), then the layers' backward passes (`_BackwardTrial`) as many again
+TRIAL_STEPS = 4 * (TRIAL_RUNS + 1)
 
 
 @functools.cache
@@ -360,7 +410,12 @@ class ConvLayer:
         handle = self.handle
         if route is None or route.handle is not handle or route.generation != handle.generation \
                 or route.budgets is not self._budgets:
-            route = self._routes[key] = self._route(input, weight, g, layout, need_dx, need_dw)
+            route = self._route(input, weight, g, layout, need_dx, need_dw)
+            routed = [k for k in (route.bwd_data, route.bwd_filter) if k is not None]
+            if need_dx and need_dw and routed and all(k.against_native for k in routed):
+                route = dataclasses.replace(route, trial=_BackwardTrial(self._routes, key, handle.trial_runs,
+                                                                        handle.call_overhead * len(routed)))
+            self._routes[key] = route
         return route
 
     def _learning_now(self) -> bool:
