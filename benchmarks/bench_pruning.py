@@ -1,7 +1,8 @@
 """Pruned benchmarks (`benchmark_limit`) against full measurement: what they time and what they choose.
 
-Part 1, the zoo (`ucudnn networks`) on the CPU backend: each network's kernels are benchmarked in full
-(`benchmark_limit=0`), then pruned (`benchmark_limit=10`, the default) on the same measurement cache, so
+Part 1, the zoo (`ucudnn networks`) on the CPU backend, WR (`--workspace`) or WD (`--total-workspace`, where
+the pruning keeps Pareto fronts): each network's kernels are benchmarked in full (`benchmark_limit=0`), then
+pruned (`--benchmark-limit`, default 10 as the handle's) on the same measurement cache, so
 that both solve from the same timings and any difference is the pruning's alone. Per network: candidates
 timed by each, and the chosen configurations' total time, pruned over full (the target: at most 1.05, on
 every kernel too). Where the two choices differ, both are also run side by side
@@ -50,7 +51,8 @@ def side_by_side(backend, problem, pruned, full, reps: int) -> float:
     return statistics.median(samples["pruned"]) / statistics.median(samples["full"])
 
 
-def zoo(networks: list[str], batch: int, workspace: int, reps: int, check_reps: int) -> list[dict]:
+def zoo(networks: list[str], batch: int, workspace: int, reps: int, check_reps: int,
+        total_workspace: int | None = None, benchmark_limit: int = DEFAULT_BENCHMARK_LIMIT) -> list[dict]:
     backend = get_backend("cpu")
     rows = []
     for network in networks:
@@ -59,11 +61,12 @@ def zoo(networks: list[str], batch: int, workspace: int, reps: int, check_reps: 
         with tempfile.TemporaryDirectory() as folder:
             cache = Cache(f"sqlite:///{folder}/cache.db")
             start = time.perf_counter()
-            full = optimize(backend, kernels, policy="powerOfTwo", workspace_limit=workspace, cache=cache,
-                            reps=reps, benchmark_limit=0)
+            limits = {"total_workspace": total_workspace} if total_workspace else {"workspace_limit": workspace}
+            full = optimize(backend, kernels, policy="powerOfTwo", cache=cache, reps=reps, benchmark_limit=0,
+                            **limits)
             full_s = time.perf_counter() - start
-            pruned = optimize(backend, kernels, policy="powerOfTwo", workspace_limit=workspace, cache=cache,
-                              reps=reps, benchmark_limit=DEFAULT_BENCHMARK_LIMIT)
+            pruned = optimize(backend, kernels, policy="powerOfTwo", cache=cache, reps=reps,
+                              benchmark_limit=benchmark_limit, **limits)
             cache.close()
         worst, differ, checked = 1.0, 0, []
         seen = set()
@@ -73,13 +76,15 @@ def zoo(networks: list[str], batch: int, workspace: int, reps: int, check_reps: 
                 seen.add((a.problem.key, a.problem.n))
                 differ += 1
                 checked.append(side_by_side(backend, a.problem, a.config, b.config, check_reps))
-        row = {"network": network, "batch": batch, "kernels": len(kernels),
+        row = {"network": network, "batch": batch, "mode": "WD" if total_workspace else "WR",
+               "benchmark_limit": benchmark_limit, "kernels": len(kernels),
                "timed_full": full.stats.measured, "timed_pruned": pruned.stats.cached,
                "pruned": pruned.stats.pruned, "full_s": round(full_s, 1),
                "ratio_total": pruned.time_ms / full.time_ms, "ratio_worst_kernel": worst,
                "choices_differ": differ, "side_by_side_worst": max(checked, default=1.0)}
         rows.append(row)
-        print(f"{network:>10}  batch {batch}: timed {row['timed_pruned']:5d} of {row['timed_full']:5d} "
+        print(f"{network:>10}  batch {batch} {row['mode']} limit {benchmark_limit}: timed {row['timed_pruned']:5d} "
+              f"of {row['timed_full']:5d} "
               f"({row['pruned']} pruned); chosen time pruned/full {row['ratio_total']:.3f} total, "
               f"{worst:.3f} worst kernel; {differ} choices differ, side by side worst "
               f"{row['side_by_side_worst']:.3f} ({full_s:.0f} s to measure in full)", flush=True)
@@ -135,6 +140,9 @@ def main() -> int:
     parser.add_argument("--networks", default="alexnet,resnet18,densenet40", help="zoo networks, comma-separated")
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--workspace", type=int, default=64 << 20, help="WR limit per kernel, bytes")
+    parser.add_argument("--total-workspace", type=int, help="WD instead: the network's workspace, bytes")
+    parser.add_argument("--benchmark-limit", type=int, default=DEFAULT_BENCHMARK_LIMIT,
+                        help="the pruned run's limit (the CPU backend has 5 algorithms: below 5 the limit bites)")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--check-reps", type=int, default=15, help="side-by-side runs of differing choices")
     parser.add_argument("--model", help="a benchmarks/models.py model for part 2 instead (e.g. hf-resnet50)")
@@ -149,7 +157,8 @@ def main() -> int:
     if args.model:
         rows = model_step(args.model, args.batch, args.size, args.reps)
     else:
-        rows = zoo([n for n in args.networks.split(",") if n], args.batch, args.workspace, args.reps, args.check_reps)
+        rows = zoo([n for n in args.networks.split(",") if n], args.batch, args.workspace, args.reps, args.check_reps,
+                   args.total_workspace, args.benchmark_limit)
         worst = max(max(r["ratio_worst_kernel"], r["side_by_side_worst"]) for r in rows)
         print(f"worst pruned/full: {worst:.3f} (target <= {TARGET_RATIO})")
     if args.json:

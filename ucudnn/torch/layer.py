@@ -74,7 +74,7 @@ def as_torch() -> Iterator[None]:
 def _layout_name(t: torch.Tensor) -> str:
     """The layout the kernels read `t` in: channels-last 4-D CUDA tensors stay NHWC (the cudnn backend runs
     that layout), everything else is NCHW (1-D and 3-D included)."""
-    if t.device.type == "cuda" and t.dim() == 4 and not t.is_contiguous() \
+    if t.is_cuda and t.dim() == 4 and not t.is_contiguous() \
             and t.is_contiguous(memory_format=torch.channels_last):
         return "NHWC"
     return "NCHW"
@@ -335,11 +335,11 @@ class ConvLayer:
         """The id the handle plans this layer under: `layer`, or ``conv@<id(self) in hex>``."""
         return self.layer if self.layer is not None else f"conv@{id(self):x}"
 
-    def _geometry(self, padding, output_padding=None) -> Geometry:
+    def _geometry(self, padding, output_padding=None, compiling: bool = False) -> Geometry:
         args = (tuple(self.stride), tuple(padding), tuple(self.dilation), self.transposed,
                 tuple(output_padding) if output_padding is not None else (0,) * len(self.kernel_size), self.groups)
         # (Dynamo traces through a cache and warns: compiling, the geometry is made, once per trace)
-        return Geometry(*args) if torch.compiler.is_compiling() else geometry(*args)
+        return Geometry(*args) if compiling else geometry(*args)
 
     def _explicit_padding(self, input: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
         """The input to convolve and the symmetric padding per axis that the kernels apply: non-zero padding
@@ -355,9 +355,10 @@ class ConvLayer:
 
     def _conv_forward(self, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         input, padding = self._explicit_padding(input)
-        return self._convolution(input, weight, bias, self._geometry(padding))
+        compiling = torch.compiler.is_compiling()  # asked once a call: it costs a microsecond
+        return self._convolution(input, weight, bias, self._geometry(padding, None, compiling), compiling)
 
-    def _convolution(self, input, weight, bias, g: Geometry) -> torch.Tensor:
+    def _convolution(self, input, weight, bias, g: Geometry, compiling: bool) -> torch.Tensor:
         """The layer's convolution of a batched or unbatched input, under autocast as torch's own is."""
         dims = len(self.kernel_size)
         unbatched = input.dim() == dims + 1
@@ -372,16 +373,15 @@ class ConvLayer:
             low = torch.get_autocast_dtype(device)
             input, weight, bias = (_autocast(t, low) for t in (input, weight, bias))
             with torch.autocast(device, enabled=False):
-                out = self._convolve(input, weight, bias, g)
+                out = self._convolve(input, weight, bias, g, compiling)
         else:
-            out = self._convolve(input, weight, bias, g)
+            out = self._convolve(input, weight, bias, g, compiling)
         return out.squeeze(0) if unbatched else out
 
-    def _convolve(self, input, weight, bias, g: Geometry) -> torch.Tensor:
+    def _convolve(self, input, weight, bias, g: Geometry, compiling: bool) -> torch.Tensor:
         # compiling, capturing, fake tensors: the operators, which read the learning state and plan when they
         # run on real tensors (never while traced, nor on fake tensors: their fake implementation runs).
         # (Compiling first: Dynamo cannot trace a ContextVar's get.)
-        compiling = torch.compiler.is_compiling()
         if not compiling and _AS_TORCH.get():  # the same operations as the captured step's (a copy of the input
             return g.torch(_layout(input)[0], weight, bias)  # where it is not contiguous, then the convolution)
         operators = compiling or _OPERATORS.get() or isinstance(input, FakeTensor)
@@ -503,4 +503,6 @@ class ConvTransposeLayer(ConvLayer):
             raise ValueError(f"Only `zeros` padding mode is supported for {type(self).__name__}")
         output_padding = self._output_padding(input, output_size, self.stride, self.padding, self.kernel_size,
                                               len(self.kernel_size), self.dilation)
-        return self._convolution(input, self.weight, self.bias, self._geometry(self.padding, output_padding))
+        compiling = torch.compiler.is_compiling()
+        return self._convolution(input, self.weight, self.bias, self._geometry(self.padding, output_padding, compiling),
+                                 compiling)
