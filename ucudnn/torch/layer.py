@@ -390,17 +390,18 @@ class ConvLayer:
             return g.torch(input, weight, bias)
         if input.shape[0] == 0:  # an empty batch: nothing to plan; torch returns the empty result
             return g.torch(input, weight, bias)
-        input, layout = _layout(input)
         grad = torch.is_grad_enabled()
         need_dx, need_dw = grad and input.requires_grad, grad and weight.requires_grad
         if operators:
+            input, layout = _layout(input)
             return torch.ops.ucudnn.convolution.default(
                 input, weight, self._key, g.stride, g.padding, g.dilation, g.transposed, g.output_padding, g.groups,
                 layout, need_dx, need_dw, bias)
+        layout = _layout_name(input)
         route = self._planned(input, weight, g, layout, need_dx, need_dw)
-        if route.direct:
-            return g.torch(input, weight, bias)
-        return _ConvFunction.apply(input, weight, bias, route, g)
+        if route.direct:  # torch's own convolution takes the input as it comes: a channels-last map stays one (made
+            return g.torch(input, weight, bias)  # contiguous, it cost a copy and torch's slower NCHW kernels after it)
+        return _ConvFunction.apply(input if layout == "NHWC" else input.contiguous(), weight, bias, route, g)
 
     def _planned(self, input, weight, g: Geometry, layout: str, need_dx: bool, need_dw: bool) -> _Route:
         """This layer's route at this input with its current handle, planned on first use."""
