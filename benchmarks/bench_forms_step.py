@@ -9,7 +9,8 @@ state, these contenders (``--contenders``) train (forward, backward, SGD with mo
 
   - torch: the model as written, and "torch again": a copy of it on the same parameters (the timing's noise: its
     ratio is what two runs of one plain model differ by);
-  - WR 64MiB and WR 1GiB: ``convert(model, workspace_limit=...)``;
+  - WR: ``convert(model)``, its defaults (no workspace limit); WR 64MiB and WR 1GiB: ``convert(model,
+    workspace_limit=...)``;
   - WD 1GiB: ``convert(model, total_workspace="1GiB")``.
 
 The first steps measure and plan; the warm-up rounds after them run each NumPy-planned kernel's in-step trial
@@ -49,7 +50,7 @@ from ucudnn.torch.layer import TRIAL_STEPS, ConvLayer  # noqa: E402
 SHAPES = {"resnet18": (4, 64), "hf-resnet50": (4, 64), "hf-mobilenet-v2": (4, 64), "hf-convnext": (4, 64),
           "hf-regnet": (4, 64), "hf-efficientnet": (4, 64), "hf-wav2vec2": (2, 25), "diffusers-unet": (4, 32),
           "diffusers-vae": (4, 32), "monai-unet": (4, 64), "monai-basic-unet-3d": (1, 32)}
-HANDLES = {"WR 64MiB": {"workspace_limit": "64MiB"}, "WR 1GiB": {"workspace_limit": "1GiB"},
+HANDLES = {"WR": {}, "WR 64MiB": {"workspace_limit": "64MiB"}, "WR 1GiB": {"workspace_limit": "1GiB"},
            "WD 1GiB": {"total_workspace": "1GiB"}}
 
 
@@ -86,6 +87,8 @@ def binds(model) -> int:
     convolution on the whole batch."""
     handle = next(m.handle for m in model.modules() if isinstance(m, ConvLayer))
     limit = handle.workspace_limit if handle.mode == "WR" else handle.total_workspace
+    if limit is None:
+        return 0
     return sum(handle.backend.workspace_size(c.problem, NATIVE) > limit for c in handle.choices())
 
 

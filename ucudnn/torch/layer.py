@@ -355,7 +355,7 @@ class ConvLayer:
 
     def _conv_forward(self, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         input, padding = self._explicit_padding(input)
-        compiling = torch.compiler.is_compiling()  # asked once a call: it costs a microsecond
+        compiling = torch.compiler.is_compiling()  # asked once a call, passed down
         return self._convolution(input, weight, bias, self._geometry(padding, None, compiling), compiling)
 
     def _convolution(self, input, weight, bias, g: Geometry, compiling: bool) -> torch.Tensor:
