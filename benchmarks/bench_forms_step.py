@@ -13,8 +13,8 @@ state, these contenders (``--contenders``) train (forward, backward, SGD with mo
     workspace_limit=...)``;
   - WD 1GiB: ``convert(model, total_workspace="1GiB")``.
 
-The first steps measure and plan; the warm-up rounds after them run each NumPy-planned kernel's in-step trial
-against PyTorch's own convolution. Then the contenders' steps take turns, the order reversed every round, and
+The first steps measure and plan; the warm-up rounds after them (`TRIAL_STEPS`) run the in-step trials against
+PyTorch's own convolution: each NumPy-planned kernel's, then each routed layer's backward pass. Then the contenders' steps take turns, the order reversed every round, and
 the medians are compared: the ratios are what a user gets, measured side by side. ``--runs N`` repeats the
 interleaved timing N times on the same models (the first steps' measuring and trials are not timed) and prints
 every run's ratio and the worst; ``--clock cpu`` times each step by this process's CPU time, which a loaded
