@@ -38,7 +38,7 @@ from common import interleaved_medians_ms, table  # noqa: E402
 from ucudnn.handle import SEGMENT_ALIGN_BYTES  # noqa: E402
 from ucudnn.sizes import format_size, parse_size  # noqa: E402
 from ucudnn.torch import Conv2d, StepTracker, convert, execute_plan, plan_memory, zoo  # noqa: E402
-from ucudnn.torch.conv import TRIAL_RUNS  # noqa: E402
+from ucudnn.torch.conv import TRIAL_STEPS  # noqa: E402
 
 MIB = 2**20
 
@@ -135,8 +135,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--size", type=int, default=64)
     ap.add_argument("--reps", type=int, default=7, help="timed steps per contender, interleaved")
-    ap.add_argument("--warmup", type=int, default=2 * (TRIAL_RUNS + 1),
-                    help="untimed rounds (default: as many as a kernel's in-step trial takes)")
+    ap.add_argument("--warmup", type=int, default=TRIAL_STEPS,
+                    help="untimed rounds (default: as many as the in-step trials take)")
     ap.add_argument("--policies", default="checkpoint,optimal,vdnn-all")
     ap.add_argument("--memory-limit", help="the plans' limit (default: half of plain training's counted peak)")
     ap.add_argument("--db", default=None, help="measurement cache (default: the user's; sqlite:// for a fresh one)")

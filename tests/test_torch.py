@@ -296,6 +296,27 @@ def test_unbatched_input_and_non_contiguous_input():
     _close(ours(xt), plain(xt))
 
 
+@pytest.mark.parametrize("algos", [["native"], ["im2col_gemm"]], ids=["torch runs it", "routed"])
+def test_a_channels_last_input_keeps_its_layout_where_torch_runs_the_layer(algos):
+    # torch's own convolution takes a channels-last map (diffusers' VAE makes them after attention) as it is and
+    # answers in that layout; made contiguous first, it cost a copy and NCHW kernels (4-5% of the VAE's step)
+    torch.manual_seed(0)
+    plain = nn.Conv2d(3, 5, 3, padding=1)
+    ours = convert(copy.deepcopy(plain), **FAST, algos=algos)
+    x = torch.randn(2, 3, 10, 10).to(memory_format=torch.channels_last)
+    y = torch.randn(2, 5, 10, 10).softmax(1)
+    out, dx = _forward_backward(ours, x, y)
+    out_ref, dx_ref = _forward_backward(plain, x, y)
+    _close(out, out_ref)
+    _close(dx, dx_ref)
+    _close(ours.weight.grad, plain.weight.grad)
+    (route,) = ours._routes.values()
+    assert route.direct == (algos == ["native"])
+    # the direct route is torch's call on the input as given; a routed one runs ucudnn's NCHW kernels
+    assert out.is_contiguous(memory_format=torch.channels_last) == (algos == ["native"])
+    assert out_ref.is_contiguous(memory_format=torch.channels_last)
+
+
 def test_float64_runs_and_unsupported_dtypes_are_refused():
     torch.manual_seed(0)
     plain = nn.Conv2d(3, 4, 3).double()

@@ -18,9 +18,16 @@ PROBLEM = ConvProblem.parse("n=2,c=3,h=8,w=8,k=4,r=3,s=3,pad=1")
 CONV = {"padding": 1, "layer": "conv"}
 
 
+def spin_until(end: float) -> None:
+    """Work (not sleep) until this thread's CPU time reaches `end`: the trials time CPU time."""
+    while time.thread_time() < end:
+        pass
+
+
 class Staged(CpuBackend):
     """Measured times are given; a prepared launch (what a step runs) takes at least its given run
-    time, and a checked `run` (WR's re-timing, a first run) its measured time (ms by algorithm)."""
+    time of this thread's CPU, and a checked `run` (WR's re-timing, a first run) its measured time (ms by
+    algorithm)."""
 
     def __init__(self, measured: dict[str, float], runs: dict[str, float]) -> None:
         self.measured, self.runs, self.ran = measured, runs, []
@@ -29,18 +36,18 @@ class Staged(CpuBackend):
         return [self.measured[algo]] * reps
 
     def run(self, problem, algo, **kwargs):
-        end = time.perf_counter() + self.measured[algo] / 1e3
+        end = time.thread_time() + self.measured[algo] / 1e3
         super().run(problem, algo, **kwargs)
-        time.sleep(max(0.0, end - time.perf_counter()))
+        spin_until(end)
 
     def prepare_run(self, problem, algo):
         launch = super().prepare_run(problem, algo)
 
         def slowed(*args):
-            end = time.perf_counter() + self.runs[algo] / 1e3
+            end = time.thread_time() + self.runs[algo] / 1e3
             launch(*args)
             self.ran.append(algo)
-            time.sleep(max(0.0, end - time.perf_counter()))
+            spin_until(end)
         return slowed
 
 
@@ -110,3 +117,87 @@ def test_bad_trial_runs_are_refused():
     for bad in (-1, 1.5, True):
         with pytest.raises(InvalidInput, match="trial_runs"):
             Handle(backend="cpu", trial_runs=bad, db=False)
+
+
+
+def _trained_layer(backend, steps):
+    """A converted 3x3 layer on `backend` (every kernel planned as im2col_gemm, each kernel's trial keeping
+    it) trained `steps` steps beside torch's own layer on the same weights: the layer, and the largest
+    difference between their gradients in any step."""
+    import torch
+
+    from ucudnn.torch import Conv2d
+
+    handle = Handle(backend=backend, policy="undivided", algos=["im2col_gemm", NATIVE], db=False, reps=1,
+                    trial_runs=2)
+    torch.manual_seed(0)
+    reference = torch.nn.Conv2d(3, 4, 3, padding=1)
+    layer = Conv2d.from_conv(reference, handle=handle, layer="conv")
+    x = torch.randn(*PROBLEM.x_shape, requires_grad=True)
+    worst = 0.0
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as in a converted model's step: one pool (this backend's BLAS is left as it is)
+    try:
+        for _ in range(steps):
+            grads = []
+            for module in (layer, reference):
+                module.zero_grad(set_to_none=True)
+                x.grad = None
+                module(x).square().sum().backward()
+                grads.append(torch.cat([x.grad.flatten(), module.weight.grad.flatten(), module.bias.grad.flatten()]))
+            worst = max(worst, (grads[0] - grads[1]).abs().max().item())
+    finally:
+        torch.set_num_threads(threads)
+    return layer, worst
+
+
+# the kernels' trials (each side's first run untimed, two timed), then the layer's backward pass trial
+TRIAL_STEPS_OF_2 = 4 * (2 + 1)
+
+
+def test_a_layers_backward_pass_is_tried_against_torchs_fused_one():
+    # im2col wins each kernel's trial against torch's kernel of its kind alone (5 ms against 30), and loses
+    # the layer's backward pass against torch's one call computing both gradients (no 30 ms there)
+    backend = Staged({"im2col_gemm": 1.0, NATIVE: 10.0}, {"im2col_gemm": 5.0, NATIVE: 30.0})
+    layer, worst = _trained_layer(backend, TRIAL_STEPS_OF_2)
+    assert worst < 1e-4  # every pass of both trials computed the gradients
+    (route,) = layer._routes.values()
+    assert route.fwd.config.micros[0].algo == "im2col_gemm"  # its kernel's trial kept it
+    assert route.bwd_data is None and route.bwd_filter is None and route.trial is None  # torch's backward pass
+    backend.ran.clear()
+    layer(torch_input()).sum().backward()
+    assert backend.ran == ["im2col_gemm"]  # the forward kernel only
+
+
+def torch_input():
+    import torch
+
+    return torch.randn(*PROBLEM.x_shape, requires_grad=True)
+
+
+def test_a_backward_pass_that_wins_in_the_step_keeps_its_kernels(monkeypatch):
+    from ucudnn.torch import launch
+
+    fused = launch.Geometry.torch_backward
+
+    def slow_when_fused(self, dy, x, w, dx, dw):
+        if dx and dw:
+            spin_until(time.thread_time() + 0.05)
+        return fused(self, dy, x, w, dx, dw)
+
+    monkeypatch.setattr(launch.Geometry, "torch_backward", slow_when_fused)
+    backend = Staged({"im2col_gemm": 1.0, NATIVE: 10.0}, {"im2col_gemm": 5.0, NATIVE: 30.0})
+    layer, worst = _trained_layer(backend, TRIAL_STEPS_OF_2)
+    assert worst < 1e-4
+    (route,) = layer._routes.values()
+    assert route.bwd_data is not None and route.bwd_filter is not None  # 10 ms against 50: kept
+    assert route.trial is not None and not route.trial.open
+    backend.ran.clear()
+    layer(torch_input()).sum().backward()
+    assert backend.ran == ["im2col_gemm"] * 3
+
+
+def test_trial_steps_hold_both_trials():
+    from ucudnn.torch.layer import TRIAL_RUNS, TRIAL_STEPS
+
+    assert TRIAL_STEPS == 4 * (TRIAL_RUNS + 1)

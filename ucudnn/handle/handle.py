@@ -226,6 +226,11 @@ class Handle(_Planning, _Trials, _Recovery, _Workspaces, _Launching):
         return self._benchmark_limit
 
     @property
+    def trial_runs(self) -> int:
+        """Timed runs of each side of a kernel's in-step trial against native (0: no trials)."""
+        return self._trial_runs
+
+    @property
     def call_overhead(self) -> float:
         """Host time (ms) charged per kernel call to every plan but native undivided (0: none)."""
         return self._call_overhead

@@ -78,6 +78,18 @@ class Kernel:
     def config(self) -> Configuration:
         return self._prep.config
 
+    @property
+    def against_native(self) -> bool:
+        """Whether it is timed against native undivided where it runs (`Handle(trial_runs=...)`, and native
+        fits its limit)."""
+        return self._prep.trial is not None
+
+    @property
+    def trying(self) -> bool:
+        """Whether that trial is still running (the kernel may yet be swapped for native)."""
+        trial = self._prep.trial
+        return trial is not None and trial.open
+
     def run(self, *, x: Any = None, w: Any = None, dy: Any = None, out: Any, alpha: float = 1.0,
             beta: float = 0.0) -> None:
         """out = alpha * kernel(...) + beta * out, with the handle's workspace."""

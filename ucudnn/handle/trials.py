@@ -1,6 +1,12 @@
 """In-step trials: a kernel measured alone can win against torch's own convolution and lose inside a
 training step, where caches and thread pools are shared; so a planned kernel takes turns with native
-where the caller runs it, and the faster stays."""
+where the caller runs it, and the faster stays.
+
+A trial times the calling thread's CPU time (`time.thread_time`), not wall time: it decides on 3 runs a
+side, and on a loaded machine a run that waited for a core read 3-10x its work (a native dw of 6 ms
+timed at 24-30 ms), which kept kernels that lose in the step. Both sides run on this thread (the CPU
+backend's NumPy on one thread; torch's pool has this thread work its share), so on a quiet machine
+it reads what wall time reads."""
 
 from __future__ import annotations
 
@@ -37,11 +43,11 @@ class _Trials:
         the plan's median won by more than the call overhead."""
         native = trial.calls % 2 == 1
         trial.calls += 1
-        start = time.perf_counter()
+        start = time.thread_time()
         self._run(trial.native if native else trial.planned, **call)
         if trial.calls <= 2:
             return
-        (trial.native_ms if native else trial.planned_ms).append((time.perf_counter() - start) * 1e3)
+        (trial.native_ms if native else trial.planned_ms).append((time.thread_time() - start) * 1e3)
         if not trial.open and statistics.median(trial.planned_ms) + self._call_overhead >= \
                 statistics.median(trial.native_ms):
             self._switch(prep, trial.native)

@@ -271,9 +271,11 @@ def confirm_faster(backend: Backend, problem: ConvProblem, chosen: Configuration
     return chosen if times["chosen"] + charge_ms < times["undivided"] else undivided
 
 
-def interleaved_samples_ms(fns: Mapping[str, Callable[[], object]], reps: int,
-                           warmup: int = 1) -> dict[str, list[float]]:
-    """Wall times (ms) of each function, run in turn rep after rep, the order reversed every rep.
+def interleaved_samples_ms(fns: Mapping[str, Callable[[], object]], reps: int, warmup: int = 1,
+                           clock: Callable[[], float] = time.perf_counter) -> dict[str, list[float]]:
+    """Times (ms, by `clock`: wall time by default) of each function, run in turn rep after rep, the order
+    reversed every rep. ``clock=time.process_time`` counts this process's CPU time instead: on a loaded
+    machine a one-thread run is charged only what it ran, not what it waited for the cores.
 
     Interleaving puts every contender under the same machine load at the same moments, so the
     comparison stays meaningful on a noisy machine even when absolute times drift; reversing the order
@@ -286,12 +288,13 @@ def interleaved_samples_ms(fns: Mapping[str, Callable[[], object]], reps: int,
     samples: dict[str, list[float]] = {name: [] for name in names}
     for rep in range(reps):
         for name in (names if rep % 2 == 0 else names[::-1]):
-            start = time.perf_counter()
+            start = clock()
             fns[name]()
-            samples[name].append((time.perf_counter() - start) * 1e3)
+            samples[name].append((clock() - start) * 1e3)
     return samples
 
 
-def interleaved_medians_ms(fns: Mapping[str, Callable[[], object]], reps: int, warmup: int = 1) -> dict[str, float]:
-    """Median wall time (ms) of each function, timed as `interleaved_samples_ms` does."""
-    return {name: statistics.median(s) for name, s in interleaved_samples_ms(fns, reps, warmup).items()}
+def interleaved_medians_ms(fns: Mapping[str, Callable[[], object]], reps: int, warmup: int = 1,
+                           clock: Callable[[], float] = time.perf_counter) -> dict[str, float]:
+    """Median time (ms) of each function, timed as `interleaved_samples_ms` does."""
+    return {name: statistics.median(s) for name, s in interleaved_samples_ms(fns, reps, warmup, clock).items()}

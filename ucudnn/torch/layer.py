@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import functools
+import statistics
+import time
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -37,7 +40,8 @@ from ucudnn.torch import ops as _ops
 from ucudnn.torch.launch import (Geometry, _dtype_name, _memory_format, _on_device, geometry, run_backward,
                                  run_forward)
 
-__all__ = ["ConvLayer", "ConvTransposeLayer", "as_torch", "route_overhead_ms", "through_operators"]
+__all__ = ["TRIAL_RUNS", "TRIAL_STEPS", "ConvLayer", "ConvTransposeLayer", "as_torch", "route_overhead_ms",
+           "through_operators"]
 
 _OPERATORS: contextvars.ContextVar[bool] = contextvars.ContextVar("ucudnn_through_operators", default=False)
 _AS_TORCH: contextvars.ContextVar[bool] = contextvars.ContextVar("ucudnn_as_torch", default=False)
@@ -70,7 +74,7 @@ def as_torch() -> Iterator[None]:
 def _layout_name(t: torch.Tensor) -> str:
     """The layout the kernels read `t` in: channels-last 4-D CUDA tensors stay NHWC (the cudnn backend runs
     that layout), everything else is NCHW (1-D and 3-D included)."""
-    if t.device.type == "cuda" and t.dim() == 4 and not t.is_contiguous() \
+    if t.is_cuda and t.dim() == 4 and not t.is_contiguous() \
             and t.is_contiguous(memory_format=torch.channels_last):
         return "NHWC"
     return "NCHW"
@@ -97,6 +101,45 @@ class _Route:
     bwd_filter: Kernel | None
     direct: bool
     budgets: dict | None = None  # the memory plan's workspace per kind it was planned under (execute_plan)
+    trial: _BackwardTrial | None = None  # its backward against torch's fused one, for its first backward passes
+
+
+@dataclass(slots=True)
+class _BackwardTrial:
+    """A route's backward pass against torch's own, timed in the step, for routes that run a planned backward
+    kernel where torch would compute dx and dw in one fused call. The kernels' own trials (`Handle`'s
+    trial_runs) time a planned kernel against torch's kernel of that kind alone, which costs more than its
+    share of the fused call: a kernel that wins its trial can lose the layer's backward pass (on the CPU,
+    ResNet-18's last stage's weight gradients). The two take turns once the kernels' trials have closed (the
+    first run of each untimed); then, unless the route won by more than the handle's call overhead per
+    routed kernel, the layer's route becomes torch's for the backward pass."""
+
+    routes: dict          # the layer's routes, and this route's key in them: the verdict replaces it there
+    key: tuple
+    runs: int             # timed runs of each
+    overhead_ms: float    # charged to the route
+    calls: int = 0
+    routed_ms: list[float] = dataclasses.field(default_factory=list)
+    fused_ms: list[float] = dataclasses.field(default_factory=list)
+
+    @property
+    def open(self) -> bool:
+        return len(self.fused_ms) < self.runs
+
+    def run(self, route: _Route, dy, x, w, g: Geometry) -> tuple[torch.Tensor, torch.Tensor]:
+        if any(k is not None and k.trying for k in (route.bwd_data, route.bwd_filter)):
+            return run_backward(route, dy, x, w, g, True, True)
+        fused = self.calls % 2 == 1
+        self.calls += 1
+        start = time.thread_time()  # CPU time, as the kernels' trials take it (`ucudnn.handle.trials`)
+        dx, dw = g.torch_backward(dy, x, w, True, True) if fused else run_backward(route, dy, x, w, g, True, True)
+        if self.calls > 2:
+            (self.fused_ms if fused else self.routed_ms).append((time.thread_time() - start) * 1e3)
+            if not self.open and self.routes.get(self.key) is route and statistics.median(self.routed_ms) \
+                    + self.overhead_ms >= statistics.median(self.fused_ms):
+                self.routes[self.key] = dataclasses.replace(route, bwd_data=None, bwd_filter=None,
+                                                            direct=route.fwd is None, trial=None)
+        return dx, dw
 
 
 class _Routes(dict):
@@ -157,15 +200,22 @@ class _ConvFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
-        dy = dy.contiguous(memory_format=_memory_format(ctx.route.layout, dy.dim()))
-        dx, dw = run_backward(ctx.route, dy, x, weight, ctx.geometry, ctx.needs_input_grad[0],
-                              ctx.needs_input_grad[1])
+        route = ctx.route
+        dy = dy.contiguous(memory_format=_memory_format(route.layout, dy.dim()))
+        if route.trial is not None and route.trial.open and ctx.needs_input_grad[0] and ctx.needs_input_grad[1]:
+            dx, dw = route.trial.run(route, dy, x, weight, ctx.geometry)
+        else:
+            dx, dw = run_backward(route, dy, x, weight, ctx.geometry, ctx.needs_input_grad[0],
+                                  ctx.needs_input_grad[1])
         db = dy.sum((0, *range(2, dy.dim()))) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return dx, dw, db, None, None
 
 
 # Timed runs of each side in a kernel's in-step trial against torch's own convolution (CPU handles)
 TRIAL_RUNS = 3
+# Training steps until every trial of a converted model has closed: the kernels' (each side's first run
+# untimed), then the layers' backward passes (`_BackwardTrial`) as many again
+TRIAL_STEPS = 4 * (TRIAL_RUNS + 1)
 
 
 @functools.cache
@@ -285,11 +335,11 @@ class ConvLayer:
         """The id the handle plans this layer under: `layer`, or ``conv@<id(self) in hex>``."""
         return self.layer if self.layer is not None else f"conv@{id(self):x}"
 
-    def _geometry(self, padding, output_padding=None) -> Geometry:
+    def _geometry(self, padding, output_padding=None, compiling: bool = False) -> Geometry:
         args = (tuple(self.stride), tuple(padding), tuple(self.dilation), self.transposed,
                 tuple(output_padding) if output_padding is not None else (0,) * len(self.kernel_size), self.groups)
         # (Dynamo traces through a cache and warns: compiling, the geometry is made, once per trace)
-        return Geometry(*args) if torch.compiler.is_compiling() else geometry(*args)
+        return Geometry(*args) if compiling else geometry(*args)
 
     def _explicit_padding(self, input: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
         """The input to convolve and the symmetric padding per axis that the kernels apply: non-zero padding
@@ -305,9 +355,10 @@ class ConvLayer:
 
     def _conv_forward(self, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         input, padding = self._explicit_padding(input)
-        return self._convolution(input, weight, bias, self._geometry(padding))
+        compiling = torch.compiler.is_compiling()  # asked once a call, passed down
+        return self._convolution(input, weight, bias, self._geometry(padding, None, compiling), compiling)
 
-    def _convolution(self, input, weight, bias, g: Geometry) -> torch.Tensor:
+    def _convolution(self, input, weight, bias, g: Geometry, compiling: bool) -> torch.Tensor:
         """The layer's convolution of a batched or unbatched input, under autocast as torch's own is."""
         dims = len(self.kernel_size)
         unbatched = input.dim() == dims + 1
@@ -322,16 +373,15 @@ class ConvLayer:
             low = torch.get_autocast_dtype(device)
             input, weight, bias = (_autocast(t, low) for t in (input, weight, bias))
             with torch.autocast(device, enabled=False):
-                out = self._convolve(input, weight, bias, g)
+                out = self._convolve(input, weight, bias, g, compiling)
         else:
-            out = self._convolve(input, weight, bias, g)
+            out = self._convolve(input, weight, bias, g, compiling)
         return out.squeeze(0) if unbatched else out
 
-    def _convolve(self, input, weight, bias, g: Geometry) -> torch.Tensor:
+    def _convolve(self, input, weight, bias, g: Geometry, compiling: bool) -> torch.Tensor:
         # compiling, capturing, fake tensors: the operators, which read the learning state and plan when they
         # run on real tensors (never while traced, nor on fake tensors: their fake implementation runs).
         # (Compiling first: Dynamo cannot trace a ContextVar's get.)
-        compiling = torch.compiler.is_compiling()
         if not compiling and _AS_TORCH.get():  # the same operations as the captured step's (a copy of the input
             return g.torch(_layout(input)[0], weight, bias)  # where it is not contiguous, then the convolution)
         operators = compiling or _OPERATORS.get() or isinstance(input, FakeTensor)
@@ -340,17 +390,18 @@ class ConvLayer:
             return g.torch(input, weight, bias)
         if input.shape[0] == 0:  # an empty batch: nothing to plan; torch returns the empty result
             return g.torch(input, weight, bias)
-        input, layout = _layout(input)
         grad = torch.is_grad_enabled()
         need_dx, need_dw = grad and input.requires_grad, grad and weight.requires_grad
         if operators:
+            input, layout = _layout(input)
             return torch.ops.ucudnn.convolution.default(
                 input, weight, self._key, g.stride, g.padding, g.dilation, g.transposed, g.output_padding, g.groups,
                 layout, need_dx, need_dw, bias)
+        layout = _layout_name(input)
         route = self._planned(input, weight, g, layout, need_dx, need_dw)
-        if route.direct:
-            return g.torch(input, weight, bias)
-        return _ConvFunction.apply(input, weight, bias, route, g)
+        if route.direct:  # torch's own convolution takes the input as it comes: a channels-last map stays one (made
+            return g.torch(input, weight, bias)  # contiguous, it cost a copy and torch's slower NCHW kernels after it)
+        return _ConvFunction.apply(input if layout == "NHWC" else input.contiguous(), weight, bias, route, g)
 
     def _planned(self, input, weight, g: Geometry, layout: str, need_dx: bool, need_dw: bool) -> _Route:
         """This layer's route at this input with its current handle, planned on first use."""
@@ -362,7 +413,12 @@ class ConvLayer:
         handle = self.handle
         if route is None or route.handle is not handle or route.generation != handle.generation \
                 or route.budgets is not self._budgets:
-            route = self._routes[key] = self._route(input, weight, g, layout, need_dx, need_dw)
+            route = self._route(input, weight, g, layout, need_dx, need_dw)
+            routed = [k for k in (route.bwd_data, route.bwd_filter) if k is not None]
+            if need_dx and need_dw and routed and all(k.against_native for k in routed):
+                route = dataclasses.replace(route, trial=_BackwardTrial(self._routes, key, handle.trial_runs,
+                                                                        handle.call_overhead * len(routed)))
+            self._routes[key] = route
         return route
 
     def _learning_now(self) -> bool:
@@ -450,4 +506,6 @@ class ConvTransposeLayer(ConvLayer):
             raise ValueError(f"Only `zeros` padding mode is supported for {type(self).__name__}")
         output_padding = self._output_padding(input, output_size, self.stride, self.padding, self.kernel_size,
                                               len(self.kernel_size), self.dilation)
-        return self._convolution(input, self.weight, self.bias, self._geometry(self.padding, output_padding))
+        compiling = torch.compiler.is_compiling()
+        return self._convolution(input, self.weight, self.bias, self._geometry(self.padding, output_padding, compiling),
+                                 compiling)
