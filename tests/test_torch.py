@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import io
 import warnings
@@ -12,6 +13,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
+from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
 
 import ucudnn  # noqa: E402
 from ucudnn import InvalidInput, LateRegistrationWarning, UnsupportedProblem  # noqa: E402
@@ -297,24 +299,36 @@ def test_unbatched_input_and_non_contiguous_input():
 
 
 @pytest.mark.parametrize("algos", [["native"], ["im2col_gemm"]], ids=["torch runs it", "routed"])
-def test_a_channels_last_input_keeps_its_layout_where_torch_runs_the_layer(algos):
+@pytest.mark.parametrize("path", ["eager", "operator"])
+@pytest.mark.parametrize("layout", ["channels-last", "a channel slice of a channels-last map"])
+def test_a_channels_last_input_gets_torchs_layout_back_on_every_route(algos, path, layout):
     # torch's own convolution takes a channels-last map (diffusers' VAE makes them after attention) as it is and
-    # answers in that layout; made contiguous first, it cost a copy and NCHW kernels (4-5% of the VAE's step)
+    # answers in that layout (made contiguous first, it cost a copy and NCHW kernels: 4-5% of the VAE's step).
+    # Every route of a converted layer answers as torch does, the operator's (a captured step's) and its fake
+    # one included: a plan follows the captured step's operations, which a layout changed midway would change
+    from ucudnn.torch.layer import through_operators
+
     torch.manual_seed(0)
-    plain = nn.Conv2d(3, 5, 3, padding=1)
+    plain = nn.Conv2d(4, 5, 3, padding=1)
     ours = convert(copy.deepcopy(plain), **FAST, algos=algos)
-    x = torch.randn(2, 3, 10, 10).to(memory_format=torch.channels_last)
+    x = torch.randn(2, 8, 10, 10).to(memory_format=torch.channels_last)
+    x = x[:, :4] if layout.startswith("a channel slice") else x[:, 4:].contiguous(memory_format=torch.channels_last)
+    assert not x.is_contiguous()
     y = torch.randn(2, 5, 10, 10).softmax(1)
-    out, dx = _forward_backward(ours, x, y)
+    with through_operators() if path == "operator" else contextlib.nullcontext():
+        out, dx = _forward_backward(ours, x, y)
     out_ref, dx_ref = _forward_backward(plain, x, y)
     _close(out, out_ref)
     _close(dx, dx_ref)
     _close(ours.weight.grad, plain.weight.grad)
-    (route,) = ours._routes.values()
-    assert route.direct == (algos == ["native"])
-    # the direct route is torch's call on the input as given; a routed one runs ucudnn's NCHW kernels
-    assert out.is_contiguous(memory_format=torch.channels_last) == (algos == ["native"])
+    if path == "eager":
+        (route,) = ours._routes.values()
+        assert route.direct == (algos == ["native"])
     assert out_ref.is_contiguous(memory_format=torch.channels_last)
+    assert out.stride() == out_ref.stride() and dx.stride() == dx_ref.stride()
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode, through_operators():
+        fake = ours(mode.from_tensor(x))
+    assert fake.stride() == out_ref.stride()
 
 
 def test_float64_runs_and_unsupported_dtypes_are_refused():

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch._prims_common import suggest_memory_format  # eager's Tensor.suggest_memory_format
 import torch.nn.functional as F
 
 from ucudnn.backends.base import one_line
@@ -163,6 +164,18 @@ def geometry(stride: tuple[int, ...], padding: tuple[int, ...], dilation: tuple[
 def _planar(t: torch.Tensor) -> torch.Tensor:
     """A 1-D convolution's operand as its kernels take it: (n, c, 1, l), a view."""
     return t.unsqueeze(2) if t.dim() == 3 else t
+
+
+def _torch_format(x: torch.Tensor, weight: torch.Tensor) -> torch.memory_format:
+    """The memory format torch's own convolution gives its output and input gradient: channels-last where
+    the input's or the filter's strides are channels-last-like (`Tensor.suggest_memory_format`, as PyTorch's
+    CPU and cuDNN convolutions choose), else contiguous. A converted layer's every route gives its results
+    so (torch's, the handle's, the operator's, the fake one), so that the operations after it are the same
+    whichever route ran: a captured step and its plan rely on it."""
+    if x.is_contiguous() and weight.is_contiguous():  # (the common case, without the stride walk)
+        return torch.contiguous_format
+    formats = (suggest_memory_format(x), suggest_memory_format(weight))
+    return next((f for f in formats if f != torch.contiguous_format), torch.contiguous_format)
 
 
 def _memory_format(layout: str, dims: int = 4) -> torch.memory_format:

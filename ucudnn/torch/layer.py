@@ -37,8 +37,8 @@ from ucudnn.problem import ConvProblem
 from ucudnn.sizes import format_size
 from ucudnn.solver.types import Infeasible
 from ucudnn.torch import ops as _ops
-from ucudnn.torch.launch import (Geometry, _dtype_name, _memory_format, _on_device, geometry, run_backward,
-                                 run_forward)
+from ucudnn.torch.launch import (Geometry, _dtype_name, _memory_format, _on_device, _torch_format, geometry,
+                                 run_backward, run_forward)
 
 __all__ = ["TRIAL_RUNS", "TRIAL_STEPS", "ConvLayer", "ConvTransposeLayer", "as_torch", "route_overhead_ms",
            "through_operators"]
@@ -78,12 +78,6 @@ def _layout_name(t: torch.Tensor) -> str:
             and t.is_contiguous(memory_format=torch.channels_last):
         return "NHWC"
     return "NCHW"
-
-
-def _layout(t: torch.Tensor) -> tuple[torch.Tensor, str]:
-    """The tensor as the kernels read it (NCHW made contiguous) and its layout."""
-    layout = _layout_name(t)
-    return (t if layout == "NHWC" else t.contiguous()), layout
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,25 +184,29 @@ class _ConvFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, route: _Route, geometry: Geometry):
-        # x comes in the route's layout; the filter is made to match it
-        weight = weight.contiguous(memory_format=_memory_format(route.layout, weight.dim()))
-        ctx.save_for_backward(x, weight)
+        # x and the filter are made the route's layout here, not before: a copy made outside would be an
+        # operation of the step (an autograd node) that the operator path, which copies inside, does not have
+        fmt, ctx.torch_format = _memory_format(route.layout, weight.dim()), _torch_format(x, weight)
+        weight = weight.contiguous(memory_format=fmt)
+        ctx.save_for_backward(x, weight)  # x as it came: the storage its producer made (a plan may drop it)
         ctx.route, ctx.geometry, ctx.has_bias = route, geometry, bias is not None
-        return run_forward(route, x, weight, bias, geometry)
+        return run_forward(route, x.contiguous(memory_format=fmt), weight, bias, geometry) \
+            .contiguous(memory_format=ctx.torch_format)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
         route = ctx.route
-        dy = dy.contiguous(memory_format=_memory_format(route.layout, dy.dim()))
+        fmt = _memory_format(route.layout, dy.dim())
+        x, dy = x.contiguous(memory_format=fmt), dy.contiguous(memory_format=fmt)
         if route.trial is not None and route.trial.open and ctx.needs_input_grad[0] and ctx.needs_input_grad[1]:
             dx, dw = route.trial.run(route, dy, x, weight, ctx.geometry)
         else:
             dx, dw = run_backward(route, dy, x, weight, ctx.geometry, ctx.needs_input_grad[0],
                                   ctx.needs_input_grad[1])
         db = dy.sum((0, *range(2, dy.dim()))) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return dx, dw, db, None, None
+        return (None if dx is None else dx.contiguous(memory_format=ctx.torch_format)), dw, db, None, None
 
 
 # Timed runs of each side in a kernel's in-step trial against torch's own convolution (CPU handles)
@@ -382,8 +380,8 @@ class ConvLayer:
         # compiling, capturing, fake tensors: the operators, which read the learning state and plan when they
         # run on real tensors (never while traced, nor on fake tensors: their fake implementation runs).
         # (Compiling first: Dynamo cannot trace a ContextVar's get.)
-        if not compiling and _AS_TORCH.get():  # the same operations as the captured step's (a copy of the input
-            return g.torch(_layout(input)[0], weight, bias)  # where it is not contiguous, then the convolution)
+        if not compiling and _AS_TORCH.get():  # the same operation as the captured step's: one convolution
+            return g.torch(input, weight, bias)
         operators = compiling or _OPERATORS.get() or isinstance(input, FakeTensor)
         if not operators and self._learning_now():
             self._announce(input, weight, g, input.requires_grad, weight.requires_grad)
@@ -392,16 +390,15 @@ class ConvLayer:
             return g.torch(input, weight, bias)
         grad = torch.is_grad_enabled()
         need_dx, need_dw = grad and input.requires_grad, grad and weight.requires_grad
+        layout = _layout_name(input)  # (the kernels' copy to it is made where they run, not here: see _ConvFunction)
         if operators:
-            input, layout = _layout(input)
             return torch.ops.ucudnn.convolution.default(
                 input, weight, self._key, g.stride, g.padding, g.dilation, g.transposed, g.output_padding, g.groups,
                 layout, need_dx, need_dw, bias)
-        layout = _layout_name(input)
         route = self._planned(input, weight, g, layout, need_dx, need_dw)
         if route.direct:  # torch's own convolution takes the input as it comes: a channels-last map stays one (made
             return g.torch(input, weight, bias)  # contiguous, it cost a copy and torch's slower NCHW kernels after it)
-        return _ConvFunction.apply(input if layout == "NHWC" else input.contiguous(), weight, bias, route, g)
+        return _ConvFunction.apply(input, weight, bias, route, g)
 
     def _planned(self, input, weight, g: Geometry, layout: str, need_dx: bool, need_dw: bool) -> _Route:
         """This layer's route at this input with its current handle, planned on first use."""

@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from ucudnn.errors import InvalidInput
-from ucudnn.torch.launch import Geometry, _memory_format, geometry, run_backward, run_forward
+from ucudnn.torch.launch import Geometry, _memory_format, _torch_format, geometry, run_backward, run_forward
 
 __all__ = ["convolution", "convolution_backward_data", "convolution_backward_filter", "layer_key",
            "register_layer"]
@@ -121,15 +121,15 @@ def convolution(x: torch.Tensor, weight: torch.Tensor, layer: int, stride: Seque
     """y = convolution(x, weight) + bias as layer `layer` plans it."""
     g = _geometry(stride, padding, dilation, transposed, output_padding, groups)
     _checked(x.shape, weight.shape, g, layout)
-    conv, fmt = _layer(layer), _memory_format(layout, x.dim())
+    conv, fmt, out = _layer(layer), _memory_format(layout, x.dim()), _torch_format(x, weight)
     x, weight = x.contiguous(memory_format=fmt), weight.contiguous(memory_format=fmt)
     if conv._learning_now():  # WD's learning pass, or announce: register, and torch computes
         conv._announce(x, weight, g, need_dx, need_dw)
-        return g.torch(x, weight, bias).contiguous(memory_format=fmt)
+        return g.torch(x, weight, bias).contiguous(memory_format=out)
     if x.shape[0] == 0:  # nothing to plan
-        return g.torch(x, weight, bias).contiguous(memory_format=fmt)
+        return g.torch(x, weight, bias).contiguous(memory_format=out)
     route = conv._planned(x, weight, g, layout, need_dx, need_dw)
-    return run_forward(route, x, weight, bias, g).contiguous(memory_format=fmt)
+    return run_forward(route, x, weight, bias, g).contiguous(memory_format=out)
 
 
 @convolution.register_fake
@@ -137,7 +137,7 @@ def _convolution_fake(x, weight, layer, stride, padding, dilation, transposed, o
                       need_dw, bias=None):
     g = _geometry(stride, padding, dilation, transposed, output_padding, groups)
     return torch.empty(_check(x.shape, weight.shape, g, layout), dtype=x.dtype, device=x.device,
-                       memory_format=_memory_format(layout, x.dim()))
+                       memory_format=_torch_format(x, weight))
 
 
 @torch.library.custom_op("ucudnn::convolution_backward_data", mutates_args=(),
@@ -206,7 +206,8 @@ def _backward(ctx, dy):
     conv = (stride, padding, dilation, transposed, output_padding, groups, layout)
     dx = dw = db = None
     if ctx.needs_input_grad[0]:
-        dx = torch.ops.ucudnn.convolution_backward_data.default(dy, weight, layer, list(x.shape), *conv, need_dw)
+        dx = torch.ops.ucudnn.convolution_backward_data.default(dy, weight, layer, list(x.shape), *conv, need_dw) \
+            .contiguous(memory_format=_torch_format(x, weight))
     if ctx.needs_input_grad[1]:
         dw = torch.ops.ucudnn.convolution_backward_filter.default(x, dy, weight, layer, *conv, need_dx)
     if ctx.bias_grad:
