@@ -37,7 +37,7 @@ __all__ = ["replay_host_ms"]
 log = logging.getLogger("ucudnn.torch.replay_cost")
 
 SAMPLE = 8  # maps dropped in the measured plan, spread over the model
-REPS = 5    # interleaved pairs of steps, after one untimed step each
+REPS = 7    # interleaved pairs of steps, after one untimed step each
 
 
 def replay_host_ms(model: nn.Module, step: CapturedStep, graph: TrainingGraph, args: tuple, kwargs: dict,
