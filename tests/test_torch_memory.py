@@ -428,18 +428,19 @@ def test_planning_on_this_cpu_measures_what_a_replayed_operation_costs_the_host_
     host = graphs[0].replay_host_ms  # the figure the plan was made with
     assert isinstance(host, float) and 0 <= host < float("inf")
     # measured through the executor: steps under a plan dropping a few maps the program may recompute
-    assert len(planned) == replay_cost.REPS + 1 and all(p is planned[0] for p in planned)
+    steps = len(planned)
+    assert 4 <= steps <= replay_cost.REPS + 1 and all(p is planned[0] for p in planned)
     dropped = {t.name for t in planned[0].tensors if t.action == "recompute"}
     assert 0 < len(dropped) <= replay_cost.SAMPLE
     assert dropped <= set(replay_cost._recomputable(plan.capture, plan.capture.graph))
     assert any(t.action == "recompute" for t in plan.tensors)
     # measured once per model and input shapes: a second plan runs no more steps
     plan_memory(model, x, memory_limit=2**40, loss=_loss)
-    assert len(planned) == replay_cost.REPS + 1 and graphs[1].replay_host_ms == host
+    assert len(planned) == steps and graphs[1].replay_host_ms == host
     # a model with no map a plan may recompute measures nothing
     linear = nn.Linear(4, 2)
     plan_memory(linear, torch.randn(3, 4), memory_limit=1)
-    assert graphs[-1].replay_host_ms == 0.0 and len(planned) == replay_cost.REPS + 1
+    assert graphs[-1].replay_host_ms == 0.0 and len(planned) == steps
 
 
 def test_converted_convs_run_each_kernel_within_its_planned_budget(monkeypatch):

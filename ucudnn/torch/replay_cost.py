@@ -36,7 +36,8 @@ __all__ = ["replay_host_ms"]
 log = logging.getLogger("ucudnn.torch.replay_cost")
 
 SAMPLE = 8  # maps dropped in the measured plan, spread over the model
-REPS = 9    # pairs of steps, after one untimed step each
+REPS = 9        # pairs of steps at most, after an untimed pair: as many as fit in BUDGET_S, 3 at least
+BUDGET_S = 1.0  # (ResNet-50's 190 ms CPU steps: 3 pairs)
 
 
 def replay_host_ms(model: nn.Module, step: CapturedStep, graph: TrainingGraph, args: tuple, kwargs: dict,
@@ -78,8 +79,8 @@ def replay_host_ms(model: nn.Module, step: CapturedStep, graph: TrainingGraph, a
     times: dict[bool, list[float]] = {False: [], True: []}
     with state_kept(model), as_torch(), torch.enable_grad():
         try:
-            run(False), run(True)
-            for rep in range(reps):  # interleaved, the order reversed every rep
+            pair_s = max(run(False) + run(True), 1e-6)
+            for rep in range(max(3, min(reps, int(BUDGET_S / pair_s)))):  # interleaved, the order reversed every rep
                 for planned in ((False, True) if rep % 2 == 0 else (True, False)):
                     times[planned].append(run(planned))
         except (UnsupportedProblem, InvalidInput) as exc:
