@@ -4,13 +4,17 @@ replayed operation beyond the operation's own time (`TrainingGraph.replay_host_m
 A dropped map costs more than its producer's forward time: the executor (`ucudnn.torch.memory`) follows
 the module call that makes it through a dispatch mode, records the operation's arguments, leaves a handle
 in place of the saved tensor, and in the backward pass maps the recorded arguments and replays the
-operation. That is Python on every dropped map: on the CPU at batch 4, 64 px, about 0.2 ms per map in
-MobileNetV2 and MONAI's UNet against 0.01-0.05 ms of replayed compute, and several times what the same
-code costs on a chain of tiny layers run back to back (`bench_executor.py --host`), where its code and
-data stay in the caches. So it is measured on the model itself, in the state its steps leave the caches
-in: steps under a plan that drops a few maps against plain steps, interleaved, less the dropped maps'
-replayed operations as the timed steps measured them (`ucudnn.torch.planning._op_times`), per operation
-the plan's simulation replays.
+operation. That is Python on every dropped map: on a 2-core CPU at batch 4, 64 px, one thread, 0.2-0.5 ms
+per replayed operation in MobileNetV2 and MONAI's UNet, where the operations themselves take 0.01-0.5 ms, and
+three to four times what the same code costs on a chain of tiny layers run back to back (70 us per dropped
+PReLU output), where its code and data stay in the caches. So it is measured on the model itself, in the
+state its steps leave the caches in: steps under a plan that drops a few maps against plain steps,
+interleaved, less the dropped maps' replayed operations as the timed steps measured them
+(`ucudnn.torch.planning._op_times`), per operation the plan's simulation replays.
+
+The maps measured are spread over the model, each the only one dropped in its module call: maps dropped in
+a run share their call's following, so a plan dropping runs costs less than it is charged (MobileNetV2's
+halfway plan predicts 1.29x its step and runs 1.13x).
 """
 
 from __future__ import annotations
