@@ -43,6 +43,7 @@ from ucudnn.torch.capturing import (CapturedStep, batched_call, call_args, captu
                                     state_kept)
 from ucudnn.torch.operations import counted, same_op
 from ucudnn.torch.layer import ConvLayer, as_torch
+from ucudnn.torch.replay_cost import replay_host_ms
 
 __all__ = ["measure_profile", "plan_memory"]
 
@@ -260,9 +261,6 @@ def _timed_ops(model: nn.Module, step: CapturedStep, args: tuple, kwargs: dict, 
     """The captured graph with each op's forward and backward times on this machine (`_op_times`) and the
     host time a recomputation costs per replayed op (`replay_host_ms`), measured once per model and input
     shapes."""
-    # (imported here: the executor, which the replay cost is measured through, imports this module)
-    from ucudnn.torch.replay_cost import replay_host_ms
-
     shapes = tuple((tuple(t.shape), t.dtype) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
     key = (shapes, _fingerprint(model))
     times = _OP_TIMES.setdefault(model, {})
