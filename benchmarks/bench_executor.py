@@ -10,7 +10,9 @@ same load, the order reversed every repetition; each plan in its own pair with p
 process's CPU time (on a shared machine, run it with one thread: the CPU time of two threads spinning for a
 descheduled one is not the step's); per round the ratio of medians to plain's, then the median and range of the
 rounds' ratios. Targets: everything kept at most 1.02x plain; halfway at most the plan's own predicted ratio (its
-step with recomputation and transfers over its baseline step: ``step_ms / baseline_step_ms``) plus 5%.
+step with recomputation and transfers over its baseline step: ``step_ms / baseline_step_ms``; a recomputation is
+charged its operations' forward times and the host time the executor was measured to spend per replayed
+operation, `ucudnn.torch.replay_cost`) plus 5%.
 
 Python calls per planned step: the entries into the executor's code from outside it (PyTorch calling its hooks,
 its dispatch mode, its context manager), counted by `sys.setprofile` over one untimed step, beside the step's

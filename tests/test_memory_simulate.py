@@ -1,5 +1,7 @@
 """The event simulator on small graphs whose answers are computed by hand."""
 
+import dataclasses
+
 import pytest
 
 from ucudnn.devices import DeviceProfile
@@ -111,6 +113,16 @@ def test_recompute_runs_the_forward_step_again_before_use():
     r = simulate(g, DEVICE, COSTS, {"a": "recompute"})
     assert r.step_ms == pytest.approx(14.0) and r.recompute_ms == pytest.approx(2.0)
     assert r.peak_bytes == 4 * MB + 16  # x, a (again), grad:b, grad:a during b's backward
+
+
+def test_a_recompute_step_also_costs_what_replaying_it_costs_the_host():
+    g = dataclasses.replace(chain(), replay_host_ms=0.5)  # the executor's host time per replayed op
+    r = simulate(g, DEVICE, COSTS, {"a": "recompute"})
+    assert r.step_ms == pytest.approx(14.5) and r.recompute_ms == pytest.approx(2.5)
+    assert simulate(g, DEVICE, COSTS).step_ms == pytest.approx(12.0)  # nothing replayed: nothing charged
+    for bad in (-1.0, float("inf"), True, "1"):
+        with pytest.raises(InvalidInput, match="replay_host_ms"):
+            dataclasses.replace(chain(), replay_host_ms=bad)
 
 
 def test_two_devices_on_one_link_share_its_bandwidth():

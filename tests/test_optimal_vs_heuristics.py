@@ -3,13 +3,15 @@ failure message prints two different sizes differently; `ucudnn plan --check` ru
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
 import pytest
 
 from ucudnn.cli.main import main
-from ucudnn.devices import PROFILES
+from ucudnn.devices import PROFILES, DeviceProfile
+from ucudnn.memory import optimal
 from ucudnn.memory.graph import from_network
 from ucudnn.memory.planner import POLICIES, make_plan, smallest_fitting_limit
 from ucudnn.sizes import format_size, format_sizes
@@ -20,6 +22,26 @@ H100 = PROFILES["h100"]
 FRACTIONS = (0.25, 0.4, 0.7, 0.95)
 NETWORKS = [("alexnet", 256), ("vgg16", 128), ("resnet50", 128), ("googlenet", 128), ("densenet40", 64),
             ("resnet18", 128)]
+
+
+def test_optimal_weighs_what_replaying_an_op_costs_the_host():
+    """Where each replayed op also costs the host time (`TrainingGraph.replay_host_ms`, what PyTorch's executor
+    spends per dropped map), the program recomputes fewer maps at the same limit, and its step counts that time."""
+    cpu = DeviceProfile("cpu", "a CPU", 2**40, h2d_gbps=10.0, d2h_gbps=10.0, duplex_gbps=10.0, devices_per_link=1,
+                        fp32_tflops=0.1, memory_gbps=20.0, shares_host_memory=True)  # only recomputation frees memory
+    graph = from_network("resnet18", 8)
+    limit = (make_plan(graph, cpu, 2**40, "optimal").peak_bytes + make_plan(graph, cpu, 1, "optimal").peak_bytes) // 2
+    free, costly = (make_plan(dataclasses.replace(graph, replay_host_ms=ms), cpu, limit, "optimal") for ms in (0.0, 100.0))
+
+    def recomputed(plan):
+        return sum(t.action == "recompute" for t in plan.tensors)
+
+    assert free.fits and costly.fits
+    assert 0 < recomputed(costly) < recomputed(free)
+    assert costly.step_ms - costly.baseline_step_ms >= 100.0 * recomputed(costly)  # each replays one op at least
+    # the program itself weighs it: its model of the step counts 100 ms per op its answer replays
+    program = optimal.search(dataclasses.replace(graph, replay_host_ms=100.0), cpu, limit)
+    assert program.objective_ms >= optimal.search(graph, cpu, limit).objective_ms + 100.0
 
 
 @pytest.mark.parametrize("network,batch", NETWORKS)

@@ -414,6 +414,35 @@ def test_planning_on_this_cpu_times_each_op_both_ways_and_leaves_the_model_and_r
         assert all(op.measured_ms is None for op in graph.ops if op.type == "input")
 
 
+def test_planning_on_this_cpu_measures_what_a_replayed_operation_costs_the_host_and_plans_with_it(monkeypatch):
+    from ucudnn.memory import planner
+    from ucudnn.torch import replay_cost
+
+    planned, graphs = [], []
+    execute = replay_cost.execute_plan
+    monkeypatch.setattr(replay_cost, "execute_plan", lambda m, p: planned.append(p) or execute(m, p))
+    solve = planner.make_executed_plan
+    monkeypatch.setattr(planner, "make_executed_plan", lambda g, *a, **k: graphs.append(g) or solve(g, *a, **k))
+    model, x = _model(), _data()[0]
+    plan = plan_memory(model, x, memory_limit=1, loss=_loss)
+    host = graphs[0].replay_host_ms  # the figure the plan was made with
+    assert isinstance(host, float) and 0 <= host < float("inf")
+    # measured through the executor: steps under a plan dropping a few maps the program may recompute
+    steps = len(planned)
+    assert 4 <= steps <= replay_cost.REPS + 1 and all(p is planned[0] for p in planned)
+    dropped = {t.name for t in planned[0].tensors if t.action == "recompute"}
+    assert 0 < len(dropped) <= replay_cost.SAMPLE
+    assert dropped <= set(replay_cost._recomputable(plan.capture, plan.capture.graph))
+    assert any(t.action == "recompute" for t in plan.tensors)
+    # measured once per model and input shapes: a second plan runs no more steps
+    plan_memory(model, x, memory_limit=2**40, loss=_loss)
+    assert len(planned) == steps and graphs[1].replay_host_ms == host
+    # a model with no map a plan may recompute measures nothing
+    linear = nn.Linear(4, 2)
+    plan_memory(linear, torch.randn(3, 4), memory_limit=1)
+    assert graphs[-1].replay_host_ms == 0.0 and len(planned) == steps
+
+
 def test_converted_convs_run_each_kernel_within_its_planned_budget(monkeypatch):
     """Budgets below what the fastest configurations need: each kernel runs the fastest one within its own
     budget. PyTorch's own convolution is left out, so that what ran is ucudnn's and is what is checked."""

@@ -75,7 +75,7 @@ def chain_of(graph: TrainingGraph, costs: Sequence[StepCost]) -> tuple[list[int]
     fwd_ms = {graph.steps[k].op: costs[k].ms for k in range(graph.forward_steps)}
     storages = graph.storages
     sizes = [graph.bytes_of(s) if s in backward else 0 for s in storages]
-    forward_costs = [sum(fwd_ms[op.name] for op in graph.producers(s)) for s in storages]
+    forward_costs = [sum(fwd_ms[op.name] + graph.replay_host_ms for op in graph.producers(s)) for s in storages]
     articulation = set(articulation_storages(graph))
     candidates = [k for k, s in enumerate(storages) if s in articulation]
     return sizes, [graph.bytes_of(s) for s in storages], forward_costs, candidates

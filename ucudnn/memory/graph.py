@@ -125,7 +125,10 @@ class TrainingGraph:
     `zero_grad()` frees them between steps and the optimizer reads them after the backward pass).
     `in_place_backward` is True where an in-place op's backward step writes its input's gradient over
     its output's (Caffe's and Torch7's in-place ReLU); PyTorch's autograd makes a new tensor.
-    `captured`: what a captured PyTorch step observed (None: a zoo graph, modelled)."""
+    `captured`: what a captured PyTorch step observed (None: a zoo graph, modelled).
+    `replay_host_ms`: the host time a recomputation costs beyond its operations' own, per operation
+    replayed: what PyTorch's executor spends following the forward pass where a dropped map is made and
+    rebuilding it (`ucudnn.torch.replay_cost`, measured on the model by `plan_memory`; 0: not measured)."""
 
     network: str
     batch: int
@@ -133,6 +136,7 @@ class TrainingGraph:
     weight_grads: str = "step"
     in_place_backward: bool = False
     captured: Captured | None = None
+    replay_host_ms: float = 0.0
     _by_name: dict[str, Op] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -150,6 +154,9 @@ class TrainingGraph:
             raise InvalidInput("a training graph starts with its input op")
         if self.weight_grads not in WEIGHT_GRADS:
             raise InvalidInput(f"weight_grads must be one of {', '.join(WEIGHT_GRADS)}, got {self.weight_grads!r}")
+        host = self.replay_host_ms
+        if isinstance(host, bool) or not isinstance(host, (int, float)) or not 0 <= host < float("inf"):
+            raise InvalidInput(f"replay_host_ms must be a non-negative number of milliseconds, got {host!r}")
         if self.captured is not None:
             cap = self.captured
             unknown = sorted(set(cap.order) - set(by_name))

@@ -130,7 +130,7 @@ def _tables(graph: TrainingGraph, device: DeviceProfile, costs, fronts):
         # rebuilt from resident sources only: a released source would have to be rebuilt too
         if producers[0].type != "input" and all(src in bwd_uses for src in sources):
             rows["recompute"] = tuple(sorted(set(range(p, f + 1)) | set(range(u, e + 1))))
-            cost["recompute"] = sum(ms[graph.op_index[op.name]] for op in producers)
+            cost["recompute"] = sum(ms[graph.op_index[op.name]] + graph.replay_host_ms for op in producers)
         tensors.append(memplan.Tensor(s, b, rows, cost, sources, copy_row=last_write))
     kernels = []
     thinned = {}

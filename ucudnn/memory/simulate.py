@@ -255,7 +255,8 @@ def _prepare(graph: TrainingGraph, costs: Sequence[StepCost], actions: Mapping[s
     offload_free_after: dict[str, int] = {}
     prefetches: list[tuple[int, int, str]] = []
     waits_for: dict[int, list[str]] = {}
-    ms = [costs[s.step].ms for s in sched]
+    # a recompute step costs its op's forward time and what running it again costs the host (`replay_host_ms`)
+    ms = [costs[s.step].ms + (graph.replay_host_ms if s.phase == "recompute" else 0.0) for s in sched]
     for name, k in first_write.items():
         if name not in nbytes or name.startswith("grad:"):
             continue  # weight gradients: persistent, or below; gradients: below

@@ -60,6 +60,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import functools
+import importlib
 import inspect
 import operator
 import weakref
@@ -78,10 +79,17 @@ from ucudnn.torch.capturing import CapturedStep, _tensors, capture, diverged, in
 from ucudnn.torch.operations import counted, same_op
 from ucudnn.torch.layer import ConvLayer, through_operators
 from ucudnn.torch.offload import _copier_for, _HostBuffers, _Offloaded, _OffloadHooks, _Pass, _PrefetchHook, copier_kind
-from ucudnn.torch.planning import measure_profile, plan_memory
 from ucudnn.torch.recompute import _Dropped, _Rebuilds, _Recompute, programs_for
 
 __all__ = ["ExecutionStats", "execute_plan", "measure_profile", "plan_memory"]
+
+
+def __getattr__(name: str) -> Any:
+    """`plan_memory` and `measure_profile`, importable from here as they were, resolved on first use: planning
+    measures what this executor costs (`ucudnn.torch.replay_cost`), so this module does not import it."""
+    if name in ("measure_profile", "plan_memory"):
+        return getattr(importlib.import_module("ucudnn.torch.planning"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # ---- what a run did ------------------------------------------------------------------------------

@@ -43,6 +43,7 @@ from ucudnn.torch.capturing import (CapturedStep, batched_call, call_args, captu
                                     state_kept)
 from ucudnn.torch.operations import counted, same_op
 from ucudnn.torch.layer import ConvLayer, as_torch
+from ucudnn.torch.replay_cost import replay_host_ms
 
 __all__ = ["measure_profile", "plan_memory"]
 
@@ -251,21 +252,26 @@ def _fingerprint(model: nn.Module) -> tuple:
     return tuple((name, id(m), type(m)) for name, m in model.named_modules())
 
 
-# model -> {(input shapes, fingerprint): {op: (forward ms, backward ms)}}, weak on the model: its ops are
-# timed once per input shape, so that every plan made for it rests on the same figures
-_OP_TIMES: weakref.WeakKeyDictionary[nn.Module, dict[tuple, dict]] = weakref.WeakKeyDictionary()
+# model -> {(input shapes, fingerprint): ({op: (forward ms, backward ms)}, replay host ms)}, weak on the model:
+# its ops are timed once per input shape, so that every plan made for it rests on the same figures
+_OP_TIMES: weakref.WeakKeyDictionary[nn.Module, dict[tuple, tuple]] = weakref.WeakKeyDictionary()
 
 
 def _timed_ops(model: nn.Module, step: CapturedStep, args: tuple, kwargs: dict, loss: Callable) -> TrainingGraph:
-    """The captured graph with each op's forward and backward times on this machine (`_op_times`,
-    measured once per model and input shapes)."""
+    """The captured graph with each op's forward and backward times on this machine (`_op_times`) and the
+    host time a recomputation costs per replayed op (`replay_host_ms`), measured once per model and input
+    shapes."""
     shapes = tuple((tuple(t.shape), t.dtype) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
     key = (shapes, _fingerprint(model))
     times = _OP_TIMES.setdefault(model, {})
     if key not in times:
-        times[key] = _op_times(model, step, args, kwargs, loss)
-    measured = times[key]
-    graph = step.graph
+        measured = _op_times(model, step, args, kwargs, loss)
+        times[key] = measured, replay_host_ms(model, step, _with_times(step.graph, measured), args, kwargs, loss)
+    measured, host_ms = times[key]
+    return dataclasses.replace(_with_times(step.graph, measured), replay_host_ms=host_ms)
+
+
+def _with_times(graph: TrainingGraph, measured: dict[str, tuple[float, float | None]]) -> TrainingGraph:
     ops = tuple(dataclasses.replace(op, measured_ms=measured[op.name][0], measured_bwd_ms=measured[op.name][1])
                 if op.name in measured else op for op in graph.ops)
     return dataclasses.replace(graph, ops=ops)
