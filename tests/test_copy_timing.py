@@ -19,7 +19,7 @@ from ucudnn.memory.planner import as_executed, make_plan  # noqa: E402
 from ucudnn.memory.simulate import StepCost, simulate  # noqa: E402
 from ucudnn.torch import execute_plan, plan_memory  # noqa: E402
 from ucudnn.torch.check import check_plan  # noqa: E402
-from ucudnn.torch.memory import _prepared  # noqa: E402
+from ucudnn.torch.prepared_plan import _prepared  # noqa: E402
 from ucudnn.torch.offload import _LateCopier, late_copies  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -25,7 +25,7 @@ from ucudnn.memory.plan import ConvWorkspace, MemoryPlan, TensorAction  # noqa: 
 from ucudnn.torch import capture, convert  # noqa: E402
 from ucudnn.torch import memory as tm  # noqa: E402
 from ucudnn.torch import ops as tm_ops  # noqa: E402
-from ucudnn.torch import planning  # noqa: E402
+from ucudnn.torch import planning, prepared_plan  # noqa: E402
 from ucudnn.torch.layer import ConvLayer  # noqa: E402
 from ucudnn.torch.memory import ExecutionStats, execute_plan, plan_memory  # noqa: E402
 
@@ -245,7 +245,7 @@ def test_offloaded_device_tensors_go_once_the_compute_stream_waits_for_their_cop
     tensor is dropped anyway, at the last node that reads its storage, after a stream wait on its copy,
     so that the memory is free for the next allocations; the host never waits."""
     copier = _FakeStreamCopier()
-    monkeypatch.setattr(tm, "_copier_for", lambda device: copier)
+    monkeypatch.setattr(prepared_plan, "_copier_for", lambda device: copier)
 
     def forbidden(*args, **kwargs):
         raise AssertionError("host synchronisation")
@@ -646,8 +646,8 @@ def test_recomputing_plan_cuts_the_memory_training_adds_above_inference():
 
 def test_steps_under_one_plan_check_the_model_once_and_a_plan_read_back_captures_once(monkeypatch):
     captured = []
-    real_capture = tm.capture
-    monkeypatch.setattr(tm, "capture", lambda *a, **k: captured.append(1) or real_capture(*a, **k))
+    real_capture = prepared_plan.capture
+    monkeypatch.setattr(prepared_plan, "capture", lambda *a, **k: captured.append(1) or real_capture(*a, **k))
     ref_state, _ = _train(_model())
     model = _model()
     plan = _hand_plan(model, _data()[0], HAND_PLANS["mixed"])
@@ -691,7 +691,7 @@ def test_prepared_runs_go_with_the_model_and_keep_the_latest_plans():
     for plan in plans:
         with execute_plan(model, plan):
             model(x)
-    assert list(tm._PREPARED[model]) == plans[-tm._PLANS_PER_MODEL:]
+    assert list(prepared_plan._PREPARED[model]) == plans[-prepared_plan._PLANS_PER_MODEL:]
     gone = weakref.ref(model)
     del model
     gc.collect()
@@ -754,8 +754,8 @@ def test_inputs_are_bound_to_the_forward_the_model_has_now(monkeypatch):
     x, _ = _data()
     plan = _hand_plan(model, {"image": x}, HAND_PLANS["recompute-all"], loss=lambda out: out.sum())
     made = []
-    signature = tm.inspect.signature
-    monkeypatch.setattr(tm.inspect, "signature", lambda f: made.append(f) or signature(f))
+    signature = prepared_plan.inspect.signature
+    monkeypatch.setattr(prepared_plan.inspect, "signature", lambda f: made.append(f) or signature(f))
     for _ in range(3):
         with execute_plan(model, plan):
             model(x).sum().backward()
@@ -770,7 +770,7 @@ def test_inputs_are_bound_to_the_forward_the_model_has_now(monkeypatch):
 
 def test_steady_steps_allocate_no_host_buffers(monkeypatch):
     taken: list[set[int]] = []
-    real_take = tm._HostBuffers.take
+    real_take = prepared_plan._HostBuffers.take
 
     def take(self, t):
         host, free_after = real_take(self, t)
@@ -778,7 +778,7 @@ def test_steady_steps_allocate_no_host_buffers(monkeypatch):
         assert not self.pin and not host.is_pinned()  # pinned memory only for copies to and from CUDA
         return host, free_after
 
-    monkeypatch.setattr(tm._HostBuffers, "take", take)
+    monkeypatch.setattr(prepared_plan._HostBuffers, "take", take)
     ref_state, _ = _train(_model(), steps=4)
     model = _model()
     plan = _hand_plan(model, _data()[0], HAND_PLANS["offload-all"])
@@ -876,7 +876,7 @@ def test_gpu_offload_reuses_pinned_host_buffers():  # pragma: no cover - needs a
     assert stats.late_prefetches == 0, seen
     assert allocated[0] == stats.offloaded, seen
     assert allocated[1:] == [0, 0], seen
-    ((_, buffers),) = tm._PREPARED[model][plan].copies.values()
+    ((_, buffers),) = prepared_plan._PREPARED[model][plan].copies.values()
     free = [h for held in buffers.free.values() for h, _ in held]
     assert buffers.pin and all(h.is_pinned() for h in free), \
         f"pin {buffers.pin}, {sum(h.is_pinned() for h in free)} of {len(free)} free host buffers pinned"
@@ -927,7 +927,7 @@ def test_a_prefetch_no_unpack_waits_for_is_waited_for_at_the_end_of_backward(mon
     them) but never unpacked; the compute stream must still wait for those copies before their device
     memory can go back to it."""
     copier = _FakeStreamCopier()
-    monkeypatch.setattr(tm, "_copier_for", lambda device: copier)
+    monkeypatch.setattr(prepared_plan, "_copier_for", lambda device: copier)
     torch.manual_seed(0)
     model = TwoHeads()
     x, y = _data()

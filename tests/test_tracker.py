@@ -17,7 +17,8 @@ from ucudnn.memory import available_policies  # noqa: E402
 from ucudnn.memory.planner import OFFLOADING  # noqa: E402
 from ucudnn.torch import convert  # noqa: E402
 from ucudnn.torch.check import check_plan  # noqa: E402
-from ucudnn.torch.memory import _prepared, plan_memory  # noqa: E402
+from ucudnn.torch.memory import plan_memory  # noqa: E402
+from ucudnn.torch.prepared_plan import _prepared  # noqa: E402
 from ucudnn.torch.tracker import CATEGORIES, StepTracker, allocated_as  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -36,7 +36,8 @@ from torch import nn
 from ucudnn.errors import InvalidInput
 from ucudnn.memory.plan import MemoryPlan
 from ucudnn.torch.capturing import batched_call, default_loss
-from ucudnn.torch.memory import _prepared, execute_plan
+from ucudnn.torch.memory import execute_plan
+from ucudnn.torch.prepared_plan import _prepared
 from ucudnn.torch.tracker import StepTracker, TrackerReport
 
 __all__ = ["PlanCheck", "check_network", "check_plan"]
