@@ -210,7 +210,6 @@ def test_wd_learns_each_layer_in_the_layout_its_route_runs(monkeypatch):
     x = torch.randn(2, 3, 6, 6).to(memory_format=torch.channels_last)
     model(x)  # the learning pass: torch computes, the layer registers
     assert [template.layout for template, _ in handle.layers.values()] == ["NHWC"]
-    assert conv_module._layout(x)[1] == "NHWC"  # the layout the route will run
 
 
 def test_autocast_bfloat16_on_the_cpu_is_refused_clearly():

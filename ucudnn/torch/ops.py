@@ -121,7 +121,8 @@ def convolution(x: torch.Tensor, weight: torch.Tensor, layer: int, stride: Seque
     """y = convolution(x, weight) + bias as layer `layer` plans it."""
     g = _geometry(stride, padding, dilation, transposed, output_padding, groups)
     _checked(x.shape, weight.shape, g, layout)
-    conv, fmt, out = _layer(layer), _memory_format(layout, x.dim()), _torch_format(x, weight)
+    conv, fmt = _layer(layer), _memory_format(layout, x.dim())
+    out = fmt if layout == "NHWC" else _torch_format(x, weight)  # (NHWC: the caller's input is channels-last)
     x, weight = x.contiguous(memory_format=fmt), weight.contiguous(memory_format=fmt)
     if conv._learning_now():  # WD's learning pass, or announce: register, and torch computes
         conv._announce(x, weight, g, need_dx, need_dw)
@@ -137,7 +138,7 @@ def _convolution_fake(x, weight, layer, stride, padding, dilation, transposed, o
                       need_dw, bias=None):
     g = _geometry(stride, padding, dilation, transposed, output_padding, groups)
     return torch.empty(_check(x.shape, weight.shape, g, layout), dtype=x.dtype, device=x.device,
-                       memory_format=_torch_format(x, weight))
+                       memory_format=_memory_format(layout, x.dim()) if layout == "NHWC" else _torch_format(x, weight))
 
 
 @torch.library.custom_op("ucudnn::convolution_backward_data", mutates_args=(),
