@@ -166,12 +166,14 @@ def _planar(t: torch.Tensor) -> torch.Tensor:
     return t.unsqueeze(2) if t.dim() == 3 else t
 
 
-def _torch_format(x: torch.Tensor, weight: torch.Tensor) -> torch.memory_format:
-    """The memory format torch's own convolution gives its output and input gradient: channels-last where
-    the input's or the filter's strides are channels-last-like (`Tensor.suggest_memory_format`, as PyTorch's
-    CPU and cuDNN convolutions choose), else contiguous. A converted layer's every route gives its results
-    so (torch's, the handle's, the operator's, the fake one), so that the operations after it are the same
-    whichever route ran: a captured step and its plan rely on it."""
+def _result_format(x: torch.Tensor, weight: torch.Tensor, layout: str) -> torch.memory_format:
+    """The memory format a converted layer gives its output and input gradient, on every route (torch's, the
+    handle's, the operator's, the fake one), so that the operations after it are the same whichever route ran
+    (a captured step and its plan rely on it): torch's own convolution's, channels-last where the input's or
+    the filter's strides are channels-last-like (`Tensor.suggest_memory_format`, as PyTorch's CPU and cuDNN
+    convolutions choose), else contiguous; an NHWC problem's, channels-last (its input is channels-last)."""
+    if layout == "NHWC":
+        return _memory_format(layout, x.dim())
     if x.is_contiguous() and weight.is_contiguous():  # (the common case, without the stride walk)
         return torch.contiguous_format
     formats = (suggest_memory_format(x), suggest_memory_format(weight))

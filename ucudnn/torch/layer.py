@@ -37,7 +37,7 @@ from ucudnn.problem import ConvProblem
 from ucudnn.sizes import format_size
 from ucudnn.solver.types import Infeasible
 from ucudnn.torch import ops as _ops
-from ucudnn.torch.launch import (Geometry, _dtype_name, _memory_format, _on_device, _torch_format, geometry,
+from ucudnn.torch.launch import (Geometry, _dtype_name, _memory_format, _on_device, _result_format, geometry,
                                  run_backward, run_forward)
 
 __all__ = ["TRIAL_RUNS", "TRIAL_STEPS", "ConvLayer", "ConvTransposeLayer", "as_torch", "route_overhead_ms",
@@ -186,12 +186,12 @@ class _ConvFunction(torch.autograd.Function):
     def forward(ctx, x, weight, bias, route: _Route, geometry: Geometry):
         # x and the filter are made the route's layout here, not before: a copy made outside would be an
         # operation of the step (an autograd node) that the operator path, which copies inside, does not have
-        fmt, ctx.torch_format = _memory_format(route.layout, weight.dim()), _torch_format(x, weight)
+        fmt, ctx.result_format = _memory_format(route.layout, weight.dim()), _result_format(x, weight, route.layout)
         weight = weight.contiguous(memory_format=fmt)
         ctx.save_for_backward(x, weight)  # x as it came: the storage its producer made (a plan may drop it)
         ctx.route, ctx.geometry, ctx.has_bias = route, geometry, bias is not None
         return run_forward(route, x.contiguous(memory_format=fmt), weight, bias, geometry) \
-            .contiguous(memory_format=ctx.torch_format)
+            .contiguous(memory_format=ctx.result_format)
 
     @staticmethod
     @once_differentiable
@@ -206,7 +206,7 @@ class _ConvFunction(torch.autograd.Function):
             dx, dw = run_backward(route, dy, x, weight, ctx.geometry, ctx.needs_input_grad[0],
                                   ctx.needs_input_grad[1])
         db = dy.sum((0, *range(2, dy.dim()))) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return (None if dx is None else dx.contiguous(memory_format=ctx.torch_format)), dw, db, None, None
+        return (None if dx is None else dx.contiguous(memory_format=ctx.result_format)), dw, db, None, None
 
 
 # Timed runs of each side in a kernel's in-step trial against torch's own convolution (CPU handles)

@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from ucudnn.errors import InvalidInput
-from ucudnn.torch.launch import Geometry, _memory_format, _torch_format, geometry, run_backward, run_forward
+from ucudnn.torch.launch import Geometry, _memory_format, _result_format, geometry, run_backward, run_forward
 
 __all__ = ["convolution", "convolution_backward_data", "convolution_backward_filter", "layer_key",
            "register_layer"]
@@ -132,8 +132,7 @@ def convolution(x: torch.Tensor, weight: torch.Tensor, layer: int, stride: Seque
     """y = convolution(x, weight) + bias as layer `layer` plans it."""
     g = _geometry(stride, padding, dilation, transposed, output_padding, groups)
     _checked(x.shape, weight.shape, g, layout)
-    conv, fmt = _layer(layer), _memory_format(layout, x.dim())
-    out = fmt if layout == "NHWC" else _torch_format(x, weight)  # (NHWC: the caller's input is channels-last)
+    conv, fmt, out = _layer(layer), _memory_format(layout, x.dim()), _result_format(x, weight, layout)
     x, weight = x.contiguous(memory_format=fmt), weight.contiguous(memory_format=fmt)
     if conv._learning_now():  # WD's learning pass, or announce: register, and torch computes
         conv._announce(x, weight, g, need_dx, need_dw)
@@ -152,7 +151,7 @@ def _convolution_fake(x, weight, layer, stride, padding, dilation, transposed, o
                       need_dw, bias=None):
     g = _geometry(stride, padding, dilation, transposed, output_padding, groups)
     return torch.empty(_check(x.shape, weight.shape, g, layout), dtype=x.dtype, device=x.device,
-                       memory_format=_memory_format(layout, x.dim()) if layout == "NHWC" else _torch_format(x, weight))
+                       memory_format=_result_format(x, weight, layout))
 
 
 def convolution_backward_data(dy: torch.Tensor, weight: torch.Tensor, layer: int, x_shape: Sequence[int],
@@ -231,7 +230,7 @@ class _Convolution(torch.autograd.Function):
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
             dx = torch.ops.ucudnn.convolution_backward_data.default(dy, weight, layer, list(x.shape), *conv, need_dw) \
-                .contiguous(memory_format=_torch_format(x, weight))
+                .contiguous(memory_format=_result_format(x, weight, layout))
         if ctx.needs_input_grad[1]:
             dw = torch.ops.ucudnn.convolution_backward_filter.default(x, dy, weight, layer, *conv, need_dx)
         if ctx.bias_grad:
@@ -241,6 +240,8 @@ class _Convolution(torch.autograd.Function):
 
 def _autograd(x, weight, layer, stride, padding, dilation, transposed, output_padding, groups, layout, need_dx, need_dw,
               bias=None):
+    # (the dispatcher leaves out a defaulted bias; `_Convolution` takes every argument, so that its backward
+    # returns a gradient for each)
     return _Convolution.apply(x, weight, layer, stride, padding, dilation, transposed, output_padding, groups, layout,
                               need_dx, need_dw, bias)
 
