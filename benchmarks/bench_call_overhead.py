@@ -18,10 +18,11 @@ checkout (PYTHONPATH=that checkout) for a before/after comparison.
 `layer direct` and `layer routed`: forward and backward of a converted tiny layer (--layer-batch x 8 x 8 x 8)
 planned `native` (plain F.conv2d behind the layer's checks) and `im2col_gemm` (through the handle), per
 call, interleaved with `torch layer` (nn.Conv2d) and `torch forward` (its forward alone); `layer operators`:
-the routed layer's kernels called through ucudnn's torch.library operators instead, beside `operator
-floor`, a custom operator of the same schema around torch's own convolution. Derived: `routed - torch
-layer` (issue 36's target: at most two torch forwards), `operators - routed` against `floor - torch
-layer` (what the operators add over eager, against what any custom operator adds).
+the routed layer's kernels called through ucudnn's torch.library operators instead (`direct operators`:
+the direct layer's), beside `operator floor`, custom operators of the same schemas around torch's own
+convolution. Derived: `routed - torch layer` (issue 36's target: at most two torch forwards), `operators -
+routed` and `direct ops - direct` against `floor - torch layer` (what the operators add over eager,
+against what any custom operator adds).
 `torch route` (when ucudnn.torch exists) is what ucudnn.torch charges per kernel call routed through
 ucudnn instead of torch's own convolution (`ucudnn.torch.conv.route_overhead_ms`, forward and
 backward of a tiny layer: the autograd Function plus one kernel's share of the handle route).
@@ -60,8 +61,8 @@ def per_call_us(fn, calls: int, rounds: int, sync=lambda: None) -> float:
 def _floor_operator():
     """The least torch.library custom operators with an autograd formula cost, in ucudnn's arrangement: a
     forward operator of ucudnn.convolution's schema (a layer key, the geometry, flags, an optional bias)
-    around F.conv2d, whose backward calls two more operators (dx and dw, as ucudnn's do) around
-    aten.convolution_backward: what PyTorch's own machinery requires of three operators."""
+    around F.conv2d, whose backward calls one more operator (dx and dw at once, as ucudnn's does where both
+    are asked for) around aten.convolution_backward: what PyTorch's own machinery requires of two operators."""
     ops = getattr(torch.ops, "ucudnn_bench", None)
     if ops is not None and hasattr(ops, "conv"):
         return ops.conv
@@ -74,18 +75,12 @@ def _floor_operator():
              bias=None):
         return F.conv2d(x, weight, bias, stride, padding, dilation, groups)
 
-    @torch.library.custom_op("ucudnn_bench::conv_dx", mutates_args=(),
-                             schema=f"(Tensor dy, Tensor weight, int layer, SymInt[] x_shape, {geometry}) -> Tensor")
-    def conv_dx(dy, weight, layer, x_shape, stride, padding, dilation, transposed, output_padding, groups):
-        x = dy.new_empty(()).expand(x_shape)
-        return torch.ops.aten.convolution_backward(dy, x, weight, None, stride, padding, dilation, transposed,
-                                                   output_padding, groups, [True, False, False])[0]
-
-    @torch.library.custom_op("ucudnn_bench::conv_dw", mutates_args=(),
-                             schema=f"(Tensor x, Tensor dy, Tensor weight, int layer, {geometry}) -> Tensor")
-    def conv_dw(x, dy, weight, layer, stride, padding, dilation, transposed, output_padding, groups):
-        return torch.ops.aten.convolution_backward(dy, x, weight, None, stride, padding, dilation, transposed,
-                                                   output_padding, groups, [False, True, False])[1]
+    @torch.library.custom_op("ucudnn_bench::conv_backward", mutates_args=(),
+                             schema=f"(Tensor dy, Tensor x, Tensor weight, int layer, {geometry}) -> (Tensor, Tensor)")
+    def conv_backward(dy, x, weight, layer, stride, padding, dilation, transposed, output_padding, groups):
+        dx, dw, _ = torch.ops.aten.convolution_backward(dy, x, weight, None, stride, padding, dilation, transposed,
+                                                        output_padding, groups, [True, True, False])
+        return dx, dw
 
     def setup(ctx, inputs, output):
         ctx.save_for_backward(inputs[0], inputs[1])
@@ -93,9 +88,7 @@ def _floor_operator():
 
     def backward(ctx, dy):
         x, w = ctx.saved_tensors
-        layer, *conv = ctx.conv
-        dx = torch.ops.ucudnn_bench.conv_dx(dy, w, layer, list(x.shape), *conv)
-        dw = torch.ops.ucudnn_bench.conv_dw(x, dy, w, layer, *conv)
+        dx, dw = torch.ops.ucudnn_bench.conv_backward(dy, x, w, *ctx.conv)
         return dx, dw, *[None] * 11
 
     conv.register_autograd(backward, setup_context=setup)
@@ -108,7 +101,7 @@ def layer_calls_us(calls: int, rounds: int, batch: int = 2) -> dict[str, float]:
     nn.Conv2d, `layer direct` the converted layer planned `native` (F.conv2d behind ucudnn's checks),
     `layer routed` the converted layer planned im2col_gemm (the autograd Function and the handle's
     kernels); `layer operators` runs the routed layer's kernels through `torch.ops.ucudnn` (what a
-    compiled graph calls), `operator floor` a custom operator of the same schema around torch's own
+    compiled graph calls), `direct operators` the direct layer through them, `operator floor` a custom operator of the same schema around torch's own
     convolution (what PyTorch's custom operators cost), `torch forward` nn.Conv2d's forward alone."""
     import statistics
 
@@ -129,9 +122,10 @@ def layer_calls_us(calls: int, rounds: int, batch: int = 2) -> dict[str, float]:
     except ImportError:  # an older checkout: no operators
         pass
     else:
-        routed = layers["layer routed"]
-        conv = (layer_key(routed), [1, 1], [1, 1], [1, 1], False, [0, 0], 1, "NCHW", True, True)
-        fns["layer operators"] = lambda: torch.ops.ucudnn.convolution(x, routed.weight, *conv, routed.bias).backward(dy)
+        for name, layer in (("layer operators", layers["layer routed"]), ("direct operators", layers["layer direct"])):
+            conv = (layer_key(layer), [1, 1], [1, 1], [1, 1], False, [0, 0], 1, "NCHW", True, True)
+            fns[name] = lambda layer=layer, conv=conv: torch.ops.ucudnn.convolution(x, layer.weight, *conv,
+                                                                                   layer.bias).backward(dy)
         floor = _floor_operator()
         fns["operator floor"] = lambda: floor(x, plain.weight, 0, [1, 1], [1, 1], [1, 1], False, [0, 0], 1, "NCHW",
                                               True, True, plain.bias).backward(dy)
@@ -192,6 +186,7 @@ def main() -> int:
         results["  in torch forwards"] = results["routed - torch layer"] / torch_fwd
         if "layer operators" in results:
             results["operators - routed"] = results["layer operators"] - results["layer routed"]
+            results["direct ops - direct"] = results["direct operators"] - results["layer direct"]
             results["floor - torch layer"] = results["operator floor"] - results["torch layer"]
     if not gpu:
         results["handle - backend"] = results["handle"] - results["backend"]

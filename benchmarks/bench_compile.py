@@ -1,9 +1,12 @@
-"""torch.compile of a converted ResNet-18-shaped model against torch.compile of the plain model, in one run.
+"""torch.compile of a converted model against torch.compile of the plain model, in one run.
 
-The model has ResNet-18's layer shapes (7x7/2 stem, max-pool, basic blocks [2, 2, 2, 2] with 1x1
-projections, batch norm, 1000-way FC; defined here, torchvision is not required). One state_dict,
-two contenders: torch (nn.Conv2d) and ucudnn (`convert(model, backend=..., policy=...)`), each
-trained with SGD (momentum 0.9), the model compiled with `torch.compile(model, mode=--mode)`.
+The model (`--model`) is ResNet-18's layer shapes by default (7x7/2 stem, max-pool, basic blocks [2, 2, 2, 2]
+with 1x1 projections, batch norm, 1000-way FC; defined here, torchvision is not required), or one of
+`benchmarks/models.py`'s models nobody here wrote (`hf-mobilenet-v2`, ...; `--channels-last` gives model and
+input that memory format). One state_dict, two contenders: torch (nn.Conv2d) and ucudnn (`convert(model,
+backend=..., policy=...)`), each trained with SGD (momentum 0.9), the model compiled with
+`torch.compile(model, mode=--mode)`. The converted model first runs eager until its kernels' and layers'
+in-step trials have closed (`TRIAL_STEPS`), as a user's first steps would.
 
 Figures, each a ratio ucudnn / torch measured in this process:
 
@@ -21,6 +24,7 @@ Figures, each a ratio ucudnn / torch measured in this process:
 
     OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 python benchmarks/bench_compile.py --threads 1 [--algos native]
         [--batch 8] [--resolution 64] [--reps 20] [--policy undivided] [--compile-rounds 2]
+        [--model hf-mobilenet-v2 [--channels-last]]
     python benchmarks/bench_compile.py --device cuda --mode reduce-overhead --batch 64 --resolution 224
 """
 
@@ -39,14 +43,16 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import interleaved_medians_ms, make_step, table  # noqa: E402
+from models import NAMES, build, loss  # noqa: E402
 
-from ucudnn.torch import Conv2d, convert, zoo  # noqa: E402
+from ucudnn.torch import convert, zoo  # noqa: E402
+from ucudnn.torch.layer import TRIAL_STEPS, ConvLayer  # noqa: E402
 
 
 def first_step_s(model: nn.Module, x, y, mode: str, sync) -> float:
     """Seconds of the first step of a fresh compile of `model` (compiling, then running once)."""
     torch._dynamo.reset()
-    step = make_step(torch.compile(model, mode=mode), x, y, sync)
+    step = make_step(torch.compile(model, mode=mode), x, y, sync, loss)
     start = time.perf_counter()
     step()
     return time.perf_counter() - start
@@ -54,6 +60,8 @@ def first_step_s(model: nn.Module, x, y, mode: str, sync) -> float:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=("resnet18", *NAMES), default="resnet18")
+    parser.add_argument("--channels-last", action="store_true", help="model and input channels-last")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--resolution", type=int, default=64)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
@@ -81,36 +89,46 @@ def main() -> int:
     device = torch.device(args.device)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     torch.manual_seed(0)
-    plain = zoo.build("resnet18").to(device)
+    if args.model == "resnet18":
+        g = torch.Generator().manual_seed(1)
+        plain = zoo.build("resnet18")
+        x = torch.randn(args.batch, 3, args.resolution, args.resolution, generator=g)
+        y = torch.randint(0, 1000, (args.batch,), generator=g)
+    else:
+        plain, x, y = build(args.model, args.batch, args.resolution)
+    fmt = torch.channels_last if args.channels_last else torch.contiguous_format
+    plain, x, y = plain.to(device, memory_format=fmt), x.to(device, memory_format=fmt), y.to(device)
     options = {"algos": args.algos.split(",")} if args.algos else {}
     ours = convert(copy.deepcopy(plain), backend="cudnn" if cuda else "cpu", policy=args.policy, **options)
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(args.batch, 3, args.resolution, args.resolution, generator=g).to(device)
-    y = torch.randint(0, 1000, (args.batch,), generator=g).to(device)
     models = {"torch": plain, "ucudnn": ours}
 
+    eager_step = make_step(ours, x, y, sync, loss)
     plan_start = time.perf_counter()
-    make_step(ours, x, y, sync)()  # plans every kernel on real tensors
+    eager_step()  # plans every kernel on real tensors
     plan_s = time.perf_counter() - plan_start
+    for _ in range(TRIAL_STEPS):  # the in-step trials (CPU handles)
+        eager_step()
 
     compile_s: dict[str, list[float]] = {name: [] for name in models}
     for r in range(args.compile_rounds):
         for name in (models if r % 2 == 0 else reversed(list(models))):
             compile_s[name].append(first_step_s(models[name], x, y, args.mode, sync))
     torch._dynamo.reset()
-    compiled = {name: make_step(torch.compile(m, mode=args.mode), x, y, sync) for name, m in models.items()}
-    eager = {f"{name} eager": make_step(m, x, y, sync) for name, m in models.items()}
+    compiled = {name: make_step(torch.compile(m, mode=args.mode), x, y, sync, loss) for name, m in models.items()}
+    eager = {f"{name} eager": make_step(m, x, y, sync, loss) for name, m in models.items()}
     steps = interleaved_medians_ms({**compiled, **eager}, reps=args.reps, warmup=3)
-    results = {"batch": args.batch, "resolution": args.resolution, "device": args.device, "mode": args.mode,
-               "policy": args.policy, "algos": args.algos, "threads": torch.get_num_threads(), "plan_s": plan_s,
+    results = {"model": args.model, "channels_last": args.channels_last, "batch": args.batch,
+               "resolution": args.resolution, "device": args.device, "mode": args.mode, "policy": args.policy,
+               "algos": args.algos, "threads": torch.get_num_threads(), "plan_s": plan_s,
                "compile_s": {name: statistics.median(v) for name, v in compile_s.items()},
                "step_ms": steps}
     if cuda:  # host time: the step returns before the device finishes
-        no_sync = {name: make_step(torch.compile(m, mode=args.mode), x, y, lambda: None) for name, m in models.items()}
+        no_sync = {name: make_step(torch.compile(m, mode=args.mode), x, y, lambda: None, loss)
+                   for name, m in models.items()}
         host = interleaved_medians_ms(no_sync, reps=args.reps, warmup=3)
         torch.cuda.synchronize()
         results["host_ms"] = host
-    routed = sum(k is not None for m in ours.modules() if isinstance(m, Conv2d) for r in m._routes.values()
+    routed = sum(k is not None for m in ours.modules() if isinstance(m, ConvLayer) for r in m._routes.values()
                  for k in (r.fwd, r.bwd_data, r.bwd_filter))
     results["kernels_through_ucudnn"] = routed
 
@@ -122,7 +140,8 @@ def main() -> int:
             row("eager step, ms", {name: steps[f"{name} eager"] for name in models}, 1)]
     if cuda:
         rows.append(row("compiled step host time, ms", results["host_ms"], 2))
-    print(f"# ResNet-18-shaped, batch {args.batch}, {args.resolution}x{args.resolution}, {args.device}, "
+    print(f"# {args.model}{' channels-last' if args.channels_last else ''}, batch {args.batch}, "
+          f"{args.resolution}x{args.resolution}, {args.device}, "
           f"mode={args.mode}, policy {args.policy}, algos {args.algos or 'all'}, {torch.get_num_threads()} "
           f"thread(s); {routed} kernel(s) routed through ucudnn; planning {plan_s:.1f} s")
     print(table(["figure", "torch", "ucudnn", "ucudnn/torch"], rows))

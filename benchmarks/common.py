@@ -8,17 +8,18 @@ __all__ = ["interleaved_medians_ms", "interleaved_samples_ms", "keep_freed_memor
            "table"]
 
 
-def make_step(model, x, y, sync):
-    """One SGD training step (forward, cross-entropy, backward, update) of `model` on (x, y), then `sync()`.
-    torch is imported here: the other pieces of this module need only the package."""
+def make_step(model, x, y, sync, loss=None):
+    """One SGD training step (forward, `loss` (cross-entropy by default), backward, update) of `model` on (x, y),
+    then `sync()`. torch is imported here: the other pieces of this module need only the package."""
     import torch
     import torch.nn.functional as F
 
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    loss = loss or F.cross_entropy
 
     def step() -> None:
         optimizer.zero_grad(set_to_none=True)
-        F.cross_entropy(model(x), y).backward()
+        loss(model(x), y).backward()
         optimizer.step()
         sync()
 

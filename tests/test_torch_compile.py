@@ -324,6 +324,11 @@ def test_fake_implementations_give_shapes_and_strides_without_planning():
         assert dx.shape == x.shape and dx.is_contiguous()
         dw = torch.ops.ucudnn.convolution_backward_filter(x, y, w, key, **conv, layout="NCHW", need_dx=True)
         assert dw.shape == w.shape
+        dx, dw = torch.ops.ucudnn.convolution_backward(y, x, w, key, **conv, layout="NCHW")
+        assert dx.shape == x.shape and dx.is_contiguous() and dw.shape == w.shape
+        dx, _ = torch.ops.ucudnn.convolution_backward(y, x.to(memory_format=torch.channels_last), w, key, **conv,
+                                                      layout="NCHW")
+        assert dx.is_contiguous(memory_format=torch.channels_last)  # as torch's convolution answers it
         nhwc = torch.ops.ucudnn.convolution(x, w, key, **conv, layout="NHWC", need_dx=False, need_dw=False)
         assert nhwc.shape == (5, 8, 6, 9) and nhwc.is_contiguous(memory_format=torch.channels_last)
         with pytest.raises(RuntimeError, match="channels"):
@@ -349,6 +354,7 @@ def _samples(layer: Conv2d, seed: int):
          dict(**conv, need_dw=True)),
         (torch.ops.ucudnn.convolution_backward_filter.default, (x.detach(), dy, w.detach(), key),
          dict(**conv, need_dx=True)),
+        (torch.ops.ucudnn.convolution_backward.default, (dy, x.detach(), w.detach(), key), conv),
     ]
 
 
@@ -362,7 +368,8 @@ def test_opcheck_passes_on_the_operators(options):
 def test_the_real_implementations_equal_torch():
     """Each operator against torch's convolution and its autograd gradients, one kernel at a time."""
     layer = convert(nn.Conv2d(4, 6, 3, padding=1, groups=2, bias=False), **MICRO)
-    (fwd, args_f, kw_f), (bwd_data, args_d, kw_d), (bwd_filter, args_w, kw_w) = _samples(layer, seed=3)
+    (fwd, args_f, kw_f), (bwd_data, args_d, kw_d), (bwd_filter, args_w, kw_w), (bwd, args_b, kw_b) = \
+        _samples(layer, seed=3)
     x, w = args_f[0], args_f[1]
     y = nn.functional.conv2d(x, w, None, 1, 1, 1, 2)
     dy = args_d[0]
@@ -370,7 +377,74 @@ def test_the_real_implementations_equal_torch():
     torch.testing.assert_close(fwd(*args_f, **kw_f), y.detach(), rtol=RTOL, atol=ATOL)
     torch.testing.assert_close(bwd_data(*args_d, **kw_d), dx, rtol=RTOL, atol=ATOL)
     torch.testing.assert_close(bwd_filter(*args_w, **kw_w), dw, rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(bwd(*args_b, **kw_b), (dx, dw), rtol=RTOL, atol=ATOL)
     assert _routed_kinds(layer) == {"fwd", "bwd_data", "bwd_filter"}
+
+
+def test_a_compiled_backward_asks_a_layer_for_both_gradients_at_once():
+    # where torch runs both backward kernels it computes them in one fused call (cheaper than two on the CPU), and
+    # a routed layer's backward trial times its kernels against that call: the compiled backward asks a layer
+    # for dx and dw by one operator, as eager autograd does; a layer whose input needs no gradient, for dw alone
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 4, 3, padding=1, bias=False))
+    ours = convert(copy.deepcopy(plain), **NUMPY)
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append(gm)
+        return make_boxed_func(gm.forward)
+
+    compiled = torch.compile(ours, backend=aot_autograd(fw_compiler=keep, bw_compiler=keep), fullgraph=True)
+    x, dy = _rand(2, 3, 8, 8, seed=1), _rand(2, 4, 8, 8, seed=2)
+    for model in (compiled, plain):
+        model(x).backward(dy)
+    for a, b in zip(ours.parameters(), plain.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=RTOL, atol=ATOL)
+    forward, backward = graphs
+    targets = [n.target for n in backward.graph.nodes if n.op == "call_function"]
+    assert targets.count(torch.ops.ucudnn.convolution_backward.default) == 1  # the second layer's dx and dw
+    assert targets.count(torch.ops.ucudnn.convolution_backward_filter.default) == 1  # the first layer's dw
+    assert torch.ops.ucudnn.convolution_backward_data.default not in targets
+    assert _routed_kinds(ours) == {"fwd", "bwd_data", "bwd_filter"}
+
+
+def test_through_the_operators_a_layer_torch_runs_is_torchs_own_convolution():
+    # inside a capture or a plan's followed calls a converted layer is one operation; where its route is torch's
+    # own kernel of every kind, that operation is torch's aten.convolution with torch's autograd (the operators'
+    # Python autograd and dispatch cost about 60 us more per layer on the CPU); a routed layer stays ucudnn's
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from ucudnn.torch.layer import through_operators
+
+    class Convolutions(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if "convolution" in func.name():
+                self.seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    for algos, op, node in ((["native"], torch.ops.aten.convolution.default, "ConvolutionBackward0"),
+                            (["im2col_gemm"], torch.ops.ucudnn.convolution.default, "_ConvolutionBackward")):
+        torch.manual_seed(0)
+        plain = nn.Conv2d(4, 6, 3, padding=1)
+        ours = convert(copy.deepcopy(plain), **{**NUMPY, "algos": algos})
+        x, dy = _rand(2, 4, 8, 8, seed=1), _rand(2, 6, 8, 8, seed=2)
+        _step(ours, x, dy)  # eager: plans the layer
+        ours.zero_grad()
+        with through_operators(), Convolutions() as mode:
+            out = ours(x.detach().requires_grad_())
+        assert mode.seen == [op] and type(out.grad_fn).__name__ == node
+        out.backward(dy)
+        y, _, grads = _step(plain, x, dy)
+        torch.testing.assert_close(out.detach(), y, rtol=RTOL, atol=ATOL)
+        for p, grad in zip(ours.parameters(), grads):
+            torch.testing.assert_close(p.grad, grad, rtol=RTOL, atol=ATOL)
 
 
 def test_copies_are_other_layers_to_the_operators():

@@ -7,7 +7,7 @@ launch. Where every needed kernel's plan is `native` on the whole batch, the lay
 convolution (PyTorch's autograd, no Python Function in between); any other plan routes it through
 `_ConvFunction` and the handle. Under torch.compile, in a dispatch mode's capture, on fake tensors and
 inside `through_operators` it is the operator `torch.ops.ucudnn.convolution` (`ucudnn.torch.ops`), which
-plans when it runs on real tensors.
+plans when it runs on real tensors (and is torch's own convolution there where the layer's route is).
 """
 
 from __future__ import annotations
@@ -96,6 +96,12 @@ class _Route:
     direct: bool
     budgets: dict | None = None  # the memory plan's workspace per kind it was planned under (execute_plan)
     trial: _BackwardTrial | None = None  # its backward against torch's fused one, for its first backward passes
+
+    def backward(self, dy, x, w, g: Geometry, need_dx: bool, need_dw: bool) -> tuple:
+        """(dx, dw) of this route, each None where not needed; the backward trial's turn while it is open."""
+        if self.trial is not None and self.trial.open and need_dx and need_dw:
+            return self.trial.run(self, dy, x, w, g)
+        return run_backward(self, dy, x, w, g, need_dx, need_dw)
 
 
 @dataclass(slots=True)
@@ -200,11 +206,7 @@ class _ConvFunction(torch.autograd.Function):
         route = ctx.route
         fmt = _memory_format(route.layout, dy.dim())
         x, dy = x.contiguous(memory_format=fmt), dy.contiguous(memory_format=fmt)
-        if route.trial is not None and route.trial.open and ctx.needs_input_grad[0] and ctx.needs_input_grad[1]:
-            dx, dw = route.trial.run(route, dy, x, weight, ctx.geometry)
-        else:
-            dx, dw = run_backward(route, dy, x, weight, ctx.geometry, ctx.needs_input_grad[0],
-                                  ctx.needs_input_grad[1])
+        dx, dw = route.backward(dy, x, weight, ctx.geometry, ctx.needs_input_grad[0], ctx.needs_input_grad[1])
         db = dy.sum((0, *range(2, dy.dim()))) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return (None if dx is None else dx.contiguous(memory_format=ctx.result_format)), dw, db, None, None
 
@@ -400,16 +402,26 @@ class ConvLayer:
             return g.torch(input, weight, bias)  # contiguous, it cost a copy and torch's slower NCHW kernels after it)
         return _ConvFunction.apply(input, weight, bias, route, g)
 
+    def _route_key(self, input, weight, g: Geometry, layout: str, need_dx: bool, need_dw: bool) -> tuple:
+        # (per memory plan's budgets too, so that steps in and out of execute_plan do not re-plan each other's:
+        # a route holds its budgets, so their id is not reused while it lives)
+        return (input.shape, weight.shape, input.dtype, weight.dtype, input.device, weight.device, layout, g,
+                need_dx, need_dw, id(self._budgets))
+
+    def _known(self, key: tuple) -> _Route | None:
+        """The route planned at `key` with the layer's current handle and budgets, if there is one."""
+        route = self._routes.get(key)
+        if route is None or route.handle is not self.handle or route.generation != self.handle.generation \
+                or route.budgets is not self._budgets:
+            return None
+        return route
+
     def _planned(self, input, weight, g: Geometry, layout: str, need_dx: bool, need_dw: bool) -> _Route:
         """This layer's route at this input with its current handle, planned on first use."""
-        # (and per memory plan's budgets, so that steps in and out of execute_plan do not re-plan each other's:
-        # a route holds its budgets, so their id is not reused while it lives)
-        key = (input.shape, weight.shape, input.dtype, weight.dtype, input.device, weight.device, layout, g,
-               need_dx, need_dw, id(self._budgets))
-        route = self._routes.get(key)
-        handle = self.handle
-        if route is None or route.handle is not handle or route.generation != handle.generation \
-                or route.budgets is not self._budgets:
+        key = self._route_key(input, weight, g, layout, need_dx, need_dw)
+        route = self._known(key)
+        if route is None:
+            handle = self.handle
             route = self._route(input, weight, g, layout, need_dx, need_dw)
             routed = [k for k in (route.bwd_data, route.bwd_filter) if k is not None]
             if need_dx and need_dw and routed and all(k.against_native for k in routed):

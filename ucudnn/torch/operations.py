@@ -85,6 +85,8 @@ def conv_backward_kinds(func, args, kwargs) -> tuple[str, ...]:
     if func is aten.convolution_backward.default:
         mask = args[10] if len(args) > 10 else kwargs["output_mask"]
         return tuple(kind for kind, on in zip(("bwd_data", "bwd_filter"), mask) if on)
+    if func is torch.ops.ucudnn.convolution_backward.default:
+        return ("bwd_data", "bwd_filter")
     if func is torch.ops.ucudnn.convolution_backward_data.default:
         return ("bwd_data",)
     if func is torch.ops.ucudnn.convolution_backward_filter.default:

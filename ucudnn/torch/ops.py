@@ -1,5 +1,5 @@
-"""ucudnn's three convolution kernels as PyTorch operators, so that torch.compile and torch.export carry a
-converted convolution through a graph as one node per kernel:
+"""ucudnn's convolution kernels as PyTorch operators, so that torch.compile and torch.export carry a
+converted convolution through a graph as one node per kernel or backward pass:
 
     torch.ops.ucudnn.convolution(x, weight, layer, stride, padding, dilation, transposed, output_padding, groups,
                                  layout, need_dx, need_dw, bias=None)
@@ -7,6 +7,8 @@ converted convolution through a graph as one node per kernel:
                                                output_padding, groups, layout, need_dw)
     torch.ops.ucudnn.convolution_backward_filter(x, dy, weight, layer, stride, padding, dilation, transposed,
                                                  output_padding, groups, layout, need_dx)
+    torch.ops.ucudnn.convolution_backward(dy, x, weight, layer, stride, padding, dilation, transposed,
+                                          output_padding, groups, layout) -> (dx, dw)
 
 Every form a converted layer has (1-D, 2-D, 3-D, transposed): the arguments are `aten.convolution`'s, one
 value per spatial axis. Each returns a fresh tensor (no mutation, no aliasing). `layer` is the int key of a
@@ -16,8 +18,13 @@ current handle, its routes, WD's learning pass) is read inside the real implemen
 never while it is traced: planning and measuring see real tensors only, and a handle that `execute_plan`
 swaps in is the one the kernel runs with. `need_dx` and `need_dw` say which gradients the layer computes
 (they key its route as in eager mode; the backward computes what autograd asks for either way). `layout` is
-"NCHW" or "NHWC" (channels-last CUDA tensors); the operands are read, and the result is returned, in that
-memory format.
+"NCHW" or "NHWC" (channels-last CUDA tensors): the kernels read the operands in that memory format (where
+torch runs every kernel of the layer, they take them as they come); the output and `convolution_backward`'s
+dx come back in the one torch's convolution would give (`launch._result_format`), the other gradients in
+the layout's. A layer's backward pass is one operator where autograd asks for both gradients
+(`convolution_backward`, as `aten.convolution_backward` is: where torch runs both kernels, one fused call),
+else the one of the other two it asks for. On real tensors that need gradients, a layer whose route is
+torch's own on every kind is `aten.convolution` with PyTorch's autograd (the autograd kernel, `_autograd`).
 
 The bias is optional, its gradient the sum of dy over all but its channels: with it, a convolution is one
 operation, as `aten.convolution` is (a captured step names each by that one op). The fake implementations
@@ -40,8 +47,8 @@ from torch import nn
 from ucudnn.errors import InvalidInput
 from ucudnn.torch.launch import Geometry, _memory_format, _result_format, geometry, run_backward, run_forward
 
-__all__ = ["convolution", "convolution_backward_data", "convolution_backward_filter", "layer_key",
-           "register_layer"]
+__all__ = ["convolution", "convolution_backward", "convolution_backward_data", "convolution_backward_filter",
+           "layer_key", "register_layer"]
 
 # Layers are ucudnn's converted convolutions, named here by torch's base class: the layer module imports this one.
 _LAYERS: dict[int, weakref.ref] = {}
@@ -124,6 +131,7 @@ _LIBRARY.define("convolution_backward_data(Tensor dy, Tensor weight, int layer, 
                 "int[] padding, int[] dilation, bool transposed, int[] output_padding, int groups, str layout, "
                 "bool need_dw) -> Tensor")
 _LIBRARY.define(f"convolution_backward_filter(Tensor x, Tensor dy, Tensor weight, {_CONV}, bool need_dx) -> Tensor")
+_LIBRARY.define(f"convolution_backward(Tensor dy, Tensor x, Tensor weight, {_CONV}) -> (Tensor, Tensor)")
 
 
 def convolution(x: torch.Tensor, weight: torch.Tensor, layer: int, stride: Sequence[int], padding: Sequence[int],
@@ -132,14 +140,17 @@ def convolution(x: torch.Tensor, weight: torch.Tensor, layer: int, stride: Seque
     """y = convolution(x, weight) + bias as layer `layer` plans it."""
     g = _geometry(stride, padding, dilation, transposed, output_padding, groups)
     _checked(x.shape, weight.shape, g, layout)
-    conv, fmt, out = _layer(layer), _memory_format(layout, x.dim()), _result_format(x, weight, layout)
-    x, weight = x.contiguous(memory_format=fmt), weight.contiguous(memory_format=fmt)
+    conv = _layer(layer)
     if conv._learning_now():  # WD's learning pass, or announce: register, and torch computes
         conv._announce(x, weight, g, need_dx, need_dw)
-        return g.torch(x, weight, bias).contiguous(memory_format=out)
+        return g.torch(x, weight, bias)
     if x.shape[0] == 0:  # nothing to plan
-        return g.torch(x, weight, bias).contiguous(memory_format=out)
+        return g.torch(x, weight, bias)
     route = conv._planned(x, weight, g, layout, need_dx, need_dw)
+    if route.direct:  # torch's own convolution takes the operands as they come, as on the eager route
+        return g.torch(x, weight, bias)
+    fmt, out = _memory_format(layout, x.dim()), _result_format(x, weight, layout)
+    x, weight = x.contiguous(memory_format=fmt), weight.contiguous(memory_format=fmt)
     return run_forward(route, x, weight, bias, g).contiguous(memory_format=out)
 
 
@@ -206,9 +217,35 @@ def _convolution_backward_filter_fake(x, dy, weight, layer, stride, padding, dil
                        memory_format=_memory_format(layout, weight.dim()))
 
 
+def convolution_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, layer: int, stride: Sequence[int],
+                         padding: Sequence[int], dilation: Sequence[int], transposed: bool,
+                         output_padding: Sequence[int], groups: int, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx, dw) of layer `layer`, as the layer plans its backward pass where both are asked for."""
+    g = _geometry(stride, padding, dilation, transposed, output_padding, groups)
+    _checked(x.shape, weight.shape, g, layout)
+    route = _layer(layer)._planned(x, weight, g, layout, True, True)
+    fmt, out = _memory_format(layout, x.dim()), _result_format(x, weight, layout)
+    if not route.direct:  # (torch's own backward takes the operands as they come)
+        x, dy, weight = (t.contiguous(memory_format=fmt) for t in (x, dy, weight))
+    dx, dw = route.backward(dy, x, weight, g, True, True)
+    return dx.contiguous(memory_format=out), dw.contiguous(memory_format=fmt)
+
+
+_LIBRARY.impl("convolution_backward", convolution_backward, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("ucudnn::convolution_backward")
+def _convolution_backward_fake(dy, x, weight, layer, stride, padding, dilation, transposed, output_padding, groups,
+                               layout):
+    _check(x.shape, weight.shape, _geometry(stride, padding, dilation, transposed, output_padding, groups), layout)
+    return (torch.empty(x.shape, dtype=dy.dtype, device=dy.device, memory_format=_result_format(x, weight, layout)),
+            torch.empty(weight.shape, dtype=weight.dtype, device=weight.device,
+                        memory_format=_memory_format(layout, weight.dim())))
+
+
 class _Convolution(torch.autograd.Function):
-    """`ucudnn::convolution`'s autograd kernel: the forward operator below autograd, its gradients by the two
-    backward operators (the bias's: dy summed over all but its channels)."""
+    """`ucudnn::convolution`'s autograd kernel: the forward operator below autograd, its gradients by the
+    backward operators (both by one; the bias's: dy summed over all but its channels)."""
 
     @staticmethod
     def forward(ctx, x, weight, layer, stride, padding, dilation, transposed, output_padding, groups, layout, need_dx,
@@ -228,10 +265,12 @@ class _Convolution(torch.autograd.Function):
         layer, stride, padding, dilation, transposed, output_padding, groups, layout, need_dx, need_dw = ctx.conv
         conv = (stride, padding, dilation, transposed, output_padding, groups, layout)
         dx = dw = db = None
-        if ctx.needs_input_grad[0]:
+        if ctx.needs_input_grad[0] and ctx.needs_input_grad[1]:
+            dx, dw = torch.ops.ucudnn.convolution_backward.default(dy, x, weight, layer, *conv)
+        elif ctx.needs_input_grad[0]:
             dx = torch.ops.ucudnn.convolution_backward_data.default(dy, weight, layer, list(x.shape), *conv, need_dw) \
                 .contiguous(memory_format=_result_format(x, weight, layout))
-        if ctx.needs_input_grad[1]:
+        elif ctx.needs_input_grad[1]:
             dw = torch.ops.ucudnn.convolution_backward_filter.default(x, dy, weight, layer, *conv, need_dx)
         if ctx.bias_grad:
             db = dy.sum((0, *range(2, dy.dim())))
@@ -240,10 +279,20 @@ class _Convolution(torch.autograd.Function):
 
 def _autograd(x, weight, layer, stride, padding, dilation, transposed, output_padding, groups, layout, need_dx, need_dw,
               bias=None):
-    # (the dispatcher leaves out a defaulted bias; `_Convolution` takes every argument, so that its backward
-    # returns a gradient for each)
-    return _Convolution.apply(x, weight, layer, stride, padding, dilation, transposed, output_padding, groups, layout,
-                              need_dx, need_dw, bias)
+    args = (x, weight, layer, stride, padding, dilation, transposed, output_padding, groups, layout, need_dx, need_dw,
+            bias)  # (the dispatcher leaves out a defaulted bias: `_Convolution` returns a gradient for each argument)
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
+                                    or (bias is not None and bias.requires_grad)):
+        if type(x) is torch.Tensor:  # real (not fake, not functional): a layer torch runs is torch's convolution
+            g = _geometry(stride, padding, dilation, transposed, output_padding, groups)
+            conv = _layer(layer)
+            route = conv._known(conv._route_key(x, weight, g, layout, need_dx, need_dw))
+            if route is not None and route.direct and not conv._learning_now():
+                return g.torch(x, weight, bias)  # (with torch's autograd: its backward is one fused call in C++)
+        return _Convolution.apply(*args)
+    # nothing to differentiate (a compiled graph's forward runs so): the operator itself, without the Function
+    with torch._C._AutoDispatchBelowAutograd():
+        return torch.ops.ucudnn.convolution.default(*args)
 
 
 _LIBRARY.impl("convolution", _autograd, "Autograd")
