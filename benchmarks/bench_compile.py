@@ -24,7 +24,7 @@ Figures, each a ratio ucudnn / torch measured in this process:
 
     OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 python benchmarks/bench_compile.py --threads 1 [--algos native]
         [--batch 8] [--resolution 64] [--reps 20] [--policy undivided] [--compile-rounds 2]
-        [--model hf-mobilenet-v2 [--channels-last]]
+        [--model hf-mobilenet-v2 [--channels-last] [--no-layout-optimization]]
     python benchmarks/bench_compile.py --device cuda --mode reduce-overhead --batch 64 --resolution 224
 """
 
@@ -62,6 +62,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=("resnet18", *NAMES), default="resnet18")
     parser.add_argument("--channels-last", action="store_true", help="model and input channels-last")
+    parser.add_argument("--no-layout-optimization", action="store_true",
+                        help="Inductor's layout optimization off (it makes convolutions channels-last where its "
+                             "heuristics say so, and sees aten.convolution only, not ucudnn's operators)")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--resolution", type=int, default=64)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
@@ -73,7 +76,7 @@ def main() -> int:
                                         "torch computing it: the cost of the integration itself")
     parser.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's)")
     parser.add_argument("--reps", type=int, default=20)
-    parser.add_argument("--compile-rounds", type=int, default=2)
+    parser.add_argument("--compile-rounds", type=int, default=2, help="0: time the steps only")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
     cuda = args.device == "cuda"
@@ -84,6 +87,7 @@ def main() -> int:
     torch._inductor.config.autotune_local_cache = False
     torch._functorch.config.enable_autograd_cache = False
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 16)
+    torch._inductor.config.layout_optimization = not args.no_layout_optimization
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -117,10 +121,11 @@ def main() -> int:
     compiled = {name: make_step(torch.compile(m, mode=args.mode), x, y, sync, loss) for name, m in models.items()}
     eager = {f"{name} eager": make_step(m, x, y, sync, loss) for name, m in models.items()}
     steps = interleaved_medians_ms({**compiled, **eager}, reps=args.reps, warmup=3)
-    results = {"model": args.model, "channels_last": args.channels_last, "batch": args.batch,
+    results = {"model": args.model, "channels_last": args.channels_last,
+               "layout_optimization": not args.no_layout_optimization, "batch": args.batch,
                "resolution": args.resolution, "device": args.device, "mode": args.mode, "policy": args.policy,
                "algos": args.algos, "threads": torch.get_num_threads(), "plan_s": plan_s,
-               "compile_s": {name: statistics.median(v) for name, v in compile_s.items()},
+               "compile_s": {name: statistics.median(v) for name, v in compile_s.items() if v},
                "step_ms": steps}
     if cuda:  # host time: the step returns before the device finishes
         no_sync = {name: make_step(torch.compile(m, mode=args.mode), x, y, lambda: None, loss)
@@ -136,11 +141,13 @@ def main() -> int:
         return [figure, f"{values['torch']:.{digits}f}", f"{values['ucudnn']:.{digits}f}",
                 f"{values['ucudnn'] / values['torch']:.3f}x"]
 
-    rows = [row("compile (first step), s", results["compile_s"], 1), row("compiled step, ms", steps, 1),
-            row("eager step, ms", {name: steps[f"{name} eager"] for name in models}, 1)]
+    rows = [row("compile (first step), s", results["compile_s"], 1)] if args.compile_rounds else []
+    rows += [row("compiled step, ms", steps, 1),
+             row("eager step, ms", {name: steps[f"{name} eager"] for name in models}, 1)]
     if cuda:
         rows.append(row("compiled step host time, ms", results["host_ms"], 2))
-    print(f"# {args.model}{' channels-last' if args.channels_last else ''}, batch {args.batch}, "
+    print(f"# {args.model}{' channels-last' if args.channels_last else ''}"
+          f"{', no layout optimization' if args.no_layout_optimization else ''}, batch {args.batch}, "
           f"{args.resolution}x{args.resolution}, {args.device}, "
           f"mode={args.mode}, policy {args.policy}, algos {args.algos or 'all'}, {torch.get_num_threads()} "
           f"thread(s); {routed} kernel(s) routed through ucudnn; planning {plan_s:.1f} s")

@@ -75,6 +75,17 @@ def test_the_planned_step_runs_on_cpu_tensors_and_trains_like_plain(tmp_path, fi
     assert text.startswith("hf-mobilenet-v2 b2: ")
 
 
+def test_the_converted_step_runs_channels_last_on_cpu_tensors_and_computes_plains_loss(tmp_path, first_run):
+    # `--channels-last`: model and input in the layout Inductor gives plain PyTorch's compiled convolutions
+    pytest.importorskip("transformers")
+    figure = first_run.training_step("convert", "hf-mobilenet-v2", 2, 32, "cpu", f"sqlite:///{tmp_path}/c.db", reps=1,
+                                     channels_last=True)
+    ok, text, _ = first_run.step_summary(json.dumps(figure))
+    assert ok, text
+    assert text.startswith("hf-mobilenet-v2 channels-last b2: ") and math.isfinite(figure["ms"])
+    assert first_run.parse_args(["out", "--channels-last", "--only", "convert,compiled"]).channels_last
+
+
 def test_the_compiled_steps_summary_carries_what_issue_36_targets(first_run):
     # converted ResNet-50 under torch.compile(mode="reduce-overhead") against plain compiled the same way:
     # the speed ratio (target: at most 1.0x plain's time), the peak against plain's, the first step

@@ -21,8 +21,10 @@ Not timed on a GPU yet (estimated 8 minutes on an H100, Inductor compiling two R
 them). The parts' own limits add up to 26 minutes, more than a lent GPU's command may run, so the whole
 run keeps within `--budget` seconds (default 540): each part gets what is left of it, and a part with less
 than a minute left is not started (its line says so); `--only convert,compiled,planned` runs those parts
-in a second command, into the same OUT_DIR (its cache kept). `--quick`: a small model at batch 8 for the three steps. Without a GPU it exits 2 with one line saying what is
-missing; it needs ucudnn installed (`pip install --no-deps -e .` from the repository root) and, for the
+in a second command, into the same OUT_DIR (its cache kept). `--quick`: a small model at batch 8 for the three
+steps. `--channels-last --only convert,compiled`: the two steps with model and input channels-last (Inductor
+makes plain PyTorch's compiled convolutions channels-last by itself where its heuristics say so; it cannot see
+ucudnn's operators as convolutions). Without a GPU it exits 2 with one line saying what is missing; it needs ucudnn installed (`pip install --no-deps -e .` from the repository root) and, for the
 steps, transformers (the `models` extra).
 """
 
@@ -56,6 +58,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="seconds the whole run may take (default 540: a lent GPU's command runs 600 at most)")
     parser.add_argument("--only", type=lambda text: text.split(","), default=None, metavar="PART,...",
                         help=f"run these parts only ({','.join(LIMITS_S)})")
+    parser.add_argument("--channels-last", action="store_true",
+                        help="the training steps' models and inputs channels-last (the layout Inductor's layout "
+                             "optimization gives plain PyTorch's compiled convolutions; cuDNN's NHWC engines)")
     parser.add_argument("--part", choices=("convert", "compiled", "planned"),
                         help="run one training step's part here and print its figures as JSON")
     parser.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # cpu: the tests' smoke run
@@ -108,7 +113,8 @@ def step_summary(stdout: str) -> tuple[bool, str, dict]:
     figure = json.loads(stdout.strip().splitlines()[-1])
     if "skipped" in figure:
         return False, f"skipped: {figure['skipped']}", figure
-    text = (f"{figure['model']} b{figure['batch']}: {figure['ms']:.1f} ms vs plain {figure['plain_ms']:.1f} ms "
+    layout = " channels-last" if figure.get("channels_last") else ""
+    text = (f"{figure['model']}{layout} b{figure['batch']}: {figure['ms']:.1f} ms vs plain {figure['plain_ms']:.1f} ms "
             f"({figure['ms'] / figure['plain_ms']:.2f}x), peak {figure['peak_mib']:.0f} vs {figure['plain_peak_mib']:.0f} MiB")
     if "first_step_s" in figure:
         text += f", first step {figure['first_step_s']:.1f} s"
@@ -151,7 +157,8 @@ def _peak_mib(step, device: str) -> float:
     return torch.cuda.max_memory_allocated() / MIB
 
 
-def training_step(part: str, name: str, batch: int, size: int, device: str, db: str, reps: int = STEP_REPS) -> dict:
+def training_step(part: str, name: str, batch: int, size: int, device: str, db: str, reps: int = STEP_REPS,
+                  channels_last: bool = False) -> dict:
     """One part's figures: `part` is "convert" (the model converted) or "planned" (a memory plan)."""
     import copy
 
@@ -165,8 +172,9 @@ def training_step(part: str, name: str, batch: int, size: int, device: str, db: 
         return {"skipped": f"{name} needs the models extra ({exc})"}
     from ucudnn.torch import convert, execute_plan, plan_memory
 
-    plain = model.to(device)
-    x, target = x.to(device), target.to(device)
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    plain = model.to(device, memory_format=fmt)
+    x, target = x.to(device, memory_format=fmt), target.to(device)
 
     def step_of(net, context=None):
         def step():
@@ -178,7 +186,7 @@ def training_step(part: str, name: str, batch: int, size: int, device: str, db: 
 
         return step
 
-    figure: dict = {"model": name, "batch": batch, "size": size, "device": device}
+    figure: dict = {"model": name, "batch": batch, "size": size, "device": device, "channels_last": channels_last}
     if part == "compiled":
         return _compiled_steps(plain, figure, x, target, device, db, reps)
     if part == "convert":
@@ -282,7 +290,8 @@ class _nothing:
 # ---- the parts, each a child process --------------------------------------------------------------
 def parts(args: argparse.Namespace) -> list[tuple[str, list[str], object]]:
     python, db = sys.executable, f"sqlite:///{(args.out_dir / 'cache.db').resolve()}"
-    step = [python, str(Path(__file__).resolve()), str(args.out_dir)] + (["--quick"] if args.quick else [])
+    step = [python, str(Path(__file__).resolve()), str(args.out_dir)] + (["--quick"] if args.quick else []) \
+        + (["--channels-last"] if args.channels_last else [])
     return [
         ("selftest", [python, "-m", "ucudnn.cli.main", "selftest", "--backend", "cudnn", "--json"], selftest_summary),
         ("pytest", [python, "-m", "pytest", "-m", "gpu", "-o", "addopts=", "-q", "-rfE", "-p", "no:cacheprovider",
@@ -350,7 +359,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.part:  # a child: one training step's figures as the last line of its output
         name, batch, size = ("hf-mobilenet-v2", 8, 224) if args.quick else ("hf-resnet50", 64, 224)
         db = f"sqlite:///{(args.out_dir / 'cache.db').resolve()}"
-        print(json.dumps(training_step(args.part, name, batch, size, args.device, db)))
+        print(json.dumps(training_step(args.part, name, batch, size, args.device, db,
+                                       channels_last=args.channels_last)))
         return 0
     try:
         import ucudnn.solver  # noqa: F401 -- the installed mapping, not the source folder alone
