@@ -211,13 +211,16 @@ def test_compiled_forms_trace_to_ucudnn_operators_without_a_break_and_equal_eage
     assert sum(n.target is torch.ops.ucudnn.convolution.default for n in graph.graph.nodes) == 2
     compiled = torch.compile(ours, backend="aot_eager", fullgraph=True)
     for seed in (1, 2):
+        ours.zero_grad(), plain.zero_grad()
         x = torch.randn(2, 2, 4, 4, 4, generator=torch.Generator().manual_seed(seed), requires_grad=True)
         y = compiled(x)
-        y.sum().backward()
+        y.sum().backward()  # each layer's dx and dw by one operator
         ref = x.detach().requires_grad_()
         plain(ref).sum().backward()
         torch.testing.assert_close(y, plain(x), rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(x.grad, ref.grad, rtol=1e-5, atol=1e-5)
+        for a, b in zip(ours.parameters(), plain.parameters()):
+            torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-5)
     assert _routed_kinds(ours) == {"fwd", "bwd_data", "bwd_filter"}
 
 

@@ -154,6 +154,7 @@ class Handle(_Planning, _Trials, _Recovery, _Workspaces, _Launching):
         if isinstance(trial_runs, bool) or not isinstance(trial_runs, int) or trial_runs < 0:
             raise InvalidInput(f"trial_runs must be a non-negative integer, got {trial_runs!r}")
         self._trial_runs = trial_runs
+        self._trials_kept: set = set()  # (problem key, batch, configuration) that won its in-step trial
         if benchmark_limit is not None and (isinstance(benchmark_limit, bool) or not isinstance(benchmark_limit, int)
                                             or benchmark_limit < 0):
             raise InvalidInput(f"benchmark_limit must be a non-negative integer or None, got {benchmark_limit!r}")

@@ -28,8 +28,9 @@ class _Trials:
         run this problem within `limit` (the trial runs it)."""
         problem = prep.problem
         if (not self._trial_runs or native_only(prep.config) or NATIVE not in self._candidates(problem)
-                or self._backend.unsupported_reason(problem, NATIVE) is not None):
-            return prep
+                or self._backend.unsupported_reason(problem, NATIVE) is not None
+                or (problem.key, problem.n, prep.config) in self._trials_kept):  # (a memory plan's budget asks
+            return prep                                                          # for it again: won already)
         workspace = self._backend.workspace_size(problem, NATIVE)
         if limit is not None and workspace > limit:
             return prep
@@ -48,9 +49,12 @@ class _Trials:
         if trial.calls <= 2:
             return
         (trial.native_ms if native else trial.planned_ms).append((time.thread_time() - start) * 1e3)
-        if not trial.open and statistics.median(trial.planned_ms) + self._call_overhead >= \
-                statistics.median(trial.native_ms):
+        if trial.open:
+            return
+        if statistics.median(trial.planned_ms) + self._call_overhead >= statistics.median(trial.native_ms):
             self._switch(prep, trial.native)
+        else:
+            self._trials_kept.add((prep.problem.key, prep.problem.n, prep.config))
 
     def _switch(self, old: _Prepared, new: _Prepared) -> None:
         """Every call planned as `old` runs `new` from now on; kernels made before are stale."""

@@ -402,24 +402,25 @@ class ConvLayer:
             return g.torch(input, weight, bias)  # contiguous, it cost a copy and torch's slower NCHW kernels after it)
         return _ConvFunction.apply(input, weight, bias, route, g)
 
-    def _route_key(self, input, weight, g: Geometry, layout: str, need_dx: bool, need_dw: bool) -> tuple:
+    def _route_key(self, input, weight, g: Geometry, layout: str, need_dx: bool, need_dw: bool,
+                   budgets: dict | None) -> tuple:
         # (per memory plan's budgets too, so that steps in and out of execute_plan do not re-plan each other's:
         # a route holds its budgets, so their id is not reused while it lives)
         return (input.shape, weight.shape, input.dtype, weight.dtype, input.device, weight.device, layout, g,
-                need_dx, need_dw, id(self._budgets))
+                need_dx, need_dw, id(budgets))
 
-    def _known(self, key: tuple) -> _Route | None:
-        """The route planned at `key` with the layer's current handle and budgets, if there is one."""
+    def _known(self, key: tuple, budgets: dict | None) -> _Route | None:
+        """The route planned at `key` under `budgets` with the layer's current handle, if there is one."""
         route = self._routes.get(key)
         if route is None or route.handle is not self.handle or route.generation != self.handle.generation \
-                or route.budgets is not self._budgets:
+                or route.budgets is not budgets:
             return None
         return route
 
     def _planned(self, input, weight, g: Geometry, layout: str, need_dx: bool, need_dw: bool) -> _Route:
         """This layer's route at this input with its current handle, planned on first use."""
-        key = self._route_key(input, weight, g, layout, need_dx, need_dw)
-        route = self._known(key)
+        key = self._route_key(input, weight, g, layout, need_dx, need_dw, self._budgets)
+        route = self._known(key, self._budgets)
         if route is None:
             handle = self.handle
             route = self._route(input, weight, g, layout, need_dx, need_dw)
@@ -476,12 +477,20 @@ class ConvLayer:
         conv = {"stride": g.stride, "padding": g.padding, "dilation": g.dilation, "groups": g.groups,
                 "transposed": g.transposed, "output_padding": g.output_padding, "dtype": dtype, "layout": layout,
                 "layer": self.layer_id}
+        # Under a memory plan's budgets, a kind that the layer's own route leaves to torch stays torch's: its
+        # in-step trials settled on torch's convolution on the whole batch, which holds no workspace the plan
+        # counts (its options hold none), so it is within every budget; the handle, asked within a budget,
+        # would pick by measurements alone, and a budget below torch's own workspace leaves no trial to
+        # correct it (HF MobileNetV2 ran 1.10x its converted step under a plan that acts on nothing).
+        own = None if self._budgets is None else \
+            self._known(self._route_key(input, weight, g, layout, need_dx, need_dw, None), None)
+        asked = [kind for kind in kinds if own is None or getattr(own, kind) is not None]
         with _on_device(input):  # a WD solve allocates the arena: from torch's allocator on CUDA
             handle.register(self.layer_id, self._problem(input, weight, g, dtype, layout), kinds=kinds)
             budgets = self._budgets or {}
             try:
                 kernels = {kind: handle.kernel(kind, tuple(input.shape), tuple(weight.shape),
-                                               budget=budgets.get(kind), **conv) for kind in kinds}
+                                               budget=budgets.get(kind), **conv) for kind in asked}
             except Infeasible as exc:
                 if not budgets:
                     raise
@@ -490,10 +499,9 @@ class ConvLayer:
                                  f"layer's configurations ({exc}); make the plan with plan_memory on the converted "
                                  "model, whose budgets come from its layers' own measurements") from exc
         # torch runs a native undivided plan itself (on CPU tensors; the cudnn backend has no native)
-        torch_runs = {kind: input.device.type == "cpu" and native_only(k.config) for kind, k in kernels.items()}
-        routed = {kind: None if torch_runs[kind] else k for kind, k in kernels.items()}
-        return _Route(handle, handle.generation, backend, layout, routed["fwd"], routed.get("bwd_data"),
-                      routed.get("bwd_filter"), direct=all(torch_runs.values()), budgets=self._budgets)
+        routed = {kind: k for kind, k in kernels.items() if not (input.device.type == "cpu" and native_only(k.config))}
+        return _Route(handle, handle.generation, backend, layout, routed.get("fwd"), routed.get("bwd_data"),
+                      routed.get("bwd_filter"), direct=not routed, budgets=self._budgets)
 
     def _announce(self, input, weight, g: Geometry, need_dx: bool, need_dw: bool) -> None:
         """Register this layer with its handle (announce, WD's learning pass); torch computes the pass."""

@@ -286,7 +286,7 @@ def _autograd(x, weight, layer, stride, padding, dilation, transposed, output_pa
         if type(x) is torch.Tensor:  # real (not fake, not functional): a layer torch runs is torch's convolution
             g = _geometry(stride, padding, dilation, transposed, output_padding, groups)
             conv = _layer(layer)
-            route = conv._known(conv._route_key(x, weight, g, layout, need_dx, need_dw))
+            route = conv._known(conv._route_key(x, weight, g, layout, need_dx, need_dw, conv._budgets), conv._budgets)
             if route is not None and route.direct and not conv._learning_now():
                 return g.torch(x, weight, bias)  # (with torch's autograd: its backward is one fused call in C++)
         return _Convolution.apply(*args)
