@@ -298,6 +298,12 @@ class Handle(_Planning, _Trials, _Recovery, _Workspaces, _Launching):
             self._cache.close()
         self._cache = None
         self._cache_open = False
+        self.release_workspace()
+
+    def release_workspace(self) -> None:
+        """Free the workspace the handle keeps between runs (its WR buffer, its WD arena); the next run that
+        needs it takes it again. A memory plan's step gives it back (`ucudnn.torch.execute_plan`): its
+        kernels run in workspaces of their own, held for one run, and the plan counts no other."""
         self._buffer = None
         self._buffer_bytes = 0
         self._arena = None
