@@ -51,8 +51,9 @@ capture.
 ``conv_workspace`` entries in the plan runs each kernel, inside the block, with its own handle's fastest
 configuration within that kernel's budget (`Handle.kernel(..., budget=...)`), its workspace held for that
 run only, as the plan counts it; the workspace a handle keeps between runs outside a plan (its WR buffer,
-its WD arena) is given back as the block starts, and taken again by the next run outside one. `plan_memory` on a converted model takes each converted kernel's options
-from its handle (`Handle.front`), so the budgets are ones those kernels can run within.
+its WD arena) is given back as the block starts, and taken again by the next run outside one.
+`plan_memory` on a converted model takes each converted kernel's options from its handle (`Handle.front`),
+so the budgets are ones those kernels can run within.
 """
 
 from __future__ import annotations
