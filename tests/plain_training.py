@@ -74,7 +74,7 @@ def memtracker_peak(model, plan, x, y, loss: Callable = loss) -> int:
         model.zero_grad(set_to_none=True)
         tracker, with_workspace = MemTracker(), [0]
 
-        def taken(delta: int) -> None:
+        def taken(delta: int, out=None) -> None:
             if delta > 0:
                 now = tracker.get_tracker_snapshot("current")[x.device]["Total"]
                 with_workspace[0] = max(with_workspace[0], now + delta)

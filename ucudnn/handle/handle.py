@@ -184,8 +184,9 @@ class Handle(_Planning, _Trials, _Recovery, _Workspaces, _Launching):
         self._buffer: Any = None
         self._slices: tuple[Any, dict] = (None, {})  # the buffer or arena last sliced, and its run slices
         self._buffer_bytes = 0
-        # called with +bytes and -bytes around a run whose workspace is held for that run only (a
-        # plan's budget); set by `ucudnn.torch.tracker.StepTracker` while it counts
+        # called around every kernel run, with (+bytes, the array it writes) before and (-bytes, None) after,
+        # the bytes of a workspace held for that run only (a plan's budget), else 0; set by
+        # `ucudnn.torch.tracker.StepTracker` while it counts
         self.workspace_listener: Any = None
         # WD: layer -> (fwd problem at any batch, kinds); batch -> (layer, kind) -> plan; one arena
         self._layers: dict[str, tuple[ConvProblem, frozenset[str]]] = {}
@@ -299,6 +300,12 @@ class Handle(_Planning, _Trials, _Recovery, _Workspaces, _Launching):
             self._cache.close()
         self._cache = None
         self._cache_open = False
+        self.release_workspace()
+
+    def release_workspace(self) -> None:
+        """Free the workspace the handle keeps between runs (its WR buffer, its WD arena); the next run that
+        needs it takes it again. A memory plan's step gives it back (`ucudnn.torch.execute_plan`): its
+        kernels run in workspaces of their own, held for one run, and the plan counts no other."""
         self._buffer = None
         self._buffer_bytes = 0
         self._arena = None

@@ -101,18 +101,20 @@ class _Launching:
 
     def _run_kernels(self, prep: _Prepared, **operands: Any) -> None:
         workspace = self._workspace(prep)
-        # a workspace taken for this run only (a budget's; any on a per-run backend): a memory tracker
-        # (`workspace_listener`) hears of it
-        # (torch's own convolution takes none from us: `_workspace`)
+        listener = self.workspace_listener
+        if listener is None:
+            prep.kernels.run(workspace=workspace, **operands)
+            return
+        # a memory tracker hears of the run: the workspace taken for this run only (a budget's; any on a per-run
+        # backend; torch's own convolution takes none from us: `_workspace`), and the array the run writes (an
+        # operator's result is allocated where the tracker's dispatch does not see it)
         held = prep.config.workspace if (prep.budget is not None or self._backend.workspace_per_run) \
-            and self.workspace_listener is not None and not native_only(prep.config) else 0
-        if held:
-            self.workspace_listener(held)
+            and not native_only(prep.config) else 0
+        listener(held, operands["out"])
         try:
             prep.kernels.run(workspace=workspace, **operands)
         finally:
-            if held:
-                self.workspace_listener(-held)
+            listener(-held, None)
 
     def _run(self, prep: _Prepared, *, x: Any = None, w: Any = None, dy: Any = None, out: Any,
              alpha: float, beta: float) -> None:

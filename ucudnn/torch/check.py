@@ -7,7 +7,8 @@
 `check_plan` runs training steps (forward and backward; no optimizer step) under `execute_plan`:
 
 1. ``warmup`` steps untracked: the first prepares the (model, plan) pair (its trace and check) and
-   takes the executor's host buffers and the handles' workspaces, as a training loop's first step does.
+   takes the executor's host buffers, as a training loop's first step does. (The workspace a converted
+   conv's handle kept from steps outside a plan is given back by every planned step: `execute_plan`.)
 2. One step under a `ucudnn.torch.tracker.StepTracker`: the peak of the device's live storages
    (weights, weight gradients, feature maps, gradients, workspaces), the host copies apart, and
    memory over the step. Weight gradients are freed between steps, as `zero_grad()` does by default

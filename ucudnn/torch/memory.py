@@ -50,8 +50,10 @@ capture.
 **Workspaces.** Each converted convolution (`ucudnn.torch.layer.ConvLayer`) whose layer has
 ``conv_workspace`` entries in the plan runs each kernel, inside the block, with its own handle's fastest
 configuration within that kernel's budget (`Handle.kernel(..., budget=...)`), its workspace held for that
-run only, as the plan counts it. `plan_memory` on a converted model takes each converted kernel's options
-from its handle (`Handle.front`), so the budgets are ones those kernels can run within.
+run only, as the plan counts it; the workspace a handle keeps between runs outside a plan (its WR buffer,
+its WD arena) is given back as the block starts, and taken again by the next run outside one.
+`plan_memory` on a converted model takes each converted kernel's options from its handle (`Handle.front`),
+so the budgets are ones those kernels can run within.
 """
 
 from __future__ import annotations
@@ -390,10 +392,13 @@ class _Executor(_OffloadHooks, _Recompute):
     @contextlib.contextmanager
     def workspaces(self) -> Iterator[None]:
         """Each converted conv runs its kernels within the plan's budgets (set at the forward pass's start;
-        the same dict object each step, so its routes are kept); as they were afterwards."""
+        the same dict object each step, so its routes are kept); as they were afterwards. The workspace its
+        handle kept from runs outside a plan is given back: the plan counts none but the budgets'."""
         convs = self.prep.convs if self.prep.step is not None else [
             m for m in self.model.modules() if isinstance(m, ConvLayer)]
         saved = [(conv, conv._budgets) for conv in convs]
+        for handle in {id(conv.handle): conv.handle for conv in convs}.values():
+            handle.release_workspace()
         try:
             yield
         finally:

@@ -27,7 +27,9 @@ Categories (`CATEGORIES`):
   (the handles `execute_plan` swaps in included). They are NumPy or CuPy memory, outside PyTorch's
   dispatch, so they are read from the handles (`Handle.workspace_bytes`, the buffers a handle keeps)
   at every event, and a workspace held for one run only (a plan's budget) is reported by the handle
-  itself as it is taken and given back (`Handle.workspace_listener`).
+  itself as it is taken and given back (`Handle.workspace_listener`). The handle names the array each
+  run writes too: a result ucudnn's operator allocated below this mode's dispatch counts as a ``tensor``
+  from its kernel's start, as the simulator holds a step's results beside its workspace.
 
 The device's bytes are every category but ``host``: what a `MemoryPlan`'s ``peak_bytes`` counts
 (weights, weight gradients, feature maps, gradients and workspaces). `TrackerReport.memory` is
@@ -141,6 +143,7 @@ class StepTracker(TorchDispatchMode):
         self._hooks: list[Any] = []
         self._listening: list[Any] = []   # handles whose per-run workspaces report to this tracker
         self._transient = 0               # bytes of those workspaces held now
+        self._unseen: dict[int, int] = {}  # results a running operator's kernels wrote: address -> bytes
         self._params: set[int] = set()
         self._report: TrackerReport | None = None
         self._used = False
@@ -276,9 +279,24 @@ class StepTracker(TorchDispatchMode):
             self._see(p.grad, "weight_grad")
             self._sample()
 
-    def _workspace_event(self, delta: int) -> None:
+    def _workspace_event(self, delta: int, out: Any = None) -> None:
         self._transient += delta
+        if out is not None:
+            self._kernel_writes(out)
         self._sample()
+
+    def _kernel_writes(self, out: Any) -> None:
+        """A converted conv's kernel writes `out` (a NumPy or CuPy array). Where no counted storage holds it,
+        it is the result of an operator that allocated it below this mode's dispatch (ucudnn's operator,
+        as a plan's followed calls run converted convs): counted as a ``tensor`` from now until that
+        operator returns it (`__torch_dispatch__`), as the workspace beside it is."""
+        face = getattr(out, "__cuda_array_interface__", None) or out.__array_interface__
+        ptr, nbytes = face["data"][0], out.nbytes
+        if ptr in self._unseen or any(not e.alias and e.ptr <= ptr and ptr + nbytes <= e.ptr + e.nbytes
+                                      for e in self._live.values()):
+            return
+        self._unseen[ptr] = nbytes
+        self._bytes["tensor"] += nbytes
 
     def _workspace_bytes(self) -> int:
         handles = {id(c.handle): c.handle for c in self._convs}
@@ -309,6 +327,9 @@ class StepTracker(TorchDispatchMode):
         for t in inputs:  # a tensor alive before the block counts from its first read (unlabelled: made before)
             self._see(t, None, labelled=False)
         out = func(*args, **kwargs)
+        if self._unseen:  # counted from their kernels' start (`_kernel_writes`): now as the storages they are
+            self._bytes["tensor"] -= sum(self._unseen.values())
+            self._unseen.clear()
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 self._see(t, None)
