@@ -44,9 +44,9 @@ from typing import Any
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException, FakeTensor,
-                                           FakeTensorMode, UnsupportedOperatorException)
+                                           FakeTensorMode, UnsupportedOperatorException, unset_fake_temporarily)
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_leaves
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_map
 
 from ucudnn.backends.base import one_line
 from ucudnn.errors import InvalidInput, UnsupportedProblem
@@ -130,6 +130,13 @@ def default_loss(output: Any) -> torch.Tensor:
     return functools.reduce(torch.add, parts)
 
 
+def _zeros_of(t: Any) -> Any:
+    """A real tensor of a fake one's geometry (zeros), anything else as it is."""
+    if not isinstance(t, FakeTensor):
+        return t
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).zero_()
+
+
 # ---- what the recorder keeps ---------------------------------------------------------------------------
 @dataclass(eq=False, slots=True)
 class _Act:
@@ -196,6 +203,7 @@ class _Recorder(TorchDispatchMode):
         self.persistent = dict(persistent)   # storage -> bytes: parameters and buffers
         self.constants: dict[int, int] = {}  # other storages older than the step that it reads
         self.fake = fake
+        self.real_bytes: dict[tuple, dict[int, int]] = {}  # a reduction's geometry -> its outputs' real bytes
         self.names = names                   # module id -> qualified name
         self.phase = "idle"                  # model, loss, backward
         self.quiet = 0                       # inside the recorder's own hooks: their operations are not the step's
@@ -238,9 +246,9 @@ class _Recorder(TorchDispatchMode):
         """Register a model input as a feature map."""
         return self._new_act(t, -1, 0)
 
-    def _new_act(self, t: torch.Tensor, owner: int, leaf: int) -> _Act:
+    def _new_act(self, t: torch.Tensor, owner: int, leaf: int, nbytes: int = 0) -> _Act:
         storage = t.untyped_storage()
-        act = _Act(len(self.acts), storage.nbytes(), owner, leaf, tuple(t.shape), t.dtype)
+        act = _Act(len(self.acts), max(nbytes, storage.nbytes()), owner, leaf, tuple(t.shape), t.dtype)
         self.acts.append(act)
         self.live[storage._cdata] = act
         self._watch(storage, functools.partial(self._act_died, act, storage._cdata))
@@ -304,7 +312,8 @@ class _Recorder(TorchDispatchMode):
             if key not in self.live and key not in self.persistent and key not in self.constants \
                     and t.untyped_storage().nbytes() > 0 and key not in {storage_key(m) for _, m in new}:
                 new.append((leaf, t))
-        made = [self._new_act(t, index, leaf) for leaf, t in new]
+        real = self._reduction_bytes(func, args, kwargs, new)
+        made = [self._new_act(t, index, leaf, real.get(leaf, 0)) for leaf, t in new]
         self.raw.append(_Raw(func, self.modules[-1] if self.modules else "", self.phase == "loss", node, reads,
                              weights, tuple(outputs), made, None if made else writes,
                              flops(func, args, kwargs, out, out_bytes), float(in_bytes + out_bytes), ms,
@@ -314,6 +323,32 @@ class _Recorder(TorchDispatchMode):
         if writes is not None and not made:
             writes.writers.append(index)
         return out
+
+    def _reduction_bytes(self, func, args, kwargs, new: list) -> dict[int, int]:
+        """On fake tensors, a reduction's outputs' real bytes (output leaf -> bytes of its storage when `func` runs
+        on real tensors of its arguments' geometry), once per geometry. A fake tensor's storage is what the
+        operation's meta function makes; the real kernel may return its result in a larger one: CPU `mse_loss`,
+        `smooth_l1_loss` and `binary_cross_entropy` return a 0-dim view of their unreduced buffer (4 bytes fake,
+        their input's bytes real), held as long as the loss. Only reductions run (every new output has fewer
+        dimensions than the largest argument): a pass over their input, few in a step."""
+        if not self.fake or not new or func._schema.is_mutable:
+            return {}
+        leaves = tree_leaves((args, kwargs))
+        largest = max((t for t in leaves if isinstance(t, torch.Tensor)), key=torch.Tensor.numel)
+        if any(t.dim() >= largest.dim() for _, t in new):
+            return {}
+        key = (func, *((tuple(t.shape), t.stride(), t.dtype, t.device) if isinstance(t, torch.Tensor) else repr(t)
+                       for t in leaves))
+        if key not in self.real_bytes:
+            self.real_bytes[key] = {}
+            with unset_fake_temporarily():
+                try:
+                    out = func(*tree_map(_zeros_of, args), **tree_map(_zeros_of, kwargs))
+                except (RuntimeError, AssertionError, NotImplementedError):  # not runnable here (a device this
+                    return {}  # machine lacks, values it checks): the meta function's bytes stand
+            self.real_bytes[key] = {leaf: t.untyped_storage().nbytes() for leaf, t in enumerate(tree_leaves(out))
+                                    if isinstance(t, torch.Tensor)}
+        return self.real_bytes[key]
 
     # -- saved tensors ---------------------------------------------------------------------------------------
     def pack(self, t: torch.Tensor) -> Any:
