@@ -188,11 +188,11 @@ class _Buffer:
 class _Token:
     """What a saved tensor of a feature map leaves with autograd during the capture."""
 
-    __slots__ = ("act", "size", "stride", "offset", "dtype", "device", "held", "__weakref__")
+    __slots__ = ("act", "size", "stride", "offset", "dtype", "device", "held", "save", "__weakref__")
 
-    def __init__(self, act: _Act, t: torch.Tensor, held: torch.Tensor | None) -> None:
+    def __init__(self, act: _Act, t: torch.Tensor, held: torch.Tensor | None, save: int | None) -> None:
         self.act, self.size, self.stride, self.offset = act, t.size(), t.stride(), t.storage_offset()
-        self.dtype, self.device, self.held = t.dtype, t.device, held
+        self.dtype, self.device, self.held, self.save = t.dtype, t.device, held, save
 
 
 class _Recorder(TorchDispatchMode):
@@ -227,6 +227,7 @@ class _Recorder(TorchDispatchMode):
         self.grads: dict[int, int] = {}      # the parameters' gradients made: storage -> bytes
         # what the model's forward pass saved, in order: (feature map or None, shape, dtype, node, raw ops so far)
         self.saves: list[tuple] = []
+        self.unpacked: set[int] = set()      # the saves a backward step unpacked (by index)
         # the model's module calls in order: [name, raw ops before, saves before, raw ops at its end]
         self.calls: list[list] = []
         self.open_calls: list[int] = []      # per module on the stack: its call's place in `calls` (-1: none)
@@ -330,12 +331,12 @@ class _Recorder(TorchDispatchMode):
         operation's meta function makes; the real kernel may return its result in a larger one: CPU `mse_loss`,
         `smooth_l1_loss` and `binary_cross_entropy` return a 0-dim view of their unreduced buffer (4 bytes fake,
         their input's bytes real), held as long as the loss. Only reductions run (every new output has fewer
-        dimensions than the largest argument): a pass over their input, few in a step."""
+        dimensions than an argument): a pass over their input, few in a step."""
         if not self.fake or not new or func._schema.is_mutable:
             return {}
         leaves = tree_leaves((args, kwargs))
-        largest = max((t for t in leaves if isinstance(t, torch.Tensor)), key=torch.Tensor.numel)
-        if any(t.dim() >= largest.dim() for _, t in new):
+        largest = max((t.dim() for t in leaves if isinstance(t, torch.Tensor) and t.numel()), default=0)
+        if any(t.dim() >= largest for _, t in new):  # (a factory reads no tensor: not a reduction)
             return {}
         key = (func, *((tuple(t.shape), t.stride(), t.dtype, t.device) if isinstance(t, torch.Tensor) else repr(t)
                        for t in leaves))
@@ -363,7 +364,8 @@ class _Recorder(TorchDispatchMode):
             if act is None:
                 return t  # a parameter, a buffer: never planned
             act.saved = True
-            token = _Token(act, t, None if self.fake else t.detach())
+            save = len(self.saves) - 1 if self.phase == "model" else None
+            token = _Token(act, t, None if self.fake else t.detach(), save)
             self._refs.append(weakref.ref(token, functools.partial(self._released, act)))
             return token
         finally:
@@ -373,6 +375,8 @@ class _Recorder(TorchDispatchMode):
         if not isinstance(saved, _Token):
             return saved
         self._event("read", saved.act)
+        if saved.save is not None:
+            self.unpacked.add(saved.save)
         if saved.held is not None:
             return saved.held
         self.quiet += 1  # a stand-in of the right geometry: on fake tensors the values are never read
