@@ -25,7 +25,8 @@ captured on a laptop, and autograd's saved tensors are not held by the capture, 
 program drops a saved tensor is seen too. A model whose Python reads tensor values (data-dependent
 control flow) cannot run on fake tensors; with real example inputs it is then captured with real ones
 (``fake=False`` asks for that: the model's parameters' gradients, its buffers and the random-number
-state are put back afterwards). The graph is built by `ucudnn.torch.capture_graph`.
+state are put back afterwards). A reduction's result is counted in the storage its real kernel returns it in
+(`ucudnn.torch.operations.reduction_bytes`). The graph is built by `ucudnn.torch.capture_graph`.
 """
 
 from __future__ import annotations
@@ -44,16 +45,17 @@ from typing import Any
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException, FakeTensor,
-                                           FakeTensorMode, UnsupportedOperatorException, unset_fake_temporarily)
+                                           FakeTensorMode, UnsupportedOperatorException)
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_leaves, tree_map
+from torch.utils._pytree import tree_flatten, tree_leaves
 
 from ucudnn.backends.base import one_line
 from ucudnn.errors import InvalidInput, UnsupportedProblem
 from ucudnn.memory.graph import WEIGHT_GRADS
 from ucudnn.torch.capture_graph import CapturedOp, CapturedStep, build_step
 from ucudnn.torch.layer import through_operators
-from ucudnn.torch.operations import conv_backward_kinds, conv_spec, counted, flops, storage_key, written_keys
+from ucudnn.torch.operations import (conv_backward_kinds, conv_spec, counted, flops, reduction_bytes, storage_key,
+                                     written_keys)
 
 __all__ = ["CapturedOp", "CapturedStep", "batched_call", "call_args", "capture", "default_loss", "diverged",
            "hook_nodes", "input_leaves", "structure"]
@@ -130,13 +132,6 @@ def default_loss(output: Any) -> torch.Tensor:
     return functools.reduce(torch.add, parts)
 
 
-def _zeros_of(t: Any) -> Any:
-    """A real tensor of a fake one's geometry (zeros), anything else as it is."""
-    if not isinstance(t, FakeTensor):
-        return t
-    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).zero_()
-
-
 # ---- what the recorder keeps ---------------------------------------------------------------------------
 @dataclass(eq=False, slots=True)
 class _Act:
@@ -203,7 +198,7 @@ class _Recorder(TorchDispatchMode):
         self.persistent = dict(persistent)   # storage -> bytes: parameters and buffers
         self.constants: dict[int, int] = {}  # other storages older than the step that it reads
         self.fake = fake
-        self.real_bytes: dict[tuple, dict[int, int]] = {}  # a reduction's geometry -> its outputs' real bytes
+        self.real_bytes: dict[tuple, dict[int, int]] = {}  # `reduction_bytes`' cache
         self.names = names                   # module id -> qualified name
         self.phase = "idle"                  # model, loss, backward
         self.quiet = 0                       # inside the recorder's own hooks: their operations are not the step's
@@ -313,7 +308,7 @@ class _Recorder(TorchDispatchMode):
             if key not in self.live and key not in self.persistent and key not in self.constants \
                     and t.untyped_storage().nbytes() > 0 and key not in {storage_key(m) for _, m in new}:
                 new.append((leaf, t))
-        real = self._reduction_bytes(func, args, kwargs, new)
+        real = reduction_bytes(func, args, kwargs, [t for _, t in new], self.real_bytes) if self.fake and new else {}
         made = [self._new_act(t, index, leaf, real.get(leaf, 0)) for leaf, t in new]
         self.raw.append(_Raw(func, self.modules[-1] if self.modules else "", self.phase == "loss", node, reads,
                              weights, tuple(outputs), made, None if made else writes,
@@ -324,32 +319,6 @@ class _Recorder(TorchDispatchMode):
         if writes is not None and not made:
             writes.writers.append(index)
         return out
-
-    def _reduction_bytes(self, func, args, kwargs, new: list) -> dict[int, int]:
-        """On fake tensors, a reduction's outputs' real bytes (output leaf -> bytes of its storage when `func` runs
-        on real tensors of its arguments' geometry), once per geometry. A fake tensor's storage is what the
-        operation's meta function makes; the real kernel may return its result in a larger one: CPU `mse_loss`,
-        `smooth_l1_loss` and `binary_cross_entropy` return a 0-dim view of their unreduced buffer (4 bytes fake,
-        their input's bytes real), held as long as the loss. Only reductions run (every new output has fewer
-        dimensions than an argument): a pass over their input, few in a step."""
-        if not self.fake or not new or func._schema.is_mutable:
-            return {}
-        leaves = tree_leaves((args, kwargs))
-        largest = max((t.dim() for t in leaves if isinstance(t, torch.Tensor) and t.numel()), default=0)
-        if any(t.dim() >= largest for _, t in new):  # (a factory reads no tensor: not a reduction)
-            return {}
-        key = (func, *((tuple(t.shape), t.stride(), t.dtype, t.device) if isinstance(t, torch.Tensor) else repr(t)
-                       for t in leaves))
-        if key not in self.real_bytes:
-            self.real_bytes[key] = {}
-            with unset_fake_temporarily():
-                try:
-                    out = func(*tree_map(_zeros_of, args), **tree_map(_zeros_of, kwargs))
-                except (RuntimeError, AssertionError, NotImplementedError):  # not runnable here (a device this
-                    return {}  # machine lacks, values it checks): the meta function's bytes stand
-            self.real_bytes[key] = {leaf: t.untyped_storage().nbytes() for leaf, t in enumerate(tree_leaves(out))
-                                    if isinstance(t, torch.Tensor)}
-        return self.real_bytes[key]
 
     # -- saved tensors ---------------------------------------------------------------------------------------
     def pack(self, t: torch.Tensor) -> Any:
