@@ -105,17 +105,17 @@ def reduction_bytes(func: Any, args: tuple, kwargs: dict, outputs: list, cache: 
     (every new output has fewer dimensions than an argument): a pass over their input, few in a step."""
     leaves = tree_leaves((args, kwargs))
     most = max((t.dim() for t in leaves if isinstance(t, torch.Tensor) and t.numel()), default=0)
-    if func._schema.is_mutable or any(t.dim() >= most for t in outputs):  # (a factory reads no tensor)
+    if func._schema.is_mutable or torch.Tag.nondeterministic_seeded in func.tags \
+            or any(t.dim() >= most for t in outputs):  # (a factory reads no tensor)
         return {}
     key = (func, *((tuple(t.shape), t.stride(), t.dtype, t.device) if isinstance(t, torch.Tensor) else repr(t)
                    for t in leaves))
     if key not in cache:
-        cache[key] = {}
         with unset_fake_temporarily():
             try:
                 out = func(*tree_map(_zeros_of, args), **tree_map(_zeros_of, kwargs))
             except (RuntimeError, AssertionError, NotImplementedError):  # not runnable here (a device this machine
-                return {}  # lacks, values it checks): the meta function's bytes stand
+                out = ()  # lacks, values it checks): the meta function's bytes stand
         cache[key] = {leaf: t.untyped_storage().nbytes() for leaf, t in enumerate(tree_leaves(out))
                       if isinstance(t, torch.Tensor)}
     return cache[key]
