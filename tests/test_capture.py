@@ -198,6 +198,19 @@ def test_fake_and_real_captures_agree_and_leave_the_model_as_it_was():
     assert all(p.grad is None for p in model.parameters())
 
 
+@pytest.mark.parametrize("criterion", [nn.functional.mse_loss, nn.functional.smooth_l1_loss,
+                                       nn.functional.binary_cross_entropy, nn.functional.l1_loss])
+def test_fake_and_real_captures_agree_on_a_loss_held_in_its_unreduced_buffer(criterion):
+    """Some of PyTorch's CPU losses return a 0-dim view of their unreduced buffer (4 bytes on fake tensors): a
+    fake capture counts the storage the real kernel returns."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 3, 3, padding=1), nn.Sigmoid())
+    x, y = torch.randn(2, 3, 8, 8), torch.rand(2, 3, 8, 8)
+    fake, real = (capture(model, x, loss=lambda out: criterion(out, y), fake=f) for f in (True, False))
+    assert [op.bytes for op in fake.graph.ops] == [op.bytes for op in real.graph.ops]
+    assert real.graph.ops[-1].bytes == criterion(model(x), y).untyped_storage().nbytes()
+
+
 def test_a_converted_model_runs_on_fake_tensors_and_its_convolutions_are_ucudnns_operators():
     model = convert(build("resnet18", num_classes=10), backend="cpu", workspace_limit=2**20, db="sqlite://")
     with FakeTensorMode(allow_non_fake_inputs=True):

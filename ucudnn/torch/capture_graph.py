@@ -77,7 +77,9 @@ class CapturedStep:
     map's storage and then write it in place, in order. `last_read`: the last model op reading each.
     `fake`: captured on fake tensors. `graph`: see `ucudnn.torch.capture_graph`. `saves`: what autograd
     saved in the model's forward pass, in order, each as (feature map or None, shape, dtype, the op whose
-    backward step unpacks it). `calls`: the model's module calls in order (not the model's own), each as
+    backward step unpacks it); `unread`: those of them no backward step unpacks (a node the loss does not reach
+    saved them: diffusers' posterior clamps its log-variance, a view of the moments, for a sample this step
+    does not draw). `calls`: the model's module calls in order (not the model's own), each as
     (module name, ops run before it, saves before it, ops run at its end). `model_nodes`: the autograd nodes
     the model's forward pass made."""
 
@@ -90,6 +92,7 @@ class CapturedStep:
     fake: bool
     structure: tuple = ()   # the model's modules by name and class (`structure`)
     saves: tuple[tuple[str | None, tuple[int, ...], torch.dtype, int], ...] = ()
+    unread: frozenset[int] = frozenset()
     calls: tuple[tuple[str, int, int, int], ...] = ()
     model_nodes: int = 0
 
@@ -193,7 +196,8 @@ def build_step(rec: Any, inputs: list, title: str, batch: int, weight_grads: str
     # a save's op: the one that made its node (an input is saved before its op runs, an output after)
     saves = tuple((act.name if act is not None and act.name else None, shape, dtype,
                    rec.node_op.get(node, max(ran - 1, 0))) for act, shape, dtype, node, ran in rec.saves)
-    return CapturedStep(step_ops, model_ops, step_inputs, writers, last_read, graph, fake, saves=saves,
+    unread = frozenset(k for k, (act, *_) in enumerate(rec.saves) if act is not None and k not in rec.unpacked)
+    return CapturedStep(step_ops, model_ops, step_inputs, writers, last_read, graph, fake, saves=saves, unread=unread,
                         calls=tuple((name, start, saved, rec.model_ops if end is None else end)
                                                for name, start, saved, end in rec.calls), model_nodes=rec.model_nodes)
 

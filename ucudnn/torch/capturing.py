@@ -25,7 +25,8 @@ captured on a laptop, and autograd's saved tensors are not held by the capture, 
 program drops a saved tensor is seen too. A model whose Python reads tensor values (data-dependent
 control flow) cannot run on fake tensors; with real example inputs it is then captured with real ones
 (``fake=False`` asks for that: the model's parameters' gradients, its buffers and the random-number
-state are put back afterwards). The graph is built by `ucudnn.torch.capture_graph`.
+state are put back afterwards). A reduction's result is counted in the storage its real kernel returns it in
+(`ucudnn.torch.operations.reduction_bytes`). The graph is built by `ucudnn.torch.capture_graph`.
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ from ucudnn.errors import InvalidInput, UnsupportedProblem
 from ucudnn.memory.graph import WEIGHT_GRADS
 from ucudnn.torch.capture_graph import CapturedOp, CapturedStep, build_step
 from ucudnn.torch.layer import through_operators
-from ucudnn.torch.operations import conv_backward_kinds, conv_spec, counted, flops, storage_key, written_keys
+from ucudnn.torch.operations import (conv_backward_kinds, conv_spec, counted, flops, reduction_bytes, storage_key,
+                                     written_keys)
 
 __all__ = ["CapturedOp", "CapturedStep", "batched_call", "call_args", "capture", "default_loss", "diverged",
            "hook_nodes", "input_leaves", "structure"]
@@ -181,11 +183,11 @@ class _Buffer:
 class _Token:
     """What a saved tensor of a feature map leaves with autograd during the capture."""
 
-    __slots__ = ("act", "size", "stride", "offset", "dtype", "device", "held", "__weakref__")
+    __slots__ = ("act", "size", "stride", "offset", "dtype", "device", "held", "save", "__weakref__")
 
-    def __init__(self, act: _Act, t: torch.Tensor, held: torch.Tensor | None) -> None:
+    def __init__(self, act: _Act, t: torch.Tensor, held: torch.Tensor | None, save: int | None) -> None:
         self.act, self.size, self.stride, self.offset = act, t.size(), t.stride(), t.storage_offset()
-        self.dtype, self.device, self.held = t.dtype, t.device, held
+        self.dtype, self.device, self.held, self.save = t.dtype, t.device, held, save
 
 
 class _Recorder(TorchDispatchMode):
@@ -196,6 +198,7 @@ class _Recorder(TorchDispatchMode):
         self.persistent = dict(persistent)   # storage -> bytes: parameters and buffers
         self.constants: dict[int, int] = {}  # other storages older than the step that it reads
         self.fake = fake
+        self.real_bytes: dict[tuple, dict[int, int]] = {}  # `reduction_bytes`' cache
         self.names = names                   # module id -> qualified name
         self.phase = "idle"                  # model, loss, backward
         self.quiet = 0                       # inside the recorder's own hooks: their operations are not the step's
@@ -219,6 +222,7 @@ class _Recorder(TorchDispatchMode):
         self.grads: dict[int, int] = {}      # the parameters' gradients made: storage -> bytes
         # what the model's forward pass saved, in order: (feature map or None, shape, dtype, node, raw ops so far)
         self.saves: list[tuple] = []
+        self.unpacked: set[int] = set()      # the saves a backward step unpacked (by index)
         # the model's module calls in order: [name, raw ops before, saves before, raw ops at its end]
         self.calls: list[list] = []
         self.open_calls: list[int] = []      # per module on the stack: its call's place in `calls` (-1: none)
@@ -238,9 +242,9 @@ class _Recorder(TorchDispatchMode):
         """Register a model input as a feature map."""
         return self._new_act(t, -1, 0)
 
-    def _new_act(self, t: torch.Tensor, owner: int, leaf: int) -> _Act:
+    def _new_act(self, t: torch.Tensor, owner: int, leaf: int, nbytes: int = 0) -> _Act:
         storage = t.untyped_storage()
-        act = _Act(len(self.acts), storage.nbytes(), owner, leaf, tuple(t.shape), t.dtype)
+        act = _Act(len(self.acts), max(nbytes, storage.nbytes()), owner, leaf, tuple(t.shape), t.dtype)
         self.acts.append(act)
         self.live[storage._cdata] = act
         self._watch(storage, functools.partial(self._act_died, act, storage._cdata))
@@ -304,7 +308,8 @@ class _Recorder(TorchDispatchMode):
             if key not in self.live and key not in self.persistent and key not in self.constants \
                     and t.untyped_storage().nbytes() > 0 and key not in {storage_key(m) for _, m in new}:
                 new.append((leaf, t))
-        made = [self._new_act(t, index, leaf) for leaf, t in new]
+        real = reduction_bytes(func, args, kwargs, [t for _, t in new], self.real_bytes) if self.fake and new else {}
+        made = [self._new_act(t, index, leaf, real.get(leaf, 0)) for leaf, t in new]
         self.raw.append(_Raw(func, self.modules[-1] if self.modules else "", self.phase == "loss", node, reads,
                              weights, tuple(outputs), made, None if made else writes,
                              flops(func, args, kwargs, out, out_bytes), float(in_bytes + out_bytes), ms,
@@ -328,7 +333,8 @@ class _Recorder(TorchDispatchMode):
             if act is None:
                 return t  # a parameter, a buffer: never planned
             act.saved = True
-            token = _Token(act, t, None if self.fake else t.detach())
+            save = len(self.saves) - 1 if self.phase == "model" else None
+            token = _Token(act, t, None if self.fake else t.detach(), save)
             self._refs.append(weakref.ref(token, functools.partial(self._released, act)))
             return token
         finally:
@@ -338,6 +344,8 @@ class _Recorder(TorchDispatchMode):
         if not isinstance(saved, _Token):
             return saved
         self._event("read", saved.act)
+        if saved.save is not None:
+            self.unpacked.add(saved.save)
         if saved.held is not None:
             return saved.held
         self.quiet += 1  # a stand-in of the right geometry: on fake tensors the values are never read

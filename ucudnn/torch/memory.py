@@ -354,7 +354,8 @@ class _Executor(_OffloadHooks, _Recompute):
             # recompute: the storage its producer made in this pass (a same-shaped stranger would be rebuilt wrong)
             if self.rebuilds.made.get(name) != t.untyped_storage()._cdata:
                 self._refuse(k, t)
-            return self._drop(name, t, at=op)
+            # a save no backward step unpacks (its node is beyond the loss's reach) holds no rebuilt storage
+            return self._drop(name, t, 0 if k in self.prep.unread else 1, at=op)
         finally:
             self.quiet -= 1
 

@@ -1,5 +1,6 @@
 """ATen operations as a captured step reads them (`ucudnn.torch.capturing`, and the executor and the timed steps
-that follow one): which count as the step's, which storages one writes, its flops, and which are convolutions.
+that follow one): which count as the step's, which storages one writes, its flops, which are convolutions, and
+the bytes a reduction's real kernel holds its result in.
 """
 
 from __future__ import annotations
@@ -7,13 +8,14 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_leaves
+from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
+from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.flop_counter import flop_registry
 
 from ucudnn.torch import ops as _ops  # noqa: F401 - registers torch.ops.ucudnn, which a capture recognises
 
-__all__ = ["CONVOLUTIONS", "conv_backward_kinds", "conv_spec", "counted", "flops", "same_op", "storage_key",
-           "written_keys"]
+__all__ = ["CONVOLUTIONS", "conv_backward_kinds", "conv_spec", "counted", "flops", "reduction_bytes", "same_op",
+           "storage_key", "written_keys"]
 
 aten = torch.ops.aten
 # A convolution as one operation: torch's, or a converted layer's (`ucudnn.torch.conv.through_operators`).
@@ -92,3 +94,35 @@ def conv_backward_kinds(func, args, kwargs) -> tuple[str, ...]:
     if func is torch.ops.ucudnn.convolution_backward_filter.default:
         return ("bwd_filter",)
     return ()
+
+
+def reduction_bytes(func: Any, args: tuple, kwargs: dict, outputs: list, cache: dict) -> dict[int, int]:
+    """A reduction's outputs' real bytes where it ran on fake tensors: output leaf -> the bytes of its storage when
+    `func` runs on real tensors of its arguments' geometry (zeros), once per geometry (`cache`). A fake tensor's
+    storage is what the operation's meta function makes; the real kernel may return its result in a larger one:
+    CPU `mse_loss`, `smooth_l1_loss` and `binary_cross_entropy` return a 0-dim view of their unreduced buffer (4
+    bytes fake, their input's bytes real), held as long as the loss. `outputs`: the new ones. Only reductions run
+    (every new output has fewer dimensions than an argument): a pass over their input, few in a step."""
+    leaves = tree_leaves((args, kwargs))
+    most = max((t.dim() for t in leaves if isinstance(t, torch.Tensor) and t.numel()), default=0)
+    if func._schema.is_mutable or torch.Tag.nondeterministic_seeded in func.tags \
+            or any(t.dim() >= most for t in outputs):  # (a factory reads no tensor)
+        return {}
+    key = (func, *((tuple(t.shape), t.stride(), t.dtype, t.device) if isinstance(t, torch.Tensor) else repr(t)
+                   for t in leaves))
+    if key not in cache:
+        with unset_fake_temporarily():
+            try:
+                out = func(*tree_map(_zeros_of, args), **tree_map(_zeros_of, kwargs))
+            except (RuntimeError, AssertionError, NotImplementedError):  # not runnable here (a device this machine
+                out = ()  # lacks, values it checks): the meta function's bytes stand
+        cache[key] = {leaf: t.untyped_storage().nbytes() for leaf, t in enumerate(tree_leaves(out))
+                      if isinstance(t, torch.Tensor)}
+    return cache[key]
+
+
+def _zeros_of(t: Any) -> Any:
+    """A real tensor of a fake one's geometry (zeros), anything else as it is."""
+    if not isinstance(t, FakeTensor):
+        return t
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device).zero_()

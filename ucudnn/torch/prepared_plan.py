@@ -93,6 +93,7 @@ class _Prepared:
         self.offloading = "offload" in self.actions.values()
         self.saves = tuple((name, torch.Size(shape), dtype, op, self._action(name))
                            for name, shape, dtype, op in step.saves)
+        self.unread = step.unread
         # autograd saves these maps: kept (it must), and named in the stats
         self.kept_released = {name for name, *_ in step.saves if self.actions.get(name) == "release"}
         offloaded = {name for name, *_, action in self.saves if action == "offload"}

@@ -15,8 +15,9 @@ statistics move once per step), and the feature maps it read from elsewhere, its
 the forward pass saved when the operation ran, through the same hooks as autograd's saves: a kept
 source is held, an offloaded one copied out and prefetched back, a dropped one is itself rebuilt
 first (which is how a chain of recomputed maps comes back). A rebuilt storage stays until the last
-handle saved for it is unpacked, so each storage is rebuilt once per step and each operation runs
-once more at most: what the simulator charges.
+handle saved for it is unpacked (a save no backward step unpacks, as the capture saw it, counts none),
+so each storage is rebuilt once per step and each operation runs once more at most: what the simulator
+charges.
 
 **Faithful.** An operation that draws random numbers runs with the random-number state it ran with in
 the forward pass (a dropout draws the same mask). A source or a tensor argument changed in place
