@@ -447,6 +447,48 @@ def test_through_the_operators_a_layer_torch_runs_is_torchs_own_convolution():
             torch.testing.assert_close(p.grad, grad, rtol=RTOL, atol=ATOL)
 
 
+class _Branching(nn.Module):
+    """A block whose Python reads a value (a graph break inside it, as MONAI's UpCat has one)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(4, 4, 3, padding=1)
+
+    def forward(self, x):
+        y = self.conv(x)
+        if y.sum().item() > 1e9:
+            y = y * 2
+        return torch.relu(y)
+
+
+@torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True)
+def test_repeated_blocks_with_a_graph_break_share_their_graphs_when_module_ints_are_inputs():
+    # Dynamo compiles a block's frame once for every block of its shape; the layer key a converted conv passes
+    # its operators is a module int, which Dynamo bakes in and guards on: one frame per block (past its recompile
+    # limit, 8, the frames run eagerly). With module ints as the graph's inputs the key is one (a SymInt in the
+    # operators' schema), and the converted blocks share their graphs as plain PyTorch's do.
+    import torch._dynamo.utils as dynamo_utils
+
+    torch.manual_seed(0)
+    plain = nn.Sequential(*[_Branching() for _ in range(5)])
+    ours = convert(copy.deepcopy(plain), **NUMPY)
+    graphs = {}
+    for name, model in (("plain", plain), ("ours", ours)):
+        torch._dynamo.reset()
+        dynamo_utils.counters.clear()
+        compiled = torch.compile(model, backend="aot_eager")
+        x = _rand(2, 4, 8, 8, seed=1)
+        for _ in range(2):
+            model.zero_grad()
+            y = compiled(x)
+            y.sum().backward()
+        graphs[name] = dynamo_utils.counters["stats"]["unique_graphs"]
+    assert graphs["ours"] == graphs["plain"]
+    for a, b in zip(ours.parameters(), plain.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=RTOL, atol=ATOL)
+    assert _routed_kinds(ours) == {"fwd", "bwd_data", "bwd_filter"}
+
+
 def test_copies_are_other_layers_to_the_operators():
     model = convert(nn.Sequential(nn.Conv2d(3, 4, 3)), **NUMPY)
     clone = copy.deepcopy(model)

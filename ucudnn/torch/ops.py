@@ -13,7 +13,11 @@ converted convolution through a graph as one node per kernel or backward pass:
 Every form a converted layer has (1-D, 2-D, 3-D, transposed): the arguments are `aten.convolution`'s, one
 value per spatial axis. Each returns a fresh tensor (no mutation, no aliasing). `layer` is the int key of a
 live converted layer in this module's registry (weak references: the registry keeps no layer alive); every
-other argument is a value a graph can hold. The Python state that decides how a kernel runs (the layer's
+other argument is a value a graph can hold. The key is a `SymInt`: Dynamo bakes a module's int attribute into
+the graph and guards on it, so that repeated blocks of one shape with a graph break inside each compile one
+frame per block (up to its recompile limit) where plain PyTorch's share one; with
+`torch._dynamo.config.allow_unspec_int_on_nn_module = True` the key is the graph's input instead, and they
+share. The Python state that decides how a kernel runs (the layer's
 current handle, its routes, WD's learning pass) is read inside the real implementation when the graph runs,
 never while it is traced: planning and measuring see real tensors only, and a handle that `execute_plan`
 swaps in is the one the kernel runs with. `need_dx` and `need_dw` say which gradients the layer computes
@@ -115,8 +119,8 @@ def _shaped(like: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
     return like.new_empty(()).expand(shape)
 
 
-_CONV = ("int layer, int[] stride, int[] padding, int[] dilation, bool transposed, int[] output_padding, int groups, "
-         "str layout")
+_CONV = ("SymInt layer, int[] stride, int[] padding, int[] dilation, bool transposed, int[] output_padding, "
+         "int groups, str layout")
 
 
 # The three kernels are operators of a `torch.library.Library`, one implementation for every device
@@ -127,7 +131,7 @@ _CONV = ("int layer, int[] stride, int[] padding, int[] dilation, bool transpose
 _LIBRARY = torch.library.Library("ucudnn", "DEF")
 _LIBRARY.define(f"convolution(Tensor x, Tensor weight, {_CONV}, bool need_dx, bool need_dw, Tensor? bias=None) "
                 "-> Tensor")
-_LIBRARY.define("convolution_backward_data(Tensor dy, Tensor weight, int layer, SymInt[] x_shape, int[] stride, "
+_LIBRARY.define("convolution_backward_data(Tensor dy, Tensor weight, SymInt layer, SymInt[] x_shape, int[] stride, "
                 "int[] padding, int[] dilation, bool transposed, int[] output_padding, int groups, str layout, "
                 "bool need_dw) -> Tensor")
 _LIBRARY.define(f"convolution_backward_filter(Tensor x, Tensor dy, Tensor weight, {_CONV}, bool need_dx) -> Tensor")
