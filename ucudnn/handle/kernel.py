@@ -5,6 +5,9 @@ first run's checks, re-plans and trials branch off to their own modules."""
 from __future__ import annotations
 
 import dataclasses
+import statistics
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +32,36 @@ class _Prepared:
 
 
 @dataclass(slots=True)
+class Turns:
+    """Two ways of running one thing taking turns on the caller's own runs (first, second, first, ...), each
+    run timed in this thread's CPU time (`ucudnn.handle.trials` says why), each side's first run untimed;
+    open until both have `runs` timed runs. A kernel's trial and a converted layer's backward trial take them."""
+
+    runs: int                       # timed runs of each
+    calls: int = 0
+    first_ms: list[float] = dataclasses.field(default_factory=list)
+    second_ms: list[float] = dataclasses.field(default_factory=list)
+
+    @property
+    def open(self) -> bool:
+        return len(self.second_ms) < self.runs
+
+    def take(self, first: Callable[[], Any], second: Callable[[], Any]) -> Any:
+        """Run the side whose turn it is, timed; its result."""
+        second_turn = self.calls % 2 == 1
+        self.calls += 1
+        start = time.thread_time()
+        result = (second if second_turn else first)()
+        if self.calls > 2:
+            (self.second_ms if second_turn else self.first_ms).append((time.thread_time() - start) * 1e3)
+        return result
+
+    def first_won_by(self, margin_ms: float) -> bool:
+        """Whether the first side's median beat the second's by more than `margin_ms`."""
+        return statistics.median(self.first_ms) + margin_ms < statistics.median(self.second_ms)
+
+
+@dataclass(slots=True)
 class _Trial:
     """A planned kernel against torch's own convolution on the whole batch, timed where the caller
     runs it (inside its training step, where caches and thread pools are as they really are):
@@ -36,14 +69,11 @@ class _Trial:
 
     planned: _Prepared
     native: _Prepared
-    runs: int                       # timed runs of each
-    calls: int = 0
-    planned_ms: list[float] = dataclasses.field(default_factory=list)
-    native_ms: list[float] = dataclasses.field(default_factory=list)
+    turns: Turns                    # first the plan, second native
 
     @property
     def open(self) -> bool:
-        return len(self.native_ms) < self.runs
+        return self.turns.open
 
 
 def native_only(config: Configuration) -> bool:

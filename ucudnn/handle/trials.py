@@ -11,12 +11,10 @@ it reads what wall time reads."""
 from __future__ import annotations
 
 import dataclasses
-import statistics
-import time
 from typing import Any
 
 from ucudnn.backends.cpu import NATIVE
-from ucudnn.handle.kernel import _Prepared, _prepared, _Trial, native_only
+from ucudnn.handle.kernel import Turns, _Prepared, _prepared, _Trial, native_only
 from ucudnn.solver.types import Configuration, MicroConfig
 
 
@@ -36,25 +34,19 @@ class _Trials:
             return prep
         native = _prepared(self._backend, problem, Configuration((MicroConfig(NATIVE, problem.n, 0.0, workspace),)),
                            None, prep.budget)
-        return dataclasses.replace(prep, trial=_Trial(prep, native, self._trial_runs))
+        return dataclasses.replace(prep, trial=_Trial(prep, native, Turns(self._trial_runs)))
 
     def _run_trial(self, prep: _Prepared, trial: _Trial, **call: Any) -> None:
         """One run of a trial (see `trial_runs`): the plan and native take turns, the first run of
         each untimed (it is checked, and may re-plan); at the end native replaces the plan unless
         the plan's median won by more than the call overhead."""
-        native = trial.calls % 2 == 1
-        trial.calls += 1
-        start = time.thread_time()
-        self._run(trial.native if native else trial.planned, **call)
-        if trial.calls <= 2:
-            return
-        (trial.native_ms if native else trial.planned_ms).append((time.thread_time() - start) * 1e3)
+        trial.turns.take(lambda: self._run(trial.planned, **call), lambda: self._run(trial.native, **call))
         if trial.open:
             return
-        if statistics.median(trial.planned_ms) + self._call_overhead >= statistics.median(trial.native_ms):
-            self._switch(prep, trial.native)
-        else:
+        if trial.turns.first_won_by(self._call_overhead):
             self._trials_kept.add((prep.problem.key, prep.problem.n, prep.config))
+        else:
+            self._switch(prep, trial.native)
 
     def _switch(self, old: _Prepared, new: _Prepared) -> None:
         """Every call planned as `old` runs `new` from now on; kernels made before are stale."""

@@ -16,8 +16,6 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
-import statistics
-import time
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -31,7 +29,7 @@ from torch.autograd.function import once_differentiable
 from ucudnn.backends import get_backend
 from ucudnn.backends.cpu import NATIVE, CpuBackend
 from ucudnn.errors import InvalidInput, UnsupportedProblem
-from ucudnn.handle import Handle, Kernel, native_only
+from ucudnn.handle import Handle, Kernel, Turns, native_only
 from ucudnn.kernel.measure import interleaved_medians_ms
 from ucudnn.problem import ConvProblem
 from ucudnn.sizes import format_size
@@ -116,29 +114,21 @@ class _BackwardTrial:
 
     routes: dict          # the layer's routes, and this route's key in them: the verdict replaces it there
     key: tuple
-    runs: int             # timed runs of each
     overhead_ms: float    # charged to the route
-    calls: int = 0
-    routed_ms: list[float] = dataclasses.field(default_factory=list)
-    fused_ms: list[float] = dataclasses.field(default_factory=list)
+    turns: Turns          # first the route's backward, second torch's fused call
 
     @property
     def open(self) -> bool:
-        return len(self.fused_ms) < self.runs
+        return self.turns.open
 
     def run(self, route: _Route, dy, x, w, g: Geometry) -> tuple[torch.Tensor, torch.Tensor]:
         if any(k is not None and k.trying for k in (route.bwd_data, route.bwd_filter)):
             return run_backward(route, dy, x, w, g, True, True)
-        fused = self.calls % 2 == 1
-        self.calls += 1
-        start = time.thread_time()  # CPU time, as the kernels' trials take it (`ucudnn.handle.trials`)
-        dx, dw = g.torch_backward(dy, x, w, True, True) if fused else run_backward(route, dy, x, w, g, True, True)
-        if self.calls > 2:
-            (self.fused_ms if fused else self.routed_ms).append((time.thread_time() - start) * 1e3)
-            if not self.open and self.routes.get(self.key) is route and statistics.median(self.routed_ms) \
-                    + self.overhead_ms >= statistics.median(self.fused_ms):
-                self.routes[self.key] = dataclasses.replace(route, bwd_data=None, bwd_filter=None,
-                                                            direct=route.fwd is None, trial=None)
+        dx, dw = self.turns.take(lambda: run_backward(route, dy, x, w, g, True, True),
+                                 lambda: g.torch_backward(dy, x, w, True, True))
+        if not self.open and self.routes.get(self.key) is route and not self.turns.first_won_by(self.overhead_ms):
+            self.routes[self.key] = dataclasses.replace(route, bwd_data=None, bwd_filter=None,
+                                                        direct=route.fwd is None, trial=None)
         return dx, dw
 
 
@@ -426,8 +416,9 @@ class ConvLayer:
             route = self._route(input, weight, g, layout, need_dx, need_dw)
             routed = [k for k in (route.bwd_data, route.bwd_filter) if k is not None]
             if need_dx and need_dw and routed and all(k.against_native for k in routed):
-                route = dataclasses.replace(route, trial=_BackwardTrial(self._routes, key, handle.trial_runs,
-                                                                        handle.call_overhead * len(routed)))
+                route = dataclasses.replace(route, trial=_BackwardTrial(self._routes, key,
+                                                                        handle.call_overhead * len(routed),
+                                                                        Turns(handle.trial_runs)))
             self._routes[key] = route
         return route
 
