@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import table  # noqa: E402
+from common import plan_fields, table  # noqa: E402
 from models import NAMES, build, loss  # noqa: E402
 
 import torch  # noqa: E402
@@ -55,10 +55,7 @@ def bench(name: str, args) -> list[dict]:
     for label, plan in plans.items():
         checked = check_plan(model, plan, x, y, loss_fn=loss, steps=1)
         rows.append({"model": name, "batch": args.batch, "size": args.size, "policy": args.policy, "plan": label,
-                     "memory_limit": plan.memory_limit, "fits": plan.fits, "workspace_kept_bytes": kept,
-                     "offloaded": sum(t.action == "offload" for t in plan.tensors),
-                     "recomputed": sum(t.action == "recompute" for t in plan.tensors),
-                     "predicted_bytes": plan.peak_bytes, "counted_bytes": checked.peak_bytes,
+                     **plan_fields(plan), "workspace_kept_bytes": kept, "counted_bytes": checked.peak_bytes,
                      "ratio": checked.peak_ratio,
                      "workspace_at_peak_bytes": checked.tracker.peak_by_category["workspace"]})
         print(f"[{name}] {label}: counted {checked.peak_ratio:.4f} of predicted", file=sys.stderr, flush=True)

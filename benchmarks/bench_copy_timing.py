@@ -30,7 +30,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import table  # noqa: E402
+from common import plan_fields, table  # noqa: E402
 from models import NAMES, build, loss  # noqa: E402
 
 import torch  # noqa: E402
@@ -76,10 +76,7 @@ def bench(name: str, args) -> list[dict]:
         own = dataclasses.replace(make_plan(step.graph, load_profile(args.device), plan.memory_limit, args.policy),
                                   capture=step)
         row = {"model": name, "batch": args.batch, "size": args.size, "policy": args.policy, "device": args.device,
-               "plan": label, "memory_limit": plan.memory_limit, "fits": plan.fits,
-               "offloaded": sum(t.action == "offload" for t in plan.tensors),
-               "recomputed": sum(t.action == "recompute" for t in plan.tensors),
-               "predicted_bytes": plan.peak_bytes, "policy_predicted_bytes": own.peak_bytes}
+               "plan": label, **plan_fields(plan), "policy_predicted_bytes": own.peak_bytes}
         if not args.predict_only:
             row["prompt_bytes"] = counted(model, plan, x, y, late=False)
             row["late_bytes"] = counted(model, plan, x, y, late=True)

@@ -49,6 +49,14 @@ def minor_faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
+def plan_fields(plan) -> dict:
+    """A memory plan's figures in a benchmark's row: its limit, whether it fits, the maps it offloads and
+    recomputes, its predicted peak."""
+    return {"memory_limit": plan.memory_limit, "fits": plan.fits,
+            "offloaded": sum(t.action == "offload" for t in plan.tensors),
+            "recomputed": sum(t.action == "recompute" for t in plan.tensors), "predicted_bytes": plan.peak_bytes}
+
+
 def table(header: list[str], rows: list[list[object]]) -> str:
     """Left-aligned first column, right-aligned others."""
     cells = [[str(c) for c in row] for row in [header, *rows]]
