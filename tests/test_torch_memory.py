@@ -526,6 +526,39 @@ def test_a_recomputing_plan_s_count_is_its_prediction_where_converted_convs_run_
     assert checked.peak_bytes == plan.peak_bytes
 
 
+def _two_convs():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(),
+                         nn.Flatten(), nn.Linear(8 * 8 * 8, 10))
+
+
+def _checked(model, policy, memory_limit):
+    model = convert(model, backend="cpu", policy="powerOfTwo", reps=1, db="sqlite://", algos=["im2col_gemm"])
+    x, y = _data()
+    plan = plan_memory(model, x, memory_limit=memory_limit, policy=policy,
+                       loss=lambda out: nn.functional.cross_entropy(out, y))
+    return plan, check_plan(model, plan, x, y, steps=1)
+
+
+def test_a_layers_bias_gradient_is_made_before_its_kernels_run_as_the_plan_holds_it():
+    """A converted layer's backward makes its bias's gradient (dy summed) before its kernels, as aten's fused call
+    makes it with them and a plan holds it: made after, a step whose peak is a filter gradient's workspace
+    counted the bias's bytes (32) below its prediction."""
+    plan, checked = _checked(_two_convs(), "checkpoint", 2**30)
+    filter_workspace = {c.layer: c.bytes for c in plan.conv_workspace if c.kind == "bwd_filter"}
+    assert checked.tracker.peak_by_category["workspace"] == max(filter_workspace.values())  # the peak's moment
+    assert checked.peak_bytes == plan.peak_bytes
+
+
+def test_the_labels_count_from_the_steps_start_as_the_plan_holds_them():
+    """A plan holds what its loss reads from before the step (the labels) all through it; `check_plan` counts
+    them from the start too (counted from their first read, a peak in the forward pass was 32 bytes below its
+    prediction)."""
+    plan, checked = _checked(_two_convs(), "optimal", 150_000)
+    assert checked.tracker.peak_by_category["weight_grad"] == 0  # the peak is in the forward pass
+    assert checked.peak_bytes == plan.peak_bytes
+
+
 class Reconstruction(nn.Module):
     """An autoencoder's last layers: back to the input's size, for a regression loss against it."""
 

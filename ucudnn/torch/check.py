@@ -14,7 +14,8 @@
    memory over the step. Weight gradients are freed between steps, as `zero_grad()` does by default
    (zeroed, a layer's new gradient and its zeroed one would be held at once while autograd adds
    them: 151 MB more for AlexNet's fc6); `plan_memory`'s plans count each from its first backward
-   write, as the step makes it. The input batch counts as the plan's input feature map does.
+   write, as the step makes it. The input batch counts as the plan's input feature map does, the
+   target (labels) as the plan holds it: all through the step.
 3. ``steps`` timed steps, untracked (the tracker's dispatch costs time): their median is the step time.
 
 Bytes moved are the copies between device and host: offloaded bytes out and the same back, as the
@@ -137,8 +138,8 @@ def check_plan(model: nn.Module, plan: MemoryPlan, example_input: Any, target: t
             step()
         tracker = StepTracker(model, device=device)
         with tracker:
-            for t in inputs:
-                tracker.track(t, "tensor")
+            for t in [*inputs, *([target] if isinstance(target, torch.Tensor) else [])]:
+                tracker.track(t, "tensor")  # the labels too: a plan holds what its loss reads all through the step
             for _, pool in _prepared(model, plan).copies.values():
                 for host in pool.held():  # taken by the warm-up, back in the pool: the step takes them again
                     tracker.track(host, "host")

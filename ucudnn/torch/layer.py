@@ -196,8 +196,9 @@ class _ConvFunction(torch.autograd.Function):
         route = ctx.route
         fmt = _memory_format(route.layout, dy.dim())
         x, dy = x.contiguous(memory_format=fmt), dy.contiguous(memory_format=fmt)
-        dx, dw = route.backward(dy, x, weight, ctx.geometry, ctx.needs_input_grad[0], ctx.needs_input_grad[1])
+        # the bias's gradient first: a plan holds it through the step's kernels (aten's fused call makes it with them)
         db = dy.sum((0, *range(2, dy.dim()))) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        dx, dw = route.backward(dy, x, weight, ctx.geometry, ctx.needs_input_grad[0], ctx.needs_input_grad[1])
         return (None if dx is None else dx.contiguous(memory_format=ctx.result_format)), dw, db, None, None
 
 

@@ -268,7 +268,9 @@ class _Convolution(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         layer, stride, padding, dilation, transposed, output_padding, groups, layout, need_dx, need_dw = ctx.conv
         conv = (stride, padding, dilation, transposed, output_padding, groups, layout)
-        dx = dw = db = None
+        # the bias's gradient first: a plan holds it through the step's kernels (aten's fused call makes it with them)
+        db = dy.sum((0, *range(2, dy.dim()))) if ctx.bias_grad else None
+        dx = dw = None
         if ctx.needs_input_grad[0] and ctx.needs_input_grad[1]:
             dx, dw = torch.ops.ucudnn.convolution_backward.default(dy, x, weight, layer, *conv)
         elif ctx.needs_input_grad[0]:
@@ -276,8 +278,6 @@ class _Convolution(torch.autograd.Function):
                 .contiguous(memory_format=_result_format(x, weight, layout))
         elif ctx.needs_input_grad[1]:
             dw = torch.ops.ucudnn.convolution_backward_filter.default(x, dy, weight, layer, *conv, need_dx)
-        if ctx.bias_grad:
-            db = dy.sum((0, *range(2, dy.dim())))
         return dx, dw, None, None, None, None, None, None, None, None, None, None, db
 
 
