@@ -22,7 +22,10 @@ the routed layer's kernels called through ucudnn's torch.library operators inste
 the direct layer's), beside `operator floor`, custom operators of the same schemas around torch's own
 convolution. Derived: `routed - torch layer` (issue 36's target: at most two torch forwards), `operators -
 routed` and `direct ops - direct` against `floor - torch layer` (what the operators add over eager,
-against what any custom operator adds).
+against what any custom operator adds). `layer graph ops` and `direct graph ops`: the same layers' operators
+as a compiled graph calls them (the forward without autograd, then the backward operator and the bias's sum),
+against `graph aten`, aten.convolution and aten.convolution_backward called so (`graph ops - aten`: what a
+compiled graph pays per layer torch runs for going through ucudnn's operators).
 `torch route` (when ucudnn.torch exists) is what ucudnn.torch charges per kernel call routed through
 ucudnn instead of torch's own convolution (`ucudnn.torch.conv.route_overhead_ms`, forward and
 backward of a tiny layer: the autograd Function plus one kernel's share of the handle route).
@@ -95,6 +98,13 @@ def _floor_operator():
     return torch.ops.ucudnn_bench.conv
 
 
+def _graph_step(forward, backward) -> None:
+    """A layer's forward and backward as a compiled graph runs them: autograd off, each kernel's operator called."""
+    with torch.no_grad():
+        forward()
+        backward()
+
+
 def layer_calls_us(calls: int, rounds: int, batch: int = 2) -> dict[str, float]:
     """Forward and backward of a tiny layer (batch x 8 x 8 x 8, 3x3), per call, the contenders interleaved
     (`interleaved_samples_ms`, each sample a loop of `calls` calls; medians): `torch layer` is plain
@@ -115,6 +125,7 @@ def layer_calls_us(calls: int, rounds: int, batch: int = 2) -> dict[str, float]:
     layers = {name: convert(torch.nn.Conv2d(8, 8, 3, padding=1), backend="cpu", policy="undivided", algos=[algo],
                             reps=1, db=False, call_overhead=0)
               for name, algo in (("layer direct", "native"), ("layer routed", "im2col_gemm"))}
+    xd = x.detach()
     fns = {"torch layer": lambda: plain(x).backward(dy), "torch forward": lambda: plain(x)}
     fns.update({name: (lambda layer=layer: layer(x).backward(dy)) for name, layer in layers.items()})
     try:
@@ -126,6 +137,16 @@ def layer_calls_us(calls: int, rounds: int, batch: int = 2) -> dict[str, float]:
             conv = (layer_key(layer), [1, 1], [1, 1], [1, 1], False, [0, 0], 1, "NCHW", True, True)
             fns[name] = lambda layer=layer, conv=conv: torch.ops.ucudnn.convolution(x, layer.weight, *conv,
                                                                                    layer.bias).backward(dy)
+            # as a compiled graph calls them: the forward without autograd, then the backward operator and the bias's sum
+            fns[name.replace("operators", "graph ops")] = lambda layer=layer, conv=conv: _graph_step(
+                lambda: torch.ops.ucudnn.convolution.default(xd, layer.weight, *conv, layer.bias),
+                lambda: (torch.ops.ucudnn.convolution_backward.default(dy, xd, layer.weight, *conv[:8]),
+                            dy.sum((0, 2, 3))))
+        fns["graph aten"] = lambda: _graph_step(
+            lambda: torch.ops.aten.convolution.default(xd, plain.weight, plain.bias, [1, 1], [1, 1], [1, 1], False,
+                                                          [0, 0], 1),
+            lambda: torch.ops.aten.convolution_backward.default(dy, xd, plain.weight, [8], [1, 1], [1, 1], [1, 1],
+                                                                   False, [0, 0], 1, [True, True, True]))
         floor = _floor_operator()
         fns["operator floor"] = lambda: floor(x, plain.weight, 0, [1, 1], [1, 1], [1, 1], False, [0, 0], 1, "NCHW",
                                               True, True, plain.bias).backward(dy)
@@ -188,6 +209,7 @@ def main() -> int:
             results["operators - routed"] = results["layer operators"] - results["layer routed"]
             results["direct ops - direct"] = results["direct operators"] - results["layer direct"]
             results["floor - torch layer"] = results["operator floor"] - results["torch layer"]
+            results["graph ops - aten"] = results["direct graph ops"] - results["graph aten"]
     if not gpu:
         results["handle - backend"] = results["handle"] - results["backend"]
         try:

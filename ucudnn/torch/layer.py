@@ -393,6 +393,11 @@ class ConvLayer:
             return g.torch(input, weight, bias)  # contiguous, it cost a copy and torch's slower NCHW kernels after it)
         return _ConvFunction.apply(input, weight, bias, route, g)
 
+    @staticmethod
+    def _eager(input, weight, bias, route: _Route, g: Geometry) -> torch.Tensor:
+        """The eager route's autograd Function (for the operators' autograd kernel, which cannot import it)."""
+        return _ConvFunction.apply(input, weight, bias, route, g)
+
     def _route_key(self, input, weight, g: Geometry, layout: str, need_dx: bool, need_dw: bool,
                    budgets: dict | None) -> tuple:
         # (per memory plan's budgets too, so that steps in and out of execute_plan do not re-plan each other's:

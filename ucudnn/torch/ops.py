@@ -28,7 +28,8 @@ dx come back in the one torch's convolution would give (`launch._result_format`)
 the layout's. A layer's backward pass is one operator where autograd asks for both gradients
 (`convolution_backward`, as `aten.convolution_backward` is: where torch runs both kernels, one fused call),
 else the one of the other two it asks for. On real tensors that need gradients, a layer whose route is
-torch's own on every kind is `aten.convolution` with PyTorch's autograd (the autograd kernel, `_autograd`).
+torch's own on every kind is `aten.convolution` with PyTorch's autograd (the autograd kernel, `_autograd`), and
+any other planned layer, where no dispatch mode is active to see the operators, its eager autograd Function.
 
 The bias is optional, its gradient the sum of dy over all but its channels: with it, a convolution is one
 operation, as `aten.convolution` is (a captured step names each by that one op). The fake implementations
@@ -287,14 +288,20 @@ def _autograd(x, weight, layer, stride, padding, dilation, transposed, output_pa
             bias)  # (the dispatcher leaves out a defaulted bias: `_Convolution` returns a gradient for each argument)
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                     or (bias is not None and bias.requires_grad)):
-        if type(x) is torch.Tensor:  # real (not fake, not functional): a layer torch runs is torch's convolution
+        if type(x) is torch.Tensor:  # real (not fake, not functional): the layer's eager route, once planned
             g = _geometry(stride, padding, dilation, transposed, output_padding, groups)
             conv = _layer(layer)
             route = conv._known(conv._route_key(x, weight, g, layout, need_dx, need_dw, conv._budgets), conv._budgets)
-            if route is not None and route.direct and not conv._learning_now():
-                return g.torch(x, weight, bias)  # (with torch's autograd: its backward is one fused call in C++)
+            if route is not None and not conv._learning_now():
+                if route.direct:  # torch's convolution, with torch's autograd: its backward is one fused call in C++
+                    return g.torch(x, weight, bias)
+                if not torch._C._len_torch_dispatch_stack():  # (a mode, a capture's or a plan's, sees the operators)
+                    return conv._eager(x, weight, bias, route, g)  # no operator below: 2 dispatches fewer a call
         return _Convolution.apply(*args)
-    # nothing to differentiate (a compiled graph's forward runs so): the operator itself, without the Function
+    # nothing to differentiate (a compiled graph's forward runs so): the operator itself, without the Function;
+    # on real tensors where no mode is to see it, its implementation (a dispatch to Python fewer)
+    if type(x) is torch.Tensor and not torch._C._len_torch_dispatch_stack():
+        return convolution(*args)
     with torch._C._AutoDispatchBelowAutograd():
         return torch.ops.ucudnn.convolution.default(*args)
 
