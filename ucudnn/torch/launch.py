@@ -216,9 +216,12 @@ def run_backward(route: Any, dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
     dx = dw = None
     if native_dx or native_dw:
         dx, dw = geometry.torch_backward(dy, x, w, native_dx, native_dw)
-    if need_dx and not native_dx:
-        dx = _launch(route.bwd_data, route.backend, torch.empty(x.shape, dtype=dy.dtype, device=dy.device,
-                                                                memory_format=fmt), dy=dy, w=w)
-    if need_dw and not native_dw:
-        dw = _launch(route.bwd_filter, route.backend, torch.empty_like(w, memory_format=fmt), x=x, dy=dy)
+    # both results made before either kernel runs, as a plan holds them beside the larger of the two workspaces
+    dx_out = torch.empty(x.shape, dtype=dy.dtype, device=dy.device, memory_format=fmt) \
+        if need_dx and not native_dx else None
+    dw_out = torch.empty_like(w, memory_format=fmt) if need_dw and not native_dw else None
+    if dx_out is not None:
+        dx = _launch(route.bwd_data, route.backend, dx_out, dy=dy, w=w)
+    if dw_out is not None:
+        dw = _launch(route.bwd_filter, route.backend, dw_out, x=x, dy=dy)
     return dx, dw
