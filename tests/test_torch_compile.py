@@ -16,6 +16,7 @@ import pytest
 torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 import ucudnn  # noqa: E402
 from ucudnn import Handle, InvalidInput, LateRegistrationWarning  # noqa: E402
@@ -411,23 +412,24 @@ def test_a_compiled_backward_asks_a_layer_for_both_gradients_at_once():
     assert _routed_kinds(ours) == {"fwd", "bwd_data", "bwd_filter"}
 
 
+class _Convolutions(TorchDispatchMode):
+    """A dispatch mode that notes the convolution operators it sees."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if "convolution" in func.name():
+            self.seen.append(func)
+        return func(*args, **(kwargs or {}))
+
+
 def test_through_the_operators_a_layer_torch_runs_is_torchs_own_convolution():
     # inside a capture or a plan's followed calls a converted layer is one operation; where its route is torch's
     # own kernel of every kind, that operation is torch's aten.convolution with torch's autograd (the operators'
     # Python autograd and dispatch cost about 60 us more per layer on the CPU); a routed layer stays ucudnn's
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from ucudnn.torch.layer import through_operators
-
-    class Convolutions(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.seen = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if "convolution" in func.name():
-                self.seen.append(func)
-            return func(*args, **(kwargs or {}))
 
     for algos, op, node in ((["native"], torch.ops.aten.convolution.default, "ConvolutionBackward0"),
                             (["im2col_gemm"], torch.ops.ucudnn.convolution.default, "_ConvolutionBackward")):
@@ -437,7 +439,7 @@ def test_through_the_operators_a_layer_torch_runs_is_torchs_own_convolution():
         x, dy = _rand(2, 4, 8, 8, seed=1), _rand(2, 6, 8, 8, seed=2)
         _step(ours, x, dy)  # eager: plans the layer
         ours.zero_grad()
-        with through_operators(), Convolutions() as mode:
+        with through_operators(), _Convolutions() as mode:
             out = ours(x.detach().requires_grad_())
         assert mode.seen == [op] and type(out.grad_fn).__name__ == node
         out.backward(dy)
@@ -469,6 +471,12 @@ def test_a_planned_layer_called_through_its_operator_runs_its_eager_function_whe
     torch.testing.assert_close(x.grad, dx, rtol=RTOL, atol=ATOL)
     for p, grad in zip(ours.parameters(), grads):
         torch.testing.assert_close(p.grad, grad, rtol=RTOL, atol=ATOL)
+    # without autograd (a compiled graph's forward) the implementation runs itself; a mode still sees the operator
+    with torch.no_grad(), through_operators():
+        torch.testing.assert_close(ours(x), y, rtol=RTOL, atol=ATOL)
+        with _Convolutions() as mode:
+            ours(x)
+    assert mode.seen == [torch.ops.ucudnn.convolution.default]
 
 
 class _Branching(nn.Module):
