@@ -22,7 +22,8 @@ the routed layer's kernels called through ucudnn's torch.library operators inste
 the direct layer's), beside `operator floor`, custom operators of the same schemas around torch's own
 convolution. Derived: `routed - torch layer` (issue 36's target: at most two torch forwards), `operators -
 routed` and `direct ops - direct` against `floor - torch layer` (what the operators add over eager,
-against what any custom operator adds). `layer graph ops` and `direct graph ops`: the same layers' operators
+against what any custom operator adds; `one dispatch`: calling an operator of the same schema whose Python
+autograd kernel does nothing, the least an operator call costs). `layer graph ops` and `direct graph ops`: the same layers' operators
 as a compiled graph calls them (the forward without autograd, then the backward operator and the bias's sum),
 against `graph aten`, aten.convolution and aten.convolution_backward called so (`graph ops - aten`: what a
 compiled graph pays per layer torch runs for going through ucudnn's operators).
@@ -98,6 +99,24 @@ def _floor_operator():
     return torch.ops.ucudnn_bench.conv
 
 
+def _one_dispatch():
+    """An operator of ucudnn.convolution's schema whose autograd kernel (Python, as ucudnn's) returns its input: a
+    call costs one dispatch into Python, what calling any such operator costs beyond its kernel's work."""
+    ops = getattr(torch.ops, "ucudnn_bench", None)
+    if ops is not None and hasattr(ops, "identity"):
+        return ops.identity.default
+    library = torch.library.Library("ucudnn_bench", "FRAGMENT")
+    library.define("identity(Tensor x, Tensor weight, SymInt layer, int[] stride, int[] padding, int[] dilation, "
+                   "bool transposed, int[] output_padding, int groups, str layout, bool need_dx, bool need_dw, "
+                   "Tensor? bias=None) -> Tensor")
+    library.impl("identity", lambda x, *args: x, "Autograd")
+    _LIBRARIES.append(library)  # (a Library's registrations last as long as the object)
+    return torch.ops.ucudnn_bench.identity.default
+
+
+_LIBRARIES: list = []
+
+
 def _graph_step(forward, backward) -> None:
     """A layer's forward and backward as a compiled graph runs them: autograd off, each kernel's operator called."""
     with torch.no_grad():
@@ -147,6 +166,9 @@ def layer_calls_us(calls: int, rounds: int, batch: int = 2) -> dict[str, float]:
                                                           [0, 0], 1),
             lambda: torch.ops.aten.convolution_backward.default(dy, xd, plain.weight, [8], [1, 1], [1, 1], [1, 1],
                                                                    False, [0, 0], 1, [True, True, True]))
+        identity = _one_dispatch()
+        fns["one dispatch"] = lambda: identity(x, plain.weight, 0, [1, 1], [1, 1], [1, 1], False, [0, 0], 1, "NCHW",
+                                               True, True, plain.bias)
         floor = _floor_operator()
         fns["operator floor"] = lambda: floor(x, plain.weight, 0, [1, 1], [1, 1], [1, 1], False, [0, 0], 1, "NCHW",
                                               True, True, plain.bias).backward(dy)
