@@ -23,10 +23,10 @@ the direct layer's), beside `operator floor`, custom operators of the same schem
 convolution. Derived: `routed - torch layer` (issue 36's target: at most two torch forwards), `operators -
 routed` and `direct ops - direct` against `floor - torch layer` (what the operators add over eager,
 against what any custom operator adds; `one dispatch`: calling an operator of the same schema whose Python
-autograd kernel does nothing, the least an operator call costs). `layer graph ops` and `direct graph ops`: the same layers' operators
-as a compiled graph calls them (the forward without autograd, then the backward operator and the bias's sum),
-against `graph aten`, aten.convolution and aten.convolution_backward called so (`graph ops - aten`: what a
-compiled graph pays per layer torch runs for going through ucudnn's operators).
+autograd kernel does nothing, the least an operator call costs). `layer graph ops` and `direct graph ops`:
+the same layers' operators as a compiled graph calls them (the forward without autograd, then the backward
+operator and the bias's sum), against `graph aten`, aten.convolution and aten.convolution_backward called so
+(`graph ops - aten`: what a compiled graph pays per layer torch runs for going through ucudnn's operators).
 `torch route` (when ucudnn.torch exists) is what ucudnn.torch charges per kernel call routed through
 ucudnn instead of torch's own convolution (`ucudnn.torch.conv.route_overhead_ms`, forward and
 backward of a tiny layer: the autograd Function plus one kernel's share of the handle route).
@@ -156,16 +156,16 @@ def layer_calls_us(calls: int, rounds: int, batch: int = 2) -> dict[str, float]:
             conv = (layer_key(layer), [1, 1], [1, 1], [1, 1], False, [0, 0], 1, "NCHW", True, True)
             fns[name] = lambda layer=layer, conv=conv: torch.ops.ucudnn.convolution(x, layer.weight, *conv,
                                                                                    layer.bias).backward(dy)
-            # as a compiled graph calls them: the forward without autograd, then the backward operator and the bias's sum
+            # as a compiled graph calls them: the forward without autograd, the backward operator, the bias's sum
             fns[name.replace("operators", "graph ops")] = lambda layer=layer, conv=conv: _graph_step(
                 lambda: torch.ops.ucudnn.convolution.default(xd, layer.weight, *conv, layer.bias),
                 lambda: (torch.ops.ucudnn.convolution_backward.default(dy, xd, layer.weight, *conv[:8]),
-                            dy.sum((0, 2, 3))))
+                         dy.sum((0, 2, 3))))
+        geometry = ([1, 1], [1, 1], [1, 1], False, [0, 0], 1)
         fns["graph aten"] = lambda: _graph_step(
-            lambda: torch.ops.aten.convolution.default(xd, plain.weight, plain.bias, [1, 1], [1, 1], [1, 1], False,
-                                                          [0, 0], 1),
-            lambda: torch.ops.aten.convolution_backward.default(dy, xd, plain.weight, [8], [1, 1], [1, 1], [1, 1],
-                                                                   False, [0, 0], 1, [True, True, True]))
+            lambda: torch.ops.aten.convolution.default(xd, plain.weight, plain.bias, *geometry),
+            lambda: torch.ops.aten.convolution_backward.default(dy, xd, plain.weight, [8], *geometry,
+                                                                [True, True, True]))
         identity = _one_dispatch()
         fns["one dispatch"] = lambda: identity(x, plain.weight, 0, [1, 1], [1, 1], [1, 1], False, [0, 0], 1, "NCHW",
                                                True, True, plain.bias)
