@@ -44,6 +44,7 @@ from typing import Any
 
 from ucudnn.backends import get_backend
 from ucudnn.backends.base import Backend
+from ucudnn.backends.cpu import NATIVE
 from ucudnn.errors import InvalidInput
 from ucudnn.handle.arena import _Workspaces
 from ucudnn.handle.arguments import (_Pair, _check_groups, _contiguous, _dtype_name, _geometry, _infer_w_shape,
@@ -483,7 +484,7 @@ class Handle(_Planning, _Trials, _Recovery, _Workspaces, _Launching):
         per kernel, WD's total), measuring what the cache lacks. With a `call_overhead`, each
         configuration but native undivided carries the charge in its time. A memory planner picks
         one of these per kernel as its budget (`kernel(..., budget=...)` then runs it)."""
-        limit = self._workspace_limit if self.mode == "WR" else self._total_workspace
+        limit = self._front_limit
         table = self._measure(problem, limit, front=True)
         try:
             front = pareto.front(table, problem.n, limit)
@@ -498,6 +499,20 @@ class Handle(_Planning, _Trials, _Recovery, _Workspaces, _Launching):
             if not kept or config.time < kept[-1].time:
                 kept.append(config)
         return kept
+
+    @property
+    def _front_limit(self) -> int | None:
+        """What a kernel's options are measured within: WR's per-kernel limit, WD's total."""
+        return self._workspace_limit if self.mode == "WR" else self._total_workspace
+
+    def native(self, problem: ConvProblem) -> Configuration | None:
+        """Torch's own convolution on the whole batch as this handle measures it (what a converted layer runs
+        where its trials settled on torch), or None where `native` is not among its candidates."""
+        if NATIVE not in self._candidates(problem):
+            return None
+        table = self._measure(problem, self._front_limit, front=True)
+        micro = next((m for m in table.get(problem.n, ()) if m.algo == NATIVE and m.usable), None)
+        return None if micro is None else Configuration((micro,))
 
     def _lookup(self, kind: str, layer: str | None, x_shape: tuple[int, ...], w_shape: tuple[int, ...], stride: _Pair,
                 padding: _Pair, dilation: _Pair, groups: int, dtype: str, layout: str = "NCHW",
@@ -549,7 +564,8 @@ class Handle(_Planning, _Trials, _Recovery, _Workspaces, _Launching):
             raise InvalidInput(f"layer must be a non-empty string or None, got {layer!r}")
         name = layer if layer is not None else problem.with_kind("fwd").key
         if budget is not None:
-            prep = _prepared(self._backend, problem, self._plan_wr(problem, budget=budget).config, None, budget)
+            config = self._kept_within(problem, self._wr_limit(budget)) or self._plan_wr(problem, budget=budget).config
+            prep = _prepared(self._backend, problem, config, None, budget)
             return self._with_trial(prep, self._wr_limit(budget))
         if self.mode == "WR":
             plan = self._plan_wr(problem)

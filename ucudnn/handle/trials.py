@@ -36,6 +36,14 @@ class _Trials:
                            None, prep.budget)
         return dataclasses.replace(prep, trial=_Trial(prep, native, Turns(self._trial_runs)))
 
+    def _kept_within(self, problem, limit: int | None) -> Configuration | None:
+        """The fastest configuration of `problem` that won its in-step trial and fits `limit`: a memory plan's
+        budget that holds it runs it (solved again from measurements alone, the budget could pick another, even
+        native, which lost that trial, and hold less than the plan charged)."""
+        kept = [config for key, n, config in self._trials_kept
+                if key == problem.key and n == problem.n and (limit is None or config.workspace <= limit)]
+        return min(kept, key=lambda config: config.time, default=None)
+
     def _run_trial(self, prep: _Prepared, trial: _Trial, **call: Any) -> None:
         """One run of a trial (see `trial_runs`): the plan and native take turns, the first run of
         each untimed (it is checked, and may re-plan); at the end native replaces the plan unless

@@ -94,6 +94,8 @@ class _Route:
     direct: bool
     budgets: dict | None = None  # the memory plan's workspace per kind it was planned under (execute_plan)
     trial: _BackwardTrial | None = None  # its backward against torch's fused one, for its first backward passes
+    problem: ConvProblem | None = None  # the forward problem it runs (None: a geometry only torch expresses)
+    asked: tuple[str, ...] = ()          # the kinds it was planned for (the others are not needed)
 
     def backward(self, dy, x, w, g: Geometry, need_dx: bool, need_dw: bool) -> tuple:
         """(dx, dw) of this route, each None where not needed; the backward trial's turn while it is open."""
@@ -482,8 +484,9 @@ class ConvLayer:
         own = None if self._budgets is None else \
             self._known(self._route_key(input, weight, g, layout, need_dx, need_dw, None), None)
         asked = [kind for kind in kinds if own is None or getattr(own, kind) is not None]
+        problem = self._problem(input, weight, g, dtype, layout)
         with _on_device(input):  # a WD solve allocates the arena: from torch's allocator on CUDA
-            handle.register(self.layer_id, self._problem(input, weight, g, dtype, layout), kinds=kinds)
+            handle.register(self.layer_id, problem, kinds=kinds)
             budgets = self._budgets or {}
             try:
                 kernels = {kind: handle.kernel(kind, tuple(input.shape), tuple(weight.shape),
@@ -498,7 +501,16 @@ class ConvLayer:
         # torch runs a native undivided plan itself (on CPU tensors; the cudnn backend has no native)
         routed = {kind: k for kind, k in kernels.items() if not (input.device.type == "cpu" and native_only(k.config))}
         return _Route(handle, handle.generation, backend, layout, routed.get("fwd"), routed.get("bwd_data"),
-                      routed.get("bwd_filter"), direct=not routed, budgets=self._budgets)
+                      routed.get("bwd_filter"), direct=not routed, budgets=self._budgets, problem=problem,
+                      asked=kinds)
+
+    def _torch_kinds(self, problem: ConvProblem) -> set[str]:
+        """The kinds that this layer's own routes at `problem` (outside any memory plan) leave to torch's
+        convolution, where its trials settled: under a plan's budgets they stay torch's (`_route`)."""
+        return {kind for route in self._routes.values()
+                if route.budgets is None and route.problem == problem and route.handle is self.handle
+                and route.generation == self.handle.generation
+                for kind in route.asked if getattr(route, kind) is None}
 
     def _announce(self, input, weight, g: Geometry, need_dx: bool, need_dw: bool) -> None:
         """Register this layer with its handle (announce, WD's learning pass); torch computes the pass."""

@@ -217,14 +217,19 @@ def _conv_fronts(model: nn.Module, graph: TrainingGraph, native: Handle | None) 
         handle = conv.handle if converted else native if isinstance(conv, nn.modules.conv._ConvNd) else None
         if handle is None:
             continue
+        torch_kinds = conv._torch_kinds(op.conv) if converted else set()
         for kind in step.kernels:
             problem = op.conv.with_kind(kind)
+            # a kind the layer's own route leaves to torch stays torch's under a plan (`ConvLayer._route`):
+            # torch's option alone, or the plan would charge a workspace option that nothing holds
+            torch_own = handle.native(problem) if kind in torch_kinds else None
             # torch's own convolution run by torch (a torch layer, or a converted layer whose plan is
             # native on the whole batch) allocates its temporaries inside its kernels, out of the
             # plan's reach: the step holds no workspace for it, whatever its budget
             fronts[(step.op, kind)] = tuple(
                 KernelOption(c.time, c.workspace if converted else 0, c.describe(), "measured",
-                             held=0 if native_only(c) else None) for c in handle.front(problem))
+                             held=0 if native_only(c) else None)
+                for c in ([torch_own] if torch_own is not None else handle.front(problem)))
         if set(step.kernels) == {"bwd_data", "bwd_filter"}:
             _fuse_native_backward(fronts, step.op, op.conv, op.measured_bwd_ms)
     return fronts
