@@ -79,9 +79,11 @@ CASES = [pytest.param(name, policy, marks=[pytest.mark.slow] if name == "resnet5
 
 @pytest.mark.parametrize("name, policy", CASES)
 def test_converted_planned_and_executed_trains_like_plain_pytorch(trained, name, policy):
-    """At a limit halfway between the policy's smallest peak and keeping everything: checkpoint and optimal
-    recompute where feature maps make the peak; the offloading policies, which cannot offload into the
-    CPU's own memory, plan as vdnn-dyn."""
+    """At a limit halfway between the policy's smallest peak and keeping everything: the offloading policies,
+    which cannot offload into the CPU's own memory, plan as vdnn-dyn. Checkpoint and optimal, where feature
+    maps make the peak, at a limit below the smallest peak that keeps every map (vdnn-dyn's smallest here):
+    they recompute. (Halfway, a plan may fit by smaller workspaces alone where the kernels' measured choices
+    hold much workspace, which moves with timing.)"""
     plain, reference, db = trained(name)
     size = SHAPES[name]
     model = convert(copy.deepcopy(plain), backend="cpu", workspace_limit=64 * 2**20, policy="undivided", reps=1,
@@ -89,14 +91,18 @@ def test_converted_planned_and_executed_trains_like_plain_pytorch(trained, name,
     x, y = _data(size, 0)
     loss = lambda out: F.cross_entropy(out, y)  # noqa: E731
     peaks = [plan_memory(model, x, memory_limit=limit, policy=policy, loss=loss).peak_bytes for limit in (2**40, 1)]
-    plan = plan_memory(model, x, memory_limit=sum(peaks) // 2, policy=policy, loss=loss)
+    limit = sum(peaks) // 2
+    if policy not in OFFLOADING and name in RECOMPUTING:
+        every_map = plan_memory(model, x, memory_limit=1, policy="vdnn-dyn", loss=loss).peak_bytes
+        assert peaks[1] < every_map
+        limit = min(limit, (peaks[1] + every_map) // 2)
+    plan = plan_memory(model, x, memory_limit=limit, policy=policy, loss=loss)
     assert plan.fits and plan.conv_workspace and all(c.bytes <= 64 * 2**20 for c in plan.conv_workspace)
     assert not [t.name for t in plan.tensors if t.action == "offload"]  # a CPU plan offloads nothing
     if policy in OFFLOADING:
-        assert plan.tensors == plan_memory(model, x, memory_limit=sum(peaks) // 2, policy="vdnn-dyn",
-                                           loss=loss).tensors
+        assert plan.tensors == plan_memory(model, x, memory_limit=limit, policy="vdnn-dyn", loss=loss).tensors
     elif name in RECOMPUTING:
-        assert peaks[1] < peaks[0] and any(t.action == "recompute" for t in plan.tensors)
+        assert any(t.action == "recompute" for t in plan.tensors)
     else:  # the peak is the weights and their gradients at the backward pass's end: few feature maps to drop
         # (the no-limit peak adds the fastest kernels' workspaces, which vary with the measured times)
         assert peaks[1] <= peaks[0] and 2 * plan.capture.graph.weight_bytes > 0.9 * peaks[1]
