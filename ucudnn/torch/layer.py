@@ -97,6 +97,11 @@ class _Route:
     problem: ConvProblem | None = None  # the forward problem it runs (None: a geometry only torch expresses)
     asked: tuple[str, ...] = ()          # the kinds it was planned for (the others are not needed)
 
+    @property
+    def left_to_torch(self) -> set[str]:
+        """The kinds it was planned for that torch's own convolution runs."""
+        return {kind for kind in self.asked if getattr(self, kind) is None}
+
     def backward(self, dy, x, w, g: Geometry, need_dx: bool, need_dw: bool) -> tuple:
         """(dx, dw) of this route, each None where not needed; the backward trial's turn while it is open."""
         if self.trial is not None and self.trial.open and need_dx and need_dw:
@@ -483,7 +488,7 @@ class ConvLayer:
         # correct it (HF MobileNetV2 ran 1.10x its converted step under a plan that acts on nothing).
         own = None if self._budgets is None else \
             self._known(self._route_key(input, weight, g, layout, need_dx, need_dw, None), None)
-        asked = [kind for kind in kinds if own is None or getattr(own, kind) is not None]
+        asked = [kind for kind in kinds if own is None or kind not in own.left_to_torch]
         problem = self._problem(input, weight, g, dtype, layout)
         with _on_device(input):  # a WD solve allocates the arena: from torch's allocator on CUDA
             handle.register(self.layer_id, problem, kinds=kinds)
@@ -507,10 +512,8 @@ class ConvLayer:
     def _torch_kinds(self, problem: ConvProblem) -> set[str]:
         """The kinds that this layer's own routes at `problem` (outside any memory plan) leave to torch's
         convolution, where its trials settled: under a plan's budgets they stay torch's (`_route`)."""
-        return {kind for route in self._routes.values()
-                if route.budgets is None and route.problem == problem and route.handle is self.handle
-                and route.generation == self.handle.generation
-                for kind in route.asked if getattr(route, kind) is None}
+        return {kind for key, route in self._routes.items()
+                if route.problem == problem and self._known(key, None) is route for kind in route.left_to_torch}
 
     def _announce(self, input, weight, g: Geometry, need_dx: bool, need_dw: bool) -> None:
         """Register this layer with its handle (announce, WD's learning pass); torch computes the pass."""
