@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch._prims_common import suggest_memory_format  # eager's Tensor.suggest_memory_format
+from torch._prims_common import (make_channels_last_strides_for, make_contiguous_strides_for,
+                                 suggest_memory_format)  # eager's Tensor.suggest_memory_format
 import torch.nn.functional as F
 
 from ucudnn.backends.base import one_line
@@ -171,13 +172,69 @@ def _result_format(x: torch.Tensor, weight: torch.Tensor, layout: str) -> torch.
     handle's, the operator's, the fake one), so that the operations after it are the same whichever route ran
     (a captured step and its plan rely on it): torch's own convolution's, channels-last where the input's or
     the filter's strides are channels-last-like (`Tensor.suggest_memory_format`, as PyTorch's CPU and cuDNN
-    convolutions choose), else contiguous; an NHWC problem's, channels-last (its input is channels-last)."""
+    convolutions choose), else contiguous; an NHWC problem's, channels-last (its input is channels-last).
+
+    A tensor whose dims of size 1 make it both contiguous and channels-last-contiguous (an N x C x 1 x 1 map,
+    a pooled one; a 1x1 filter; a single channel) is either by its strides, as torch reads them: a pooled
+    channels-last map (strides C, 1, C, C) is channels-last-like, and torch's convolution of it is
+    channels-last. Where each operand is contiguous and nothing else, no strides are read."""
     if layout == "NHWC":
         return _memory_format(layout, x.dim())
-    if x.is_contiguous() and weight.is_contiguous():  # (the common case, without the stride walk)
-        return torch.contiguous_format
-    formats = (suggest_memory_format(x), suggest_memory_format(weight))
+    cl = _CHANNELS_LAST.get(x.dim())
+    if x.is_contiguous() and weight.is_contiguous() and (
+            cl is None or not (x.is_contiguous(memory_format=cl) or weight.is_contiguous(memory_format=cl))):
+        return torch.contiguous_format  # (contiguous and nothing else, the common case: no stride walk)
+    formats = (_suggested_format(x), _suggested_format(weight))
     return next((f for f in formats if f != torch.contiguous_format), torch.contiguous_format)
+
+
+_CHANNELS_LAST = {4: torch.channels_last, 5: torch.channels_last_3d}
+_WALKS = {4: (1, 3, 2, 0), 5: (1, 4, 3, 2, 0)}  # c10's order: C, then W, H (D), then N
+
+
+def _suggested_format(t: torch.Tensor) -> torch.memory_format:
+    """`Tensor.suggest_memory_format()`: channels-last where the strides are channels-last-like. Int sizes and
+    strides by `_strides_format`, remembered (under 1 us; `torch._prims_common`'s walk takes about 7), symbolic
+    ones by torch's."""
+    if t.dim() not in _CHANNELS_LAST:
+        return torch.contiguous_format
+    try:
+        return _strides_format(t.shape, t.stride())
+    except TypeError:  # a symbolic size or stride (SymInts do not hash)
+        return suggest_memory_format(t)
+
+
+@functools.lru_cache(maxsize=4096)
+def _strides_format(shape: tuple[int, ...], strides: tuple[int, ...]) -> torch.memory_format:
+    """c10's `is_channels_last_strides_2d`/`_3d` (as `torch._prims_common.suggest_memory_format` writes it)."""
+    if strides[1] == 0:
+        return torch.contiguous_format
+    low = 0
+    for d in _WALKS[len(shape)]:
+        if shape[d] == 0 or strides[d] < low or (d == 0 and low == strides[1]):
+            return torch.contiguous_format
+        low = strides[d] * shape[d]
+    return _CHANNELS_LAST[len(shape)]
+
+
+def _in_format(t: torch.Tensor, fmt: torch.memory_format) -> torch.Tensor:
+    """`t` in memory format `fmt` with the strides torch gives a result of that format (`torch.empty`'s, as
+    its convolutions' results have). `Tensor.contiguous` leaves a tensor of both formats (`_result_format`)
+    as it is: a contiguous N x C x 1 x 1 output, asked for channels-last, would keep contiguous strides, and
+    the operations after it (a concatenation, the next convolution, Inductor's layouts) would choose
+    otherwise than after torch's convolution. Such a tensor is copied (it is small, or a single channel)."""
+    out = t.contiguous(memory_format=fmt)
+    if out is not t:  # a copy, made so
+        return out
+    if fmt == torch.contiguous_format:
+        cl = _CHANNELS_LAST.get(t.dim())
+        if cl is None or not t.is_contiguous(memory_format=cl):  # in `fmt` alone
+            return t
+    elif not t.is_contiguous():
+        return t
+    exact = make_contiguous_strides_for(t.shape) if fmt == torch.contiguous_format \
+        else make_channels_last_strides_for(t.shape)
+    return t if tuple(t.stride()) == tuple(exact) else t.clone(memory_format=fmt)
 
 
 def _memory_format(layout: str, dims: int = 4) -> torch.memory_format:

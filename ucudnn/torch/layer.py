@@ -35,8 +35,8 @@ from ucudnn.problem import ConvProblem
 from ucudnn.sizes import format_size
 from ucudnn.solver.types import Infeasible
 from ucudnn.torch import ops as _ops
-from ucudnn.torch.launch import (Geometry, _dtype_name, _memory_format, _on_device, _result_format, geometry,
-                                 run_backward, run_forward)
+from ucudnn.torch.launch import (Geometry, _dtype_name, _in_format, _memory_format, _on_device, _result_format,
+                                 geometry, run_backward, run_forward)
 
 __all__ = ["TRIAL_RUNS", "TRIAL_STEPS", "ConvLayer", "ConvTransposeLayer", "as_torch", "route_overhead_ms",
            "through_operators"]
@@ -193,8 +193,8 @@ class _ConvFunction(torch.autograd.Function):
         weight = weight.contiguous(memory_format=fmt)
         ctx.save_for_backward(x, weight)  # x as it came: the storage its producer made (a plan may drop it)
         ctx.route, ctx.geometry, ctx.has_bias = route, geometry, bias is not None
-        return run_forward(route, x.contiguous(memory_format=fmt), weight, bias, geometry) \
-            .contiguous(memory_format=ctx.result_format)
+        return _in_format(run_forward(route, x.contiguous(memory_format=fmt), weight, bias, geometry),
+                          ctx.result_format)
 
     @staticmethod
     @once_differentiable
@@ -206,7 +206,7 @@ class _ConvFunction(torch.autograd.Function):
         # the bias's gradient first: a plan holds it through the step's kernels (aten's fused call makes it with them)
         db = dy.sum((0, *range(2, dy.dim()))) if ctx.has_bias and ctx.needs_input_grad[2] else None
         dx, dw = route.backward(dy, x, weight, ctx.geometry, ctx.needs_input_grad[0], ctx.needs_input_grad[1])
-        return (None if dx is None else dx.contiguous(memory_format=ctx.result_format)), dw, db, None, None
+        return (None if dx is None else _in_format(dx, ctx.result_format)), dw, db, None, None
 
 
 # Timed runs of each side in a kernel's in-step trial against torch's own convolution (CPU handles)

@@ -25,7 +25,8 @@ swaps in is the one the kernel runs with. `need_dx` and `need_dw` say which grad
 "NCHW" or "NHWC" (channels-last CUDA tensors): the kernels read the operands in that memory format (where
 torch runs every kernel of the layer, they take them as they come); the output and `convolution_backward`'s
 dx come back in the one torch's convolution would give (`launch._result_format`), the other gradients in
-the layout's. A layer's backward pass is one operator where autograd asks for both gradients
+the layout's, each with the strides torch gives that format (`launch._in_format`: a map of both formats,
+N x C x 1 x 1, keeps no other's strides, which would lead Inductor's layouts elsewhere than plain PyTorch's). A layer's backward pass is one operator where autograd asks for both gradients
 (`convolution_backward`, as `aten.convolution_backward` is: where torch runs both kernels, one fused call),
 else the one of the other two it asks for. On real tensors that need gradients, a layer whose route is
 torch's own on every kind is `aten.convolution` with PyTorch's autograd (the autograd kernel, `_autograd`), and
@@ -50,7 +51,8 @@ import torch
 from torch import nn
 
 from ucudnn.errors import InvalidInput
-from ucudnn.torch.launch import Geometry, _memory_format, _result_format, geometry, run_backward, run_forward
+from ucudnn.torch.launch import (Geometry, _in_format, _memory_format, _result_format, geometry, run_backward,
+                                 run_forward)
 
 __all__ = ["convolution", "convolution_backward", "convolution_backward_data", "convolution_backward_filter",
            "layer_key", "register_layer"]
@@ -156,7 +158,7 @@ def convolution(x: torch.Tensor, weight: torch.Tensor, layer: int, stride: Seque
         return g.torch(x, weight, bias)
     fmt, out = _memory_format(layout, x.dim()), _result_format(x, weight, layout)
     x, weight = x.contiguous(memory_format=fmt), weight.contiguous(memory_format=fmt)
-    return run_forward(route, x, weight, bias, g).contiguous(memory_format=out)
+    return _in_format(run_forward(route, x, weight, bias, g), out)
 
 
 _LIBRARY.impl("convolution", convolution, "CompositeExplicitAutograd")
@@ -182,7 +184,7 @@ def convolution_backward_data(dy: torch.Tensor, weight: torch.Tensor, layer: int
     x = _shaped(dy, x_shape)
     route = conv._planned(x, weight, g, layout, True, need_dw)
     dx, _ = run_backward(route, dy, x, weight, g, True, False)
-    return dx.contiguous(memory_format=fmt)
+    return _in_format(dx, fmt)
 
 
 _LIBRARY.impl("convolution_backward_data", convolution_backward_data, "CompositeExplicitAutograd")
@@ -208,7 +210,7 @@ def convolution_backward_filter(x: torch.Tensor, dy: torch.Tensor, weight: torch
     weight = weight.contiguous(memory_format=fmt)
     route = conv._planned(x, weight, g, layout, need_dx, True)
     _, dw = run_backward(route, dy, x, weight, g, False, True)
-    return dw.contiguous(memory_format=fmt)
+    return _in_format(dw, fmt)
 
 
 _LIBRARY.impl("convolution_backward_filter", convolution_backward_filter, "CompositeExplicitAutograd")
@@ -233,7 +235,7 @@ def convolution_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor
     if not route.direct:  # (torch's own backward takes the operands as they come)
         x, dy, weight = (t.contiguous(memory_format=fmt) for t in (x, dy, weight))
     dx, dw = route.backward(dy, x, weight, g, True, True)
-    return dx.contiguous(memory_format=out), dw.contiguous(memory_format=fmt)
+    return _in_format(dx, out), _in_format(dw, fmt)
 
 
 _LIBRARY.impl("convolution_backward", convolution_backward, "CompositeExplicitAutograd")
@@ -275,8 +277,8 @@ class _Convolution(torch.autograd.Function):
         if ctx.needs_input_grad[0] and ctx.needs_input_grad[1]:
             dx, dw = torch.ops.ucudnn.convolution_backward.default(dy, x, weight, layer, *conv)
         elif ctx.needs_input_grad[0]:
-            dx = torch.ops.ucudnn.convolution_backward_data.default(dy, weight, layer, list(x.shape), *conv, need_dw) \
-                .contiguous(memory_format=_result_format(x, weight, layout))
+            dx = torch.ops.ucudnn.convolution_backward_data.default(dy, weight, layer, list(x.shape), *conv, need_dw)
+            dx = _in_format(dx, _result_format(x, weight, layout))
         elif ctx.needs_input_grad[1]:
             dw = torch.ops.ucudnn.convolution_backward_filter.default(x, dy, weight, layer, *conv, need_dx)
         return dx, dw, None, None, None, None, None, None, None, None, None, None, db
