@@ -24,7 +24,9 @@ grouped in blocks because a queue per row makes the relaxation weak and HiGHS sl
 
 The objective is the program's model of the step time; the caller simulates the answer and reports
 how far the simulated time is from it. `solve` returns the choices, the objective, HiGHS's own MIP
-gap (0 when proved optimal) and the solve time.
+gap (0 when proved optimal) and the solve time. With ``minimise_peak=True`` the objective is the peak
+instead: M is a variable (at most `memory_limit`) and the program minimises it, whatever the time
+(`Solution.peak_bytes`; its `objective_ms` is then the time model of the choices it made).
 """
 
 from __future__ import annotations
@@ -70,6 +72,7 @@ class Solution:
     mip_gap: float                        # HiGHS's relative gap between its answer and its bound
     solve_time_s: float
     status: str = field(default="optimal")
+    peak_bytes: float | None = None       # minimise_peak: the least peak M the program found
 
 
 @contextlib.contextmanager
@@ -91,8 +94,9 @@ def _quiet_stdout():
 def solve(tensors: Sequence[Tensor], kernels: Sequence[Kernel], fixed_bytes: Sequence[int], memory_limit: int,
           *, copy_budget_bytes: float | None = None, drain_bytes: Sequence[float] = (),
           queue_block: Sequence[int] = (),
-          time_limit_s: float = 8.0, mip_rel_gap: float = 1e-3) -> Solution:
-    """Solve the program above; `Infeasible` when no choice fits `memory_limit`."""
+          time_limit_s: float = 8.0, mip_rel_gap: float = 1e-3, minimise_peak: bool = False) -> Solution:
+    """Solve the program above; `Infeasible` when no choice fits `memory_limit`. `minimise_peak`: the
+    choices with the least peak instead of the least time (see the module docstring)."""
     from scipy.optimize import Bounds, LinearConstraint, milp
     from scipy.sparse import coo_matrix
 
@@ -116,6 +120,11 @@ def solve(tensors: Sequence[Tensor], kernels: Sequence[Kernel], fixed_bytes: Seq
     cost += [0.0] * len(kernel_rows)
     q_var = {row: len(cost) + i for i in range(len(drain_bytes)) for row in (i,)}
     cost += [0.0] * len(drain_bytes)
+    time_cost = np.asarray(cost)
+    peak_var = None
+    if minimise_peak:  # M as a variable, the only term of the objective (in MiB: the other costs are ms)
+        peak_var = len(cost)
+        cost = [0.0] * len(cost) + [1.0 / 2**20]
     n = len(cost)
 
     rows_i: list[int] = []
@@ -169,7 +178,10 @@ def solve(tensors: Sequence[Tensor], kernels: Sequence[Kernel], fixed_bytes: Seq
         row(entries, step, step)
         cap = [(m_var[r], 1.0)] + ([(w_var[r], 1.0)] if r in w_var else []) + \
             ([(q_var[queue_block[r]], 1.0)] if r < len(queue_block) else [])
-        row(cap, -np.inf, float(memory_limit))
+        if peak_var is None:
+            row(cap, -np.inf, float(memory_limit))
+        else:
+            row(cap + [(peak_var, -1.0)], -np.inf, 0.0)
     # x_{s,recompute} + x_{p,offload} + x_{p,recompute} <= 1
     index_of = {t.name: si for si, t in enumerate(tensors)}
     for si, t in enumerate(tensors):
@@ -198,10 +210,14 @@ def solve(tensors: Sequence[Tensor], kernels: Sequence[Kernel], fixed_bytes: Seq
 
     A = coo_matrix((vals, (rows_i, cols)), shape=(len(lo), n)).tocsr()
     continuous = [*w_var.values(), *q_var.values(), *m_var]
+    if peak_var is not None:
+        continuous.append(peak_var)
     integrality = np.ones(n)
     integrality[continuous] = 0
     upper = np.ones(n)
     upper[continuous] = np.inf
+    if peak_var is not None:
+        upper[peak_var] = float(memory_limit)
     lower = np.zeros(n)
     lower[m_var] = -np.inf
     start = time.perf_counter()
@@ -220,4 +236,8 @@ def solve(tensors: Sequence[Tensor], kernels: Sequence[Kernel], fixed_bytes: Seq
     for ji, k in enumerate(kernels):
         options[k.name] = max(by_kernel[ji], key=lambda cc: x[cc[1]])[0]
     gap = float(getattr(res, "mip_gap", 0.0) or 0.0)
-    return Solution(actions, options, float(res.fun), gap, elapsed, "optimal" if res.status == 0 else "time limit")
+    status = "optimal" if res.status == 0 else "time limit"
+    if peak_var is not None:
+        return Solution(actions, options, float(time_cost @ x[:len(time_cost)]), gap, elapsed, status,
+                        peak_bytes=float(x[peak_var]))
+    return Solution(actions, options, float(res.fun), gap, elapsed, status)

@@ -15,6 +15,9 @@ are simulated too, and win where they fit and run faster (the program's copy que
 So are the other policies' plans (`ucudnn.memory.planner.POLICIES`) on the same graph, profile, limit
 and fronts: `optimal` is never slower than a heuristic, nor fails where one fits (`OptimalResult.chosen`
 then names the policy, and the plan's `search` says so).
+Where no choice of the program fits the limit, the program is solved for the least peak it allows
+(`memplan.solve`'s ``minimise_peak``), then for the fastest choices within that peak; among it, the static
+plans and the heuristics' the smallest simulated peak wins: a limit below every plan gives the smallest plan.
 On a device whose memory is the host's (a CPU) nothing is offloaded: the program has no offload
 option there and the static plans keep everything.
 
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from dataclasses import dataclass
 
 from ucudnn.devices import DeviceProfile
@@ -47,6 +51,7 @@ QUEUE_FACTOR = 1.2       # copies back queue on their stream: one is assumed to 
 QUEUE_BLOCKS = 24        # the copy-out queue is modelled per block of forward steps (see memplan)
 MAX_OPTIONS = 4          # options kept per kernel front: the program stays small, the extremes stay in
 MIP_REL_GAP = 0.005      # HiGHS stops within 0.5% of its bound: the time model is not finer than that
+PEAK_REL_GAP = 1e-4      # ... and within 0.01% of it where it minimises the peak (nothing fits the limit)
 ROUNDS = 6               # solve-simulate rounds at most
 STALL_TOLERANCE = 0.01   # a plan stalling more than this share of its step is solved again with fewer copies
 _PREFER_KEEP_MS = 1e-6   # per MB offloaded: among equally fast plans, copy less
@@ -182,6 +187,7 @@ def search(graph: TrainingGraph, device: DeviceProfile, memory_limit: int, *, de
     last = None
     solve_s = 0.0
     rounds = 0
+    least = None  # where no choice fits the limit: the program's choices of least peak
     for rounds in range(1, ROUNDS + 1):
         try:
             sol = memplan.solve(tensors, kernels, fixed, target, copy_budget_bytes=budget, drain_bytes=drain[0],
@@ -189,7 +195,28 @@ def search(graph: TrainingGraph, device: DeviceProfile, memory_limit: int, *, de
                                 time_limit_s=max(1.0, time_limit_s - solve_s), mip_rel_gap=MIP_REL_GAP)
         except Infeasible as exc:  # proved infeasible, or HiGHS found no answer in its time
             log.info("optimal: round %d: %s", rounds, exc)
-            break
+            if rounds > 1 or least is not None:
+                break
+            # nothing fits: the least peak the program allows, then the fastest choices within it (a hair above:
+            # HiGHS meets its rows to a tolerance); the smallest plan there is, where the limit is below it
+            try:
+                least = memplan.solve(tensors, kernels, fixed, 2**62, copy_budget_bytes=budget,
+                                      drain_bytes=drain[0], queue_block=drain[1],
+                                      time_limit_s=max(1.0, time_limit_s - solve_s), mip_rel_gap=PEAK_REL_GAP,
+                                      minimise_peak=True)
+            except Infeasible as exc:
+                log.info("optimal: the least peak: %s", exc)
+                break
+            solve_s += least.solve_time_s
+            target = math.ceil(least.peak_bytes * (1 + PEAK_REL_GAP / 10)) + 1
+            try:
+                sol = memplan.solve(tensors, kernels, fixed, target, copy_budget_bytes=budget,
+                                    drain_bytes=drain[0], queue_block=drain[1],
+                                    time_limit_s=max(1.0, time_limit_s - solve_s), mip_rel_gap=MIP_REL_GAP)
+            except Infeasible as exc:
+                log.info("optimal: the fastest at the least peak: %s", exc)
+                sol = least
+            log.info("optimal: nothing fits %d bytes; the program's least peak is %d bytes", memory_limit, target)
         solve_s += sol.solve_time_s
         workspace = {}
         for k in kernels:
@@ -203,11 +230,11 @@ def search(graph: TrainingGraph, device: DeviceProfile, memory_limit: int, *, de
         last = (sol, workspace, result)
         log.info("optimal: round %d at %d bytes: peak %d, step %.1f ms (model %.1f), stall %.1f, fits %s",
                  rounds, target, result.peak_bytes, result.step_ms, sol.objective_ms, result.stall_ms, result.fits)
-        if result.fits and (best is None or result.step_ms < best[2].step_ms):
+        if _better(result, best[2] if best else None):
             best = last
         overflow = result.peak_bytes - memory_limit
         stalled = result.stall_ms > STALL_TOLERANCE * result.step_ms
-        if result.fits and not stalled:
+        if (result.fits and not stalled) or least is not None:  # (no choice within a lower peak)
             break
         if not result.fits:
             target -= max(overflow, memory_limit // 100)
@@ -232,9 +259,9 @@ def search(graph: TrainingGraph, device: DeviceProfile, memory_limit: int, *, de
             costs = step_costs(graph, device, workspace=workspace, fronts=fronts)
         result = simulate(graph, device, costs, actions, memory_limit=memory_limit, prefetch="adaptive",
                           devices=devices)
-        if static is None or (result.fits and (not static[2].fits or result.step_ms < static[2].step_ms)):
+        if static is None or _better(result, static[2]):
             static = (actions, workspace, result)
-    if best is None or (static[2].fits and static[2].step_ms < best[2].step_ms):
+    if best is None or _better(static[2], best[2]):
         actions, workspace, result = static
         p = to_plan(graph, device, memory_limit, "optimal", actions, workspace, result, devices=devices, base=base)
         objective = last[0].objective_ms if last else float("nan")
@@ -246,6 +273,18 @@ def search(graph: TrainingGraph, device: DeviceProfile, memory_limit: int, *, de
         found = OptimalResult(p, sol.objective_ms, sol.mip_gap, result.step_ms / sol.objective_ms - 1, solve_s, rounds,
                               "program")
     return _against_heuristics(found, graph, device, memory_limit, devices=devices, fronts=fronts)
+
+
+def _better(result, other) -> bool:
+    """Whether simulated `result` is a better answer than `other` (None: none yet): it fits where `other` does
+    not; both fit and it is faster; neither fits and its peak is smaller (the closest to the limit)."""
+    if other is None:
+        return True
+    if result.fits != other.fits:
+        return result.fits
+    if result.fits:
+        return result.step_ms < other.step_ms
+    return (result.peak_bytes, result.step_ms) < (other.peak_bytes, other.step_ms)
 
 
 def _against_heuristics(found: OptimalResult, graph: TrainingGraph, device: DeviceProfile, memory_limit: int, *,
@@ -261,9 +300,7 @@ def _against_heuristics(found: OptimalResult, graph: TrainingGraph, device: Devi
         if name == "optimal":
             continue
         p = make_plan(graph, device, memory_limit, name, devices=devices, fronts=fronts)
-        if p.fits and (not best.fits or p.step_ms < best.step_ms):
-            best = p
-        elif not p.fits and not best.fits and p.peak_bytes < best.peak_bytes:
+        if _better(p, best):
             best = p
     if best is found.plan:
         return found

@@ -150,20 +150,40 @@ def make_executed_plan(graph: TrainingGraph, device: DeviceProfile | str, memory
     """`make_plan` with the figures of its step as `ucudnn.torch.execute_plan` runs it (`as_executed`). Where
     the policy's plan fits by its own timing of the copies back but not as executed, the policy plans again
     within the limit lowered by the overflow (`EXECUTED_ROUNDS` times at most); the first plan that fits as
-    executed is returned, else the one made at `memory_limit`."""
+    executed is returned, else the one of least peak as executed (a limit below every plan: the policy's
+    smallest). `optimal` is beaten by no policy as executed either: where its plan does not fit, the fastest
+    other policy's that fits is returned, else the least peak of them all."""
     profile = device if isinstance(device, DeviceProfile) else load_profile(device)
-    first = None
+    made_plans = []
     target = memory_limit
     for _ in range(EXECUTED_ROUNDS):
         made = make_plan(graph, profile, target, policy, devices=devices, db=db, fronts=fronts)
         plan = as_executed(dataclasses.replace(made, memory_limit=memory_limit), graph, profile)
-        first = first or plan
+        made_plans.append(plan)
         if plan.fits or not made.fits:  # fits, or the policy itself does not: a lower limit will not help
             break
         target -= plan.peak_bytes - memory_limit
         if target <= 0:
             break
-    return plan if plan.fits else first
+    if plan.fits:
+        return plan
+    plan = min(made_plans, key=_closest)
+    if policy != "optimal":
+        return plan
+    for name in POLICIES:
+        if name == "optimal":
+            continue
+        other = make_executed_plan(graph, profile, memory_limit, name, devices=devices, db=db, fronts=fronts)
+        if _closest(other) < _closest(plan):
+            why = "faster than" if other.fits else "nothing fits; a smaller peak than"
+            plan = dataclasses.replace(other, policy="optimal", search=f"{name}'s plan, {why} optimal's as executed")
+    return plan
+
+
+def _closest(plan: MemoryPlan) -> tuple:
+    """A plan's rank among plans for one limit, least first: those that fit by step time, then the others by peak
+    (the closest to the limit), each then by step time."""
+    return (0, plan.step_ms, 0) if plan.fits else (1, plan.peak_bytes, plan.step_ms)
 
 
 def smallest_fitting_limit(graph: TrainingGraph, device: DeviceProfile, policy: str, *, devices: int = 1,

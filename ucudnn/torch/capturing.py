@@ -508,13 +508,22 @@ def _run(model: nn.Module, args: tuple, kwargs: dict, loss: Callable, fake_mode:
             return model(*args, **kwargs)
         return torch.func.functional_call(model, state, args, kwargs, tie_weights=True, strict=False)
 
+    # a module that the model's forward makes and calls on the spot (transformers' ConvBERT head calls
+    # ``ACT2FN[...](x)``) is none of its modules: its operations are its caller's, as a function's are
+    def starts(module: nn.Module, args: Any) -> None:
+        if id(module) in names or recorder.phase != "model":
+            recorder.module_starts(module, args)
+
+    def ends(module: nn.Module, args: Any, output: Any) -> None:
+        if id(module) in names or recorder.phase != "model":
+            recorder.module_ends(module, args, output)
+
     with contextlib.ExitStack() as stack:
         if fake_mode is not None:
             stack.enter_context(fake_mode)
         stack.enter_context(recorder)
         stack.enter_context(torch.autograd.graph.saved_tensors_hooks(recorder.pack, recorder.unpack))
-        stack.enter_context(module_hooks(model, recorder.module_starts, recorder.module_ends, recorder.model_starts,
-                                         recorder.model_ends))
+        stack.enter_context(module_hooks(model, starts, ends, recorder.model_starts, recorder.model_ends))
         stack.enter_context(through_operators())
         stack.enter_context(torch.enable_grad())
         output = call()

@@ -11,11 +11,18 @@ spot (`measure_profile`: the host's memory and its copy and matmul throughput on
 GPU's memory, pinned copy bandwidth and matmul throughput on CUDA). Planning for the machine the
 example input is on (``device=None``, real inputs), the ops are timed in real training steps there
 and the convolutions' kernels measured through the cache; otherwise the profile's figures serve.
+
+A capture on fake tensors is checked against the real step where the example inputs are real and `fake` is
+None: the timed steps follow it operation by operation (`_Timer`), or, where none run (a `device` profile
+given), one real forward pass and loss do (`_follow`). A model can run otherwise on fake tensors than on real
+ones (transformers' ``is_tracing()`` takes a FakeTensor for tracing: HF ConvBERT skips a padding check); its
+step is then captured on the real inputs, as ``fake=False`` asks, and planned from that capture.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import os
 import platform
@@ -28,9 +35,11 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from ucudnn.backends.base import one_line
 from ucudnn.backends.cpu import NATIVE, CpuBackend
 from ucudnn.devices import PROFILES, DeviceProfile, load_profile
 from ucudnn.errors import InvalidInput, UnsupportedProblem
@@ -39,13 +48,15 @@ from ucudnn.memory.graph import TrainingGraph
 from ucudnn.memory.plan import MemoryPlan
 from ucudnn.memory.timing import KernelOption, front_of
 from ucudnn.sizes import parse_size
-from ucudnn.torch.capturing import (CapturedStep, batched_call, call_args, capture, default_loss, diverged, hook_nodes,
+from ucudnn.torch.capturing import (CapturedStep, batched_call, call_args, capture, default_loss, hook_nodes,
                                     state_kept)
 from ucudnn.torch.operations import counted, same_op
 from ucudnn.torch.layer import ConvLayer, as_torch
 from ucudnn.torch.replay_cost import replay_host_ms
 
 __all__ = ["measure_profile", "plan_memory"]
+
+log = logging.getLogger("ucudnn.torch.planning")
 
 
 def _best_ms(fn, reps: int = 3) -> float:
@@ -138,9 +149,11 @@ def plan_memory(model: nn.Module, example_input: Any, memory_limit: int | str | 
     a tuple, a dict, a `ModelOutput`) to the scalar the training loop backpropagates; its memory is
     counted. By default the output's ``loss`` where it has one, else the sum of its floating tensors.
     `fake`: capture on fake tensors (True), on the real inputs (False), or fake where the model runs on
-    them (None). `device` is a profile name (``"h100"``), a profile JSON path, a `DeviceProfile`, or None
-    for the example input's device (see the module docstring). `memory_limit` (bytes or ``"2GiB"``)
-    defaults to the device's memory. Unknown policies raise `InvalidInput` naming the available ones.
+    them as on real ones (None: with real inputs, a real step checks it; see the module docstring). `device`
+    is a profile name (``"h100"``), a profile JSON path, a `DeviceProfile`, or None for the example input's
+    device (see the module docstring). `memory_limit` (bytes or ``"2GiB"``) defaults to the device's memory;
+    a limit below every plan (``1``) gives the policy's plan of least peak, and ``optimal``'s is the smallest
+    plan there is. Unknown policies raise `InvalidInput` naming the available ones.
     `weight_grads` is ``"backward"`` where the training loop frees the weight gradients between steps
     (PyTorch's `optimizer.zero_grad()` does by default), ``"step"`` where they persist
     (`zero_grad(set_to_none=False)`, gradient accumulation): see `TrainingGraph`. The plan carries its
@@ -148,16 +161,24 @@ def plan_memory(model: nn.Module, example_input: Any, memory_limit: int | str | 
     """
     if not isinstance(model, nn.Module):
         raise InvalidInput(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    step = _captured(model, example_input, loss, fake, weight_grads)
-    args, kwargs, (first, *_) = batched_call(example_input)
+    key, step = _captured(model, example_input, loss, fake, weight_grads)
+    args, kwargs, tensors = batched_call(example_input)
+    first = tensors[0]
     profile = _profile_for(device, first)
     limit = profile.memory_bytes if memory_limit is None else parse_size(memory_limit)
     from ucudnn.memory.planner import make_executed_plan
 
     graph, fronts = step.graph, None
-    here = device is None and not isinstance(first, torch._subclasses.fake_tensor.FakeTensor)
-    if here:  # planning for the machine the inputs are on: time the ops there, measure the kernels
-        graph = _timed_ops(model, step, args, kwargs, loss or default_loss)
+    real = not any(isinstance(t, FakeTensor) for t in tensors)
+    loss_of = loss or default_loss
+    if real and device is not None and fake is None and step.fake and key not in _FOLLOWED.get(model, ()):
+        # no real step runs below: one real forward pass and loss check the capture on fake tensors
+        step = _checked(model, example_input, key, step, lambda s: _follow(model, s, args, kwargs, loss_of))
+    if real and device is None:  # planning for the machine the inputs are on: time the ops there, measure the kernels
+        holder = []
+        step = _checked(model, example_input, key, step,
+                        lambda s: holder.append(_timed_ops(model, s, args, kwargs, loss_of)))
+        graph = holder[-1]
         fronts = _fronts_for(model, step, graph, db, first.device.type == "cpu")
     plan = make_executed_plan(graph, profile, limit, policy, devices=devices, db=db, fronts=fronts)
     return dataclasses.replace(plan, capture=step)
@@ -168,8 +189,13 @@ def plan_memory(model: nn.Module, example_input: Any, memory_limit: int | str | 
 _CAPTURES: weakref.WeakKeyDictionary[nn.Module, dict[tuple, CapturedStep]] = weakref.WeakKeyDictionary()
 
 
+# model -> the keys of `_CAPTURES` whose step a real step on this machine followed (the timed steps, `_follow`)
+_FOLLOWED: weakref.WeakKeyDictionary[nn.Module, set[tuple]] = weakref.WeakKeyDictionary()
+
+
 def _captured(model: nn.Module, example_input: Any, loss: Callable | None, fake: bool | None,
-              weight_grads: str) -> CapturedStep:
+              weight_grads: str) -> tuple[tuple, CapturedStep]:
+    """The key of `_CAPTURES` for this capture and its step, captured where it is not held."""
     args, kwargs = call_args(example_input)
     inputs = tuple((t.shape, t.dtype, t.device, type(t)) if isinstance(t, torch.Tensor) else repr(t)
                    for t in tree_leaves((args, sorted(kwargs.items()))))
@@ -177,7 +203,84 @@ def _captured(model: nn.Module, example_input: Any, loss: Callable | None, fake:
     steps = _CAPTURES.setdefault(model, {})
     if key not in steps:
         steps[key] = capture(model, example_input, loss=loss, fake=fake, weight_grads=weight_grads)
-    return steps[key]
+    return key, steps[key]
+
+
+class _Diverged(UnsupportedProblem):
+    """A real step did not run the captured step's operations (`_Timer`): the `i`-th was `func` (None: the step
+    ran `i` operations where the captured one ran more)."""
+
+    def __init__(self, step: CapturedStep, i: int, func: Any) -> None:
+        self.step, self.i, self.func = step, i, func
+        super().__init__(self.why("its control flow depends on its data, or the model changed"))
+
+    def why(self, reason: str) -> str:
+        """The divergence and `reason`, in one line."""
+        step, i = self.step, self.i
+        if self.func is None:
+            return f"the step ran {i} operations where the captured one ran {len(step.ops)}; {reason}"
+        if i >= len(step.ops):
+            return (f"the step ran more operations than the captured one ({len(step.ops)}; the next was "
+                    f"{self.func}); {reason}")
+        op = step.ops[i]
+        where = f" in {op.module}" if op.module else ""
+        return (f"the step diverged from the captured one at operation {i}{where}: captured {op.func}, ran "
+                f"{self.func}; {reason}")
+
+
+def _checked(model: nn.Module, example_input: Any, key: tuple, step: CapturedStep,
+             follow: Callable[[CapturedStep], Any]) -> CapturedStep:
+    """`step` where a real step follows it (`follow(step)` raises `_Diverged` where not, returns False where no
+    real step can run). Else the step is captured
+    again, on the real inputs unless the caller asked for fake tensors (``fake=True``, the key's), held in
+    `_CAPTURES` in its place and followed in turn: a capture on fake tensors that the real step does not run (the
+    model takes its fake tensors for a trace), or one the model has moved on from. Where that one diverges too, the
+    refusal says why, in one line: what a plan cannot follow, or that ``fake=False`` captures what runs."""
+    _, _, loss, fake, weight_grads = key
+    followed = _FOLLOWED.setdefault(model, set())
+    for attempt in range(2):
+        try:
+            if follow(step) is False:
+                return step  # (not checked: no real step runs here)
+        except _Diverged as exc:
+            followed.discard(key)
+            if attempt or fake:  # (fake=True: captured again on fake tensors, it would run as this one)
+                if exc.step.fake:
+                    raise UnsupportedProblem(exc.why("the step captured on fake tensors differs from the real "
+                                                     "step (the model runs otherwise on fake tensors); pass "
+                                                     "fake=False to capture it on the real inputs")) from None
+                raise UnsupportedProblem(exc.why("captured on the same inputs, the real step runs otherwise from one "
+                                                 "step to the next (its control flow follows random draws or state "
+                                                 "it keeps outside its parameters and buffers), which no plan "
+                                                 "can follow")) from None
+            step = capture(model, example_input, loss=loss, fake=bool(fake), weight_grads=weight_grads)
+            _CAPTURES.setdefault(model, {})[key] = step
+            continue
+        followed.add(key)
+        return step
+    raise AssertionError("unreachable")
+
+
+def _follow(model: nn.Module, step: CapturedStep, args: tuple, kwargs: dict, loss: Callable) -> bool:
+    """One real forward pass and loss of `model` (no backward pass), each operation checked against `step`'s as
+    the timed steps check them (`_Timer`); `_Diverged` where they differ, False where the pass cannot run here
+    (out of memory: the inputs are a batch for another device), True where it follows the step. The model's
+    parameters' gradients, its buffers and the random-number state are as they were."""
+    timer = _Timer(step)
+    with state_kept(model), as_torch(), torch.enable_grad():
+        try:
+            with timer:
+                value = loss(model(*args, **kwargs))
+        except _Diverged:
+            raise
+        except Exception as exc:  # noqa: BLE001 - it cannot run here (a batch for a larger device): unchecked
+            log.info("the capture of %s on fake tensors is not checked: its real step failed here: %s",
+                     step.graph.network, one_line(exc))
+            return False
+        del value
+    if timer.position != len(step.ops):
+        raise _Diverged(step, timer.position, None)
+    return True
 
 
 # model -> {(captured step, db, its converted layers' handles): (step, handles, the kernels' options)}, weak on
@@ -267,7 +370,7 @@ def _timed_ops(model: nn.Module, step: CapturedStep, args: tuple, kwargs: dict, 
     host time a recomputation costs per replayed op (`replay_host_ms`), measured once per model and input
     shapes."""
     shapes = tuple((tuple(t.shape), t.dtype) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
-    key = (shapes, _fingerprint(model))
+    key = (shapes, _fingerprint(model), step.fake)  # (a capture on fake tensors is followed by real steps: timed)
     times = _OP_TIMES.setdefault(model, {})
     if key not in times:
         measured = _op_times(model, step, args, kwargs, loss)
@@ -298,7 +401,7 @@ class _Timer(TorchDispatchMode):
             ops = self.step.ops
             i = self.position
             if i >= len(ops) or not same_op(func, ops[i].func):
-                raise UnsupportedProblem(diverged(self.step, i, func))
+                raise _Diverged(self.step, i, func)
             self.ms[i] += ms
             self.position += 1
         elif self.position:
@@ -346,8 +449,7 @@ def _op_times(model: nn.Module, step: CapturedStep, args: tuple, kwargs: dict, l
             end = time.perf_counter()
             del value
             if timer.position != len(step.ops):
-                raise UnsupportedProblem(f"the step ran {timer.position} operations where the captured one ran "
-                                         f"{len(step.ops)}: its control flow depends on its data; plan again")
+                raise _Diverged(step, timer.position, None)
             if rep == 0:  # untimed: a first step sets up kernels and memory
                 continue
             fwd: dict[str, float] = {}
