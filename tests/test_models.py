@@ -106,3 +106,41 @@ def test_a_plan_whose_kernels_all_hold_numpy_workspaces_is_what_memtracker_and_t
     assert all(c.bytes > 0 for c in plan.conv_workspace)
     for checked in (plan, smallest):
         assert 0.95 <= memtracker_peak(model, checked, x, y) / checked.peak_bytes <= 1.05
+
+
+def _watch(model) -> list:
+    """What users hang on a model: forward hooks on every module, full backward hooks (Captum's, gradient loggers')
+    on every convolution; the gradients the backward hooks saw."""
+    seen = []
+    for m in model.modules():
+        m.register_forward_pre_hook(lambda m, args: None)
+        m.register_forward_hook(lambda m, args, out: None)
+        if isinstance(m, torch.nn.modules.conv._ConvNd):
+            m.register_full_backward_hook(lambda m, gi, go: seen.append(go[0].norm().item()))
+    return seen
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_a_plan_that_recomputes_runs_watched_counts_what_it_predicts_and_trains_like_plain(plain, name):
+    """Under module hooks, PyTorch's profiler and anomaly detection the planned step trains like plain PyTorch's; under
+    MemTracker with an input that requires grad (both add autograd nodes of their own) it counts what it predicts."""
+    base, reference, noise, _ = plain(name)
+    model = copy.deepcopy(base)
+    x, y = _batch(name, 0)
+
+    def labelled_loss(out):
+        return loss(out, y)
+
+    everything = plan_memory(model, x, memory_limit=2**40, loss=labelled_loss)
+    smallest = plan_memory(model, x, memory_limit=1, loss=labelled_loss)
+    plan = plan_memory(model, x, memory_limit=(everything.peak_bytes + smallest.peak_bytes) // 2, loss=labelled_loss)
+    assert plan.fits and any(t.action == "recompute" for t in plan.tensors)
+    seen = _watch(model)
+    ratio = memtracker_peak(model, plan, x.clone().requires_grad_(), y) / plan.peak_bytes
+    assert 0.9 <= ratio <= 1.1, ratio
+    seen.clear()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]), \
+            torch.autograd.set_detect_anomaly(True):
+        trained = train(model, lambda step: _batch(name, step), plan)
+    assert_trains_alike(trained, reference, noise)
+    assert seen and len(seen) % 2 == 0  # every conv's hook, once a step

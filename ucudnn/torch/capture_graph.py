@@ -81,7 +81,9 @@ class CapturedStep:
     saved them: diffusers' posterior clamps its log-variance, a view of the moments, for a sample this step
     does not draw). `calls`: the model's module calls in order (not the model's own), each as
     (module name, ops run before it, saves before it, ops run at its end). `model_nodes`: the autograd nodes
-    the model's forward pass made."""
+    the model's forward pass made; `node_kinds`: those its output reaches, less the ones observers add
+    (`capturing.model_nodes`), each as (kind, the module whose operation made it, or ""). `autocast`: where
+    `torch.autocast` was on (`capturing.autocast_state`)."""
 
     ops: tuple[CapturedOp, ...]
     model_ops: int
@@ -95,6 +97,8 @@ class CapturedStep:
     unread: frozenset[int] = frozenset()
     calls: tuple[tuple[str, int, int, int], ...] = ()
     model_nodes: int = 0
+    node_kinds: tuple[tuple[str, str], ...] = ()
+    autocast: tuple[tuple[str, torch.dtype], ...] = ()
 
 
 
@@ -199,7 +203,9 @@ def build_step(rec: Any, inputs: list, title: str, batch: int, weight_grads: str
     unread = frozenset(k for k, (act, *_) in enumerate(rec.saves) if act is not None and k not in rec.unpacked)
     return CapturedStep(step_ops, model_ops, step_inputs, writers, last_read, graph, fake, saves=saves, unread=unread,
                         calls=tuple((name, start, saved, rec.model_ops if end is None else end)
-                                               for name, start, saved, end in rec.calls), model_nodes=rec.model_nodes)
+                                               for name, start, saved, end in rec.calls), model_nodes=rec.model_nodes,
+                        node_kinds=tuple((kind, rec.raw[rec.node_op[seq]].module if seq in rec.node_op else "")
+                                         for seq, kind in rec.node_kinds))
 
 
 def _changed_sources(rec: Any, ops: tuple[Op, ...]) -> set[str]:

@@ -34,7 +34,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import inspect
 import logging
 import time
 import weakref
@@ -47,18 +46,19 @@ from torch import nn
 from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException, FakeTensor,
                                            FakeTensorMode, UnsupportedOperatorException)
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_leaves
+from torch.utils._pytree import tree_leaves
 
 from ucudnn.backends.base import one_line
 from ucudnn.errors import InvalidInput, UnsupportedProblem
 from ucudnn.memory.graph import WEIGHT_GRADS
 from ucudnn.torch.capture_graph import CapturedOp, CapturedStep, build_step
 from ucudnn.torch.layer import through_operators
+from ucudnn.torch.model_call import batched_call, default_loss, input_leaves, tensors_in
+from ucudnn.torch.same_step import autocast_state, model_nodes
 from ucudnn.torch.operations import (conv_backward_kinds, conv_spec, counted, flops, reduction_bytes, storage_key,
                                      written_keys)
 
-__all__ = ["CapturedOp", "CapturedStep", "batched_call", "call_args", "capture", "default_loss", "diverged",
-           "hook_nodes", "input_leaves", "structure"]
+__all__ = ["CapturedOp", "CapturedStep", "capture", "diverged", "hook_nodes", "structure"]
 
 _FAKE_LIMITS = (DataDependentOutputException, DynamicOutputShapeException, UnsupportedOperatorException)
 
@@ -67,69 +67,6 @@ def structure(model: nn.Module) -> tuple:
     """The model's modules by qualified name and class name: what a captured step's names rest on (a
     converted model's is its plain model's)."""
     return tuple((name, type(m).__qualname__) for name, m in model.named_modules())
-
-
-def call_args(example: Any) -> tuple[tuple, dict]:
-    """The model call for `example`: a tensor (one argument), a tuple or list (positional arguments)
-    or a dict (keyword arguments)."""
-    if isinstance(example, torch.Tensor):
-        return (example,), {}
-    if isinstance(example, (tuple, list)):
-        return tuple(example), {}
-    if isinstance(example, Mapping):
-        if not all(isinstance(k, str) for k in example):
-            raise InvalidInput("example_input as a dict maps the model's argument names to values; got a non-string key")
-        return (), dict(example)
-    raise InvalidInput(f"example_input must be a tensor, a tuple of positional arguments or a dict of keyword "
-                       f"arguments, got {type(example).__name__}")
-
-
-def batched_call(example: Any) -> tuple[tuple, dict, list[torch.Tensor]]:
-    """`call_args(example)` and the tensors in it, the first of which must be batched (its first dimension)."""
-    args, kwargs = call_args(example)
-    tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-    if not tensors or tensors[0].dim() < 1:
-        raise InvalidInput("example_input must hold a batched tensor (its first dimension is the batch)")
-    return args, kwargs, tensors
-
-
-def input_leaves(model: nn.Module, args: tuple, kwargs: dict, signature: inspect.Signature | None = None
-                 ) -> list[tuple[str, Any]]:
-    """Each leaf of a call's arguments with the name of the parameter it binds to (and its place in a
-    nested argument): a call with positional arguments and one with keywords name them alike. `signature`:
-    the model's forward's, where the caller keeps it (a step's executor: making it costs tens of us)."""
-    try:
-        items = list((signature or inspect.signature(model.forward)).bind(*args, **kwargs).arguments.items())
-    except (TypeError, ValueError):  # no signature to bind to: positions, then keywords
-        items = [(str(i), a) for i, a in enumerate(args)] + list(kwargs.items())
-    out = []
-    for name, value in items:
-        leaves, _ = tree_flatten(value)
-        out += [(name if len(leaves) == 1 else f"{name}.{i}", leaf) for i, leaf in enumerate(leaves)]
-    return out
-
-
-def _tensors(value: Any) -> list[torch.Tensor]:
-    """The tensors in a model's output: a tensor, tuples, lists, dicts and ModelOutputs of them."""
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, Mapping):
-        return [t for v in value.values() for t in _tensors(v)]
-    if isinstance(value, (tuple, list)):
-        return [t for v in value for t in _tensors(v)]
-    return []
-
-
-def default_loss(output: Any) -> torch.Tensor:
-    """The output's ``loss`` where it has one (a Hugging Face model given labels), else the sum of
-    every floating tensor of the output that requires a gradient."""
-    given = output.get("loss") if isinstance(output, Mapping) else None
-    if isinstance(given, torch.Tensor) and given.numel() == 1:
-        return given
-    parts = [t.float().sum() for t in _tensors(output) if t.is_floating_point() and t.requires_grad]
-    if not parts:
-        raise InvalidInput("the model's output holds no floating tensor that requires grad; give loss=")
-    return functools.reduce(torch.add, parts)
 
 
 # ---- what the recorder keeps ---------------------------------------------------------------------------
@@ -196,7 +133,8 @@ class _Recorder(TorchDispatchMode):
     def __init__(self, persistent: Mapping[int, int], fake: bool, names: Mapping[int, str]) -> None:
         super().__init__()
         self.persistent = dict(persistent)   # storage -> bytes: parameters and buffers
-        self.constants: dict[int, int] = {}  # other storages older than the step that it reads
+        self.constants: dict[int, int] = {}  # other storages older than the step that it reads: id -> bytes
+        self.live_constants: dict[int, int] = {}  # storage -> its id in `constants`, while it lives
         self.fake = fake
         self.real_bytes: dict[tuple, dict[int, int]] = {}  # `reduction_bytes`' cache
         self.names = names                   # module id -> qualified name
@@ -227,6 +165,8 @@ class _Recorder(TorchDispatchMode):
         self.calls: list[list] = []
         self.open_calls: list[int] = []      # per module on the stack: its call's place in `calls` (-1: none)
         self.model_nodes = 0                 # autograd nodes the model's forward pass made
+        self.node_kinds: list[tuple[int, str]] = []  # the model's own of them (`model_nodes`)
+        self.inputs: list[torch.Tensor] = []  # the model's input tensors
         self._refs: list[weakref.ref] = []
 
     # -- positions --------------------------------------------------------------------------------------
@@ -240,6 +180,7 @@ class _Recorder(TorchDispatchMode):
 
     def input(self, t: torch.Tensor) -> _Act:
         """Register a model input as a feature map."""
+        self.inputs.append(t)
         return self._new_act(t, -1, 0)
 
     def _new_act(self, t: torch.Tensor, owner: int, leaf: int, nbytes: int = 0) -> _Act:
@@ -249,6 +190,19 @@ class _Recorder(TorchDispatchMode):
         self.live[storage._cdata] = act
         self._watch(storage, functools.partial(self._act_died, act, storage._cdata))
         return act
+
+    def _constant(self, t: torch.Tensor, key: int) -> int:
+        """The id in `constants` of a storage older than the step that it reads (a scalar lifted to a tensor, a
+        tensor kept in an attribute), new while it lives. Watched to its death: its key, a StorageImpl's address, is
+        another storage's once it died (a temporary's, read once), which would otherwise pass for it, never
+        becoming a feature map (Whisper's shifted labels, then a gelu feeding its second convolution)."""
+        mine = self.live_constants.get(key)
+        if mine is None:
+            storage = t.untyped_storage()
+            mine = self.live_constants[key] = -1 - len(self.constants)  # (keys are addresses: never negative)
+            self.constants[mine] = storage.nbytes()
+            self._watch(storage, functools.partial(self.live_constants.pop, key, None))
+        return mine
 
     def _act_died(self, act: _Act, key: int) -> None:
         self.live.pop(key, None)
@@ -286,9 +240,7 @@ class _Recorder(TorchDispatchMode):
                     reads.append(act)
                 act.last_read = index
             else:
-                if key not in self.persistent:
-                    self.constants.setdefault(key, t.untyped_storage().nbytes())
-                weights.append(key)
+                weights.append(key if key in self.persistent else self._constant(t, key))
         start = time.perf_counter()
         out = func(*args, **kwargs)
         ms = (time.perf_counter() - start) * 1e3
@@ -305,7 +257,7 @@ class _Recorder(TorchDispatchMode):
             outputs.append((tuple(t.shape), t.dtype))
             out_bytes += t.numel() * t.element_size()
             key = storage_key(t)
-            if key not in self.live and key not in self.persistent and key not in self.constants \
+            if key not in self.live and key not in self.persistent and key not in self.live_constants \
                     and t.untyped_storage().nbytes() > 0 and key not in {storage_key(m) for _, m in new}:
                 new.append((leaf, t))
         real = reduction_bytes(func, args, kwargs, [t for _, t in new], self.real_bytes) if self.fake and new else {}
@@ -421,7 +373,9 @@ class _Recorder(TorchDispatchMode):
         if self.phase == "model":
             self.phase = "loss"
             self.model_ops = len(self.raw)
+            first = -self.model_nodes
             self.model_nodes += torch._C._autograd._get_sequence_nr()
+            self.node_kinds = model_nodes(tensors_in(output), first, self.inputs)
 
 
 def hook_nodes(root: Any, hook: Callable[[int, Any], None]) -> list[Any]:
@@ -601,6 +555,6 @@ def capture(model: nn.Module, example_input: Any, *, loss: Callable[[Any], torch
         except Exception as exc:  # noqa: BLE001 - the model's own error, in one line
             raise UnsupportedProblem(f"capturing a training step of {title} failed: {one_line(exc)}") from None
         step = build_step(recorder, inputs, title, int(leaves[0].shape[0]), weight_grads, use_fake)
-        return dataclasses.replace(step, structure=structure(model))
+        return dataclasses.replace(step, structure=structure(model), autocast=autocast_state())
     raise AssertionError("unreachable")
 

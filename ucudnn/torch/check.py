@@ -37,7 +37,7 @@ from torch import nn
 
 from ucudnn.errors import InvalidInput
 from ucudnn.memory.plan import MemoryPlan
-from ucudnn.torch.capturing import batched_call, default_loss
+from ucudnn.torch.model_call import batched_call, default_loss
 from ucudnn.torch.memory import execute_plan
 from ucudnn.torch.prepared_plan import _prepared
 from ucudnn.torch.tracker import StepTracker, TrackerReport
@@ -104,7 +104,7 @@ def check_plan(model: nn.Module, plan: MemoryPlan, example_input: Any, target: t
     """Run `model` on `example_input` (a tensor, a tuple of positional arguments or a dict of keyword
     arguments) under `plan` and compare with the plan's predictions (see the module docstring). The loss
     is `loss_fn(output, target)` where given, else `loss(output)` (as `plan_memory` takes it), else
-    cross-entropy against `target` where given, else `ucudnn.torch.capturing.default_loss`."""
+    cross-entropy against `target` where given, else `ucudnn.torch.model_call.default_loss`."""
     if not isinstance(model, nn.Module):
         raise InvalidInput(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(plan, MemoryPlan):

@@ -72,12 +72,14 @@ from torch.utils._pytree import tree_leaves
 
 from ucudnn.errors import InvalidInput, UnsupportedProblem
 from ucudnn.memory.plan import MemoryPlan
-from ucudnn.torch.capturing import CapturedStep, _tensors, diverged, input_leaves
+from ucudnn.torch.capturing import CapturedStep, diverged
+from ucudnn.torch.model_call import input_leaves, tensors_in
 from ucudnn.torch.operations import counted, same_op
 from ucudnn.torch.layer import ConvLayer, through_operators
 from ucudnn.torch.offload import _Offloaded, _OffloadHooks, _Pass, _PrefetchHook
 from ucudnn.torch.prepared_plan import _Prepared, _Scope, _prepared
 from ucudnn.torch.recompute import _Dropped, _Rebuilds, _Recompute
+from ucudnn.torch.same_step import autocast_state, model_nodes
 
 __all__ = ["ExecutionStats", "execute_plan", "measure_profile", "plan_memory"]
 
@@ -159,6 +161,19 @@ class _Follow(TorchDispatchMode):
         return out
 
 
+def _autocast_words(state: tuple) -> str:
+    return ("inside " + ", ".join(f"torch.autocast({d!r}, {str(dtype).removeprefix('torch.')})" for d, dtype in state)
+            if state else "outside torch.autocast")
+
+
+def _remedy(step: CapturedStep) -> str:
+    """What to do about a step that is not its plan's captured one."""
+    fake = ("; the plan was captured on fake tensors, on which some models take another path (plan_memory "
+            "with fake=False captures the real step)") if step.fake else ""
+    return ("the model changed since the plan was made (plan again), or its control flow depends on its input's "
+            f"values and took another path (a plan follows one path: run this step without the plan){fake}")
+
+
 def _leaves(out: Any) -> list:
     """An operation's outputs, flat (`tree_leaves`, without walking a pytree for the usual flat ones)."""
     if isinstance(out, torch.Tensor):
@@ -207,8 +222,8 @@ class _Executor(_OffloadHooks, _Recompute):
 
     # -- the model's forward pass ------------------------------------------------------------------------
     def model_starts(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if self.preparing:
-            return  # the capture of a plan read back runs the model: not a step
+        if self.preparing or not torch.is_grad_enabled():
+            return  # the capture of a plan read back runs the model, or an evaluation (no_grad): not a step
         self.stats.hook_calls += 1
         prep = self.prep
         self.preparing = True
@@ -217,6 +232,10 @@ class _Executor(_OffloadHooks, _Recompute):
         finally:
             self.preparing = False
         self._check_inputs(args, kwargs)
+        if autocast_state() != step.autocast:
+            raise UnsupportedProblem(f"the plan was made {_autocast_words(step.autocast)}, the step runs "
+                                     f"{_autocast_words(autocast_state())}: make the plan as the step runs (plan_memory "
+                                     "inside the same torch.autocast block, or both outside one)")
         for conv, budgets in prep.budgets:
             conv._budgets = budgets
         if not prep.acting:
@@ -244,19 +263,33 @@ class _Executor(_OffloadHooks, _Recompute):
         self._release(None)
         if self.diverged:
             return  # (that error is on its way)
-        nodes = torch._C._autograd._get_sequence_nr() - self.nodes
-        if nodes != self.step.model_nodes:
-            self.diverged = True
-            raise UnsupportedProblem(f"the step diverged from the captured one: its forward pass made {nodes} autograd "
-                                     f"nodes where the captured one made {self.step.model_nodes}; its control flow "
-                                     "depends on its data, or the model changed; plan again")
+        if torch._C._autograd._get_sequence_nr() - self.nodes != self.step.model_nodes:
+            self._check_nodes((args, kwargs), output)
         self.stats.kept_released |= self.prep.kept_released
         if self.prep.offloading and self.pass_.entries:  # the backward pass's first step prefetches ahead
             hook, seen = _PrefetchHook(self, self.pass_, self.step.model_ops), set()
-            for t in _tensors(output):
+            for t in tensors_in(output):
                 if t.grad_fn is not None and id(t.grad_fn) not in seen:
                     seen.add(id(t.grad_fn))
                     t.grad_fn.register_prehook(hook)
+
+    def _check_nodes(self, inputs: Any, output: Any) -> None:
+        """The forward pass made another number of autograd nodes than the captured one. A watcher's (a module's
+        full backward hook; MemTracker) are not the model's, nor are those its output does not reach or that lead to
+        its inputs alone (an input that requires grad): the step is refused where the model made another number
+        of its own, in one line naming the first that differs. (The number, not their kinds: a watcher's view of a
+        module's output turns a view's node made after an in-place change into an AsStridedBackward.)"""
+        ran = [kind for _, kind in model_nodes(tensors_in(output), self.nodes, tensors_in(inputs))]
+        captured = self.step.node_kinds
+        if len(ran) == len(captured):
+            return
+        self.diverged = True
+        i = next((i for i, (a, (b, _)) in enumerate(zip(ran, captured)) if a != b), min(len(ran), len(captured)))
+        where = f" (in {captured[i][1]})" if i < len(captured) and captured[i][1] else ""
+        what = (f"made {ran[i] if i < len(ran) else 'no more'} as its autograd node {i} where the captured one made "
+                f"{captured[i][0] if i < len(captured) else 'no more'}{where}")
+        raise UnsupportedProblem(f"the step diverged from the captured one: its forward pass {what}; "
+                                 f"{_remedy(self.step)}")
 
     def _scope_starts(self, name: str, module: nn.Module, args: tuple) -> None:
         self.stats.hook_calls += 1
@@ -378,16 +411,14 @@ class _Executor(_OffloadHooks, _Recompute):
         self.diverged = True
         saves = self.prep.saves
         if k >= len(saves):
-            raise UnsupportedProblem(f"the step's forward pass saved more tensors for backward than the captured one "
-                                     f"({len(saves)}): its control flow depends on its data, or the model changed; "
-                                     "plan again")
+            raise UnsupportedProblem(f"the step diverged from the captured one: its forward pass saved more tensors "
+                                     f"for backward than the captured one ({len(saves)}); {_remedy(self.step)}")
         name, shape, dtype, op, _ = saves[k]
         where = f" in {self.step.ops[op].module}" if self.step.ops[op].module else ""
         raise UnsupportedProblem(
             f"the step diverged from the captured one at operation {op}{where}: it saved a {tuple(t.shape)} "
             f"{t.dtype} tensor{'' if name is None else ' of another storage'} where the captured one saved "
-            f"{tuple(shape)} {dtype}{'' if name is None else f' ({name})'}; its control flow depends on its data, "
-            "or the model changed; plan again")
+            f"{tuple(shape)} {dtype}{'' if name is None else f' ({name})'}; {_remedy(self.step)}")
 
     # -- workspaces ---------------------------------------------------------------------------------
     @contextlib.contextmanager

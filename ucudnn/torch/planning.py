@@ -48,8 +48,8 @@ from ucudnn.memory.graph import TrainingGraph
 from ucudnn.memory.plan import MemoryPlan
 from ucudnn.memory.timing import KernelOption, front_of
 from ucudnn.sizes import parse_size
-from ucudnn.torch.capturing import (CapturedStep, batched_call, call_args, capture, default_loss, hook_nodes,
-                                    state_kept)
+from ucudnn.torch.capturing import CapturedStep, capture, hook_nodes, state_kept
+from ucudnn.torch.model_call import batched_call, call_args, default_loss
 from ucudnn.torch.operations import counted, same_op
 from ucudnn.torch.layer import ConvLayer, as_torch
 from ucudnn.torch.replay_cost import replay_host_ms
