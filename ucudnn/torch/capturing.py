@@ -393,14 +393,15 @@ def hook_nodes(root: Any, hook: Callable[[int, Any], None]) -> list[Any]:
 
 
 def diverged(step: CapturedStep, i: int, func: Any) -> str:
-    """Why a step that ran `func` as its operation `i` is not the captured `step`, in one line."""
+    """How a step whose operation `i` was `func` differs from the captured `step`, in a few words (None: it ran
+    `i` operations where the captured one ran more); the caller says why and what to do."""
+    if func is None:
+        return f"the step ran {i} operations where the captured one ran {len(step.ops)}"
     if i >= len(step.ops):
-        return (f"the step ran more operations than the captured one ({len(step.ops)}; the next was {func}): "
-                "its control flow depends on its data, or the model changed; plan again")
+        return f"the step ran more operations than the captured one ({len(step.ops)}; the next was {func})"
     op = step.ops[i]
     where = f" in {op.module}" if op.module else ""
-    return (f"the step diverged from the captured one at operation {i}{where}: captured {op.func}, ran {func}; "
-            "its control flow depends on its data, or the model changed; plan again")
+    return f"the step diverged from the captured one at operation {i}{where}: captured {op.func}, ran {func}"
 
 
 # ---- running the step ----------------------------------------------------------------------------------------

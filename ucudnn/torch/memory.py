@@ -149,7 +149,7 @@ class _Follow(TorchDispatchMode):
             return out
         if op is None or not same_op(func, op.func) or not _same_outputs(leaves, op):
             ex.diverged = True
-            raise UnsupportedProblem(diverged(step, i, func))
+            raise UnsupportedProblem(f"{diverged(step, i, func)}; {_remedy(step)}")
         if programs:
             for o in others:  # the arguments as the operation left them (a batch-norm moves its statistics)
                 o.version = o.tensor._version

@@ -48,7 +48,7 @@ from ucudnn.memory.graph import TrainingGraph
 from ucudnn.memory.plan import MemoryPlan
 from ucudnn.memory.timing import KernelOption, front_of
 from ucudnn.sizes import parse_size
-from ucudnn.torch.capturing import CapturedStep, capture, hook_nodes, state_kept
+from ucudnn.torch.capturing import CapturedStep, capture, diverged, hook_nodes, state_kept
 from ucudnn.torch.model_call import batched_call, call_args, default_loss
 from ucudnn.torch.operations import counted, same_op
 from ucudnn.torch.layer import ConvLayer, as_torch
@@ -216,16 +216,7 @@ class _Diverged(UnsupportedProblem):
 
     def why(self, reason: str) -> str:
         """The divergence and `reason`, in one line."""
-        step, i = self.step, self.i
-        if self.func is None:
-            return f"the step ran {i} operations where the captured one ran {len(step.ops)}; {reason}"
-        if i >= len(step.ops):
-            return (f"the step ran more operations than the captured one ({len(step.ops)}; the next was "
-                    f"{self.func}); {reason}")
-        op = step.ops[i]
-        where = f" in {op.module}" if op.module else ""
-        return (f"the step diverged from the captured one at operation {i}{where}: captured {op.func}, ran "
-                f"{self.func}; {reason}")
+        return f"{diverged(self.step, self.i, self.func)}; {reason}"
 
 
 def _checked(model: nn.Module, example_input: Any, key: tuple, step: CapturedStep,
