@@ -17,7 +17,9 @@ def bench(tmp_path, capsys, *argv):
 
 
 def test_wd_divides_one_total_among_kernels(tmp_path, capsys):
-    layer_args = [arg for spec in LAYERS for arg in ("--layer", spec)]
+    # Every candidate timed at every size (--exhaustive): pruned, which ones the roomy run times would follow
+    # who won each timing race there, and a smaller total that no longer holds a winner times its losers.
+    layer_args = [arg for spec in LAYERS for arg in ("--layer", spec)] + ["--exhaustive"]
     roomy = bench(tmp_path, capsys, *layer_args, "--total-workspace", "64MiB")
     need = sorted(k["workspace"] for k in roomy["kernels"])
     # A total below what the roomy solution used forces WD to trade speed for workspace.
