@@ -9,6 +9,9 @@ floating target. Hugging Face transformers and MONAI come with the `models` extr
     hf-efficientnet      transformers' EfficientNet-B0 at width 0.5 and depth 0.5 (an nn.Conv2d subclass)
     hf-wav2vec2          transformers' Wav2Vec2 base-shaped encoder of 2 layers (a Conv1d feature encoder, a
                          grouped weight-normed Conv1d positional embedding); input: `size` x 160 audio samples
+    hf-segformer         transformers' SegFormer of 4 stages at widths 16-128, one block each (overlapping patch
+                         Conv2d, depthwise Conv2d on a transposed view: channels-last maps), its logits upsampled
+                         to the input's size
     diffusers-unet       diffusers' UNet2DModel at widths 32-64 (attention, GroupNorm; denoising at timestep 10)
     diffusers-vae        diffusers' AutoencoderKL at widths 32-64 (reconstruction of its input)
     monai-unet           MONAI's 2-D UNet (Conv2d, ConvTranspose2d)
@@ -21,7 +24,7 @@ import torch
 from torch import nn
 
 NAMES = ("hf-resnet50", "hf-mobilenet-v2", "hf-convnext", "hf-regnet", "hf-efficientnet", "hf-wav2vec2",
-         "diffusers-unet", "diffusers-vae", "monai-unet", "monai-basic-unet-3d")
+         "hf-segformer", "diffusers-unet", "diffusers-vae", "monai-unet", "monai-basic-unet-3d")
 
 
 class _Denoiser(nn.Module):
@@ -44,6 +47,18 @@ class _Reconstruction(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.vae(x).sample
+
+
+class _Segmentation(nn.Module):
+    """A semantic segmentation model's logits at its input's size (bilinear), as its own loss compares them."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.model(pixel_values=x).logits
+        return nn.functional.interpolate(logits, size=x.shape[-2:], mode="bilinear", align_corners=False)
 
 
 def _model(name: str, size: int) -> tuple[nn.Module, tuple[int, ...], int, bool]:
@@ -80,6 +95,10 @@ def _model(name: str, size: int) -> tuple[nn.Module, tuple[int, ...], int, bool]
         config = transformers.EfficientNetConfig(image_size=size, width_coefficient=0.5, depth_coefficient=0.5,
                                                  hidden_dim=640, num_labels=10)
         return transformers.EfficientNetForImageClassification(config), (3, size, size), 10, True
+    if name == "hf-segformer":
+        config = transformers.SegformerConfig(num_encoder_blocks=4, depths=[1, 1, 1, 1], hidden_sizes=[16, 32, 64, 128],
+                                              num_attention_heads=[1, 2, 4, 8], decoder_hidden_size=64, num_labels=10)
+        return _Segmentation(transformers.SegformerForSemanticSegmentation(config)), (3, size, size), 10, False
     if name == "hf-wav2vec2":
         config = transformers.Wav2Vec2Config(num_hidden_layers=2, mask_time_prob=0.0, layerdrop=0.0, num_labels=10)
         return transformers.Wav2Vec2ForSequenceClassification(config), (size * 160,), 10, True

@@ -9,6 +9,7 @@ a gradient that is zero in exact arithmetic and holds only noise)."""
 from __future__ import annotations
 
 import copy
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -25,7 +26,8 @@ def loss(out, y) -> torch.Tensor:
 
 def train(model, batch: Callable[[int], tuple], plan=None, threads: int = 1, loss: Callable = loss) -> torch.Tensor:
     """Every parameter, flattened, after `STEPS` SGD steps on ``batch(step)`` (under `plan` if given; dropout
-    drawing the same masks every run), ``loss(output, target)`` backpropagated."""
+    drawing the same masks every run), ``loss(output, target)`` backpropagated. An input that is a dict is the
+    model's keyword arguments."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -35,7 +37,7 @@ def train(model, batch: Callable[[int], tuple], plan=None, threads: int = 1, los
             x, y = batch(step)
             opt.zero_grad()
             with execute_plan(model, plan) if plan is not None else torch.enable_grad():
-                loss(model(x), y).backward()
+                loss(model(**x) if isinstance(x, dict) else model(x), y).backward()
             opt.step()
     finally:
         torch.set_num_threads(before)
@@ -59,36 +61,82 @@ def plain_runs(tmp_path_factory, build: Callable[[str], torch.nn.Module], batch:
     return get
 
 
+class _Unhooked:
+    """A gradient hook's handle where MemTracker registers none (`_frozen_params_unhooked`)."""
+
+    def remove(self) -> None:
+        pass
+
+
+def _frozen_params_unhooked(tracker, model) -> None:
+    """MemTracker hooks every parameter's gradient as a module's call reaches it, and a parameter that requires
+    no gradient (Whisper's encoder positions, a frozen layer) refuses a hook with "cannot register a hook on a
+    tensor that doesn't require gradient": those are filed as hooked already (they have no gradient to count)."""
+    for p in model.parameters():
+        if not p.requires_grad:
+            tracker._param_to_grad_hook_handles[p] = (_Unhooked(), _Unhooked())
+
+
+def _unseen_bytes(tracker, arrays, pending: dict) -> int:
+    """The bytes of the arrays a kernel writes and reads (NumPy views of torch tensors), and of those earlier
+    kernels' that are still alive (`pending`: address -> (bytes, a weak reference to the storage viewed)), that
+    lie in no storage MemTracker counts now (its private `_WINFO`): an operator's result and operand copies,
+    made below dispatch, held until the operator returns."""
+    for a in arrays:
+        storage = a.base.untyped_storage() if isinstance(a.base, torch.Tensor) else None
+        # (an address reused: the array there now)
+        pending[a.__array_interface__["data"][0]] = (a.nbytes, weakref.ref(storage) if storage is not None
+                                                     else (lambda: None))
+    held = [(s.data_ptr(), s.nbytes()) for s in list(tracker._WINFO.keys())]
+    out = 0
+    for ptr, (nbytes, alive) in list(pending.items()):
+        if alive() is None or any(p <= ptr and ptr + nbytes <= p + n for p, n in held):
+            del pending[ptr]  # gone, or a storage MemTracker counts
+        else:
+            out += nbytes
+    return out
+
+
 def memtracker_peak(model, plan, x, y, loss: Callable = loss) -> int:
     """PyTorch's MemTracker's count of one step under `plan` (after a warm-up step), gradients freed before.
+    `x`: the model's input, a tensor or a dict of keyword arguments.
 
     A converted conv's workspace is NumPy memory on the CPU, which MemTracker cannot see: its handle reports
     each workspace a plan's budget holds for one kernel as it takes it (`Handle.workspace_listener`), and the
-    count at that moment is MemTracker's current total plus that workspace."""
+    count at that moment is MemTracker's current total plus that workspace, plus the arrays the kernel writes
+    and reads that no storage MemTracker counts holds (ucudnn's operator, as a plan's followed calls run a
+    converted conv, allocates its result and its operands' copies into the kernel's layout below dispatch)."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
     from ucudnn.torch.layer import ConvLayer
+
+    inputs = list(x.values()) if isinstance(x, dict) else [x]
+    device = inputs[0].device
 
     handles = {id(m.handle): m.handle for m in model.modules() if isinstance(m, ConvLayer)}.values()
     for _ in range(2):
         model.zero_grad(set_to_none=True)
         tracker, with_workspace = MemTracker(), [0]
 
-        def taken(delta: int, out=None) -> None:
-            if delta > 0:
-                now = tracker.get_tracker_snapshot("current")[x.device]["Total"]
-                with_workspace[0] = max(with_workspace[0], now + delta)
+        pending: dict = {}
 
-        tracker.track_external(model, x)
+        def taken(delta: int, out=None, reads=()) -> None:
+            if out is not None:  # a kernel starts
+                now = tracker.get_tracker_snapshot("current")[device]["Total"]
+                unseen = _unseen_bytes(tracker, (out, *reads), pending)
+                with_workspace[0] = max(with_workspace[0], now + delta + unseen)
+
+        tracker.track_external(model, *inputs)
+        _frozen_params_unhooked(tracker, model)
         for h in handles:
             h.workspace_listener = taken
         try:
             with tracker, execute_plan(model, plan):
-                loss(model(x), y).backward()
+                loss(model(**x) if isinstance(x, dict) else model(x), y).backward()
         finally:
             for h in handles:
                 h.workspace_listener = None
-    return max(tracker.get_tracker_snapshot("peak")[x.device]["Total"], with_workspace[0])
+    return max(tracker.get_tracker_snapshot("peak")[device]["Total"], with_workspace[0])
 
 
 def trains_alike(trained: torch.Tensor, reference: torch.Tensor, noise: float) -> bool:

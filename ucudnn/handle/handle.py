@@ -185,7 +185,8 @@ class Handle(_Planning, _Trials, _Recovery, _Workspaces, _Launching):
         self._buffer: Any = None
         self._slices: tuple[Any, dict] = (None, {})  # the buffer or arena last sliced, and its run slices
         self._buffer_bytes = 0
-        # called around every kernel run, with (+bytes, the array it writes) before and (-bytes, None) after,
+        # called around every kernel run, with (+bytes, the array it writes, the arrays it reads) before and
+        # (-bytes, None) after,
         # the bytes of a workspace held for that run only (a plan's budget), else 0; set by
         # `ucudnn.torch.tracker.StepTracker` while it counts
         self.workspace_listener: Any = None
@@ -564,9 +565,11 @@ class Handle(_Planning, _Trials, _Recovery, _Workspaces, _Launching):
             raise InvalidInput(f"layer must be a non-empty string or None, got {layer!r}")
         name = layer if layer is not None else problem.with_kind("fwd").key
         if budget is not None:
-            config = self._kept_within(problem, self._wr_limit(budget)) or self._plan_wr(problem, budget=budget).config
+            limit = self._wr_limit(budget)
+            config = (self._kept_within(problem, limit) or self._front_within(problem, limit)
+                      or self._plan_wr(problem, budget=budget).config)
             prep = _prepared(self._backend, problem, config, None, budget)
-            return self._with_trial(prep, self._wr_limit(budget))
+            return self._with_trial(prep, limit)
         if self.mode == "WR":
             plan = self._plan_wr(problem)
             self._wr_seen.setdefault((name, problem.kind, problem.n), problem)

@@ -136,11 +136,12 @@ class _Launching:
             prep.kernels.run(workspace=workspace, **operands)
             return
         # a memory tracker hears of the run: the workspace taken for this run only (a budget's; any on a per-run
-        # backend; torch's own convolution takes none from us: `_workspace`), and the array the run writes (an
-        # operator's result is allocated where the tracker's dispatch does not see it)
+        # backend; torch's own convolution takes none from us: `_workspace`), the array the run writes and those
+        # it reads (an operator's result, and its operands' copies into the kernel's layout, are allocated where
+        # the tracker's dispatch does not see them)
         held = prep.config.workspace if (prep.budget is not None or self._backend.workspace_per_run) \
             and not native_only(prep.config) else 0
-        listener(held, operands["out"])
+        listener(held, operands["out"], tuple(operands[k] for k in ("x", "w", "dy") if operands.get(k) is not None))
         try:
             prep.kernels.run(workspace=workspace, **operands)
         finally:

@@ -104,6 +104,17 @@ class _Planning:
             return self._workspace_limit
         return budget if self._workspace_limit is None else min(self._workspace_limit, budget)
 
+    def _front_within(self, problem: ConvProblem, limit: int | None) -> Configuration | None:
+        """The configuration a memory planner picked on this kernel's `front` (`Handle.front`) with `limit` as its
+        budget: the fastest there within it (None: none fits). A WR solve within the budget instead re-times its
+        choice against undivided ones (`confirm_faster`) and may run another, holding more or less than the plan
+        counted (a converted HF SegFormer's roomy plan counted 0.96 of its prediction)."""
+        try:
+            front = self.front(problem)
+        except Infeasible:
+            return None
+        return min((c for c in front if limit is None or c.workspace <= limit), key=lambda c: c.time, default=None)
+
     def _plan_wr(self, problem: ConvProblem, fresh: bool = False, budget: int | None = None) -> _Plan:
         """WR: the fastest configuration within `_wr_limit(budget)`."""
         limit = self._wr_limit(budget)

@@ -35,6 +35,10 @@ class Op:
     measured_ms: float | None = None  # its forward step timed on the planned device, where it was
     measured_bwd_ms: float | None = None  # and its backward step (None: twice the forward's)
     nbytes: int | None = None     # its storage's bytes where known exactly (a captured op: any dtype, every output)
+    # a captured converted conv: per kernel kind, (bytes of its operands' copies into the layout its planned kernels
+    # run in, held while one runs; bytes of its result's copy into torch's memory format, made after it), where
+    # an operand comes in another format (a channels-last map where they run NCHW): `ucudnn.torch.launch`
+    layout_copies: tuple[tuple[str, int, int], ...] = ()
 
     @property
     def bytes(self) -> int:

@@ -34,9 +34,14 @@ class TensorAction:
 
 @dataclass(frozen=True, slots=True)
 class ConvWorkspace:
+    """One conv kernel's workspace budget. `torch_own`: the plan's option for it is torch's own convolution, which
+    holds nothing the plan counts (its temporaries are torch's): a converted layer runs torch's kernel there,
+    not whatever else of its own the budget would hold."""
+
     layer: str
     kind: str
     bytes: int
+    torch_own: bool = False
 
 
 def _tensors_json(tensors) -> list[dict]:
@@ -109,7 +114,8 @@ class MemoryPlan:
         data["overhead"] = self.overhead
         data["tensors"] = _tensors_json(self.tensors)
         data["device_tensors"] = [_tensors_json(ts) for ts in self.device_actions()]
-        data["conv_workspace"] = [{"layer": c.layer, "kind": c.kind, "bytes": c.bytes} for c in self.conv_workspace]
+        data["conv_workspace"] = [{"layer": c.layer, "kind": c.kind, "bytes": c.bytes, **({"torch_own": True}
+                                   if c.torch_own else {})} for c in self.conv_workspace]
         return data
 
     @classmethod

@@ -81,7 +81,25 @@ def make_plan(graph: TrainingGraph, device: DeviceProfile | str, memory_limit: i
         # offloads would land in the same memory: vDNN's search without them (see ucudnn.memory.vdnn)
         fn, options = _policy_function("vdnn-dyn")
     plan = fn(graph, profile, memory_limit, devices=devices, db=db, fronts=fronts, **options)
+    if fronts:
+        plan = _torch_own_marked(plan, fronts)
     return plan if plan.policy == policy else dataclasses.replace(plan, policy=policy)
+
+
+def _torch_own_marked(plan: MemoryPlan, fronts) -> MemoryPlan:
+    """`plan` with each kernel whose option within its budget holds nothing (`KernelOption.held` 0: torch's own
+    convolution, as the fastest option within that budget, as the plan's costs took it) where others hold
+    something (a converted layer's own kernels) marked `torch_own`: the budget (torch's measured workspace) could
+    hold one of those, which the plan would not count. (A kernel with torch's options alone, a torch layer's,
+    is torch's business: a plan made before `convert` gives its kernels no budget of their own.)"""
+    from ucudnn.memory.timing import fastest
+
+    def own(c) -> bool:
+        front = fronts.get((c.layer, c.kind))
+        return front is not None and fastest(front, c.bytes).held == 0 and any(o.held != 0 for o in front)
+
+    marked = tuple(dataclasses.replace(c, torch_own=True) if own(c) else c for c in plan.conv_workspace)
+    return dataclasses.replace(plan, conv_workspace=marked) if marked != plan.conv_workspace else plan
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,6 +19,14 @@ a node of an op that is not a graph op (a view's) joins the step before it. Each
 maps whose saved tensors it unpacked, runs the conv kernels it called, and allocates the buffers it
 made (`Life`: freed after the step in which they died, or held to the end: the parameters' gradients).
 
+**Layout copies** (`Op.layout_copies`): a converted conv's planned kernels read their operands in their layout
+(NCHW on the CPU) and copy those that come in another memory format (a channels-last map: SegFormer's
+depthwise convolutions take a transposed view, and most of its convolutions get channels-last gradients),
+then copy the result into torch's format; inside the operator the capture runs, so no storage of the step
+shows them. Each conv records them per kernel kind from its operands as the step passed them (the forward
+operation's, and each backward operation's gradient), and a plan holds them beside the kernel's workspace
+where it picks one of the layer's own kernels (`ucudnn.torch.launch.held_with_copies`).
+
 **What the program held** (`Captured.holds`, `Captured.pinned`): a feature map that died after the op
 reading it last (a Python variable until its function returned) is held through the op after which it
 died; one alive into the backward pass whatever autograd saved (the model's input, a tensor kept in an
@@ -31,6 +39,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Mapping
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -126,7 +135,7 @@ def _problem(spec: tuple | None, dtype: torch.dtype) -> ConvProblem | None:
     its kernels cannot express, planned as any other op)."""
     if spec is None or dtype not in _DTYPES:
         return None
-    x, w, stride, padding, dilation, transposed, output_padding, groups = spec
+    x, w, stride, padding, dilation, transposed, output_padding, groups = spec[:8]
     try:
         return ConvProblem.from_shapes(x, w, stride=stride, padding=padding, dilation=dilation, groups=groups,
                                        transposed=transposed, output_padding=output_padding, dtype=_DTYPES[dtype])
@@ -166,6 +175,9 @@ def build_step(rec: Any, inputs: list, title: str, batch: int, weight_grads: str
         reads = [a.name for a in raw.reads if a is not target]
         spec = dict(name=name, type=kind, shape=target.shape, nbytes=target.nbytes, flops=raw.flops,
                     bytes_moved=raw.bytes_moved, weight_bytes=pending, module=raw.module, conv=problem)
+        if problem is not None and any(raw.conv[8]):  # a converted layer's planned fwd kernel copies (`conv_spec`)
+            copied, converts = raw.conv[8]
+            spec.update(layout_copies=(("fwd", copied, target.nbytes if converts else 0),))
         pending = 0
         if raw.made:
             spec.update(inputs=tuple(dict.fromkeys(reads)))
@@ -184,7 +196,9 @@ def build_step(rec: Any, inputs: list, title: str, batch: int, weight_grads: str
     specs[0]["weight_bytes"] = specs[0].get("weight_bytes", 0) + pending + sum(
         b for key, b in weight_bytes.items() if key not in seen and key in rec.persistent)
     ops = tuple(Op(**spec) for spec in specs)
-    captured = _backward(rec, graph_of, upto, ops, fake, title, companions)
+    captured, copies = _backward(rec, graph_of, upto, ops, fake, title, companions)
+    ops = tuple(dataclasses.replace(op, layout_copies=op.layout_copies + copies[op.name]) if op.name in copies else op
+                for op in ops)
     graph = TrainingGraph(title, batch, ops, weight_grads, captured=captured)
     writers = {act.name: (act.owner, *act.writers) for act in rec.acts if act.name and act.owner >= 0}
     model_ops = rec.model_ops or len(rec.raw)
@@ -224,8 +238,9 @@ def _changed_sources(rec: Any, ops: tuple[Op, ...]) -> set[str]:
 
 
 def _backward(rec: Any, graph_of: list[str], upto: list[int], ops: tuple[Op, ...], fake: bool, title: str,
-              companions: set[str]) -> Captured:
-    """The backward steps, their reads, kernels and buffers, and what the program held (module docstring)."""
+              companions: set[str]) -> tuple[Captured, dict[str, tuple[tuple[str, int, int], ...]]]:
+    """The backward steps, their reads, kernels and buffers, and what the program held (module docstring); and
+    per converted conv, what its planned backward kernels copy (`Op.layout_copies`, as the step's operands came)."""
     named = [graph_of[r] if r is not None else "" for r in rec.bsteps]
     first = next((g for g in named if g), "")
     if not first:
@@ -246,6 +261,7 @@ def _backward(rec: Any, graph_of: list[str], upto: list[int], ops: tuple[Op, ...
     died: dict[int, int] = {}
     end_of: list[int] = []      # per node: its op's last step so far
     convs = {o.name for o in ops if o.type == "conv"}
+    copies: dict[str, dict[str, tuple[int, int]]] = {}
 
     def new_step(op: str) -> int:
         order.append(op)
@@ -269,6 +285,10 @@ def _backward(rec: Any, graph_of: list[str], upto: list[int], ops: tuple[Op, ...
             freed = freed or kind in ("death", "release")
         if op in convs:
             kernels[start] |= rec.bkernels.get(b, set())
+            for kind, copied, converted in rec.bcopies.get(b, ()):
+                if copied or converted:
+                    held = copies.setdefault(op, {})
+                    held[kind] = max(held.get(kind, (0, 0)), (copied, converted))
         end_of.append(len(order) - 1)
     grads = rec.grads
     labels = _Names()
@@ -297,4 +317,5 @@ def _backward(rec: Any, graph_of: list[str], upto: list[int], ops: tuple[Op, ...
     pinned |= _changed_sources(rec, ops)
     return Captured(tuple(order), tuple(tuple(dict.fromkeys(r)) for r in reads),
                     tuple(tuple(sorted(k)) for k in kernels), tuple(lives), tuple(holds), frozenset(pinned),
-                    sum(grads.values()))
+                    sum(grads.values())), {op: tuple((kind, *c) for kind, c in sorted(held.items()))
+                                           for op, held in copies.items()}

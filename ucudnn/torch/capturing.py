@@ -55,8 +55,8 @@ from ucudnn.torch.capture_graph import CapturedOp, CapturedStep, build_step
 from ucudnn.torch.layer import through_operators
 from ucudnn.torch.model_call import batched_call, default_loss, input_leaves, tensors_in
 from ucudnn.torch.same_step import autocast_state, model_nodes
-from ucudnn.torch.operations import (conv_backward_kinds, conv_spec, counted, flops, reduction_bytes, storage_key,
-                                     written_keys)
+from ucudnn.torch.operations import (conv_backward_copies, conv_backward_kinds, conv_spec, counted, flops,
+                                     reduction_bytes, storage_key, written_keys)
 
 __all__ = ["CapturedOp", "CapturedStep", "capture", "diverged", "hook_nodes", "structure"]
 
@@ -155,6 +155,7 @@ class _Recorder(TorchDispatchMode):
         # map's "read" (unpacked) and "release" (autograd let go of one of its saves)
         self.events: list[tuple[int, str, Any]] = []
         self.bkernels: dict[int, set[str]] = {}
+        self.bcopies: dict[int, list[tuple[str, int, int]]] = {}  # per step: `conv_backward_copies` of its kernels
         self.step = -1
         self.done = False                    # the backward pass is over
         self.grads: dict[int, int] = {}      # the parameters' gradients made: storage -> bytes
@@ -321,6 +322,7 @@ class _Recorder(TorchDispatchMode):
         kinds = conv_backward_kinds(func, args, kwargs)
         if kinds:
             self.bkernels.setdefault(step, set()).update(kinds)
+            self.bcopies.setdefault(step, []).extend(conv_backward_copies(func, args, kwargs))
         read = {storage_key(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
         for t in tree_leaves(out):
             if not isinstance(t, torch.Tensor):

@@ -252,33 +252,84 @@ def _launch(kernel: Kernel, backend: str, out: torch.Tensor, **operands: torch.T
     return out
 
 
+def _copy_bytes(t: torch.Tensor, fmt: torch.memory_format) -> int:
+    """The bytes ``t.contiguous(memory_format=fmt)`` allocates: none where `t` is in `fmt` already."""
+    return 0 if t.is_contiguous(memory_format=fmt) else t.numel() * t.element_size()
+
+
 def run_forward(route: Any, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, geometry: Geometry
                 ) -> torch.Tensor:
-    """y = conv(x, w) + bias as `route` runs it: torch's own call, or its planned `fwd` kernel."""
+    """y = conv(x, w) + bias as `route` runs it: torch's own call on the operands as they come, or its planned
+    `fwd` kernel on them in the route's layout (copied where they are not: `forward_copies`), y in that layout
+    (the caller gives it torch's format: `_in_format`, after the copies have gone)."""
     if route.fwd is None:
         return geometry.torch(x, w, bias)
     fmt = _memory_format(route.layout, x.dim())
     y = torch.empty(geometry.out_shape(x.shape, w.shape), dtype=x.dtype, device=x.device, memory_format=fmt)
-    _launch(route.fwd, route.backend, y, x=x, w=w)
+    _launch(route.fwd, route.backend, y, x=x.contiguous(memory_format=fmt), w=w.contiguous(memory_format=fmt))
     return y if bias is None else y.add_(bias.view(1, -1, *[1] * (y.dim() - 2)))
 
 
 def run_backward(route: Any, dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, geometry: Geometry, need_dx: bool,
                  need_dw: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """(dx, dw) as `route` runs them: where both are torch's own, one fused call (as PyTorch makes it);
-    else each by its planned kernel or torch's. `x` gives dx's shape (its values are read for dw only)."""
+    """(dx, dw) as `route` runs them: where both are torch's own, one fused call (as PyTorch makes it), on the
+    operands as they come; else each by its planned kernel, on them in the route's layout (`backward_copies`:
+    dy copied once for both, x for bwd_filter after bwd_data ran), or torch's. `x` gives dx's shape (its values
+    are read for dw only). A planned kernel's result is in the route's layout (the caller gives dx torch's
+    format, after the copies have gone)."""
     fmt = _memory_format(route.layout, dy.dim())
     native_dx = need_dx and route.bwd_data is None
     native_dw = need_dw and route.bwd_filter is None
     dx = dw = None
     if native_dx or native_dw:
         dx, dw = geometry.torch_backward(dy, x, w, native_dx, native_dw)
+    if not (need_dx and not native_dx or need_dw and not native_dw):
+        return dx, dw
     # both results made before either kernel runs, as a plan holds them beside the larger of the two workspaces
     dx_out = torch.empty(x.shape, dtype=dy.dtype, device=dy.device, memory_format=fmt) \
         if need_dx and not native_dx else None
     dw_out = torch.empty_like(w, memory_format=fmt) if need_dw and not native_dw else None
+    dy = dy.contiguous(memory_format=fmt)
     if dx_out is not None:
-        dx = _launch(route.bwd_data, route.backend, dx_out, dy=dy, w=w)
+        dx = _launch(route.bwd_data, route.backend, dx_out, dy=dy, w=w.contiguous(memory_format=fmt))
     if dw_out is not None:
-        dw = _launch(route.bwd_filter, route.backend, dw_out, x=x, dy=dy)
+        dw = _launch(route.bwd_filter, route.backend, dw_out, x=x.contiguous(memory_format=fmt), dy=dy)
     return dx, dw
+
+
+def forward_copies(x: torch.Tensor, w: torch.Tensor, layout: str) -> tuple[int, bool]:
+    """What a layer's planned `fwd` kernel holds beside its workspace and its output (`run_forward`, its caller's
+    `_in_format`): the bytes of its operands' copies into the layout (an operand in another memory format: a
+    channels-last map where the kernels run NCHW), held while it runs, and whether its output is then copied into
+    torch's format (`_result_format`), beside the output in the layout. Real or fake tensors (a capture's)."""
+    fmt = _memory_format(layout, x.dim())
+    return _copy_bytes(x, fmt) + _copy_bytes(w, fmt), _result_format(x, w, layout) != fmt
+
+
+def backward_copies(dy: torch.Tensor, x: torch.Tensor | None, w: torch.Tensor, layout: str, kinds: Sequence[str],
+                    fused: bool) -> tuple[tuple[str, int, int], ...]:
+    """What a layer's planned backward kernels hold beside their workspaces and results (`run_backward`): per kind
+    in `kinds`, (kind, bytes of operand copies held while it runs, bytes of its result's copy into torch's format
+    made after it). bwd_data holds the copies of dy and the filter, bwd_filter those of dy and x; dx is copied
+    into torch's format where `fused` (one operation returns both gradients, dx in that format: its copy is
+    inside it; where dx alone is asked for, the copy is an operation of the step of its own). `x` None: dx's
+    shape only (bwd_data alone)."""
+    fmt = _memory_format(layout, dy.dim())
+    out = []
+    if "bwd_data" in kinds:
+        converts = fused and x is not None and _result_format(x, w, layout) != fmt
+        out.append(("bwd_data", _copy_bytes(dy, fmt) + _copy_bytes(w, fmt),
+                    x.numel() * dy.element_size() if converts else 0))
+    if "bwd_filter" in kinds:
+        out.append(("bwd_filter", _copy_bytes(dy, fmt) + _copy_bytes(x, fmt), 0))
+    return tuple(out)
+
+
+def held_with_copies(workspace: int, copies: tuple[int, int] | None) -> int | None:
+    """What a step holds beside a planned kernel's result for a kernel of `workspace` bytes whose operands and
+    result are copied as `copies` says ((bytes copied in, bytes of the result's copy out): `forward_copies`,
+    `backward_copies`): its workspace and the operands' copies while it runs, or the result's copy after it,
+    the larger. None where nothing is copied (its workspace alone)."""
+    if not copies or not any(copies):
+        return None
+    return max(workspace + copies[0], copies[1])

@@ -35,11 +35,11 @@ from ucudnn.problem import ConvProblem
 from ucudnn.sizes import format_size
 from ucudnn.solver.types import Infeasible
 from ucudnn.torch import ops as _ops
-from ucudnn.torch.launch import (Geometry, _dtype_name, _in_format, _memory_format, _on_device, _result_format,
-                                 geometry, run_backward, run_forward)
+from ucudnn.torch.launch import (Geometry, _dtype_name, _in_format, _on_device, _result_format, geometry,
+                                 run_backward, run_forward)
 
-__all__ = ["TRIAL_RUNS", "TRIAL_STEPS", "ConvLayer", "ConvTransposeLayer", "as_torch", "route_overhead_ms",
-           "through_operators"]
+__all__ = ["TRIAL_RUNS", "TRIAL_STEPS", "ConvLayer", "ConvTransposeLayer", "PlanBudgets", "as_torch",
+           "route_overhead_ms", "through_operators"]
 
 _OPERATORS: contextvars.ContextVar[bool] = contextvars.ContextVar("ucudnn_through_operators", default=False)
 _AS_TORCH: contextvars.ContextVar[bool] = contextvars.ContextVar("ucudnn_as_torch", default=False)
@@ -187,25 +187,23 @@ class _ConvFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, route: _Route, geometry: Geometry):
-        # x and the filter are made the route's layout here, not before: a copy made outside would be an
-        # operation of the step (an autograd node) that the operator path, which copies inside, does not have
-        fmt, ctx.result_format = _memory_format(route.layout, weight.dim()), _result_format(x, weight, route.layout)
-        weight = weight.contiguous(memory_format=fmt)
-        ctx.save_for_backward(x, weight)  # x as it came: the storage its producer made (a plan may drop it)
+        # the operands are made the route's layout by the kernels that need it, not before (`run_forward`,
+        # `run_backward`): a copy made outside would be an operation of the step (an autograd node) that the
+        # operator path, which copies inside, does not have; one made for torch's own kernel would be memory
+        # no plan holds; and each planned kernel's copies are gone before its result is made torch's format,
+        # as a plan holds them (`launch.forward_copies`, `launch.backward_copies`)
+        ctx.result_format = _result_format(x, weight, route.layout)
+        ctx.save_for_backward(x, weight)  # as they came: the storage its producer made (a plan may drop it)
         ctx.route, ctx.geometry, ctx.has_bias = route, geometry, bias is not None
-        return _in_format(run_forward(route, x.contiguous(memory_format=fmt), weight, bias, geometry),
-                          ctx.result_format)
+        return _in_format(run_forward(route, x, weight, bias, geometry), ctx.result_format)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
-        route = ctx.route
-        fmt = _memory_format(route.layout, dy.dim())
-        x, dy = x.contiguous(memory_format=fmt), dy.contiguous(memory_format=fmt)
         # the bias's gradient first: a plan holds it through the step's kernels (aten's fused call makes it with them)
         db = dy.sum((0, *range(2, dy.dim()))) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        dx, dw = route.backward(dy, x, weight, ctx.geometry, ctx.needs_input_grad[0], ctx.needs_input_grad[1])
+        dx, dw = ctx.route.backward(dy, x, weight, ctx.geometry, ctx.needs_input_grad[0], ctx.needs_input_grad[1])
         return (None if dx is None else _in_format(dx, ctx.result_format)), dw, db, None, None
 
 
@@ -281,6 +279,16 @@ def _new_handle(**options: Any) -> Handle:
     if "call_overhead" not in options:
         options["call_overhead"] = route_overhead_ms()
     return Handle(**options)
+
+
+class PlanBudgets(dict):
+    """A memory plan's workspace budget per kernel kind of one converted layer (bytes; `execute_plan` sets it as
+    the layer's `_budgets` for its block), and the kinds whose option in the plan is torch's own convolution
+    (`ConvWorkspace.torch_own`), which the layer runs as torch's."""
+
+    def __init__(self, budgets: dict[str, int], torch_kinds: frozenset[str] = frozenset()) -> None:
+        super().__init__(budgets)
+        self.torch_kinds = frozenset(torch_kinds)
 
 
 class ConvLayer:
@@ -486,9 +494,13 @@ class ConvLayer:
         # counts (its options hold none), so it is within every budget; the handle, asked within a budget,
         # would pick by measurements alone, and a budget below torch's own workspace leaves no trial to
         # correct it (HF MobileNetV2 ran 1.10x its converted step under a plan that acts on nothing).
+        # So does a kind whose option in the plan is torch's own (`PlanBudgets.torch_kinds`): its budget, torch's
+        # measured workspace, could hold another configuration of the handle's, which the plan does not count.
         own = None if self._budgets is None else \
             self._known(self._route_key(input, weight, g, layout, need_dx, need_dw, None), None)
-        asked = [kind for kind in kinds if own is None or kind not in own.left_to_torch]
+        planned_torch = getattr(self._budgets, "torch_kinds", frozenset())
+        asked = [kind for kind in kinds
+                 if kind not in planned_torch and (own is None or kind not in own.left_to_torch)]
         problem = self._problem(input, weight, g, dtype, layout)
         with _on_device(input):  # a WD solve allocates the arena: from torch's allocator on CUDA
             handle.register(self.layer_id, problem, kinds=kinds)

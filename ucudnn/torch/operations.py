@@ -13,9 +13,10 @@ from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.flop_counter import flop_registry
 
 from ucudnn.torch import ops as _ops  # noqa: F401 - registers torch.ops.ucudnn, which a capture recognises
+from ucudnn.torch.launch import backward_copies, forward_copies
 
-__all__ = ["CONVOLUTIONS", "conv_backward_kinds", "conv_spec", "counted", "flops", "reduction_bytes", "same_op",
-           "storage_key", "written_keys"]
+__all__ = ["CONVOLUTIONS", "conv_backward_copies", "conv_backward_kinds", "conv_spec", "counted", "flops",
+           "reduction_bytes", "same_op", "storage_key", "written_keys"]
 
 aten = torch.ops.aten
 # A convolution as one operation: torch's, or a converted layer's (`ucudnn.torch.conv.through_operators`).
@@ -74,13 +75,17 @@ def flops(func, args, kwargs, out, out_bytes: int) -> float:
 
 
 def conv_spec(func, args) -> tuple | None:
-    """(x shape, w shape, stride, padding, dilation, transposed, output_padding, groups) of a convolution's
-    forward, torch's or ucudnn's."""
+    """(x shape, w shape, stride, padding, dilation, transposed, output_padding, groups, copies) of a
+    convolution's forward, torch's or ucudnn's. `copies`: what a converted layer's planned fwd kernel holds
+    beside its workspace and output (`ucudnn.torch.launch.forward_copies`: its operands' copies into its
+    layout, and whether its output is copied into torch's format after it); torch's own, (0, False)."""
     if func not in CONVOLUTIONS:
         return None
     x, w, _, stride, padding, dilation, transposed, output_padding, groups = args[:_CONVOLUTION_ARGS]
+    copies = forward_copies(x, w, args[_CONVOLUTION_ARGS]) if func is torch.ops.ucudnn.convolution.default \
+        else (0, False)
     return (tuple(x.shape), tuple(w.shape), tuple(stride), tuple(padding), tuple(dilation), bool(transposed),
-            tuple(output_padding), groups)
+            tuple(output_padding), groups, copies)
 
 
 def conv_backward_kinds(func, args, kwargs) -> tuple[str, ...]:
@@ -93,6 +98,21 @@ def conv_backward_kinds(func, args, kwargs) -> tuple[str, ...]:
         return ("bwd_data",)
     if func is torch.ops.ucudnn.convolution_backward_filter.default:
         return ("bwd_filter",)
+    return ()
+
+
+def conv_backward_copies(func, args, kwargs) -> tuple[tuple[str, int, int], ...]:
+    """What a converted layer's planned backward kernels of this backward operation hold beside their
+    workspaces and results, per kind (`ucudnn.torch.launch.backward_copies`; the operands as autograd passes
+    them: a gradient arrives in the memory format the operations after the layer leave it in). Torch's own
+    convolution's backward: nothing."""
+    if func is torch.ops.ucudnn.convolution_backward.default:
+        dy, x, w, layout = args[0], args[1], args[2], args[10]
+        return backward_copies(dy, x, w, layout, ("bwd_data", "bwd_filter"), fused=True)
+    if func is torch.ops.ucudnn.convolution_backward_data.default:
+        return backward_copies(args[0], None, args[1], args[10], ("bwd_data",), fused=False)
+    if func is torch.ops.ucudnn.convolution_backward_filter.default:
+        return backward_copies(args[1], args[0], args[2], args[10], ("bwd_filter",), fused=False)
     return ()
 
 

@@ -156,9 +156,8 @@ def convolution(x: torch.Tensor, weight: torch.Tensor, layer: int, stride: Seque
     route = conv._planned(x, weight, g, layout, need_dx, need_dw)
     if route.direct:  # torch's own convolution takes the operands as they come, as on the eager route
         return g.torch(x, weight, bias)
-    fmt, out = _memory_format(layout, x.dim()), _result_format(x, weight, layout)
-    x, weight = x.contiguous(memory_format=fmt), weight.contiguous(memory_format=fmt)
-    return _in_format(run_forward(route, x, weight, bias, g), out)
+    # (the planned kernel's operands in the layout: `run_forward` copies them where they are not)
+    return _in_format(run_forward(route, x, weight, bias, g), _result_format(x, weight, layout))
 
 
 _LIBRARY.impl("convolution", convolution, "CompositeExplicitAutograd")
@@ -180,8 +179,7 @@ def convolution_backward_data(dy: torch.Tensor, weight: torch.Tensor, layer: int
     g = _geometry(stride, padding, dilation, transposed, output_padding, groups)
     _checked(tuple(x_shape), weight.shape, g, layout)
     conv, fmt = _layer(layer), _memory_format(layout, dy.dim())
-    dy, weight = dy.contiguous(memory_format=fmt), weight.contiguous(memory_format=fmt)
-    x = _shaped(dy, x_shape)
+    x = _shaped(dy, x_shape)  # (the planned kernel's operands in the layout: `run_backward` copies them)
     route = conv._planned(x, weight, g, layout, True, need_dw)
     dx, _ = run_backward(route, dy, x, weight, g, True, False)
     return _in_format(dx, fmt)
@@ -206,9 +204,7 @@ def convolution_backward_filter(x: torch.Tensor, dy: torch.Tensor, weight: torch
     g = _geometry(stride, padding, dilation, transposed, output_padding, groups)
     _checked(x.shape, weight.shape, g, layout)
     conv, fmt = _layer(layer), _memory_format(layout, x.dim())
-    x, dy = x.contiguous(memory_format=fmt), dy.contiguous(memory_format=fmt)
-    weight = weight.contiguous(memory_format=fmt)
-    route = conv._planned(x, weight, g, layout, need_dx, True)
+    route = conv._planned(x, weight, g, layout, need_dx, True)  # (`run_backward` copies the planned kernel's operands)
     _, dw = run_backward(route, dy, x, weight, g, False, True)
     return _in_format(dw, fmt)
 
@@ -232,8 +228,7 @@ def convolution_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor
     _checked(x.shape, weight.shape, g, layout)
     route = _layer(layer)._planned(x, weight, g, layout, True, True)
     fmt, out = _memory_format(layout, x.dim()), _result_format(x, weight, layout)
-    if not route.direct:  # (torch's own backward takes the operands as they come)
-        x, dy, weight = (t.contiguous(memory_format=fmt) for t in (x, dy, weight))
+    # (torch's own kernels take the operands as they come, the planned ones in the layout: `run_backward`)
     dx, dw = route.backward(dy, x, weight, g, True, True)
     return _in_format(dx, out), _in_format(dw, fmt)
 

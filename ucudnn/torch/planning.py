@@ -52,6 +52,7 @@ from ucudnn.torch.capturing import CapturedStep, capture, diverged, hook_nodes, 
 from ucudnn.torch.model_call import batched_call, call_args, default_loss
 from ucudnn.torch.operations import counted, same_op
 from ucudnn.torch.layer import ConvLayer, as_torch
+from ucudnn.torch.launch import held_with_copies
 from ucudnn.torch.replay_cost import replay_host_ms
 
 __all__ = ["measure_profile", "plan_memory"]
@@ -312,6 +313,7 @@ def _conv_fronts(model: nn.Module, graph: TrainingGraph, native: Handle | None) 
         if handle is None:
             continue
         torch_kinds = conv._torch_kinds(op.conv) if converted else set()
+        copies = {kind: (copied, converted) for kind, copied, converted in op.layout_copies}
         for kind in step.kernels:
             problem = op.conv.with_kind(kind)
             # a kind the layer's own route leaves to torch stays torch's under a plan (`ConvLayer._route`):
@@ -322,7 +324,7 @@ def _conv_fronts(model: nn.Module, graph: TrainingGraph, native: Handle | None) 
             # plan's reach: the step holds no workspace for it, whatever its budget
             fronts[(step.op, kind)] = tuple(
                 KernelOption(c.time, c.workspace if converted else 0, c.describe(), "measured",
-                             held=0 if native_only(c) else None)
+                             held=0 if native_only(c) else held_with_copies(c.workspace, copies.get(kind)))
                 for c in ([torch_own] if torch_own is not None else handle.front(problem)))
         if set(step.kernels) == {"bwd_data", "bwd_filter"}:
             _fuse_native_backward(fronts, step.op, op.conv, op.measured_bwd_ms)

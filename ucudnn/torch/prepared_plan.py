@@ -19,7 +19,7 @@ from torch import nn
 from ucudnn.errors import InvalidInput
 from ucudnn.memory.plan import MemoryPlan
 from ucudnn.torch.capturing import CapturedStep, capture, structure
-from ucudnn.torch.layer import ConvLayer
+from ucudnn.torch.layer import ConvLayer, PlanBudgets
 from ucudnn.torch.offload import _copier_for, _HostBuffers, copier_kind
 from ucudnn.torch.recompute import programs_for
 
@@ -71,15 +71,19 @@ class _Prepared:
         if unknown:
             raise InvalidInput(f"plan for {plan.network!r} gives workspace to conv layer(s) {', '.join(unknown[:5])} "
                                f"that {name} does not have; a plan made for another model?")
-        self.budgets: list[tuple[ConvLayer, dict[str, int]]] = []
+        self.budgets: list[tuple[ConvLayer, PlanBudgets]] = []
         by_module: dict[str, dict[str, int]] = {}
+        torch_own: dict[str, set[str]] = {}
         for c in plan.conv_workspace:
-            kinds = by_module.setdefault(ops[c.layer].module, {})
+            module = ops[c.layer].module
+            kinds = by_module.setdefault(module, {})
             kinds[c.kind] = min(kinds.get(c.kind, c.bytes), c.bytes)  # a module called twice: both budgets hold
+            if c.torch_own:  # (called twice: torch's where either call's is, which holds less than the plan counts)
+                torch_own.setdefault(module, set()).add(c.kind)
         for module, kinds in by_module.items():
             conv = modules.get(module)
             if isinstance(conv, ConvLayer):  # torch's own conv: its workspace is torch's business
-                self.budgets.append((conv, kinds))
+                self.budgets.append((conv, PlanBudgets(kinds, frozenset(torch_own.get(module, ())))))
         self.convs = [m for m in modules.values() if isinstance(m, ConvLayer)]
         self.params = {p.untyped_storage()._cdata for p in model.parameters()}  # passed as they are to a replay
         backward = {r for s in graph.steps if s.phase == "bwd" for r in s.reads}

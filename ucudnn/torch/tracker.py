@@ -27,9 +27,10 @@ Categories (`CATEGORIES`):
   (the handles `execute_plan` swaps in included). They are NumPy or CuPy memory, outside PyTorch's
   dispatch, so they are read from the handles (`Handle.workspace_bytes`, the buffers a handle keeps)
   at every event, and a workspace held for one run only (a plan's budget) is reported by the handle
-  itself as it is taken and given back (`Handle.workspace_listener`). The handle names the array each
-  run writes too: a result ucudnn's operator allocated below this mode's dispatch counts as a ``tensor``
-  from its kernel's start, as the simulator holds a step's results beside its workspace.
+  itself as it is taken and given back (`Handle.workspace_listener`). The handle names the arrays each
+  run writes and reads too: a result ucudnn's operator allocated below this mode's dispatch, and its
+  operands' copies into the kernel's layout (a channels-last map where the kernels run NCHW), count as
+  ``tensor``s from the kernel's start, as the simulator holds them beside its workspace.
 
 The device's bytes are every category but ``host``: what a `MemoryPlan`'s ``peak_bytes`` counts
 (weights, weight gradients, feature maps, gradients and workspaces). `TrackerReport.memory` is
@@ -279,17 +280,19 @@ class StepTracker(TorchDispatchMode):
             self._see(p.grad, "weight_grad")
             self._sample()
 
-    def _workspace_event(self, delta: int, out: Any = None) -> None:
+    def _workspace_event(self, delta: int, out: Any = None, reads: tuple = ()) -> None:
         self._transient += delta
         if out is not None:
-            self._kernel_writes(out)
+            for array in (out, *reads):
+                self._kernel_writes(array)
         self._sample()
 
     def _kernel_writes(self, out: Any) -> None:
-        """A converted conv's kernel writes `out` (a NumPy or CuPy array). Where no counted storage holds it,
-        it is the result of an operator that allocated it below this mode's dispatch (ucudnn's operator,
-        as a plan's followed calls run converted convs): counted as a ``tensor`` from now until that
-        operator returns it (`__torch_dispatch__`), as the workspace beside it is."""
+        """A converted conv's kernel writes `out` (a NumPy or CuPy array), or reads it. Where no counted storage
+        holds it, an operator allocated it below this mode's dispatch (ucudnn's operator, as a plan's followed
+        calls run converted convs): its result, or its operands' copies into the kernel's layout
+        (`ucudnn.torch.launch.forward_copies`); counted as a ``tensor`` from now until that operator returns
+        (`__torch_dispatch__`), as the workspace beside it is."""
         face = getattr(out, "__cuda_array_interface__", None) or out.__array_interface__
         ptr, nbytes = face["data"][0], out.nbytes
         if ptr in self._unseen or any(not e.alias and e.ptr <= ptr and ptr + nbytes <= e.ptr + e.nbytes
