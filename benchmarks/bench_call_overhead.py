@@ -28,7 +28,7 @@ the same layers' operators as a compiled graph calls them (the forward without a
 operator and the bias's sum), against `graph aten`, aten.convolution and aten.convolution_backward called so
 (`graph ops - aten`: what a compiled graph pays per layer torch runs for going through ucudnn's operators).
 `torch route` (when ucudnn.torch exists) is what ucudnn.torch charges per kernel call routed through
-ucudnn instead of torch's own convolution (`ucudnn.torch.conv.route_overhead_ms`, forward and
+ucudnn instead of torch's own convolution (`ucudnn.torch.converting.conv.route_overhead_ms`, forward and
 backward of a tiny layer: the autograd Function plus one kernel's share of the handle route).
 
     OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 python benchmarks/bench_call_overhead.py [--calls 5000]
@@ -148,7 +148,7 @@ def layer_calls_us(calls: int, rounds: int, batch: int = 2) -> dict[str, float]:
     fns = {"torch layer": lambda: plain(x).backward(dy), "torch forward": lambda: plain(x)}
     fns.update({name: (lambda layer=layer: layer(x).backward(dy)) for name, layer in layers.items()})
     try:
-        from ucudnn.torch.ops import layer_key
+        from ucudnn.torch.converting.ops import layer_key
     except ImportError:  # an older checkout: no operators
         pass
     else:
@@ -235,7 +235,7 @@ def main() -> int:
     if not gpu:
         results["handle - backend"] = results["handle"] - results["backend"]
         try:
-            from ucudnn.torch.conv import route_overhead_ms
+            from ucudnn.torch.converting.conv import route_overhead_ms
         except ImportError:  # an older checkout: no charge to report
             pass
         else:

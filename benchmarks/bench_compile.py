@@ -46,7 +46,7 @@ from common import interleaved_medians_ms, make_step, table  # noqa: E402
 from models import NAMES, build, loss  # noqa: E402
 
 from ucudnn.torch import convert, zoo  # noqa: E402
-from ucudnn.torch.layer import TRIAL_STEPS, ConvLayer  # noqa: E402
+from ucudnn.torch.converting.layer import TRIAL_STEPS, ConvLayer  # noqa: E402
 
 
 def first_step_s(model: nn.Module, x, y, mode: str, sync) -> float:

@@ -27,7 +27,7 @@ from models import NAMES, build, loss  # noqa: E402
 import torch  # noqa: E402
 
 from ucudnn.torch import check_plan, convert, plan_memory  # noqa: E402
-from ucudnn.torch.layer import TRIAL_STEPS, ConvLayer  # noqa: E402
+from ucudnn.torch.converting.layer import TRIAL_STEPS, ConvLayer  # noqa: E402
 
 MODELS = ("hf-mobilenet-v2", "hf-resnet50", "monai-unet")
 MIB = 2**20

@@ -1,7 +1,7 @@
 """A GPU plan's memory counted on the CPU, with the copies finishing late as on a GPU: predicted peak against the
 peak `StepTracker` counts (its device categories: exact live storage) when the executor's copies to and from the
 host finish at once (the CPU's plain copies) and when they finish as late as a GPU's copy streams may
-(`ucudnn.torch.offload.late_copies`: a copy runs when something waits for it, so the executor holds every device
+(`ucudnn.torch.running.offload.late_copies`: a copy runs when something waits for it, so the executor holds every device
 tensor as long as it does on a GPU, whose caching allocator counts in the host's order).
 
 Models (``--models``; the `models` extra): Hugging Face transformers' ResNet-50 and MobileNetV2 and MONAI's 2-D
@@ -38,8 +38,8 @@ import torch  # noqa: E402
 from ucudnn.devices import load_profile  # noqa: E402
 from ucudnn.memory.planner import make_plan  # noqa: E402
 from ucudnn.torch import plan_memory  # noqa: E402
-from ucudnn.torch.check import check_plan  # noqa: E402
-from ucudnn.torch.offload import late_copies  # noqa: E402
+from ucudnn.torch.checking.check import check_plan  # noqa: E402
+from ucudnn.torch.running.offload import late_copies  # noqa: E402
 
 MODELS = ("hf-resnet50", "hf-mobilenet-v2", "monai-unet")
 BAND = (0.95, 1.05)

@@ -12,7 +12,7 @@ descheduled one is not the step's); per round the ratio of medians to plain's, t
 rounds' ratios. Targets: everything kept at most 1.02x plain; halfway at most the plan's own predicted ratio (its
 step with recomputation and transfers over its baseline step: ``step_ms / baseline_step_ms``; a recomputation is
 charged its operations' forward times and the host time the executor was measured to spend per replayed
-operation, `ucudnn.torch.replay_cost`) plus 5%.
+operation, `ucudnn.torch.planning.replay_cost`) plus 5%.
 
 Python calls per planned step: the entries into the executor's code from outside it (PyTorch calling its hooks,
 its dispatch mode, its context manager), counted by `sys.setprofile` over one untimed step, beside the step's
@@ -60,8 +60,8 @@ import torch  # noqa: E402
 import ucudnn  # noqa: E402
 from ucudnn.torch import convert, execute_plan, plan_memory  # noqa: E402
 
-EXECUTOR_FILES = tuple(str(Path(ucudnn.__file__).parent / "torch" / f) for f in ("memory.py", "offload.py",
-                                                                               "recompute.py"))
+EXECUTOR_FILES = tuple(str(Path(ucudnn.__file__).parent / "torch" / "running" / f)
+                       for f in ("executor.py", "offload.py", "recompute.py"))
 MODELS = ("hf-resnet50", "hf-mobilenet-v2", "monai-unet")
 KEPT_TARGET = 1.02       # everything kept: the executor's own cost, at most 2% of a plain step
 HALFWAY_SLACK = 0.05     # halfway: the plan's predicted ratio plus 5%
@@ -110,7 +110,7 @@ def planning_parts() -> Iterator[dict[str, float]]:
     called): the capture, the device profile, the other operations timed in real steps, the convolutions'
     options, and the solve (`make_plan`: the policy and its simulation)."""
     from ucudnn.memory import planner
-    from ucudnn.torch import planning
+    from ucudnn.torch.planning import planner as planning
 
     spent = {"capture": 0.0, "profile": 0.0, "timed steps": 0.0, "conv options": 0.0, "solve": 0.0}
     parts = [(planning, "_captured", "capture"), (planning, "_profile_for", "profile"),

@@ -44,7 +44,7 @@ from models import build, loss  # noqa: E402
 
 from ucudnn.backends.cpu import NATIVE  # noqa: E402
 from ucudnn.torch import convert, zoo  # noqa: E402
-from ucudnn.torch.layer import TRIAL_STEPS, ConvLayer  # noqa: E402
+from ucudnn.torch.converting.layer import TRIAL_STEPS, ConvLayer  # noqa: E402
 
 # name -> (batch, size): a step of a second or less on a 2-core CPU
 SHAPES = {"resnet18": (4, 64), "hf-resnet50": (4, 64), "hf-mobilenet-v2": (4, 64), "hf-convnext": (4, 64),

@@ -12,7 +12,7 @@ basic residual blocks with batch-norm and in-place ReLUs, a classifier), both `n
   `execute_plan`, at each peak a ``ckpt_seq`` point reached (the equal-memory comparison) and at
   ``--limits`` more fractions of the plain peak.
 
-Peak memory is counted by `ucudnn.torch.tracker.StepTracker` over one step after warm-up steps
+Peak memory is counted by `ucudnn.torch.checking.tracker.StepTracker` over one step after warm-up steps
 (weights, weight gradients freed between steps as zero_grad() does, feature maps, gradients and
 temporaries; host copies too, as a CPU has one memory). Compiled code runs compiled under the tracker (it ignores compile
 internals); the buffers Inductor's generated C++ kernels allocate themselves bypass PyTorch's dispatch,
@@ -50,8 +50,8 @@ import torch._inductor.config  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils.checkpoint import checkpoint_sequential  # noqa: E402
 
-from ucudnn.torch.memory import execute_plan, plan_memory  # noqa: E402
-from ucudnn.torch.tracker import StepTracker  # noqa: E402
+from ucudnn.torch import execute_plan, plan_memory  # noqa: E402
+from ucudnn.torch.checking.tracker import StepTracker  # noqa: E402
 
 MiB = 2**20
 SLACK = 0.05  # the "by more than 5%": differences below this are noise on a shared machine

@@ -136,8 +136,8 @@ def run_variant(spec: dict) -> dict:
     from torch.utils.checkpoint import checkpoint_sequential
 
     from ucudnn.torch import capture
-    from ucudnn.torch.memory import execute_plan
-    from ucudnn.torch.planning import plan_memory
+    from ucudnn.torch.running.executor import execute_plan
+    from ucudnn.torch.planning.planner import plan_memory
 
     torch.manual_seed(0)
     dev = torch.device(spec["device"])
@@ -238,7 +238,7 @@ def interleaved(spec: dict, steps: int) -> dict:
     from torch import nn
     from torch.utils.checkpoint import checkpoint_sequential
 
-    from ucudnn.torch.memory import execute_plan
+    from ucudnn.torch.running.executor import execute_plan
 
     torch.manual_seed(0)
     model = chain(spec["layers"], spec["channels"])

@@ -38,7 +38,7 @@ from common import interleaved_medians_ms, table  # noqa: E402
 from ucudnn.handle import SEGMENT_ALIGN_BYTES  # noqa: E402
 from ucudnn.sizes import format_size, parse_size  # noqa: E402
 from ucudnn.torch import Conv2d, StepTracker, convert, execute_plan, plan_memory, zoo  # noqa: E402
-from ucudnn.torch.conv import TRIAL_STEPS  # noqa: E402
+from ucudnn.torch.converting.conv import TRIAL_STEPS  # noqa: E402
 
 MIB = 2**20
 

@@ -1,5 +1,5 @@
 """Every policy's plan checked against a real step on this machine (CPU): predicted against achieved peak
-(counted by `ucudnn.torch.tracker.StepTracker`), step time and bytes moved, through `check_plan`.
+(counted by `ucudnn.torch.checking.tracker.StepTracker`), step time and bytes moved, through `check_plan`.
 
 The models are `bench_frontier`'s chain and ResNet-shaped model; each policy plans for this machine
 (`plan_memory`, the measured CPU profile) at a limit of the weights and half the feature maps, so that
@@ -22,9 +22,9 @@ from bench_frontier import build  # noqa: E402
 from common import keep_freed_memory, table  # noqa: E402
 
 from ucudnn.memory import available_policies  # noqa: E402
-from ucudnn.torch.check import check_plan  # noqa: E402
+from ucudnn.torch.checking.check import check_plan  # noqa: E402
 from ucudnn.torch import capture  # noqa: E402
-from ucudnn.torch.planning import plan_memory  # noqa: E402
+from ucudnn.torch.planning.planner import plan_memory  # noqa: E402
 
 MiB = 2**20
 

@@ -13,7 +13,7 @@ are timed too. Printed per model:
   as planning timed them (`_op_times`), per operation;
 - the plan's prediction: its step over its baseline step, of which the replayed operations' forward times and
   the host time it charges per replayed operation (`TrainingGraph.replay_host_ms`, measured on the model by
-  `ucudnn.torch.replay_cost`).
+  `ucudnn.torch.planning.replay_cost`).
 
     OMP_NUM_THREADS=1 python benchmarks/bench_replay_cost.py [--models hf-mobilenet-v2,monai-unet] [--reps 15]
 """
@@ -33,8 +33,9 @@ from models import NAMES, build, loss  # noqa: E402
 import torch  # noqa: E402
 
 from ucudnn.memory.simulate import expand  # noqa: E402
-from ucudnn.torch import execute_plan, plan_memory, planning  # noqa: E402
-from ucudnn.torch import recompute  # noqa: E402
+from ucudnn.torch import execute_plan, plan_memory  # noqa: E402
+from ucudnn.torch.planning import planner as planning  # noqa: E402
+from ucudnn.torch.running import recompute  # noqa: E402
 
 
 class RebuildTimer:

@@ -157,9 +157,9 @@ def plan(ctx, network, batch, device_name, memory, policy, devices, devices_per_
 
 
 def _check(network: str, batch: int, memory: int | None, policy: str, as_json: bool) -> int:
-    """--check: one step of the network under its plan on this machine (ucudnn.torch.check)."""
+    """--check: one step of the network under its plan on this machine (ucudnn.torch.checking.check)."""
     try:
-        from ucudnn.torch.check import check_network
+        from ucudnn.torch.checking.check import check_network
     except ImportError as exc:
         raise InvalidInput(f"--check needs PyTorch: {exc}") from None
     checked = check_network(network, batch, memory_limit=memory,

@@ -108,7 +108,7 @@ def memtracker_peak(model, plan, x, y, loss: Callable = loss) -> int:
     converted conv, allocates its result and its operands' copies into the kernel's layout below dispatch)."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    from ucudnn.torch.layer import ConvLayer
+    from ucudnn.torch.converting.layer import ConvLayer
 
     inputs = list(x.values()) if isinstance(x, dict) else [x]
     device = inputs[0].device

@@ -169,7 +169,7 @@ torch = pytest.importorskip("torch")
 
 def test_torch_handles_charge_the_measured_route_cost():
     from ucudnn.torch import Conv2d, convert
-    from ucudnn.torch.conv import route_overhead_ms
+    from ucudnn.torch.converting.conv import route_overhead_ms
 
     overhead = route_overhead_ms()
     assert 0 < overhead < 100  # the autograd Function alone costs host time; a step is not 100 ms
@@ -185,7 +185,7 @@ def test_torch_handles_charge_the_measured_route_cost():
 @pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
 def test_the_route_is_measured_whatever_grad_mode_convert_runs_in(mode):
     from ucudnn.torch import convert
-    from ucudnn.torch.conv import route_overhead_ms
+    from ucudnn.torch.converting.conv import route_overhead_ms
 
     route_overhead_ms.cache_clear()  # measure again, inside the mode
     with getattr(torch, mode)():

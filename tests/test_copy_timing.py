@@ -18,9 +18,9 @@ from ucudnn.memory.graph import Op, TrainingGraph  # noqa: E402
 from ucudnn.memory.planner import as_executed, make_plan  # noqa: E402
 from ucudnn.memory.simulate import StepCost, simulate  # noqa: E402
 from ucudnn.torch import execute_plan, plan_memory  # noqa: E402
-from ucudnn.torch.check import check_plan  # noqa: E402
-from ucudnn.torch.prepared_plan import _prepared  # noqa: E402
-from ucudnn.torch.offload import _LateCopier, late_copies  # noqa: E402
+from ucudnn.torch.checking.check import check_plan  # noqa: E402
+from ucudnn.torch.running.prepared_plan import _prepared  # noqa: E402
+from ucudnn.torch.running.offload import _LateCopier, late_copies  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 from plain_training import assert_trains_alike, train  # noqa: E402

@@ -16,8 +16,8 @@ from ucudnn.memory.gradients import gradient_lives  # noqa: E402
 from ucudnn.memory.graph import Op, TrainingGraph  # noqa: E402
 from ucudnn.memory.simulate import expand  # noqa: E402
 from ucudnn.torch import capture  # noqa: E402
-from ucudnn.torch.check import check_plan  # noqa: E402
-from ucudnn.torch.memory import plan_memory  # noqa: E402
+from ucudnn.torch.checking.check import check_plan  # noqa: E402
+from ucudnn.torch import plan_memory  # noqa: E402
 
 
 class Residual(nn.Module):

@@ -26,7 +26,13 @@ LAYERS = (
     ("ucudnn.kernel",),                                                # one kernel: measure, run, check
     ("ucudnn.handle",),                                                # a layer's kernels: plan and launch
     ("ucudnn.network", "ucudnn.memory"),                               # a whole network
-    ("ucudnn.torch",),                                                 # PyTorch
+    # PyTorch, room by room (its front door, `zoo` and `distributed` above them)
+    ("ucudnn.torch.converting",),                                      # drop-in convolutions
+    ("ucudnn.torch.capturing",),                                       # one training step recorded
+    ("ucudnn.torch.running",),                                         # a plan executed
+    ("ucudnn.torch.planning",),                                        # a plan made
+    ("ucudnn.torch.checking",),                                        # a plan checked
+    ("ucudnn.torch",),
     ("ucudnn.cli", "ucudnn"),                                          # entry points
 )
 
@@ -109,7 +115,7 @@ IMPORTS = {name: _imports(name, path, MODULES) for name, path in MODULES.items()
 def test_the_walk_sees_the_whole_package():
     # A walk that found nothing would pass every check below.
     assert {"ucudnn", "ucudnn.handle", "ucudnn.solver.wr", "ucudnn.db.cache", "ucudnn.cli.main",
-            "ucudnn.torch.conv", "ucudnn.memory.graph", "ucudnn.backends.cpu"} <= set(MODULES)
+            "ucudnn.torch.converting.conv", "ucudnn.memory.graph", "ucudnn.backends.cpu"} <= set(MODULES)
     assert "ucudnn.reference" in IMPORTS["ucudnn.kernel.selftest"]
 
 

@@ -20,7 +20,7 @@ from torch import nn  # noqa: E402
 
 from plain_training import assert_trains_alike, plain_runs, train  # noqa: E402
 from ucudnn.torch import convert  # noqa: E402
-from ucudnn.torch.layer import ConvLayer  # noqa: E402
+from ucudnn.torch.converting.layer import ConvLayer  # noqa: E402
 
 def _basic_unet_3d():
     return BasicUNet(spatial_dims=3, in_channels=1, out_channels=2, features=(4, 4, 8, 16, 32, 4))

@@ -15,7 +15,8 @@ from torch.nn import functional as F  # noqa: E402
 from plain_training import assert_trains_alike, train  # noqa: E402
 from ucudnn.errors import UnsupportedProblem  # noqa: E402
 from ucudnn.memory.planner import POLICIES  # noqa: E402
-from ucudnn.torch import execute_plan, measure_profile, plan_memory, planning  # noqa: E402
+from ucudnn.torch import execute_plan, measure_profile, plan_memory  # noqa: E402
+from ucudnn.torch.planning import planner as planning  # noqa: E402
 from ucudnn.torch.zoo import build  # noqa: E402
 
 SEQ, BATCH, VOCAB, LABELS = 16, 2, 100, 3

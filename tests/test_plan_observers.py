@@ -20,7 +20,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from ucudnn.errors import UnsupportedProblem
 from ucudnn.memory.plan import MemoryPlan, TensorAction
 from ucudnn.torch import StepTracker, capture, execute_plan, plan_memory
-from ucudnn.torch.offload import late_copies
+from ucudnn.torch.running.offload import late_copies
 
 STEPS = 2
 

@@ -306,7 +306,7 @@ def test_a_channels_last_input_gets_torchs_layout_back_on_every_route(algos, pat
     # answers in that layout (made contiguous first, it cost a copy and NCHW kernels: 4-5% of the VAE's step).
     # Every route of a converted layer answers as torch does, the operator's (a captured step's) and its fake
     # one included: a plan follows the captured step's operations, which a layout changed midway would change
-    from ucudnn.torch.layer import through_operators
+    from ucudnn.torch.converting.layer import through_operators
 
     torch.manual_seed(0)
     plain = nn.Conv2d(4, 5, 3, padding=1)

@@ -1,5 +1,5 @@
 """ucudnn.torch under torch.compile and torch.export: the converted convolutions are the operators of
-ucudnn.torch.ops, traced without graph breaks and planned when the graph runs, on real tensors.
+ucudnn.torch.converting.ops, traced without graph breaks and planned when the graph runs, on real tensors.
 
 References are torch's own nn.Conv2d (independent of ucudnn) on fresh random data. Most compiles use
 the "aot_eager" backend (Dynamo, the operators' fake implementations and AOTAutograd, without
@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 import ucudnn  # noqa: E402
 from ucudnn import Handle, InvalidInput, LateRegistrationWarning  # noqa: E402
 from ucudnn.torch import Conv2d, convert  # noqa: E402
-from ucudnn.torch import ops  # noqa: E402
+from ucudnn.torch.converting import ops  # noqa: E402
 
 RTOL, ATOL = 1e-4, 1e-4
 # ucudnn's own NumPy kernels (no `native`): every kernel of every layer runs through the handle
@@ -578,7 +578,7 @@ def test_through_the_operators_a_layer_torch_runs_is_torchs_own_convolution():
     # inside a capture or a plan's followed calls a converted layer is one operation; where its route is torch's
     # own kernel of every kind, that operation is torch's aten.convolution with torch's autograd (the operators'
     # Python autograd and dispatch cost about 60 us more per layer on the CPU); a routed layer stays ucudnn's
-    from ucudnn.torch.layer import through_operators
+    from ucudnn.torch.converting.layer import through_operators
 
     for algos, op, node in ((["native"], torch.ops.aten.convolution.default, "ConvolutionBackward0"),
                             (["im2col_gemm"], torch.ops.ucudnn.convolution.default, "_ConvolutionBackward")):
@@ -602,7 +602,7 @@ def test_a_planned_layer_called_through_its_operator_runs_its_eager_function_whe
     # the operator's autograd kernel takes a planned layer's eager route on real tensors (its Function, whose
     # backward runs the route): the forward and backward operators below it cost two dispatches to Python more
     # (34 us a tiny layer); a dispatch mode (a capture, a plan's followed calls) still sees the operator
-    from ucudnn.torch.layer import through_operators
+    from ucudnn.torch.converting.layer import through_operators
 
     torch.manual_seed(0)
     plain = nn.Conv2d(4, 6, 3, padding=1)

@@ -22,7 +22,7 @@ from ucudnn.problem import ConvProblem  # noqa: E402
 from ucudnn.reference import reference, relative_error  # noqa: E402
 from ucudnn.torch import (Conv1d, Conv2d, Conv3d, ConvTranspose1d, ConvTranspose2d, ConvTranspose3d,  # noqa: E402
                           capture, convert, execute_plan, plan_memory)
-from ucudnn.torch.layer import ConvLayer  # noqa: E402
+from ucudnn.torch.converting.layer import ConvLayer  # noqa: E402
 
 # ucudnn's NumPy kernels only, each kernel in micro-batches of one sample: nothing falls back to torch
 MICRO = {"backend": "cpu", "policy": (1,), "algos": ["im2col_gemm"], "reps": 1, "db": False, "call_overhead": 0}

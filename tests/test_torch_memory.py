@@ -1,4 +1,4 @@
-"""ucudnn.torch.memory: memory plans run in PyTorch training (offload, prefetch, recompute, workspaces), following
+"""ucudnn.torch.running.executor: memory plans run in PyTorch training (offload, prefetch, recompute, workspaces), following
 the captured step."""
 
 from __future__ import annotations
@@ -24,12 +24,14 @@ from ucudnn import InvalidInput, UnsupportedProblem  # noqa: E402
 from ucudnn.memory import available_policies  # noqa: E402
 from ucudnn.memory.plan import ConvWorkspace, MemoryPlan, TensorAction  # noqa: E402
 from ucudnn.torch import capture, convert  # noqa: E402
-from ucudnn.torch import memory as tm  # noqa: E402
-from ucudnn.torch import ops as tm_ops  # noqa: E402
-from ucudnn.torch import planning, prepared_plan  # noqa: E402
-from ucudnn.torch.check import check_plan  # noqa: E402
-from ucudnn.torch.layer import ConvLayer  # noqa: E402
-from ucudnn.torch.memory import ExecutionStats, execute_plan, plan_memory  # noqa: E402
+from ucudnn.torch.running import executor as tm  # noqa: E402
+from ucudnn.torch.converting import ops as tm_ops  # noqa: E402
+from ucudnn.torch.planning import planner as planning  # noqa: E402
+from ucudnn.torch.running import prepared_plan  # noqa: E402
+from ucudnn.torch.checking.check import check_plan  # noqa: E402
+from ucudnn.torch.converting.layer import ConvLayer  # noqa: E402
+from ucudnn.torch.running.executor import ExecutionStats, execute_plan  # noqa: E402
+from ucudnn.torch.planning.planner import plan_memory  # noqa: E402
 
 RTOL, ATOL = 1e-5, 1e-6
 STEPS = 3
@@ -418,7 +420,7 @@ def test_planning_on_this_cpu_times_each_op_both_ways_and_leaves_the_model_and_r
 
 def test_planning_on_this_cpu_measures_what_a_replayed_operation_costs_the_host_and_plans_with_it(monkeypatch):
     from ucudnn.memory import planner
-    from ucudnn.torch import replay_cost
+    from ucudnn.torch.planning import replay_cost
 
     planned, graphs = [], []
     execute = replay_cost.execute_plan
@@ -553,7 +555,7 @@ def test_a_layers_backward_makes_both_gradients_before_its_kernels_run(monkeypat
     dw's bytes below the prediction (2304 bytes: SmallNet's conv2 under a plan, by chance of measurement)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from ucudnn.torch import launch
+    from ucudnn.torch.converting import launch
 
     layer = convert(nn.Conv2d(8, 8, 3, padding=1, bias=False), backend="cpu", policy="undivided", reps=1, db=False,
                     algos=["im2col_gemm"])
@@ -757,7 +759,7 @@ def test_plan_memory_validates_its_arguments():
         plan_memory(model, x, memory_limit="1GiB", policy="no-such-policy", device="k40")
     with pytest.raises(InvalidInput, match="model"):
         plan_memory("not a model", x)
-    profile = tm.measure_profile("cpu")  # device=None on the CPU: this host, measured
+    profile = planning.measure_profile("cpu")  # device=None on the CPU: this host, measured
     assert profile.name == "host" and profile.memory_bytes > 2**30 and profile.fp32_tflops > 0
 
 

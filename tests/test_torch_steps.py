@@ -199,7 +199,7 @@ def test_wd_learns_the_layers_from_the_first_forward_and_solves_once(monkeypatch
 def test_wd_learns_each_layer_in_the_layout_its_route_runs(monkeypatch):
     # On CUDA a channels-last input runs as an NHWC problem. Learnt as NCHW, every layer's first real
     # call registered it anew, and WD solved the network again (measuring NCHW kernels) per layer.
-    from ucudnn.torch import layer as conv_module
+    from ucudnn.torch.converting import layer as conv_module
 
     def channels_last_anywhere(t):  # what _layout_name says for CUDA tensors, here for CPU ones
         return "NHWC" if not t.is_contiguous() and t.is_contiguous(memory_format=torch.channels_last) else "NCHW"
@@ -253,7 +253,7 @@ def test_empty_batch_returns_what_nn_conv2d_returns():
 def test_out_of_memory_in_torchs_allocator_reaches_the_handle_as_a_memory_error(monkeypatch):
     # On CUDA, CuPy allocates from torch's caching allocator, whose OutOfMemoryError is a RuntimeError:
     # the handle took it for a lasting failure and recorded the planned algorithm unusable in the cache.
-    from ucudnn.torch import launch as conv_module
+    from ucudnn.torch.converting import launch as conv_module
 
     def empty(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")

@@ -1,4 +1,4 @@
-"""ucudnn.torch.tracker and ucudnn.torch.check: a step's memory counted from live storages, on hand-computed cases."""
+"""ucudnn.torch.checking.tracker and ucudnn.torch.checking.check: a step's memory counted from live storages, on hand-computed cases."""
 
 from __future__ import annotations
 
@@ -16,10 +16,11 @@ from ucudnn import InvalidInput  # noqa: E402
 from ucudnn.memory import available_policies  # noqa: E402
 from ucudnn.memory.planner import OFFLOADING  # noqa: E402
 from ucudnn.torch import convert  # noqa: E402
-from ucudnn.torch.check import check_plan  # noqa: E402
-from ucudnn.torch.memory import plan_memory  # noqa: E402
-from ucudnn.torch.prepared_plan import _prepared  # noqa: E402
-from ucudnn.torch.tracker import CATEGORIES, StepTracker, allocated_as  # noqa: E402
+from ucudnn.torch.checking.check import check_plan  # noqa: E402
+from ucudnn.torch import plan_memory  # noqa: E402
+from ucudnn.torch.running.prepared_plan import _prepared  # noqa: E402
+from ucudnn.torch.checking.tracker import StepTracker  # noqa: E402
+from ucudnn.torch.running.labels import CATEGORIES, allocated_as  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_torch_memory import HAND_PLANS, SmallNet, _data, _hand_plan  # noqa: E402

@@ -199,7 +199,7 @@ def torch_input():
 
 
 def test_a_backward_pass_that_wins_in_the_step_keeps_its_kernels(monkeypatch):
-    from ucudnn.torch import launch
+    from ucudnn.torch.converting import launch
 
     fused = launch.Geometry.torch_backward
 
@@ -278,7 +278,9 @@ def test_a_plan_offers_the_kinds_a_layer_leaves_to_torch_torchs_option_alone():
     # that nothing held: a converted HF ResNet-50's plans counted 0.9944-0.9980 of their predictions)
     import torch
 
-    from ucudnn.torch import capture, planning
+    from ucudnn.torch import capture
+
+    from ucudnn.torch.planning import planner as planning
 
     backend = Staged({"im2col_gemm": 1.0, NATIVE: 10.0}, {"im2col_gemm": 5.0, NATIVE: 30.0})
     layer, _ = _trained_layer(backend, TRIAL_STEPS_OF_2)  # its backward pass: torch's fused call
@@ -293,6 +295,6 @@ def test_a_plan_offers_the_kinds_a_layer_leaves_to_torch_torchs_option_alone():
 
 
 def test_trial_steps_hold_both_trials():
-    from ucudnn.torch.layer import TRIAL_RUNS, TRIAL_STEPS
+    from ucudnn.torch.converting.layer import TRIAL_RUNS, TRIAL_STEPS
 
     assert TRIAL_STEPS == 4 * (TRIAL_RUNS + 1)

@@ -188,7 +188,7 @@ class Handle(_Planning, _Trials, _Recovery, _Workspaces, _Launching):
         # called around every kernel run, with (+bytes, the array it writes, the arrays it reads) before and
         # (-bytes, None) after,
         # the bytes of a workspace held for that run only (a plan's budget), else 0; set by
-        # `ucudnn.torch.tracker.StepTracker` while it counts
+        # `ucudnn.torch.checking.tracker.StepTracker` while it counts
         self.workspace_listener: Any = None
         # WD: layer -> (fwd problem at any batch, kinds); batch -> (layer, kind) -> plan; one arena
         self._layers: dict[str, tuple[ConvProblem, frozenset[str]]] = {}

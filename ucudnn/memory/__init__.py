@@ -5,7 +5,7 @@
 - `timing`: each step's time and workspace (measured conv configurations, else a roofline).
 - `simulate`: the event simulator every policy goes through (its docstring says how a policy drives it).
 - `planner`: `make_plan(graph, device, memory_limit, policy, *, devices=1, db=None) -> MemoryPlan`.
-- `plan`: the plan format shared by the planner and the PyTorch executor (`ucudnn.torch.memory`).
+- `plan`: the plan format shared by the planner and the PyTorch executor (`ucudnn.torch.running.executor`).
 """
 
 from ucudnn.memory.plan import ACTIONS, ConvWorkspace, MemoryPlan, TensorAction

@@ -24,7 +24,7 @@ Two sources, one format:
   cuDNN and PyTorch do (conv its input, relu its output, max-pool its input and output, batch-norm
   its input, linear its input, loss its input; add, concat, views and average pools nothing), its
   gradients as `ucudnn.memory.gradients` models autograd.
-- **A captured PyTorch step** (`ucudnn.torch.capturing`): the ops PyTorch ran, and what the step did that
+- **A captured PyTorch step** (`ucudnn.torch.capturing.capture`): the ops PyTorch ran, and what the step did that
   the zoo models, observed instead (`Captured`): the backward steps in the order autograd ran them,
   the storages each read (what autograd saved), every buffer the backward pass held (`Life`), and the
   storages the program itself held longer than their readers (a Python variable, a returned value).
@@ -128,7 +128,7 @@ class TrainingGraph:
     `captured`: what a captured PyTorch step observed (None: a zoo graph, modelled).
     `replay_host_ms`: the host time a recomputation costs beyond its operations' own, per operation
     replayed: what PyTorch's executor spends following the forward pass where a dropped map is made and
-    rebuilding it (`ucudnn.torch.replay_cost`, measured on the model by `plan_memory`; 0: not measured)."""
+    rebuilding it (`ucudnn.torch.planning.replay_cost`, measured on the model by `plan_memory`; 0: not measured)."""
 
     network: str
     batch: int

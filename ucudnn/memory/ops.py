@@ -1,5 +1,5 @@
 """An op of the training graph and what it costs: one builder computes the zoo's ops' output shapes, flops,
-traffic and weights (`ucudnn.memory.graph`); a captured PyTorch step (`ucudnn.torch.capturing`) makes its ops
+traffic and weights (`ucudnn.memory.graph`); a captured PyTorch step (`ucudnn.torch.capturing.capture`) makes its ops
 from what PyTorch ran.
 """
 
@@ -37,7 +37,7 @@ class Op:
     nbytes: int | None = None     # its storage's bytes where known exactly (a captured op: any dtype, every output)
     # a captured converted conv: per kernel kind, (bytes of its operands' copies into the layout its planned kernels
     # run in, held while one runs; bytes of its result's copy into torch's memory format, made after it), where
-    # an operand comes in another format (a channels-last map where they run NCHW): `ucudnn.torch.launch`
+    # an operand comes in another format (a channels-last map where they run NCHW): `ucudnn.torch.converting.launch`
     layout_copies: tuple[tuple[str, int, int], ...] = ()
 
     @property

@@ -1,7 +1,7 @@
 """The plan format: what the planner decides and the executor runs (JSON as in `ucudnn plan --json`).
 
 Tensor names are the graph's: for a captured PyTorch step, a feature map is named after the module and
-the operation that made it (``layer1.0.conv1:conv``, `ucudnn.torch.capture_graph`); for a zoo network,
+the operation that made it (``layer1.0.conv1:conv``, `ucudnn.torch.capturing.graph`); for a zoo network,
 after its layer. Conv workspaces are named by the conv layer and the kernel (`fwd`, `bwd_data`, `bwd_filter`).
 """
 
@@ -78,7 +78,7 @@ class MemoryPlan:
     # The planner's simulation of this plan (`ucudnn.memory.simulate.SimResult`: timeline, memory over
     # the step), for plots; not part of the plan's JSON or of equality.
     simulation: Any = field(default=None, compare=False, repr=False)
-    # The captured PyTorch step the plan was made for (`ucudnn.torch.capturing.CapturedStep`), which its
+    # The captured PyTorch step the plan was made for (`ucudnn.torch.capturing.capture.CapturedStep`), which its
     # executor follows; not part of the plan's JSON or of equality (a plan read back captures again).
     capture: Any = field(default=None, compare=False, repr=False)
 

@@ -3,26 +3,21 @@
 memory plans in training: `plan_memory(model, example_input, ...)` and `execute_plan(model, plan)`, on a
 training step captured as PyTorch runs it (`capture`).
 
-Submodules: `conv` (the drop-ins and `convert`), `layer` (how a converted layer runs), `ops` (its kernels as
-torch.library operators, for torch.compile and torch.export), `launch` (a planned kernel run on torch
-tensors), `capturing` (one training step
-recorded: forward, loss, backward), `capture_graph` (what it recorded as the planner's graph),
-`operations` (ATen operations as a capture reads them), `planning` (`plan_memory`),
-`memory` (running a plan in training: `execute_plan`), `offload` (its host copies and saved-tensor
-hooks), `recompute` (dropped storages rebuilt), `zoo` (torchvision-shaped models written by hand),
-`distributed` (uneven batches), `tracker` (a step's memory counted from live storages), `check` (a
-plan's predictions against one real step: `check_plan`), `graph_model` (a training graph as a PyTorch
-model). This package imports torch; ``import ucudnn`` does not import it.
+Five rooms, each importing only the ones before it: `converting` (the drop-ins, `convert`, their kernels
+as operators), `capturing` (one training step recorded), `running` (`execute_plan`: offload, prefetch,
+recompute), `planning` (`plan_memory`) and `checking` (`StepTracker`, `check_plan`). Beside them: `zoo`
+(torchvision-shaped models written by hand) and `distributed` (data-parallel training on uneven batches).
+This package imports torch; ``import ucudnn`` does not import it.
 """
 
-from ucudnn.torch.capturing import capture
-from ucudnn.torch.conv import (Conv1d, Conv2d, Conv3d, ConvTranspose1d, ConvTranspose2d, ConvTranspose3d, announce,
-                               convert)
-from ucudnn.torch.memory import ExecutionStats, execute_plan
-from ucudnn.torch.planning import measure_profile, plan_memory
 from ucudnn.torch import zoo
-from ucudnn.torch.check import PlanCheck, check_plan
-from ucudnn.torch.tracker import StepTracker
+from ucudnn.torch.capturing.capture import capture
+from ucudnn.torch.checking.check import PlanCheck, check_plan
+from ucudnn.torch.checking.tracker import StepTracker
+from ucudnn.torch.converting.conv import (Conv1d, Conv2d, Conv3d, ConvTranspose1d, ConvTranspose2d, ConvTranspose3d,
+                                          announce, convert)
+from ucudnn.torch.planning.planner import measure_profile, plan_memory
+from ucudnn.torch.running.executor import ExecutionStats, execute_plan
 
 __all__ = ["Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d", "ExecutionStats",
            "PlanCheck", "StepTracker", "announce", "capture", "check_plan", "convert", "execute_plan",

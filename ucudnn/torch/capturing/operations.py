@@ -1,4 +1,4 @@
-"""ATen operations as a captured step reads them (`ucudnn.torch.capturing`, and the executor and the timed steps
+"""ATen operations as a captured step reads them (`ucudnn.torch.capturing.capture`, and the executor and the timed steps
 that follow one): which count as the step's, which storages one writes, its flops, which are convolutions, and
 the bytes a reduction's real kernel holds its result in.
 """
@@ -12,14 +12,14 @@ from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.flop_counter import flop_registry
 
-from ucudnn.torch import ops as _ops  # noqa: F401 - registers torch.ops.ucudnn, which a capture recognises
-from ucudnn.torch.launch import backward_copies, forward_copies
+from ucudnn.torch.converting import ops as _ops  # noqa: F401 - registers torch.ops.ucudnn, which a capture recognises
+from ucudnn.torch.converting.launch import backward_copies, forward_copies
 
 __all__ = ["CONVOLUTIONS", "conv_backward_copies", "conv_backward_kinds", "conv_spec", "counted", "flops",
            "reduction_bytes", "same_op", "storage_key", "written_keys"]
 
 aten = torch.ops.aten
-# A convolution as one operation: torch's, or a converted layer's (`ucudnn.torch.conv.through_operators`).
+# A convolution as one operation: torch's, or a converted layer's (`ucudnn.torch.converting.conv.through_operators`).
 CONVOLUTIONS = frozenset({aten.convolution.default, torch.ops.ucudnn.convolution.default})
 # ucudnn's operator takes aten.convolution's arguments, its layer's key where aten's takes the bias
 _CONVOLUTION_ARGS = 9
@@ -77,7 +77,7 @@ def flops(func, args, kwargs, out, out_bytes: int) -> float:
 def conv_spec(func, args) -> tuple | None:
     """(x shape, w shape, stride, padding, dilation, transposed, output_padding, groups, copies) of a
     convolution's forward, torch's or ucudnn's. `copies`: what a converted layer's planned fwd kernel holds
-    beside its workspace and output (`ucudnn.torch.launch.forward_copies`: its operands' copies into its
+    beside its workspace and output (`ucudnn.torch.converting.launch.forward_copies`: its operands' copies into its
     layout, and whether its output is copied into torch's format after it); torch's own, (0, False)."""
     if func not in CONVOLUTIONS:
         return None
@@ -103,7 +103,7 @@ def conv_backward_kinds(func, args, kwargs) -> tuple[str, ...]:
 
 def conv_backward_copies(func, args, kwargs) -> tuple[tuple[str, int, int], ...]:
     """What a converted layer's planned backward kernels of this backward operation hold beside their
-    workspaces and results, per kind (`ucudnn.torch.launch.backward_copies`; the operands as autograd passes
+    workspaces and results, per kind (`ucudnn.torch.converting.launch.backward_copies`; the operands as autograd passes
     them: a gradient arrives in the memory format the operations after the layer leave it in). Torch's own
     convolution's backward: nothing."""
     if func is torch.ops.ucudnn.convolution_backward.default:

@@ -37,7 +37,7 @@ operation, as `aten.convolution` is (a captured step names each by that one op).
 give shapes and strides with the kernels' own checks, so FakeTensorMode, Dynamo and export run nothing. A
 graph or exported program runs only in the process, and while the model lives, whose layers it names; a
 missing layer raises `InvalidInput`. Eager calls of a converted layer do not go through these operators: the
-dispatcher and the operator's autograd wrapper would add host time per call (see `ucudnn.torch.layer`).
+dispatcher and the operator's autograd wrapper would add host time per call (see `ucudnn.torch.converting.layer`).
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ import torch
 from torch import nn
 
 from ucudnn.errors import InvalidInput
-from ucudnn.torch.launch import (Geometry, _in_format, _memory_format, _result_format, geometry, run_backward,
+from ucudnn.torch.converting.launch import (Geometry, _in_format, _memory_format, _result_format, geometry, run_backward,
                                  run_forward)
 
 __all__ = ["convolution", "convolution_backward", "convolution_backward_data", "convolution_backward_filter",

@@ -9,7 +9,7 @@
 1. ``warmup`` steps untracked: the first prepares the (model, plan) pair (its trace and check) and
    takes the executor's host buffers, as a training loop's first step does. (The workspace a converted
    conv's handle kept from steps outside a plan is given back by every planned step: `execute_plan`.)
-2. One step under a `ucudnn.torch.tracker.StepTracker`: the peak of the device's live storages
+2. One step under a `ucudnn.torch.checking.tracker.StepTracker`: the peak of the device's live storages
    (weights, weight gradients, feature maps, gradients, workspaces), the host copies apart, and
    memory over the step. Weight gradients are freed between steps, as `zero_grad()` does by default
    (zeroed, a layer's new gradient and its zeroed one would be held at once while autograd adds
@@ -37,10 +37,10 @@ from torch import nn
 
 from ucudnn.errors import InvalidInput
 from ucudnn.memory.plan import MemoryPlan
-from ucudnn.torch.model_call import batched_call, default_loss
-from ucudnn.torch.memory import execute_plan
-from ucudnn.torch.prepared_plan import _prepared
-from ucudnn.torch.tracker import StepTracker, TrackerReport
+from ucudnn.torch.capturing.model_call import batched_call, default_loss
+from ucudnn.torch.running.executor import execute_plan
+from ucudnn.torch.running.prepared_plan import _prepared
+from ucudnn.torch.checking.tracker import StepTracker, TrackerReport
 
 __all__ = ["PlanCheck", "check_network", "check_plan"]
 
@@ -104,7 +104,7 @@ def check_plan(model: nn.Module, plan: MemoryPlan, example_input: Any, target: t
     """Run `model` on `example_input` (a tensor, a tuple of positional arguments or a dict of keyword
     arguments) under `plan` and compare with the plan's predictions (see the module docstring). The loss
     is `loss_fn(output, target)` where given, else `loss(output)` (as `plan_memory` takes it), else
-    cross-entropy against `target` where given, else `ucudnn.torch.model_call.default_loss`."""
+    cross-entropy against `target` where given, else `ucudnn.torch.capturing.model_call.default_loss`."""
     if not isinstance(model, nn.Module):
         raise InvalidInput(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(plan, MemoryPlan):
@@ -165,12 +165,12 @@ def check_plan(model: nn.Module, plan: MemoryPlan, example_input: Any, target: t
 
 def check_network(network: str, batch: int, *, memory_limit: int | None = None, policy: str = "optimal",
                   device: str | None = None, steps: int = 3) -> PlanCheck:
-    """`check_plan` for zoo network `network`: built in PyTorch (`ucudnn.torch.graph_model.model_of`), planned for
+    """`check_plan` for zoo network `network`: built in PyTorch (`ucudnn.torch.checking.graph_model.model_of`), planned for
     this machine (`plan_memory` with the example input on `device`: "cuda" where a GPU is at hand,
     else the CPU) and run, with random inputs and labels."""
     from ucudnn.memory.graph import from_network
-    from ucudnn.torch.planning import plan_memory
-    from ucudnn.torch.graph_model import model_of
+    from ucudnn.torch.planning.planner import plan_memory
+    from ucudnn.torch.checking.graph_model import model_of
 
     graph = from_network(network, batch)
     where = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))

@@ -12,7 +12,7 @@ channels. Layer ids are the modules' qualified names (``layer1.0.conv1``); a lay
 ``conv@<id(self) in hex>``. A 1-D convolution runs as the 2-D one of height 1; a transposed one as a
 convolution's backward kernels (`ucudnn.problem`).
 
-Each layer keeps a route per input signature, planned at its first call (`ucudnn.torch.layer`). Where
+Each layer keeps a route per input signature, planned at its first call (`ucudnn.torch.converting.layer`). Where
 a plan routes a layer through the handle rather than torch's own convolution, that costs host time
 per kernel call that kernel measurements do not see: on the CPU, the handles this module makes charge
 it when planning (`route_overhead_ms`, measured once per process, as ``Handle(call_overhead=...)``),
@@ -27,7 +27,7 @@ recording forward pass in eval mode (batch-norm statistics untouched); use it wh
 pass runs under ``torch.no_grad()`` (it would register no backward kernels).
 
 Under torch.compile and torch.export (``torch.compiler.is_compiling()``) a layer traces to the
-operators of `ucudnn.torch.ops` instead: they look the layer up by an int key and plan, register
+operators of `ucudnn.torch.converting.ops` instead: they look the layer up by an int key and plan, register
 (WD's learning pass) and run when the graph runs, with the same route cache, so nothing is planned on
 fake tensors and nothing about the handle is baked into a graph. So does a layer called on fake
 tensors (`FakeTensorMode`: the operators' fake implementations give the shapes) and one inside
@@ -61,7 +61,7 @@ from torch.nn.modules.lazy import LazyModuleMixin
 
 from ucudnn.errors import InvalidInput
 from ucudnn.handle import Handle
-from ucudnn.torch.layer import (TRIAL_RUNS, TRIAL_STEPS, ConvLayer, ConvTransposeLayer, _EndLearning, _Learning,
+from ucudnn.torch.converting.layer import (TRIAL_RUNS, TRIAL_STEPS, ConvLayer, ConvTransposeLayer, _EndLearning, _Learning,
                                 _new_handle, as_torch, route_overhead_ms, through_operators)
 
 __all__ = ["Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d", "TRIAL_RUNS",

@@ -14,7 +14,7 @@ its categories are fixed (parameter, buffer, gradient, activation, temporary, op
 keeps peaks, not a timeline, where checking a plan needs the executor's host copies and the handles'
 workspaces as categories of their own and memory over the step as the simulator draws it.
 
-Categories (`CATEGORIES`):
+Categories (`ucudnn.torch.running.labels.CATEGORIES`):
 
 - ``weight``: the model's parameters and buffers; ``weight_grad``: their gradients (a gradient made
   in the step is refiled from ``tensor`` when autograd accumulates it, by a post-accumulate hook).
@@ -22,7 +22,7 @@ Categories (`CATEGORIES`):
   autograd saves, what an operation returns. A tensor alive before the tracker started counts from
   the first operation that reads it (or from `track`).
 - ``host``: the executor's host copies of offloaded tensors (allocated inside `allocated_as("host")`,
-  which `ucudnn.torch.memory` does), and, when the tracked device is a GPU, anything in host memory.
+  which `ucudnn.torch.running.executor` does), and, when the tracked device is a GPU, anything in host memory.
 - ``workspace``: the workspace buffers of the ucudnn handles of the model's converted convolutions
   (the handles `execute_plan` swaps in included). They are NumPy or CuPy memory, outside PyTorch's
   dispatch, so they are read from the handles (`Handle.workspace_bytes`, the buffers a handle keeps)
@@ -46,11 +46,8 @@ the count as a second witness (`TrackerReport.allocator_peak_bytes`).
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import time
 import weakref
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,27 +57,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from ucudnn.errors import InvalidInput
+from ucudnn.torch.running.labels import CATEGORIES, current_label
 
-__all__ = ["CATEGORIES", "DEVICE_CATEGORIES", "StepTracker", "TrackerReport", "allocated_as"]
+__all__ = ["DEVICE_CATEGORIES", "StepTracker", "TrackerReport"]
 
-CATEGORIES = ("weight", "weight_grad", "tensor", "workspace", "host")
 DEVICE_CATEGORIES = ("weight", "weight_grad", "tensor", "workspace")
-
-# The category a storage allocated now is filed under (None: by its device). A context variable,
-# not tracker state, so that the executor can label its host buffers without knowing of trackers.
-_LABEL: contextvars.ContextVar[str | None] = contextvars.ContextVar("ucudnn_tracker_label", default=None)
-
-
-@contextlib.contextmanager
-def allocated_as(category: str) -> Iterator[None]:
-    """File the storages allocated inside this block under `category` (one of `CATEGORIES`)."""
-    if category not in CATEGORIES:
-        raise InvalidInput(f"category must be one of {', '.join(CATEGORIES)}, got {category!r}")
-    token = _LABEL.set(category)
-    try:
-        yield
-    finally:
-        _LABEL.reset(token)
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,7 +147,7 @@ class StepTracker(TorchDispatchMode):
             torch.cuda.synchronize(self.device)  # measuring: the witness below starts from here
             torch.cuda.reset_peak_memory_stats(self.device)
         if self.model is not None:
-            from ucudnn.torch.layer import ConvLayer
+            from ucudnn.torch.converting.layer import ConvLayer
 
             self._convs = [m for m in self.model.modules() if isinstance(m, ConvLayer)]
             for handle in {id(c.handle): c.handle for c in self._convs}.values():
@@ -218,7 +199,7 @@ class StepTracker(TorchDispatchMode):
         self._sample()
 
     def _category_for(self, t: torch.Tensor, labelled: bool) -> str:
-        label = _LABEL.get() if labelled else None
+        label = current_label() if labelled else None
         if label is not None:
             return label
         if t.device != self.device and t.device.type == "cpu":
@@ -291,7 +272,7 @@ class StepTracker(TorchDispatchMode):
         """A converted conv's kernel writes `out` (a NumPy or CuPy array), or reads it. Where no counted storage
         holds it, an operator allocated it below this mode's dispatch (ucudnn's operator, as a plan's followed
         calls run converted convs): its result, or its operands' copies into the kernel's layout
-        (`ucudnn.torch.launch.forward_copies`); counted as a ``tensor`` from now until that operator returns
+        (`ucudnn.torch.converting.launch.forward_copies`); counted as a ``tensor`` from now until that operator returns
         (`__torch_dispatch__`), as the workspace beside it is."""
         face = getattr(out, "__cuda_array_interface__", None) or out.__array_interface__
         ptr, nbytes = face["data"][0], out.nbytes

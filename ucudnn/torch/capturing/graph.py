@@ -1,5 +1,5 @@
 """A captured step as the planner sees it: its operations (`CapturedStep`, which the executor follows) and its
-`TrainingGraph`, built from what `ucudnn.torch.capturing` recorded.
+`TrainingGraph`, built from what `ucudnn.torch.capturing.capture` recorded.
 
 **Ops.** Each recorded operation that makes a storage, or writes one in place, is an op; a view, an
 operation on parameters alone and an operation on no feature map change no memory the plan decides
@@ -25,7 +25,7 @@ depthwise convolutions take a transposed view, and most of its convolutions get 
 then copy the result into torch's format; inside the operator the capture runs, so no storage of the step
 shows them. Each conv records them per kernel kind from its operands as the step passed them (the forward
 operation's, and each backward operation's gradient), and a plan holds them beside the kernel's workspace
-where it picks one of the layer's own kernels (`ucudnn.torch.launch.held_with_copies`).
+where it picks one of the layer's own kernels (`ucudnn.torch.converting.launch.held_with_copies`).
 
 **What the program held** (`Captured.holds`, `Captured.pinned`): a feature map that died after the op
 reading it last (a Python variable until its function returned) is held through the op after which it
@@ -49,7 +49,7 @@ from ucudnn.errors import InvalidInput
 from ucudnn.memory.graph import Captured, Life, TrainingGraph
 from ucudnn.memory.ops import Op
 from ucudnn.problem import ConvProblem
-from ucudnn.torch.operations import CONVOLUTIONS
+from ucudnn.torch.capturing.operations import CONVOLUTIONS
 
 __all__ = ["CapturedOp", "CapturedStep", "build_step"]
 
@@ -84,7 +84,7 @@ class CapturedStep:
     tensor the model was called with, by the name `input_leaves` gives it: its feature map, shape and
     dtype. `writers`: the ops that make each feature
     map's storage and then write it in place, in order. `last_read`: the last model op reading each.
-    `fake`: captured on fake tensors. `graph`: see `ucudnn.torch.capture_graph`. `saves`: what autograd
+    `fake`: captured on fake tensors. `graph`: see `ucudnn.torch.capturing.graph`. `saves`: what autograd
     saved in the model's forward pass, in order, each as (feature map or None, shape, dtype, the op whose
     backward step unpacks it); `unread`: those of them no backward step unpacks (a node the loss does not reach
     saved them: diffusers' posterior clamps its log-variance, a view of the moments, for a sample this step
@@ -144,7 +144,7 @@ def _problem(spec: tuple | None, dtype: torch.dtype) -> ConvProblem | None:
 
 
 def build_step(rec: Any, inputs: list, title: str, batch: int, weight_grads: str, fake: bool) -> CapturedStep:
-    """The `CapturedStep` of a recorder that ran one step (`ucudnn.torch.capturing._run`)."""
+    """The `CapturedStep` of a recorder that ran one step (`ucudnn.torch.capturing.capture._run`)."""
     if not rec.raw:
         raise InvalidInput(f"{title} ran no operation on its inputs")
     names = _Names()

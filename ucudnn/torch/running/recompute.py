@@ -1,4 +1,4 @@
-"""Recomputing the storages a plan drops: what the executor (`ucudnn.torch.memory`) saves in their place in
+"""Recomputing the storages a plan drops: what the executor (`ucudnn.torch.running.executor`) saves in their place in
 the forward pass, and how it rebuilds them in the backward pass, as the simulator schedules it
 (`ucudnn.memory.simulate.expand`).
 
@@ -115,7 +115,7 @@ class _Rebuilds:
 
     def __init__(self, programs: dict[str, Program], pass_: Any = None) -> None:
         self.programs = programs
-        self.pass_ = pass_                 # the forward pass's offloads (`ucudnn.torch.offload._Pass`)
+        self.pass_ = pass_                 # the forward pass's offloads (`ucudnn.torch.running.offload._Pass`)
         self.made: dict[str, int] = {}     # storage -> the key of the storage its producer made in this pass
         # op -> [func, (args, kwargs), rng, programs yet to replay it]: an op making several dropped storages
         # (a batch-norm's output and statistics) is in several programs, and its sources go after the last
@@ -126,7 +126,7 @@ class _Rebuilds:
 
 
 class _Recompute:
-    """The executor's recomputation. A base of `ucudnn.torch.memory._Executor`, whose state and hooks
+    """The executor's recomputation. A base of `ucudnn.torch.running.executor._Executor`, whose state and hooks
     it uses: `prep` (and its `params`), `step`, `stats`, `unpack`, `reached` and `_offload`; `rebuilds` is the forward
     pass's (a handle keeps its own: two forward passes may precede their backward passes)."""
 

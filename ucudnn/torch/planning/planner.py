@@ -1,8 +1,8 @@
 """Planning memory for a PyTorch model: capture its training step, profile the device, take each conv's
 kernel options from its handle (and the other ops' times from real steps on this machine where planning
-for it), and call the planner. Running a plan (`ucudnn.torch.memory`) follows the same captured step.
+for it), and call the planner. Running a plan (`ucudnn.torch.running.executor`) follows the same captured step.
 
-`plan_memory(model, example_input, ...)` captures one training step (`ucudnn.torch.capturing`: forward,
+`plan_memory(model, example_input, ...)` captures one training step (`ucudnn.torch.capturing.capture`: forward,
 loss, backward, on fake tensors where the model runs on them) and calls the planner
 (`ucudnn.memory.planner.make_executed_plan`: the policy's plan, with the figures of its step as
 `execute_plan` times the copies back). With ``device=None`` the device is the example input's: a built-in
@@ -48,16 +48,16 @@ from ucudnn.memory.graph import TrainingGraph
 from ucudnn.memory.plan import MemoryPlan
 from ucudnn.memory.timing import KernelOption, front_of
 from ucudnn.sizes import parse_size
-from ucudnn.torch.capturing import CapturedStep, capture, diverged, hook_nodes, state_kept
-from ucudnn.torch.model_call import batched_call, call_args, default_loss
-from ucudnn.torch.operations import counted, same_op
-from ucudnn.torch.layer import ConvLayer, as_torch
-from ucudnn.torch.launch import held_with_copies
-from ucudnn.torch.replay_cost import replay_host_ms
+from ucudnn.torch.capturing.capture import CapturedStep, capture, diverged, hook_nodes, state_kept
+from ucudnn.torch.capturing.model_call import batched_call, call_args, default_loss
+from ucudnn.torch.capturing.operations import counted, same_op
+from ucudnn.torch.converting.layer import ConvLayer, as_torch
+from ucudnn.torch.converting.launch import held_with_copies
+from ucudnn.torch.planning.replay_cost import replay_host_ms
 
 __all__ = ["measure_profile", "plan_memory"]
 
-log = logging.getLogger("ucudnn.torch.planning")
+log = logging.getLogger("ucudnn.torch.planning.planner")
 
 
 def _best_ms(fn, reps: int = 3) -> float:

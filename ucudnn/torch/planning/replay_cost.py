@@ -1,7 +1,7 @@
 """What recomputing a feature map costs the host, measured on the model: the figure a plan charges each
 replayed operation beyond the operation's own time (`TrainingGraph.replay_host_ms`).
 
-A dropped map costs more than its producer's forward time: the executor (`ucudnn.torch.memory`) follows
+A dropped map costs more than its producer's forward time: the executor (`ucudnn.torch.running.executor`) follows
 the module call that makes it through a dispatch mode, records the operation's arguments, leaves a handle
 in place of the saved tensor, and in the backward pass maps the recorded arguments and replays the
 operation. That is Python on every dropped map: on a 2-core CPU at batch 4, 64 px, one thread, 0.2-0.5 ms
@@ -10,7 +10,7 @@ three to four times what the same code costs on a chain of tiny layers run back 
 PReLU output), where its code and data stay in the caches. So it is measured on the model itself, in the
 state its steps leave the caches in: steps under a plan that drops a few maps against plain steps,
 interleaved, less the dropped maps' replayed operations as the timed steps measured them
-(`ucudnn.torch.planning._op_times`), per operation the plan's simulation replays.
+(`ucudnn.torch.planning.planner._op_times`), per operation the plan's simulation replays.
 
 The maps measured are spread over the model, each the only one dropped in its module call: maps dropped in
 a run share their call's following, so a plan dropping runs costs less than it is charged (MobileNetV2's
@@ -30,14 +30,14 @@ from ucudnn.errors import InvalidInput, UnsupportedProblem
 from ucudnn.memory.graph import TrainingGraph
 from ucudnn.memory.plan import MemoryPlan, TensorAction
 from ucudnn.memory.simulate import expand
-from ucudnn.torch.capturing import CapturedStep, state_kept
-from ucudnn.torch.layer import as_torch
-from ucudnn.torch.memory import execute_plan
-from ucudnn.torch.recompute import programs_for
+from ucudnn.torch.capturing.capture import CapturedStep, state_kept
+from ucudnn.torch.converting.layer import as_torch
+from ucudnn.torch.running.executor import execute_plan
+from ucudnn.torch.running.recompute import programs_for
 
 __all__ = ["replay_host_ms"]
 
-log = logging.getLogger("ucudnn.torch.replay_cost")
+log = logging.getLogger("ucudnn.torch.planning.replay_cost")
 
 SAMPLE = 8  # maps dropped in the measured plan, spread over the model
 REPS = 9        # pairs of steps at most, after an untimed pair: as many as fit in BUDGET_S, 3 at least

@@ -7,12 +7,11 @@ backward pass, recompute dropped ones, and give converted convolutions their pla
         loss.backward()
     optimizer.step()
 
-This module runs a plan (`execute_plan`). Making one is `ucudnn.torch.planning` (`plan_memory` and
-`measure_profile` stay importable from here); the offload and prefetch copies are `ucudnn.torch.offload`,
-recomputation `ucudnn.torch.recompute`.
+This module runs a plan (`execute_plan`). Making one is `ucudnn.torch.planning.planner`; the offload and
+prefetch copies are `ucudnn.torch.running.offload`, recomputation `ucudnn.torch.running.recompute`.
 
 **Following the captured step, at the tensors the plan acts on.** A plan names the feature maps of a
-captured step (`ucudnn.torch.capturing`), which also recorded, in order, every tensor autograd saved in
+captured step (`ucudnn.torch.capturing.capture`), which also recorded, in order, every tensor autograd saved in
 the model's forward pass (`CapturedStep.saves`). Inside the block the model's forward and backward passes
 are PyTorch's own; `saved_tensors_hooks` see each save, and the k-th save of the forward pass is the
 captured step's k-th: its feature map and action come from a table made once per plan (no lookup by
@@ -21,7 +20,7 @@ one leaves a handle. Each save's shape and dtype must be the captured one's, and
 save as many: else the step is refused in one line (`UnsupportedProblem`: its control flow depends on its
 data, or the model changed). A dropped map's save must moreover be the storage its producer made.
 
-Operations are seen only where a map is dropped: its program (`ucudnn.torch.recompute`) replays the
+Operations are seen only where a map is dropped: its program (`ucudnn.torch.running.recompute`) replays the
 captured operations that made it with the arguments they ran with, so the module calls that run those
 operations (as captured: `CapturedStep.calls`) are followed by a dispatch mode, op by op against the
 captured ones (a convolution may be torch's or a converted layer's), from the call's start up to the last
@@ -36,18 +35,18 @@ outside the model's forward pass: what it saves is kept. What a step cost in Pyt
 and release) needs no mode and no hooks: the block checks the inputs and gives the convolutions their
 budgets, and the step is the plain step.
 
-**Prepared once** (`ucudnn.torch.prepared_plan`). The plan's check against the model, the saves' actions,
+**Prepared once** (`ucudnn.torch.running.prepared_plan`). The plan's check against the model, the saves' actions,
 the followed module calls, its recompute programs, the conv budgets and the host buffers belong to the
 (model, plan) pair: made at its first `execute_plan` and reused by later blocks. A plan without its
 captured step (read from JSON) captures the model at the first forward call and is checked against that
 capture.
 
-**Offload and prefetch**: see `ucudnn.torch.offload`. **Recompute**: see `ucudnn.torch.recompute`.
+**Offload and prefetch**: see `ucudnn.torch.running.offload`. **Recompute**: see `ucudnn.torch.running.recompute`.
 
 **Release** needs no action: PyTorch frees what the backward pass does not save. A tensor planned
 ``release`` that autograd does save is kept (it must be) and named in `ExecutionStats.kept_released`.
 
-**Workspaces.** Each converted convolution (`ucudnn.torch.layer.ConvLayer`) whose layer has
+**Workspaces.** Each converted convolution (`ucudnn.torch.converting.layer.ConvLayer`) whose layer has
 ``conv_workspace`` entries in the plan runs each kernel, inside the block, with its own handle's fastest
 configuration within that kernel's budget (`Handle.kernel(..., budget=...)`), its workspace held for that
 run only, as the plan counts it; the workspace a handle keeps between runs outside a plan (its WR buffer,
@@ -60,7 +59,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -72,24 +70,16 @@ from torch.utils._pytree import tree_leaves
 
 from ucudnn.errors import InvalidInput, UnsupportedProblem
 from ucudnn.memory.plan import MemoryPlan
-from ucudnn.torch.capturing import CapturedStep, diverged
-from ucudnn.torch.model_call import input_leaves, tensors_in
-from ucudnn.torch.operations import counted, same_op
-from ucudnn.torch.layer import ConvLayer, through_operators
-from ucudnn.torch.offload import _Offloaded, _OffloadHooks, _Pass, _PrefetchHook
-from ucudnn.torch.prepared_plan import _Prepared, _Scope, _prepared
-from ucudnn.torch.recompute import _Dropped, _Rebuilds, _Recompute
-from ucudnn.torch.same_step import autocast_state, model_nodes
+from ucudnn.torch.capturing.capture import CapturedStep, diverged
+from ucudnn.torch.capturing.model_call import input_leaves, tensors_in
+from ucudnn.torch.capturing.operations import counted, same_op
+from ucudnn.torch.converting.layer import ConvLayer, through_operators
+from ucudnn.torch.running.offload import _Offloaded, _OffloadHooks, _Pass, _PrefetchHook
+from ucudnn.torch.running.prepared_plan import _Prepared, _Scope, _prepared
+from ucudnn.torch.running.recompute import _Dropped, _Rebuilds, _Recompute
+from ucudnn.torch.capturing.same_step import autocast_state, model_nodes
 
-__all__ = ["ExecutionStats", "execute_plan", "measure_profile", "plan_memory"]
-
-
-def __getattr__(name: str) -> Any:
-    """`plan_memory` and `measure_profile`, importable from here as they were, resolved on first use: planning
-    measures what this executor costs (`ucudnn.torch.replay_cost`), so this module does not import it."""
-    if name in ("measure_profile", "plan_memory"):
-        return getattr(importlib.import_module("ucudnn.torch.planning"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__all__ = ["ExecutionStats", "execute_plan"]
 
 
 # ---- what a run did ------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""A memory plan prepared for one model, once: what `ucudnn.torch.memory.execute_plan` needs that stays the same
+"""A memory plan prepared for one model, once: what `ucudnn.torch.running.executor.execute_plan` needs that stays the same
 from step to step (the plan checked against the model's captured step, each save's action, the module calls
 where the executor acts, the recompute programs, the conv budgets, the copiers and their host buffers), and
 the cache of them, kept weakly with the model for its latest plans. A module replaced since is seen by
@@ -18,10 +18,10 @@ from torch import nn
 
 from ucudnn.errors import InvalidInput
 from ucudnn.memory.plan import MemoryPlan
-from ucudnn.torch.capturing import CapturedStep, capture, structure
-from ucudnn.torch.layer import ConvLayer, PlanBudgets
-from ucudnn.torch.offload import _copier_for, _HostBuffers, copier_kind
-from ucudnn.torch.recompute import programs_for
+from ucudnn.torch.capturing.capture import CapturedStep, capture, structure
+from ucudnn.torch.converting.layer import ConvLayer, PlanBudgets
+from ucudnn.torch.running.offload import _copier_for, _HostBuffers, copier_kind
+from ucudnn.torch.running.recompute import programs_for
 
 
 # ---- the (model, plan) pair, prepared ----------------------------------------------------------------

@@ -1,5 +1,5 @@
 """Offloading saved feature maps to the host and prefetching them back ahead of the backward pass: pooled host
-buffers, the copy streams, and the saved-tensor hooks with which a plan's executor (`ucudnn.torch.memory`)
+buffers, the copy streams, and the saved-tensor hooks with which a plan's executor (`ucudnn.torch.running.executor`)
 copies a tensor out and back.
 
 **Offload.** `pack` copies the tensor into a pooled host buffer (pinned memory on CUDA; reused from
@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from ucudnn.errors import UnsupportedProblem
-from ucudnn.torch.tracker import allocated_as
+from ucudnn.torch.running.labels import allocated_as
 
 
 class _HostBuffers:
@@ -228,7 +228,7 @@ class _Pass:
 
 class _OffloadHooks:
     """The executor's offloads (`_offload`, `_fetch`, called from its saved-tensor hooks) and prefetches.
-    A base of `ucudnn.torch.memory._Executor`, whose state they share: `prep`, `stats`, `pass_`,
+    A base of `ucudnn.torch.running.executor._Executor`, whose state they share: `prep`, `stats`, `pass_`,
     `current`, `step`, `prefetch_ahead`, `copier`, `buffers` and `pending`."""
 
     # -- what the saved-tensor hooks do with a tensor planned offload -------------------------------

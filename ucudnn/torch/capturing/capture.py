@@ -26,7 +26,7 @@ program drops a saved tensor is seen too. A model whose Python reads tensor valu
 control flow) cannot run on fake tensors; with real example inputs it is then captured with real ones
 (``fake=False`` asks for that: the model's parameters' gradients, its buffers and the random-number
 state are put back afterwards). A reduction's result is counted in the storage its real kernel returns it in
-(`ucudnn.torch.operations.reduction_bytes`). The graph is built by `ucudnn.torch.capture_graph`.
+(`ucudnn.torch.capturing.operations.reduction_bytes`). The graph is built by `ucudnn.torch.capturing.graph`.
 """
 
 from __future__ import annotations
@@ -51,11 +51,11 @@ from torch.utils._pytree import tree_leaves
 from ucudnn.backends.base import one_line
 from ucudnn.errors import InvalidInput, UnsupportedProblem
 from ucudnn.memory.graph import WEIGHT_GRADS
-from ucudnn.torch.capture_graph import CapturedOp, CapturedStep, build_step
-from ucudnn.torch.layer import through_operators
-from ucudnn.torch.model_call import batched_call, default_loss, input_leaves, tensors_in
-from ucudnn.torch.same_step import autocast_state, model_nodes
-from ucudnn.torch.operations import (conv_backward_copies, conv_backward_kinds, conv_spec, counted, flops,
+from ucudnn.torch.capturing.graph import CapturedOp, CapturedStep, build_step
+from ucudnn.torch.converting.layer import through_operators
+from ucudnn.torch.capturing.model_call import batched_call, default_loss, input_leaves, tensors_in
+from ucudnn.torch.capturing.same_step import autocast_state, model_nodes
+from ucudnn.torch.capturing.operations import (conv_backward_copies, conv_backward_kinds, conv_spec, counted, flops,
                                      reduction_bytes, storage_key, written_keys)
 
 __all__ = ["CapturedOp", "CapturedStep", "capture", "diverged", "hook_nodes", "structure"]

@@ -1,7 +1,7 @@
 """How a planned kernel runs on torch tensors: which dtypes and layouts reach the handle, the tensors
 viewed as the handle's arrays without copies (NumPy on the CPU, CuPy on CUDA), and on CUDA torch's
-current stream and caching allocator. The layer's autograd Function (`ucudnn.torch.conv`) and the
-operators (`ucudnn.torch.ops`) both launch through it, so neither imports the other to run a kernel.
+current stream and caching allocator. The layer's autograd Function (`ucudnn.torch.converting.conv`) and the
+operators (`ucudnn.torch.converting.ops`) both launch through it, so neither imports the other to run a kernel.
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
 """`ConvLayer`: what makes a torch convolution module a ucudnn layer, for every form PyTorch has (Conv1d,
-Conv2d, Conv3d and their transposed kinds). `ucudnn.torch.conv` puts it in front of each torch class.
+Conv2d, Conv3d and their transposed kinds). `ucudnn.torch.converting.conv` puts it in front of each torch class.
 
 A layer keeps a route per input signature (shape, dtype, device, layout, geometry, which gradients are
 needed): the handle's prepared `Kernel` of each kind, planned together at the first call. Later calls only
 launch. Where every needed kernel's plan is `native` on the whole batch, the layer is torch's own
 convolution (PyTorch's autograd, no Python Function in between); any other plan routes it through
 `_ConvFunction` and the handle. Under torch.compile, in a dispatch mode's capture, on fake tensors and
-inside `through_operators` it is the operator `torch.ops.ucudnn.convolution` (`ucudnn.torch.ops`), which
+inside `through_operators` it is the operator `torch.ops.ucudnn.convolution` (`ucudnn.torch.converting.ops`), which
 plans when it runs on real tensors (and is torch's own convolution there where the layer's route is).
 """
 
@@ -34,8 +34,8 @@ from ucudnn.kernel.measure import interleaved_medians_ms
 from ucudnn.problem import ConvProblem
 from ucudnn.sizes import format_size
 from ucudnn.solver.types import Infeasible
-from ucudnn.torch import ops as _ops
-from ucudnn.torch.launch import (Geometry, _dtype_name, _in_format, _on_device, _result_format, geometry,
+from ucudnn.torch.converting import ops as _ops
+from ucudnn.torch.converting.launch import (Geometry, _dtype_name, _in_format, _on_device, _result_format, geometry,
                                  run_backward, run_forward)
 
 __all__ = ["TRIAL_RUNS", "TRIAL_STEPS", "ConvLayer", "ConvTransposeLayer", "PlanBudgets", "as_torch",
