@@ -8,13 +8,13 @@ import sys
 from pathlib import Path
 
 import click
+from ucudnn.cli.options import size_option as _size_option
 
 from ucudnn.backends.base import NOISY_SPREAD_FRACTION
-from ucudnn.cli.options import size_option as _size_option
 from ucudnn.errors import InvalidInput
 from ucudnn.kernel.measure import DEFAULT_BENCHMARK_LIMIT
-from ucudnn.problem import KINDS, ConvProblem
 from ucudnn.kernel.resources import check_can_run
+from ucudnn.problem import KINDS, ConvProblem
 from ucudnn.sizes import format_size
 
 # Timed runs per measurement; more only adds time (the median of 1000 runs is already stable).
@@ -60,9 +60,10 @@ def bench(layer_specs, network, batch, workspace, total_workspace, policy, backe
     may have different n; WD (--total-workspace) divides one budget among all kernels of the
     network, at one batch size.
     """
+    from ucudnn.db import Cache
+
     from ucudnn.backends import get_backend
     from ucudnn.kernel.measure import batch_sizes, parse_policy
-    from ucudnn.db import Cache
     from ucudnn.network.optimize import expand_kernels, optimize
 
     if workers > 1:  # the same optimize, after N worker processes have filled the cache
@@ -141,8 +142,8 @@ def format_report(report, verbose: bool = False, layer_specs=None) -> str:
 
     limit = (f"workspace limit {format_size(report.workspace_limit)} per kernel" if report.mode == "WR"
              else f"total workspace {format_size(report.total_workspace)}")
-    lines = [f"device {report.device} | backend {report.backend} | mode {report.mode}, {limit} | "
-             f"policy {report.policy} | batch {report.batch if report.batch is not None else 'per layer'}"]
+    lines = [(f"device {report.device} | backend {report.backend} | mode {report.mode}, {limit} | "
+             f"policy {report.policy} | batch {report.batch if report.batch is not None else 'per layer'}")]
     lines += [f"{name}: --layer {spec}" for name, spec in layer_specs or ()]
     header = ("layer", "kind", "baseline", "base ms", "configuration", "ms", "workspace", "speedup")
     rows = []

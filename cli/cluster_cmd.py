@@ -6,8 +6,8 @@ import json
 import math
 
 import click
-
 from ucudnn.cli.options import size_option
+
 from ucudnn.errors import InvalidInput
 
 

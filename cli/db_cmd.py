@@ -7,7 +7,6 @@ from collections.abc import Callable
 from typing import Any
 
 import click
-
 from ucudnn.db import MERGE_RULE, Cache
 from ucudnn.db.transfer import export_to, import_into
 

@@ -10,9 +10,9 @@ import os
 import sys
 
 import click
+from ucudnn.solver.types import Infeasible
 
 from ucudnn.errors import BackendUnavailable, DatabaseError, InvalidInput, UcudnnError, UnsupportedProblem
-from ucudnn.solver.types import Infeasible
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 # Errors that mean the user asked for something that cannot be: exit 2 (a backend that cannot run

@@ -8,8 +8,8 @@ import sys
 
 import click
 from tqdm import tqdm
-
 from ucudnn.cli.options import size_option
+
 from ucudnn.devices import load_profile
 from ucudnn.errors import InvalidInput
 from ucudnn.sizes import format_size, format_sizes

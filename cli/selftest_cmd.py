@@ -28,8 +28,8 @@ def selftest(backend_name, dtype, layer_specs, as_json):
     as excluded (ucudnn never chooses it) and does not fail.
     """
     from ucudnn.backends import get_backend
-    from ucudnn.problem import ConvProblem
     from ucudnn.kernel.selftest import DEFAULT_PROBLEMS, SelftestFailed, run_selftest
+    from ucudnn.problem import ConvProblem
 
     problems = [ConvProblem.parse(spec, unused={"kind": "selftest checks every kind"})
                 for spec in layer_specs] or list(DEFAULT_PROBLEMS)

@@ -17,21 +17,28 @@ import math
 import os
 from collections.abc import Callable, Iterable, Iterator
 from datetime import datetime, timedelta
-from typing import Any, TypeVar
+from typing import Any, Self, TypeVar
 
 from sqlalchemy import Connection, and_, delete, exists, func, select
 from sqlalchemy import exc as sa_exc
-
 from ucudnn.db.location import ENV_VAR, _resolve_url, _sqlite_file, default_url
-from ucudnn.db.merge import (MERGE_RULE, MeasurementRecord, MergeCounts, MergeReport, PlanRecord,
-                             merge_measurements, merge_plans)
+from ucudnn.db.merge import (
+    MERGE_RULE,
+    MeasurementRecord,
+    MergeCounts,
+    MergeReport,
+    PlanRecord,
+    merge_measurements,
+    merge_plans,
+)
 from ucudnn.db.models import SCHEMA_VERSION_KEY, TABLES
 from ucudnn.db.opening import _precheck_sqlite_file, enable_wal, open_engine
 from ucudnn.db.retry import _reason, retry
 from ucudnn.db.rows import _check_micro, _key_sha256, _kind_of, _micro_from_row, _now, _plan_json, _text
 from ucudnn.db.schema import initialise, require_current
-from ucudnn.errors import DatabaseError, InvalidInput
 from ucudnn.solver.types import MicroConfig
+
+from ucudnn.errors import DatabaseError, InvalidInput
 
 # The names this module held before db/ was split; `ucudnn.db` exports them too.
 __all__ = ["MERGE_RULE", "Cache", "MeasurementRecord", "MergeCounts", "MergeReport", "PlanRecord",
@@ -291,7 +298,7 @@ class Cache:
         m, d = _measurements.c, _devices.c
 
         def work(conn: Connection) -> dict[str, Any]:
-            count = lambda table: conn.execute(select(func.count()).select_from(table)).scalar_one()  # noqa: E731
+            count = lambda table: conn.execute(select(func.count()).select_from(table)).scalar_one()
             per_device = conn.execute(
                 select(d.model, d.backend, d.versions, func.count(m.id).label("n"))
                 .select_from(_devices.outerjoin(_measurements, m.device_id == d.id))
@@ -353,7 +360,7 @@ class Cache:
 
         def work(conn: Connection) -> dict[str, int]:
             self._lock_for_bulk(conn)
-            count = lambda table, where: conn.execute(  # noqa: E731
+            count = lambda table, where: conn.execute(
                 select(func.count()).select_from(table).where(*where)).scalar_one()
             removed = {"measurements": count(_measurements, measurement_where),
                        "plans": 0 if plan_where is None else count(_plans, plan_where)}
@@ -435,7 +442,7 @@ class Cache:
         """Release every connection. The cache cannot be used afterwards."""
         self._engine.dispose()
 
-    def __enter__(self) -> Cache:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc_info: object) -> None:

@@ -13,7 +13,6 @@ from collections.abc import Callable, Iterable
 from datetime import datetime
 
 from sqlalchemy import Connection, bindparam, select, update
-
 from ucudnn.db.models import TABLES
 from ucudnn.db.rows import _key_sha256
 

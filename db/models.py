@@ -13,8 +13,7 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from sqlalchemy import (BigInteger, DateTime, Double, ForeignKey, Integer, String, Text,
-                        UniqueConstraint)
+from sqlalchemy import BigInteger, DateTime, Double, ForeignKey, Integer, String, Text, UniqueConstraint
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 # Bump when a table or column changes, and add a step to `ucudnn.db.schema._MIGRATIONS` that

@@ -23,10 +23,10 @@ from sqlalchemy import Connection, Engine, create_engine, event
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import URL
 from sqlalchemy.pool import NullPool
-
 from ucudnn.db.location import ENV_VAR
 from ucudnn.db.retry import _reason, retry
 from ucudnn.db.schema import _schema_version
+
 from ucudnn.errors import DatabaseError
 
 log = logging.getLogger("ucudnn.db.cache")  # the cache's one logger, as before db/ was split

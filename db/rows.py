@@ -13,8 +13,9 @@ import math
 from datetime import UTC, datetime
 from typing import Any
 
-from ucudnn.errors import InvalidInput
 from ucudnn.solver.types import MicroConfig
+
+from ucudnn.errors import InvalidInput
 
 
 def _now() -> datetime:

@@ -12,8 +12,8 @@ import logging
 from collections.abc import Callable
 
 from sqlalchemy import Connection, func, inspect, select, update
-
 from ucudnn.db.models import SCHEMA_VERSION, SCHEMA_VERSION_KEY, TABLES, Base
+
 from ucudnn.errors import DatabaseError
 
 log = logging.getLogger("ucudnn.db.cache")  # the cache's one logger, as before db/ was split

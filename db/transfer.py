@@ -24,9 +24,10 @@ from typing import IO, Any
 
 from ucudnn.db.cache import Cache
 from ucudnn.db.merge import MeasurementRecord, MergeReport, PlanRecord
+from ucudnn.db.models import SCHEMA_VERSION
 from ucudnn.db.opening import SQLITE_HEADER
 from ucudnn.db.rows import _kind_of, _now, _plan_json
-from ucudnn.db.models import SCHEMA_VERSION
+
 from ucudnn.errors import DatabaseError, InvalidInput
 
 EXPORT_FORMAT = "ucudnn-cache-export"
@@ -39,7 +40,8 @@ def _timestamp(value: datetime) -> str:
 
 def _parse_timestamp(text: object) -> datetime:
     if not isinstance(text, str):
-        raise ValueError(f"created_at must be an ISO 8601 string, got {text!r}")
+        # A wrong type in a file is a bad value like any other: ValueError, which the reader turns into InvalidInput.
+        raise ValueError(f"created_at must be an ISO 8601 string, got {text!r}")  # noqa: TRY004
     try:
         value = datetime.fromisoformat(text)
     except ValueError as exc:
@@ -250,7 +252,7 @@ def _measurement(obj: dict[str, Any], now: datetime) -> MeasurementRecord:
         raise ValueError(f"time_ms must be a number or null, got {time_ms!r:.80}")
     spread_ms = obj.get("spread_ms", 0.0)
     if isinstance(spread_ms, bool) or not isinstance(spread_ms, (int, float)):
-        raise ValueError(f"spread_ms must be a number, got {spread_ms!r:.80}")
+        raise ValueError(f"spread_ms must be a number, got {spread_ms!r:.80}")  # noqa: TRY004
     record = MeasurementRecord(
         device=obj.get("device"), backend=obj.get("backend"), versions=obj.get("versions"),
         problem_key=obj.get("problem_key"), algo=obj.get("algo"), batch=obj.get("batch"),
@@ -280,7 +282,7 @@ def _plan(obj: dict[str, Any], now: datetime) -> PlanRecord:
 def _read_export(path: Path, now: datetime) -> Iterator[MeasurementRecord | PlanRecord]:
     """Parse and check every line; InvalidInput names the file, the line and the rule broken."""
     try:
-        fp = open(path, encoding="utf-8")
+        fp = open(path, encoding="utf-8")  # noqa: SIM115 - entered below; an error here is the open's alone
     except OSError as exc:
         raise InvalidInput(f"cannot read {path}: {exc.strerror or exc}") from exc
     with fp:
@@ -293,7 +295,7 @@ def _read_export(path: Path, now: datetime) -> Iterator[MeasurementRecord | Plan
                 try:
                     obj = _DECODER.decode(line)
                     if not isinstance(obj, dict):
-                        raise ValueError("each line must be a JSON object")
+                        raise ValueError("each line must be a JSON object")  # noqa: TRY004
                     kind = obj.get("type")
                     if not header_seen:
                         if kind != "header" or obj.get("format") != EXPORT_FORMAT:

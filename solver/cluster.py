@@ -29,8 +29,9 @@ import itertools
 import math
 from collections.abc import Mapping
 
-from ucudnn.errors import InvalidInput
 from ucudnn.solver.types import Infeasible
+
+from ucudnn.errors import InvalidInput
 
 __all__ = ["best_batch_sizes", "makespan"]
 

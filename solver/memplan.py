@@ -39,9 +39,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+from ucudnn.solver.types import Infeasible
 
 from ucudnn.errors import InvalidInput
-from ucudnn.solver.types import Infeasible
 
 __all__ = ["Kernel", "Solution", "Tensor", "solve"]
 

@@ -41,9 +41,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import numpy as np
+from ucudnn.solver.types import Configuration, Infeasible, MicroConfig
 
 from ucudnn.errors import InvalidInput
-from ucudnn.solver.types import Configuration, Infeasible, MicroConfig
 
 # Flat indices 0 and 1 of the front store are sentinels: F(0)'s one member (time 0) and "no
 # configuration fits" (time inf). Members of F(1), F(2), ... follow from index 2.

@@ -41,9 +41,9 @@ from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+from ucudnn.solver.types import Configuration, Infeasible
 
 from ucudnn.errors import InvalidInput, UcudnnError
-from ucudnn.solver.types import Configuration, Infeasible
 
 METHODS = ("auto", "milp", "mckp")
 
@@ -138,7 +138,7 @@ def _instance(fronts: Mapping[Hashable, Sequence[Configuration]], total_workspac
             or math.isnan(total_workspace) or total_workspace < 0):
         raise InvalidInput(f"total_workspace must be a non-negative number of bytes, got {total_workspace!r}")
     # Workspaces are whole bytes: a fractional total allows what its floor allows.
-    total_B = math.inf if math.isinf(total_workspace) else int(math.floor(total_workspace))
+    total_B = math.inf if math.isinf(total_workspace) else math.floor(total_workspace)
 
     keys: list[Hashable] = list(fronts)
     given: list[Configuration] = []
@@ -150,7 +150,7 @@ def _instance(fronts: Mapping[Hashable, Sequence[Configuration]], total_workspac
             raise InvalidInput(f"fronts[{key!r}] must be a non-empty sequence of Configurations")
         given.extend(front)
         sizes.append(len(front))
-    if not all([isinstance(c, Configuration) for c in given]):
+    if not all(isinstance(c, Configuration) for c in given):
         item = next(i for i, c in enumerate(given) if not isinstance(c, Configuration))
         kernel, i = _locate(item, sizes)
         raise InvalidInput(f"fronts[{keys[kernel]!r}][{i}] must be a Configuration, got {type(given[item]).__name__}")

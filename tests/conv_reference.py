@@ -88,8 +88,8 @@ def torch_reference(p: ConvProblem, *, x=None, w=None, dy=None) -> np.ndarray:
     axes = p.axes[1:] if one_d else p.axes
     dims = len(axes)
     fn = getattr(F, f"conv_transpose{dims}d" if p.transposed else f"conv{dims}d")
-    args = dict(stride=tuple(a.stride for a in axes), padding=tuple(a.pad for a in axes),
-                dilation=tuple(a.dilation for a in axes), groups=p.groups)
+    args = {"stride": tuple(a.stride for a in axes), "padding": tuple(a.pad for a in axes),
+                "dilation": tuple(a.dilation for a in axes), "groups": p.groups}
     if p.transposed:
         args["output_padding"] = tuple(a.output_padding for a in axes)
 

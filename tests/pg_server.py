@@ -1,4 +1,4 @@
-"""A throwaway PostgreSQL server for the DB tests and `benchmarks/bench_db.py`.
+"""A throwaway PostgreSQL server for the DB tests and `benchmarks/cache/bench_db.py`.
 
 `PgServer.start()` finds `initdb` and `pg_ctl` (on PATH, then `/usr/lib/postgresql/*/bin`,
 newest first), initialises a cluster in a fresh temporary folder, and starts it on a free
@@ -86,7 +86,7 @@ class PgServer:
             kwargs = {"user": self._user.pw_uid, "group": self._user.pw_gid, "extra_groups": []}
         env = {**os.environ, "LC_ALL": "C", "HOME": str(self.folder)}
         result = subprocess.run(args, cwd=self.folder, env=env, capture_output=True, text=True,
-                                timeout=START_TIMEOUT_S, **kwargs)
+                                timeout=START_TIMEOUT_S, check=False, **kwargs)
         if result.returncode != 0:
             log = ""
             if self.folder is not None and (self.folder / "server.log").exists():
@@ -177,7 +177,7 @@ def pg_server(request: pytest.FixtureRequest) -> PgServer:
         try:
             server: object = PgServer().start()
             request.config.add_cleanup(server.stop)
-        except Exception as exc:  # remembered, so that later tests do not retry a slow failure
+        except Exception as exc:  # noqa: BLE001 - remembered, so that later tests do not retry a slow failure
             server = exc
         stash[_SERVER_KEY] = server
     server = stash[_SERVER_KEY]

@@ -122,9 +122,10 @@ def memtracker_peak(model, plan, x, y, loss: Callable = loss) -> int:
 
         def taken(delta: int, out=None, reads=()) -> None:
             if out is not None:  # a kernel starts
-                now = tracker.get_tracker_snapshot("current")[device]["Total"]
-                unseen = _unseen_bytes(tracker, (out, *reads), pending)
-                with_workspace[0] = max(with_workspace[0], now + delta + unseen)
+
+                now = tracker.get_tracker_snapshot("current")[device]["Total"]  # noqa: B023
+                unseen = _unseen_bytes(tracker, (out, *reads), pending)  # noqa: B023
+                with_workspace[0] = max(with_workspace[0], now + delta + unseen)  # noqa: B023
 
         tracker.track_external(model, *inputs)
         _frozen_params_unhooked(tracker, model)

@@ -1,7 +1,7 @@
 import pytest
 
-from ucudnn.kernel.measure import batch_sizes, measure_table, parse_policy
 from ucudnn.errors import InvalidInput
+from ucudnn.kernel.measure import batch_sizes, measure_table, parse_policy
 from ucudnn.problem import ConvProblem
 
 
@@ -35,10 +35,11 @@ def test_measure_table_skips_what_exceeds_the_limit_and_records_why():
 
 
 def test_confirm_faster_keeps_the_configuration_that_runs_faster(monkeypatch):
+    from ucudnn.solver.types import Configuration, MicroConfig
+
     from ucudnn.backends.cpu import CpuBackend
     from ucudnn.kernel import measure
     from ucudnn.kernel.measure import confirm_faster
-    from ucudnn.solver.types import Configuration, MicroConfig
 
     class SlowShift(CpuBackend):
         """shift_gemm really takes 30 ms longer per call, whatever a table claims; every run also takes

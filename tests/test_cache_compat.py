@@ -14,11 +14,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from ucudnn.cli.main import main
+from ucudnn.db import SCHEMA_VERSION, Cache
 
 from ucudnn import Handle
 from ucudnn.backends.cpu import NATIVE, CpuBackend
-from ucudnn.cli.main import main
-from ucudnn.db import SCHEMA_VERSION, Cache
 from ucudnn.problem import KINDS, ConvProblem
 
 FIXTURE = Path(__file__).parent / "data" / "cache-v1-2d.sqlite"

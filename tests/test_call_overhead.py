@@ -9,14 +9,14 @@ import math
 
 import numpy as np
 import pytest
+from ucudnn.solver import wd
+from ucudnn.solver.types import Configuration, MicroConfig
 
 from ucudnn import Handle, InvalidInput
 from ucudnn.backends.cpu import NATIVE, CpuBackend
 from ucudnn.kernel import measure
 from ucudnn.kernel.call_overhead import charged_fronts, native_undivided
 from ucudnn.problem import ConvProblem
-from ucudnn.solver import wd
-from ucudnn.solver.types import Configuration, MicroConfig
 
 PROBLEM = ConvProblem.parse("n=2,c=3,h=6,w=6,k=4,r=3,s=3,pad=1")
 CONV = {"padding": 1}

@@ -9,15 +9,15 @@ import copy
 import pytest
 
 torch = pytest.importorskip("torch")
-from torch import nn  # noqa: E402
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode  # noqa: E402
-from torch.nn import functional as F  # noqa: E402
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.nn import functional as F
 
-from ucudnn import InvalidInput, UnsupportedProblem  # noqa: E402
-from ucudnn.memory import make_plan  # noqa: E402
-from ucudnn.memory.graph import from_network  # noqa: E402
-from ucudnn.torch import capture, convert, execute_plan, plan_memory  # noqa: E402
-from ucudnn.torch.zoo import build  # noqa: E402
+from ucudnn import InvalidInput, UnsupportedProblem
+from ucudnn.memory import make_plan
+from ucudnn.memory.graph import from_network
+from ucudnn.torch import capture, convert, execute_plan, plan_memory
+from ucudnn.torch.zoo import build
 
 
 def _torch_resnet50():
@@ -149,7 +149,7 @@ def test_every_output_feeds_the_default_loss_and_a_dead_branch_has_no_backward_s
     assert "dead:conv" not in backward  # autograd runs no backward step for a value the loss does not read
     assert {op.type for op in g.ops[-3:]} == {"loss"}  # the sums of both heads, added
     plan = make_plan(g, "k40", 2**30, "vdnn-all")
-    assert dict((t.name, t.action) for t in plan.tensors)["dead:conv"] == "release"
+    assert {t.name: t.action for t in plan.tensors}["dead:conv"] == "release"
 
 
 class Holds(nn.Module):
@@ -328,7 +328,7 @@ def test_a_model_torch_fx_cannot_trace_is_captured_planned_and_trains_like_plain
         return torch.cat([p.detach().flatten() for p in model.parameters()]), stats
 
     torch.manual_seed(0)
-    loss = lambda out: F.cross_entropy(out, y)  # noqa: E731
+    loss = lambda out: F.cross_entropy(out, y)
     peaks = [plan_memory(Unusual(), x, memory_limit=limit, policy=policy, loss=loss).peak_bytes
              for limit in (2**40, 1)]
     torch.manual_seed(0)

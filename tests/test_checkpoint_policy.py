@@ -1,6 +1,7 @@
 """Chen et al.'s checkpointing as a policy: invariants through the shared simulator."""
 
 import pytest
+from memory_checks import assert_resident_when_used, assert_within_limit
 
 from ucudnn.devices import load_profile
 from ucudnn.errors import InvalidInput
@@ -9,8 +10,6 @@ from ucudnn.memory.graph import from_network
 from ucudnn.memory.planner import baseline
 from ucudnn.memory.simulate import expand, simulate
 from ucudnn.memory.timing import step_costs
-
-from memory_checks import assert_resident_when_used, assert_within_limit
 
 
 def test_articulation_storages_of_a_residual_network():

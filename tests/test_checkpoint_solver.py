@@ -5,9 +5,9 @@ import math
 import random
 
 import pytest
+from ucudnn.solver import checkpoint
 
 from ucudnn.errors import InvalidInput
-from ucudnn.solver import checkpoint
 
 
 def brute_force(sizes, costs):
@@ -134,7 +134,7 @@ def test_frontier_spans_the_smallest_peak_to_no_recompute_and_beats_equal_splits
     front = checkpoint.frontier(sizes, costs, candidates=candidates, kept_sizes=kept)
     # ascending peak, descending recompute, each point exact and on the candidates
     assert [p.peak_bytes for p in front] == sorted({p.peak_bytes for p in front})
-    assert all(a.recompute_cost > b.recompute_cost for a, b in zip(front, front[1:]))
+    assert all(a.recompute_cost > b.recompute_cost for a, b in itertools.pairwise(front))
     for p in front:
         assert set(p.checkpoints) <= {*candidates, n - 1}
         assert p == checkpoint.evaluate(sizes, p.checkpoints, costs, kept)

@@ -5,7 +5,6 @@ import subprocess
 import sys
 
 import pytest
-
 from ucudnn.cli.main import main
 
 LAYER = "n=8,c=8,h=12,w=12,k=16,r=3,s=3,pad=1"
@@ -96,7 +95,7 @@ def test_table_is_the_default_output(tmp_path, capsys):
 
 
 def test_a_limit_nothing_fits_fails_with_exit_1(tmp_path, capsys):
-    code, out, err = run(["bench", "--layer", LAYER, "--backend", "cpu", "--reps", "1", "--kinds", "fwd",
+    code, _out, err = run(["bench", "--layer", LAYER, "--backend", "cpu", "--reps", "1", "--kinds", "fwd",
                           "--algos", "im2col_gemm", "--workspace", "1", "--db", str(tmp_path / "c.db")], capsys)
     assert code == 1
     assert err.count("\n") == 1 and "Traceback" not in err
@@ -121,7 +120,7 @@ def test_a_limit_nothing_fits_fails_with_exit_1(tmp_path, capsys):
     (["--layer", LAYER + ",transposed=2"], "transposed must be 0 or 1"),
 ])
 def test_bad_input_exits_2_with_one_line(argv, words, tmp_path, capsys):
-    code, out, err = run(["bench", *argv, "--db", str(tmp_path / "c.db")], capsys)
+    code, _out, err = run(["bench", *argv, "--db", str(tmp_path / "c.db")], capsys)
     assert code == 2
     assert err.count("\n") == 1, err
     assert words in err and "Traceback" not in err
@@ -129,7 +128,7 @@ def test_bad_input_exits_2_with_one_line(argv, words, tmp_path, capsys):
 
 def test_the_installed_command_reports_bad_input_without_traceback():
     proc = subprocess.run([sys.executable, "-m", "ucudnn.cli.main", "bench", "--layer", "c=1"],
-                          capture_output=True, text=True)
+                          capture_output=True, text=True, check=False)
     assert proc.returncode == 2
     assert proc.stderr.startswith("ucudnn: ") and "Traceback" not in proc.stderr
 
@@ -167,7 +166,7 @@ def test_wr_accepts_layers_with_different_batch_sizes(tmp_path, capsys):
 
 
 def test_stderr_has_no_per_measurement_lines_and_verbose_lists_noisy_timings(tmp_path, capsys, monkeypatch):
-    import ucudnn.backends.base as base
+    from ucudnn.backends import base
 
     # Every timing counts as noisy, so the summary and the details must show up.
     monkeypatch.setattr(base, "NOISY_SPREAD_FRACTION", -1.0)
@@ -204,6 +203,6 @@ def test_3d_and_transposed_layers_list_what_cannot_run_them(tmp_path, capsys):
     code, out, err = run(argv, capsys)
     assert code == 0 and report["benchmark"]["measured"] > 0
     skipped = [line for line in out.splitlines() if line.startswith("skipped:")]
-    assert skipped == ["skipped: winograd on 6 of 6 kernels, which it cannot run: winograd F(2x2,3x3) has no "
-                       "3-D form (its tiles and transforms are 2-D)"]
+    assert skipped == [("skipped: winograd on 6 of 6 kernels, which it cannot run: winograd F(2x2,3x3) has no "
+                       "3-D form (its tiles and transforms are 2-D)")]
     assert "measured now" in out and ", 0 measured now" in out  # the second run is served by the cache

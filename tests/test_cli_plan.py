@@ -3,8 +3,8 @@
 import json
 
 import pytest
-
 from ucudnn.cli.main import main
+
 from ucudnn.memory.vdnn import SEARCH_PASSES
 
 PLAN_KEYS = {"network", "batch", "device", "devices", "memory_limit", "policy", "fits", "peak_bytes",
@@ -135,6 +135,6 @@ def test_devices_lists_the_profiles(capsys):
     (["--network", "vgg16", "--memory", "0"], "memory"),
 ])
 def test_bad_input_exits_2_with_one_line(argv, words, capsys):
-    code, out, err = run(capsys, "plan", *argv)
+    code, _out, err = run(capsys, "plan", *argv)
     assert code == 2
     assert words in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err

@@ -3,7 +3,6 @@
 import json
 
 import pytest
-
 from ucudnn.cli.main import main
 
 LAYERS = ["n=4,c=8,h=12,w=12,k=16,r=3,s=3,pad=1", "n=4,c=16,h=12,w=12,k=16,r=5,s=5,pad=2"]

@@ -3,15 +3,15 @@
 import json
 
 import pytest
-
-import ucudnn
 from ucudnn.cli.main import main
-from ucudnn.network.cluster import candidate_sizes, plan_cluster
 from ucudnn.db import Cache
-from ucudnn.errors import InvalidInput
-from ucudnn.network.zoo import kernels
 from ucudnn.solver import Infeasible
 from ucudnn.solver.types import MicroConfig
+
+import ucudnn
+from ucudnn.errors import InvalidInput
+from ucudnn.network.cluster import candidate_sizes, plan_cluster
+from ucudnn.network.zoo import kernels
 
 NETWORK = "alexnet"
 MEASURED_SIZES = (1, 2, 4, 8, 16, 32)

@@ -5,10 +5,10 @@ import math
 import random
 
 import pytest
-
-from ucudnn.errors import InvalidInput
 from ucudnn.solver import Infeasible
 from ucudnn.solver.cluster import _runs, best_batch_sizes, makespan
+
+from ucudnn.errors import InvalidInput
 
 
 def brute_force(times, batch):

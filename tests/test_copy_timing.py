@@ -11,20 +11,22 @@ from pathlib import Path
 import pytest
 
 torch = pytest.importorskip("torch")
-from torch import nn  # noqa: E402
+from torch import nn
 
-from ucudnn.devices import DeviceProfile, load_profile  # noqa: E402
-from ucudnn.memory.graph import Op, TrainingGraph  # noqa: E402
-from ucudnn.memory.planner import as_executed, make_plan  # noqa: E402
-from ucudnn.memory.simulate import StepCost, simulate  # noqa: E402
-from ucudnn.torch import execute_plan, plan_memory  # noqa: E402
-from ucudnn.torch.checking.check import check_plan  # noqa: E402
-from ucudnn.torch.running.prepared_plan import _prepared  # noqa: E402
-from ucudnn.torch.running.offload import _LateCopier, late_copies  # noqa: E402
+from ucudnn.devices import DeviceProfile, load_profile
+from ucudnn.memory.graph import Op, TrainingGraph
+from ucudnn.memory.planner import as_executed, make_plan
+from ucudnn.memory.simulate import StepCost, simulate
+from ucudnn.torch import execute_plan, plan_memory
+from ucudnn.torch.checking.check import check_plan
+from ucudnn.torch.running.offload import _LateCopier, late_copies
+from ucudnn.torch.running.prepared_plan import _prepared
 
 sys.path.insert(0, str(Path(__file__).parent))
-from plain_training import assert_trains_alike, train  # noqa: E402
-from test_torch_memory import HAND_PLANS, SmallNet, TwoHeads, _both_heads_loss, _data, _hand_plan  # noqa: E402
+import itertools
+
+from plain_training import assert_trains_alike, train
+from test_torch_memory import HAND_PLANS, SmallNet, TwoHeads, _both_heads_loss, _data, _hand_plan
 
 MB = 10**6  # a feature map of (1, 250000) float32
 # 1 MB copies in 1 ms each way; the slow one copies out at 0.5 GB/s (2 ms)
@@ -39,7 +41,7 @@ def chain(layers: int) -> TrainingGraph:
     shape = (1, 250_000)
     names = ["x", *(f"l{i}" for i in range(1, layers + 1))]
     ops = [Op("x", "input", (), shape)]
-    ops += [Op(n, "linear", (prev,), shape, saves=(prev,), weight_bytes=4) for prev, n in zip(names, names[1:])]
+    ops += [Op(n, "linear", (prev,), shape, saves=(prev,), weight_bytes=4) for prev, n in itertools.pairwise(names)]
     return TrainingGraph(f"chain{layers}", 1, (*ops, Op("loss", "loss", (names[-1],), (1,), saves=(names[-1],))))
 
 

@@ -7,8 +7,8 @@ import tracemalloc
 
 import numpy as np
 import pytest
-
 from conv_reference import assert_close, numpy_reference, reference, torch
+
 from ucudnn.backends.base import DeviceInfo
 from ucudnn.backends.cpu import ALGORITHMS, NATIVE, CpuBackend
 from ucudnn.errors import InvalidInput, UnsupportedProblem

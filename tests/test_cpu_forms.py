@@ -9,15 +9,15 @@ import tracemalloc
 
 import numpy as np
 import pytest
-
 from conv_reference import FORMS, is_1d
 from test_cpu_backend import PYTHON_OBJECTS_ALLOWANCE_BYTES, ufunc_buffers_bytes
+from ucudnn.solver.types import Configuration, MicroConfig
+
 from ucudnn.backends.cpu import ALGORITHMS, CpuBackend
 from ucudnn.errors import UnsupportedProblem
 from ucudnn.kernel.run import run_configuration
 from ucudnn.problem import KINDS, ConvProblem
 from ucudnn.reference import reference, relative_error
-from ucudnn.solver.types import Configuration, MicroConfig
 
 BACKEND = CpuBackend()
 ALL_ALGOS = BACKEND.algorithms(ConvProblem())

@@ -35,11 +35,11 @@ from types import ModuleType, SimpleNamespace
 import numpy as np
 import pytest
 
-from ucudnn.kernel import selftest
 from ucudnn.backends import cudnn as cudnn_backend
 from ucudnn.backends import cupy_arrays
 from ucudnn.backends.cudnn import CUDNN_API_USED, FRONTEND_MODULES, EngineConfig, declare_graph, layout_strides
 from ucudnn.errors import BackendUnavailable, InvalidInput, UnsupportedProblem
+from ucudnn.kernel import selftest
 from ucudnn.problem import KINDS, ConvProblem
 
 SOURCES = [Path(importlib.util.find_spec(name).origin) for name in FRONTEND_MODULES]
@@ -52,7 +52,7 @@ def test_backend_module_imports_without_cupy_or_the_frontend():
     code = ("import sys; sys.modules['cupy'] = None; sys.modules['cudnn'] = None\n"
             "import ucudnn.backends.cudnn as m\n"
             "try:\n    m.CudnnBackend()\nexcept m.BackendUnavailable as exc:\n    print(exc)\n")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("cupy is not installed") and result.stdout.count("\n") == 1
 
@@ -327,7 +327,7 @@ class FakeArray(np.ndarray):
     """A NumPy array that answers like a CuPy one: `.data.ptr` and `.device.id`."""
 
     @property
-    def data(self):  # noqa: D401 -- CuPy's MemoryPointer, reduced to the address
+    def data(self):
         return SimpleNamespace(ptr=self.__array_interface__["data"][0])
 
     @property
@@ -458,8 +458,8 @@ class _ElementwiseKernel:
         casts = {**_C_TYPES, **{t: types[t].type for t in types}}
         python = re.sub(r"\((\w+)\)\s*(\w+)", lambda m: f"_cast[{m.group(1)!r}]({m.group(2)})", expression)
         python = re.sub(r"^\((\w+)\)\(", lambda m: f"_cast[{m.group(1)!r}](", python)
-        cast = {name: (lambda t: lambda v: np.asarray(v).astype(t))(t) for name, t in casts.items()}
-        values[target][...] = eval(python, {"_cast": cast}, values)  # noqa: S307 -- the test's own kernels
+        cast = {name: lambda v, t=t: np.asarray(v).astype(t) for name, t in casts.items()}
+        values[target][...] = eval(python, {"_cast": cast}, values)
 
 
 # Every block of device memory the stand-in CuPy handed out (`empty`, `empty_like`, `zeros`), weakly: a
@@ -772,8 +772,9 @@ def test_selftest_through_the_backend_passes(fake_gpu, dtype):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_nhwc_operands_run_undivided_and_micro_batched(fake_gpu, kind):
-    from ucudnn.kernel.run import run_configuration
     from ucudnn.solver.types import Configuration, MicroConfig
+
+    from ucudnn.kernel.run import run_configuration
 
     backend = cudnn_backend.CudnnBackend()
     # 3 samples of 3x5x5 float32 (300 B each): the second micro-batch starts off 16-byte alignment.
@@ -944,8 +945,9 @@ def test_prepared_launches_check_operands_once(fake_gpu, kind, monkeypatch):
     # A micro-batched configuration run three times: the first run checks every operand through
     # `run`, later ones go through `prepare_run`'s launchers (unaligned slices and bwd_filter's
     # accumulation still take the copying / blending path) and give the same results.
-    from ucudnn.kernel.run import PreparedConfiguration
     from ucudnn.solver.types import Configuration, MicroConfig
+
+    from ucudnn.kernel.run import PreparedConfiguration
 
     backend = cudnn_backend.CudnnBackend()
     checks = []
@@ -1004,9 +1006,9 @@ def test_every_launch_runs_on_the_callers_current_stream(fake_gpu):
     # execute, CuPy's blend and copies) must be enqueued there. The handle's stream is set before each
     # execute; the frontend calls cudnnSetStream only when it changes.
     import cupy
+    from ucudnn.solver.types import Configuration, MicroConfig
 
     from ucudnn.kernel.run import PreparedConfiguration
-    from ucudnn.solver.types import Configuration, MicroConfig
 
     backend = cudnn_backend.CudnnBackend()
     problem = SMALL.with_kind("bwd_filter")  # micro-batches after the first accumulate: a blend per launch
@@ -1040,11 +1042,12 @@ def test_selftest_runs_every_form_through_the_backend(fake_gpu, dtype):
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("spec", ["n=3,c=3,d=4,h=5,w=3,k=4,t=3,r=3,s=3,pad=1,layout=NHWC",
-                                  "n=3,c=4,d=2,h=3,w=3,k=6,t=2,r=2,s=2,stride=2,transposed=1,output_padding_w=1,"
-                                  "layout=NHWC"])
+                                  ("n=3,c=4,d=2,h=3,w=3,k=6,t=2,r=2,s=2,stride=2,transposed=1,output_padding_w=1,"
+                                  "layout=NHWC")])
 def test_ndhwc_and_transposed_operands_run_micro_batched(fake_gpu, spec, kind):
-    from ucudnn.kernel.run import PreparedConfiguration
     from ucudnn.solver.types import Configuration, MicroConfig
+
+    from ucudnn.kernel.run import PreparedConfiguration
 
     backend = cudnn_backend.CudnnBackend()
     problem = ConvProblem.parse(spec).with_kind(kind)

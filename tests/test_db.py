@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 from pg_server import db_url, pg_server  # noqa: F401
-
 from ucudnn.db import SCHEMA_VERSION, Cache, default_url
+from ucudnn.solver.types import MicroConfig
+
 from ucudnn.errors import DatabaseError, InvalidInput
 from ucudnn.problem import ConvProblem
-from ucudnn.solver.types import MicroConfig
 
 DEVICE = {"device": "Test GPU 80GB", "backend": "cudnn", "versions": "cudnn=9.1.0,frontend=1.8"}
 PROBLEM = ConvProblem.parse("n=32,c=64,h=56,w=56,k=128,r=3,s=3,pad=1,stride=1")

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 from pg_server import db_url, pg_server  # noqa: F401
-
 from ucudnn.cli.main import main
 from ucudnn.db import MERGE_RULE, SCHEMA_VERSION, Cache
-from ucudnn.problem import ConvProblem
 from ucudnn.solver.types import MicroConfig
+
+from ucudnn.problem import ConvProblem
 
 DEVICE = {"device": "Test GPU", "backend": "cudnn", "versions": "cudnn=9.1.0"}
 KEY = ConvProblem(c=64, h=56, w=56, k=128, r=3, s=3, pad_h=1, pad_w=1).key

@@ -13,7 +13,6 @@ import queue
 import time
 
 from pg_server import db_url, pg_server  # noqa: F401
-
 from ucudnn.db import Cache
 from ucudnn.solver.types import MicroConfig
 
@@ -61,7 +60,7 @@ def writer(url: str, index: int, barrier, results) -> None:
                 found = cache.lookup(problem_key=problem_key(name), batches=BATCHES, **DEVICE)
                 assert len(found) == len(ms), f"{name}: {len(found)} of {len(ms)} readable after store"
             results.put((index, written, time.perf_counter() - start, None))
-    except BaseException as exc:  # reported to the parent; a crashed child must not hang the test
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent; a crashed child must not hang the test
         results.put((index, 0, 0.0, f"{type(exc).__name__}: {exc}"))
 
 
@@ -132,7 +131,7 @@ def _forked_child(cache: Cache, results) -> None:
         n = cache.store(problem_key=problem_key("forked"), micros=micros_for("forked"), **DEVICE)
         found = cache.lookup(problem_key=problem_key("parent"), batches=BATCHES, **DEVICE)
         results.put((n, len(found), None))
-    except BaseException as exc:
+    except BaseException as exc:  # noqa: BLE001 - reported to the parent
         results.put((0, 0, f"{type(exc).__name__}: {exc}"))
 
 

@@ -5,12 +5,11 @@ import time
 import pytest
 
 torch = pytest.importorskip("torch")
-import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
-from ucudnn.errors import InvalidInput  # noqa: E402
-from ucudnn.torch.distributed import (UnevenBatchState, UnevenSampler, allreduce_gradients,  # noqa: E402
-                                      uneven_batch_hook)
+from ucudnn.errors import InvalidInput
+from ucudnn.torch.distributed import UnevenBatchState, UnevenSampler, allreduce_gradients, uneven_batch_hook
 
 SIZES = (2, 5, 9)
 GLOBAL = sum(SIZES)

@@ -1,6 +1,7 @@
 """Dymem as a policy: execution order, prefetch look-ahead, invariants and its allocation trace."""
 
 import pytest
+from memory_checks import assert_prefetched_before_use, assert_resident_when_used, assert_within_limit
 
 from ucudnn.devices import load_profile
 from ucudnn.errors import InvalidInput
@@ -9,8 +10,6 @@ from ucudnn.memory.graph import TrainingGraph, from_network
 from ucudnn.memory.planner import baseline
 from ucudnn.memory.simulate import simulate
 from ucudnn.memory.vdnn import actions_for
-
-from memory_checks import assert_prefetched_before_use, assert_resident_when_used, assert_within_limit
 
 
 def test_dfs_graph_keeps_the_zoo_order_and_regroups_interleaved_branches():

@@ -17,10 +17,10 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from ucudnn.solver.types import Infeasible
 
 from ucudnn.backends.cpu import CpuBackend
 from ucudnn.memory.planner import OFFLOADING, POLICIES
-from ucudnn.solver.types import Infeasible
 from ucudnn.torch import Conv2d, convert, execute_plan, plan_memory, zoo
 
 STEPS = 3
@@ -104,7 +104,7 @@ def test_converted_planned_and_executed_trains_like_plain_pytorch(trained, name,
     model = convert(copy.deepcopy(plain), backend=TimedByWorkspace(numpy_threads=1), workspace_limit=64 * 2**20,
                     policy="undivided", reps=1, db=db, call_overhead=0)
     x, y = _data(size, 0)
-    loss = lambda out: F.cross_entropy(out, y)  # noqa: E731
+    loss = lambda out: F.cross_entropy(out, y)
     peaks = [plan_memory(model, x, memory_limit=limit, policy=policy, loss=loss).peak_bytes for limit in (2**40, 1)]
     limit = sum(peaks) // 2
     if policy not in OFFLOADING and name in RECOMPUTING:
@@ -128,7 +128,7 @@ def test_a_plan_made_before_convert_is_refused_in_one_line_when_its_budgets_fit_
     torch.manual_seed(0)
     plain = zoo.build("resnet18", num_classes=10).double()
     x = _data(32, 0)[0]
-    loss = lambda out: F.cross_entropy(out, _data(32, 0)[1])  # noqa: E731
+    loss = lambda out: F.cross_entropy(out, _data(32, 0)[1])
     plan = plan_memory(plain, x, policy="checkpoint", loss=loss)  # no handle yet: torch's own convolution
     assert all(c.bytes == 0 for c in plan.conv_workspace)
     model = convert(plain, backend="cpu", policy="undivided", algos=["native", "im2col_gemm"], reps=1,

@@ -19,12 +19,12 @@ import importlib.util
 import pytest
 
 torch = pytest.importorskip("torch")
-from torch import nn  # noqa: E402
+from plain_training import assert_trains_alike, memtracker_peak, train
+from torch import nn
 
-from plain_training import assert_trains_alike, memtracker_peak, train  # noqa: E402
-from ucudnn.memory.plan import MemoryPlan  # noqa: E402
-from ucudnn.torch import capture, check_plan, convert, plan_memory  # noqa: E402
-from ucudnn.torch.converting.layer import ConvLayer, PlanBudgets  # noqa: E402
+from ucudnn.memory.plan import MemoryPlan
+from ucudnn.torch import capture, check_plan, convert, plan_memory
+from ucudnn.torch.converting.layer import ConvLayer, PlanBudgets
 
 needs_transformers = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
                                         reason="needs transformers (pip install '.[models]')")

@@ -7,10 +7,10 @@ import math
 from decimal import Decimal
 
 import pytest
-
-from ucudnn.backends.cpu import CpuBackend
 from ucudnn.cli.main import main
 from ucudnn.db import Cache
+
+from ucudnn.backends.cpu import CpuBackend
 from ucudnn.errors import InvalidInput
 from ucudnn.network.optimize import BASELINE_FASTEST, BASELINE_LEAST_WORKSPACE, expand_kernels, optimize
 from ucudnn.problem import ConvProblem
@@ -187,6 +187,7 @@ class StallAlways(StallOnce):
 
 def test_a_ratio_that_stays_doubtful_after_re_measuring_is_marked(tmp_path, capsys):
     from ucudnn.cli.bench import format_report
+
     from ucudnn.network.optimize import REMEASURE_ATTEMPTS
 
     backend = StallAlways()
@@ -268,7 +269,6 @@ def test_the_note_says_only_what_happened(tmp_path):
 
 def test_every_option_of_every_command_says_what_it_does():
     import click
-
     from ucudnn.cli.main import cli
 
     def commands(group, path):

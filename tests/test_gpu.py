@@ -7,13 +7,13 @@ import math
 
 import numpy as np
 import pytest
+from ucudnn.solver.types import Configuration, MicroConfig
 
 from ucudnn.errors import BackendUnavailable
 from ucudnn.kernel.run import run_configuration
-from ucudnn.problem import KINDS, ConvProblem
 from ucudnn.kernel.selftest import DEFAULT_PROBLEMS, TOLERANCE, run_selftest
+from ucudnn.problem import KINDS, ConvProblem
 from ucudnn.reference import reference, relative_error, to_host_float64
-from ucudnn.solver.types import Configuration, MicroConfig
 
 pytestmark = pytest.mark.gpu
 

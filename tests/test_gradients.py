@@ -4,20 +4,20 @@ peak a real step reaches (`StepTracker`)."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
 torch = pytest.importorskip("torch")
-from torch import nn  # noqa: E402
+from torch import nn
 
-from ucudnn.errors import InvalidInput  # noqa: E402
-from ucudnn.memory.gradients import gradient_lives  # noqa: E402
-from ucudnn.memory.graph import Op, TrainingGraph  # noqa: E402
-from ucudnn.memory.simulate import expand  # noqa: E402
-from ucudnn.torch import capture  # noqa: E402
-from ucudnn.torch.checking.check import check_plan  # noqa: E402
-from ucudnn.torch import plan_memory  # noqa: E402
+from ucudnn.errors import InvalidInput
+from ucudnn.memory.gradients import gradient_lives
+from ucudnn.memory.graph import Op, TrainingGraph
+from ucudnn.memory.simulate import expand
+from ucudnn.torch import (
+    capture,
+    plan_memory,
+)
+from ucudnn.torch.checking.check import check_plan
 
 
 class Residual(nn.Module):
@@ -189,7 +189,7 @@ def test_plans_on_residual_and_dense_nets_reach_their_predicted_peaks_within_two
     model = _net(join)
     x = torch.randn(8, 3, 16, 16)
     y = torch.randint(0, 10, (8,))
-    loss = lambda out: nn.functional.cross_entropy(out, y)  # noqa: E731
+    loss = lambda out: nn.functional.cross_entropy(out, y)
     everything = plan_memory(model, x, policy="checkpoint", loss=loss)
     smallest = plan_memory(model, x, memory_limit=1, policy="checkpoint", loss=loss)
     for limit in (everything.peak_bytes, (everything.peak_bytes + smallest.peak_bytes) // 2):
@@ -208,7 +208,7 @@ def test_weight_gradients_counted_from_their_first_backward_write_match_a_step_t
     model = nn.Sequential(nn.Linear(1024, 2048), *[nn.Tanh() for _ in range(8)], nn.Linear(2048, 10))
     x = torch.randn(256, 1024)
     y = torch.randint(0, 10, (256,))
-    loss = lambda out: nn.functional.cross_entropy(out, y)  # noqa: E731
+    loss = lambda out: nn.functional.cross_entropy(out, y)
     whole_step = plan_memory(model, x, policy="checkpoint", weight_grads="step", loss=loss)
     from_backward = plan_memory(model, x, policy="checkpoint", loss=loss)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -264,7 +264,7 @@ def test_a_plan_of_a_max_pooling_net_reaches_its_predicted_peak():
                           nn.Flatten(), nn.Linear(32 * 4 * 4, 10))
     x = torch.randn(8, 3, 32, 32)
     y = torch.randint(0, 10, (8,))
-    loss = lambda out: nn.functional.cross_entropy(out, y)  # noqa: E731
+    loss = lambda out: nn.functional.cross_entropy(out, y)
     everything = plan_memory(model, x, policy="checkpoint", loss=loss)
     for fraction in (1.0, 0.7):
         plan = plan_memory(model, x, memory_limit=int(everything.peak_bytes * fraction), policy="checkpoint",

@@ -5,8 +5,7 @@ import random
 import pytest
 
 from ucudnn.errors import InvalidInput
-from ucudnn.memory.gtbm import (Alloc, BestFitPool, Free, GTBMPool, compare, minimal_capacity, replay,
-                                unusable_free)
+from ucudnn.memory.gtbm import Alloc, BestFitPool, Free, GTBMPool, compare, minimal_capacity, replay, unusable_free
 
 MB = 1
 

@@ -4,6 +4,7 @@ workspace handling, announcing layers, plans per batch and through the database.
 from __future__ import annotations
 
 import copy
+import itertools
 import pickle
 import subprocess
 import sys
@@ -21,8 +22,8 @@ RTOL = ATOL = 2e-4  # float32 algorithms (FFT, Winograd) against a float64 refer
 # ---- a float64 reference ---------------------------------------------------------------------
 
 def _geometry(x_shape, w_shape, stride, padding, dilation):
-    n, c, h, w = x_shape
-    k, cg, r, s = w_shape
+    _n, _c, h, w = x_shape
+    _k, _cg, r, s = w_shape
     oh = (h + 2 * padding[0] - dilation[0] * (r - 1) - 1) // stride[0] + 1
     ow = (w + 2 * padding[1] - dilation[1] * (s - 1) - 1) // stride[1] + 1
     return oh, ow
@@ -37,7 +38,7 @@ def _taps(i, j, oh, ow, stride, dilation):
 
 def ref_forward(x, w, stride, padding, dilation, groups):
     x, w = x.astype(np.float64), w.astype(np.float64)
-    n, c, h, wd = x.shape
+    n, _c, _h, _wd = x.shape
     k, cg, r, s = w.shape
     oh, ow = _geometry(x.shape, w.shape, stride, padding, dilation)
     xp = np.pad(x, ((0, 0), (0, 0), (padding[0],) * 2, (padding[1],) * 2))
@@ -96,11 +97,11 @@ def _handle(**options):
 
 # Geometries: stride 2 with padding, dilation 2, groups (incl. depthwise), 1x1, rectangular 1x7.
 CASES = [
-    dict(x=(3, 4, 9, 8), w=(6, 4, 3, 3), stride=(2, 2), padding=(1, 1), dilation=(1, 1), groups=1),
-    dict(x=(2, 4, 10, 10), w=(4, 2, 3, 3), stride=(1, 1), padding=(2, 2), dilation=(2, 2), groups=2),
-    dict(x=(2, 6, 7, 7), w=(6, 1, 3, 3), stride=(1, 1), padding=(1, 1), dilation=(1, 1), groups=6),
-    dict(x=(3, 5, 6, 6), w=(7, 5, 1, 1), stride=(2, 2), padding=(0, 0), dilation=(1, 1), groups=1),
-    dict(x=(2, 3, 5, 12), w=(4, 3, 1, 7), stride=(1, 2), padding=(0, 3), dilation=(1, 1), groups=1),
+    {"x": (3, 4, 9, 8), "w": (6, 4, 3, 3), "stride": (2, 2), "padding": (1, 1), "dilation": (1, 1), "groups": 1},
+    {"x": (2, 4, 10, 10), "w": (4, 2, 3, 3), "stride": (1, 1), "padding": (2, 2), "dilation": (2, 2), "groups": 2},
+    {"x": (2, 6, 7, 7), "w": (6, 1, 3, 3), "stride": (1, 1), "padding": (1, 1), "dilation": (1, 1), "groups": 6},
+    {"x": (3, 5, 6, 6), "w": (7, 5, 1, 1), "stride": (2, 2), "padding": (0, 0), "dilation": (1, 1), "groups": 1},
+    {"x": (2, 3, 5, 12), "w": (4, 3, 1, 7), "stride": (1, 2), "padding": (0, 3), "dilation": (1, 1), "groups": 1},
 ]
 
 
@@ -149,7 +150,7 @@ def test_shapes_are_inferred_at_stride_one_and_required_above(shared_handle):
     rng = np.random.default_rng(3)
     x = rng.standard_normal((2, 3, 8, 7), dtype=np.float32)
     w = rng.standard_normal((5, 3, 3, 2), dtype=np.float32)
-    conv = dict(padding=(1, 2), dilation=(2, 1))
+    conv = {"padding": (1, 2), "dilation": (2, 1)}
     y = shared_handle.conv_forward(x, w, **conv)
     assert shared_handle.conv_backward_data(y, w, **conv).shape == x.shape
     assert shared_handle.conv_backward_filter(x, y, **conv).shape == w.shape
@@ -180,12 +181,12 @@ def test_bad_calls_raise_invalid_input_naming_the_rule(shared_handle, call, matc
 
 
 @pytest.mark.parametrize("options,match", [
-    (dict(workspace_limit=1, total_workspace=1), "not both"),
-    (dict(policy="halves"), "policy"),
-    (dict(reps=0), "reps"),
-    (dict(db=True), "db"),
-    (dict(backend=3), "backend"),
-    (dict(workspace_limit="lots"), "size"),
+    ({"workspace_limit": 1, "total_workspace": 1}, "not both"),
+    ({"policy": "halves"}, "policy"),
+    ({"reps": 0}, "reps"),
+    ({"db": True}, "db"),
+    ({"backend": 3}, "backend"),
+    ({"workspace_limit": "lots"}, "size"),
 ])
 def test_bad_options_raise_invalid_input(options, match):
     with pytest.raises(InvalidInput, match=match):
@@ -242,7 +243,7 @@ def test_plans_come_back_from_the_database(tmp_path):
     rng = np.random.default_rng(6)
     x = rng.standard_normal((4, 3, 8, 8), dtype=np.float32)
     w = rng.standard_normal((4, 3, 3, 3), dtype=np.float32)
-    for options in (dict(), dict(total_workspace="4MiB")):
+    for options in ({}, {"total_workspace": "4MiB"}):
         with _handle(db=url, policy="powerOfTwo", **options) as first:
             first.register("a", ConvProblem(n=4, c=3, h=8, w=8, k=4, r=3, s=3, pad_h=1, pad_w=1))
             y1 = first.conv_forward(x, w, padding=1, layer="a")
@@ -276,8 +277,8 @@ LAYERS = {
 
 def _run_layer(handle, name, problem, rng, batch=None):
     p = problem.with_batch(batch or problem.n)
-    conv = dict(stride=(p.stride_h, p.stride_w), padding=(p.pad_h, p.pad_w), dilation=(p.dilation_h, p.dilation_w),
-                groups=p.groups, layer=name)
+    conv = {"stride": (p.stride_h, p.stride_w), "padding": (p.pad_h, p.pad_w), "dilation": (p.dilation_h, p.dilation_w),
+                "groups": p.groups, "layer": name}
     x = rng.standard_normal(p.x_shape, dtype=np.float32)
     w = rng.standard_normal(p.w_shape, dtype=np.float32)
     y = handle.conv_forward(x, w, **conv)
@@ -297,7 +298,7 @@ def _check_segments(handle):
     for batch in {c.batch for c in handle.choices()}:
         spans = sorted((c.offset, c.offset + c.config.workspace) for c in handle.choices()
                        if c.batch == batch and c.config.workspace)
-        for (_, end), (start, _) in zip(spans, spans[1:]):
+        for (_, end), (start, _) in itertools.pairwise(spans):
             assert end <= start  # disjoint segments
         assert all(0 <= s and e <= total for s, e in spans)
         assert sum(e - s for s, e in spans) <= handle.peak_workspace

@@ -19,12 +19,12 @@ GROWING = ["im2col_gemm", "fft", "native"]
 
 # (x shape, weight shape as the module holds it, keyword arguments as PyTorch takes them)
 CALLS = {
-    "conv1d": ((4, 6, 21), (8, 3, 5), dict(stride=2, padding=2, groups=2)),
-    "conv3d": ((4, 3, 6, 7, 5), (4, 3, 3, 3, 3), dict(padding=(1, 0, 1), dilation=(1, 2, 1))),
-    "conv_transpose1d": ((4, 4, 9), (4, 6, 3), dict(stride=2, padding=1, output_padding=1, transposed=True)),
-    "conv_transpose2d": ((4, 4, 5, 6), (4, 3, 3, 3), dict(stride=(2, 1), padding=1, output_padding=(1, 0),
-                                                        groups=2, transposed=True)),
-    "conv_transpose3d": ((4, 6, 3, 4, 3), (6, 4, 2, 2, 2), dict(stride=2, transposed=True)),
+    "conv1d": ((4, 6, 21), (8, 3, 5), {"stride": 2, "padding": 2, "groups": 2}),
+    "conv3d": ((4, 3, 6, 7, 5), (4, 3, 3, 3, 3), {"padding": (1, 0, 1), "dilation": (1, 2, 1)}),
+    "conv_transpose1d": ((4, 4, 9), (4, 6, 3), {"stride": 2, "padding": 1, "output_padding": 1, "transposed": True}),
+    "conv_transpose2d": ((4, 4, 5, 6), (4, 3, 3, 3), {"stride": (2, 1), "padding": 1, "output_padding": (1, 0),
+                                                        "groups": 2, "transposed": True}),
+    "conv_transpose3d": ((4, 6, 3, 4, 3), (6, 4, 2, 2, 2), {"stride": 2, "transposed": True}),
 }
 
 
@@ -64,15 +64,14 @@ def test_kernels_of_every_form_run_micro_batched_within_the_limit(name, kind):
 
 
 @pytest.mark.parametrize("call, words", [
-    (dict(x_shape=(2, 4, 5, 5), w_shape=(4, 2, 3, 3), groups=2, transposed=True, output_padding=1), "stride_h"),
-    (dict(x_shape=(2, 4, 5, 5, 5), w_shape=(4, 4, 3, 3), ), "3, 4 or 5 dimensions"),
-    (dict(x_shape=(2, 4, 5, 5, 5), w_shape=(4, 4, 3, 3, 3), stride=(1, 1)), "one per spatial axis"),
-    (dict(x_shape=(2, 4), w_shape=(4, 4)), "3-D, 4-D or 5-D"),
-    (dict(x_shape=(2, 4, 9), w_shape=(4, 4, 3), transposed="yes"), "True or False"),
-    (dict(x_shape=(2, 4, 9), w_shape=(4, 4, 3), groups=0), "groups"),
+    ({"x_shape": (2, 4, 5, 5), "w_shape": (4, 2, 3, 3), "groups": 2, "transposed": True, "output_padding": 1}, "stride_h"),
+    ({"x_shape": (2, 4, 5, 5, 5), "w_shape": (4, 4, 3, 3), }, "3, 4 or 5 dimensions"),
+    ({"x_shape": (2, 4, 5, 5, 5), "w_shape": (4, 4, 3, 3, 3), "stride": (1, 1)}, "one per spatial axis"),
+    ({"x_shape": (2, 4), "w_shape": (4, 4)}, "3-D, 4-D or 5-D"),
+    ({"x_shape": (2, 4, 9), "w_shape": (4, 4, 3), "transposed": "yes"}, "True or False"),
+    ({"x_shape": (2, 4, 9), "w_shape": (4, 4, 3), "groups": 0}, "groups"),
 ])
 def test_bad_calls_are_refused_in_one_line(call, words):
-    with Handle(backend=CpuBackend(), db=False, reps=1) as handle:
-        with pytest.raises(InvalidInput, match=words) as info:
-            handle.kernel("fwd", **call)
+    with Handle(backend=CpuBackend(), db=False, reps=1) as handle, pytest.raises(InvalidInput, match=words) as info:
+        handle.kernel("fwd", **call)
     assert "\n" not in str(info.value)

@@ -4,6 +4,7 @@ user named is replaced, a refused command leaves the cache byte for byte as it w
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import stat
@@ -15,12 +16,12 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
-
 from ucudnn.cli.main import main
 from ucudnn.db import Cache
+from ucudnn.solver.types import MicroConfig
+
 from ucudnn.problem import ConvProblem
 from ucudnn.sizes import format_size, parse_size
-from ucudnn.solver.types import MicroConfig
 
 KEY = ConvProblem(c=8, h=9, w=9, k=8, r=3, s=3, pad_h=1, pad_w=1).key
 DEVICE = {"device": "Test GPU", "backend": "cudnn", "versions": "cudnn=9.1.0"}
@@ -136,7 +137,7 @@ def test_output_to_a_full_disk_is_one_line(argv: list[str], tmp_path: Path) -> N
     db = cache_file(tmp_path / "c.db")
     with open("/dev/full", "w") as full:
         result = subprocess.run([sys.executable, "-m", "ucudnn.cli.main", *[a.format(db=db) for a in argv]],
-                                stdout=full, stderr=subprocess.PIPE, text=True, timeout=120)
+                                stdout=full, stderr=subprocess.PIPE, text=True, timeout=120, check=False)
     assert result.returncode in (1, 2) and "Traceback" not in result.stderr, result.stderr
     assert result.stderr.count("\n") == 1 and "No space left" in result.stderr, result.stderr
 
@@ -364,7 +365,8 @@ def test_repeated_kinds_and_algos_count_once(kinds: str, expected: list[str], tm
 @contextlib.contextmanager
 def read_only_mount(folder: Path):
     """`folder` bind-mounted read-only over itself (needs CAP_SYS_ADMIN); skips where impossible."""
-    result = subprocess.run(["mount", "--bind", "-o", "ro", str(folder), str(folder)], capture_output=True, text=True)
+    result = subprocess.run(["mount", "--bind", "-o", "ro", str(folder), str(folder)], capture_output=True, text=True,
+                            check=False)
     if result.returncode != 0:
         pytest.skip(f"cannot make a read-only mount here ({result.stderr.strip() or 'mount failed'})")
     try:
@@ -402,8 +404,8 @@ def test_a_cache_on_a_read_only_mount_is_read(tmp_path: Path, capsys: pytest.Cap
 
 
 def test_installing_torch_keeps_the_numpy_measurements(monkeypatch: pytest.MonkeyPatch) -> None:
-    from ucudnn.backends.cpu import backend as cpu
     from ucudnn.backends.base import DeviceInfo
+    from ucudnn.backends.cpu import backend as cpu
     from ucudnn.kernel.measure import measure_table
 
     backend = cpu.CpuBackend()
@@ -432,9 +434,10 @@ def test_installing_torch_keeps_the_numpy_measurements(monkeypatch: pytest.Monke
 
 
 def _wd_report(layers: int, baseline: bool = True):
+    from ucudnn.solver.types import Configuration
+
     from ucudnn.kernel.measure import BenchStats
     from ucudnn.network.optimize import KernelPlan, Report
-    from ucudnn.solver.types import Configuration
 
     problem = ConvProblem.parse(SMALL)
     micro = MicroConfig("fft", 2, 1.0, 2**20)
@@ -449,7 +452,7 @@ def test_a_total_without_a_baseline_prints_a_dash_not_inf() -> None:
     from ucudnn.cli.bench import format_report
 
     text = format_report(_wd_report(3))
-    total = [line for line in text.splitlines() if line.startswith("total")][0]
+    total = next(line for line in text.splitlines() if line.startswith("total"))
     assert "inf" not in text and total.split()[1] == "-"
     assert json.loads(json.dumps(_wd_report(3).to_json(), allow_nan=False))["total"]["baseline_ms"] is None
 
@@ -461,7 +464,7 @@ def test_the_wd_plot_of_159_kernels_has_readable_labels(tmp_path: Path) -> None:
     layers = [f"layer{i}" for i in range(53) for _ in range(3)]  # ResNet-50: 53 layers, 159 kernels
     positions, labels = layer_ticks(layers)
     assert 20 <= len(labels) <= MAX_TICK_LABELS and labels[:2] == ["layer0", "layer2"]
-    assert positions[0] == 1.0 and all(b - a >= 3 for a, b in zip(positions, positions[1:]))
+    assert positions[0] == 1.0 and all(b - a >= 3 for a, b in itertools.pairwise(positions))
     plot_wd(_wd_report(53), str(tmp_path / "wd.png"))
     assert (tmp_path / "wd.png").read_bytes()[:4] == b"\x89PNG"
 
@@ -477,8 +480,8 @@ def test_readme_and_docs_stand_alone() -> None:
 
 
 def test_the_memory_check_counts_the_smallest_workspace_near_the_limit(monkeypatch: pytest.MonkeyPatch) -> None:
-    from ucudnn.kernel import resources
     from ucudnn.backends.cpu import CpuBackend
+    from ucudnn.kernel import resources
 
     backend, problem = CpuBackend(), ConvProblem.parse(SMALL)
     operands = resources.operand_bytes(problem)

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from conv_reference import assert_close, reference
+from ucudnn.solver.types import Configuration, MicroConfig
+
 from ucudnn import Handle, InvalidInput
 from ucudnn.backends.cpu import ALGORITHMS, CpuBackend
 from ucudnn.kernel.run import PreparedConfiguration, run_configuration
 from ucudnn.problem import KINDS, ConvProblem
-from ucudnn.solver.types import Configuration, MicroConfig
 
 BACKEND = CpuBackend()
 PROBLEM = ConvProblem.parse("n=5,c=4,h=7,w=6,k=6,r=3,s=3,pad=1,groups=2")

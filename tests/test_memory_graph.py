@@ -32,9 +32,9 @@ def test_vgg16_feature_maps_by_hand():
     assert g.feature_map_bytes == expected
     # the conv's backward reads its input; relu writes in place into the conv's storage
     assert g.storage_of("relu1_1") == "conv1_1"
-    bwd = [s for s in g.steps if s.phase == "bwd" and s.op == "conv1_2"][0]
+    bwd = next(s for s in g.steps if s.phase == "bwd" and s.op == "conv1_2")
     assert "conv1_1" in bwd.reads and bwd.kernels == ("bwd_data", "bwd_filter")
-    first = [s for s in g.steps if s.phase == "bwd" and s.op == "conv1_1"][0]
+    first = next(s for s in g.steps if s.phase == "bwd" and s.op == "conv1_1")
     assert first.kernels == ("bwd_filter",)  # the image needs no gradient
 
 

@@ -2,11 +2,10 @@
 dymem and checkpoint, with the simulator's own record of non-resident reads."""
 
 import pytest
+from test_memory_policies import GIB, check_invariants
 
 from ucudnn.memory import make_plan
 from ucudnn.memory.graph import from_network
-
-from test_memory_policies import GIB, check_invariants
 
 
 @pytest.mark.parametrize("policy", ["swap-multi", "dymem", "checkpoint"])

@@ -142,8 +142,8 @@ def test_both_directions_share_the_duplex_bandwidth():
     slow = DeviceProfile("duplex", "duplex", 10**9, h2d_gbps=1.0, d2h_gbps=1.0, duplex_gbps=1.0,
                          devices_per_link=1, fp32_tflops=1.0, memory_gbps=1.0)
     r = simulate(chain(), slow, COSTS, {"x": "offload", "a": "offload"}, prefetch={"x": 2, "a": 4})
-    d2h_a = [i for i in r.timeline if i.stream == "d2h" and i.label == "a"][0]
-    h2d_x = [i for i in r.timeline if i.stream == "h2d" and i.label == "x"][0]
+    d2h_a = next(i for i in r.timeline if i.stream == "d2h" and i.label == "a")
+    h2d_x = next(i for i in r.timeline if i.stream == "h2d" and i.label == "x")
     # both start at 2 and share: each has moved 0.5 MB at 3; then x... both end at 4
     assert d2h_a.start_ms == pytest.approx(2.0) and d2h_a.end_ms == pytest.approx(4.0)
     assert h2d_x.start_ms == pytest.approx(2.0) and h2d_x.end_ms == pytest.approx(4.0)

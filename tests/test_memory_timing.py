@@ -1,16 +1,17 @@
 """Op times: measured H100 conv fronts shipped with the package, scaled fronts elsewhere, a roofline
 otherwise, and a measurement cache's own numbers first."""
 
+import itertools
 import math
 
 import pytest
+from ucudnn.solver.types import MicroConfig
 
 from ucudnn.devices import PROFILES
 from ucudnn.memory.graph import from_network
 from ucudnn.memory.timing import conv_fronts, kernel_front, step_costs
 from ucudnn.network.zoo import layers
 from ucudnn.problem import ConvProblem
-from ucudnn.solver.types import MicroConfig
 
 
 def test_h100_convs_come_from_measurements_and_fronts_are_pareto():
@@ -18,7 +19,7 @@ def test_h100_convs_come_from_measurements_and_fronts_are_pareto():
     assert len(fronts) == 13 * 3 - 1  # conv1_1 has no bwd_data
     for options in fronts.values():
         assert options[0].source == "measured"
-        for a, b in zip(options, options[1:]):
+        for a, b in itertools.pairwise(options):
             assert a.workspace < b.workspace and a.time_ms > b.time_ms
 
 

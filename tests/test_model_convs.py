@@ -15,12 +15,13 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 monai = pytest.importorskip("monai")
-from monai.networks.nets import BasicUNet, UNet  # noqa: E402
-from torch import nn  # noqa: E402
+from monai.networks.nets import BasicUNet, UNet
+from plain_training import assert_trains_alike, plain_runs, train
+from torch import nn
 
-from plain_training import assert_trains_alike, plain_runs, train  # noqa: E402
-from ucudnn.torch import convert  # noqa: E402
-from ucudnn.torch.converting.layer import ConvLayer  # noqa: E402
+from ucudnn.torch import convert
+from ucudnn.torch.converting.layer import ConvLayer
+
 
 def _basic_unet_3d():
     return BasicUNet(spatial_dims=3, in_channels=1, out_channels=2, features=(4, 4, 8, 16, 32, 4))

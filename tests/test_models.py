@@ -13,10 +13,11 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 monai = pytest.importorskip("monai")
-from monai.networks.nets import UNet  # noqa: E402
+from monai.networks.nets import UNet
+from plain_training import assert_trains_alike, loss, memtracker_peak, plain_runs, train
 
-from plain_training import assert_trains_alike, loss, memtracker_peak, plain_runs, train  # noqa: E402
-from ucudnn.torch import convert, plan_memory  # noqa: E402
+from ucudnn.torch import convert, plan_memory
+
 
 def _hf_resnet():
     config = transformers.ResNetConfig(depths=[1, 1, 1, 1], hidden_sizes=[32, 64, 128, 256], embedding_size=16,

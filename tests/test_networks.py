@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
 
 from ucudnn.errors import InvalidInput
-from ucudnn.network.zoo import (DEFAULT_BATCH, DENSENET40_GROWTH, NETWORKS, Layer, canonical_name,
-                             kernels, layers, unique_problems)
+from ucudnn.network.zoo import (
+    DEFAULT_BATCH,
+    DENSENET40_GROWTH,
+    NETWORKS,
+    Layer,
+    canonical_name,
+    kernels,
+    layers,
+    unique_problems,
+)
 from ucudnn.problem import KINDS, ConvProblem
 
 BATCH = 4
@@ -35,7 +44,7 @@ EXPECTED_COUNTS = {"alexnet": 5, "vgg16": 13, "resnet18": 20, "resnet50": 53, "r
 
 def test_registry_names_and_descriptions():
     assert list(NETWORKS) == list(EXPECTED_COUNTS)
-    for name, description in NETWORKS.items():
+    for description in NETWORKS.values():
         assert isinstance(description, str) and description and "\n" not in description
     assert set(DEFAULT_BATCH) == set(NETWORKS)
 
@@ -142,7 +151,7 @@ def test_vgg16_matches_config_d():
 
 def test_vgg16_chains():
     net = layers("vgg16", 1)
-    for prev, cur in zip(net, net[1:]):
+    for prev, cur in itertools.pairwise(net):
         c, h, w = chw_out(prev.problem)
         same_stage = prev.name.split("_")[0] == cur.name.split("_")[0]
         expected = (c, h, w) if same_stage else (c, h // 2, w // 2)  # 2x2/2 max-pool

@@ -8,8 +8,8 @@ import json
 import re
 
 import pytest
-
 from ucudnn.cli.main import main
+
 from ucudnn.devices import PROFILES, DeviceProfile
 from ucudnn.memory import optimal
 from ucudnn.memory.graph import from_network
@@ -115,7 +115,7 @@ def test_the_cli_failure_message_names_two_distinct_sizes(capsys):
     needed = smallest_fitting_limit(graph, H100, "optimal")
     limit = needed - 2 * max(2**20, needed // 256)  # does not fit (the test above), within 1% of needed
     assert not make_plan(graph, H100, limit, "optimal").fits
-    code, out, err = run(capsys, "plan", "--network", "alexnet", "--batch", "256", "--device", "h100",
+    code, _out, err = run(capsys, "plan", "--network", "alexnet", "--batch", "256", "--device", "h100",
                          "--memory", str(limit))
     assert code == 1
     match = re.search(r"nothing fits (\S+ \S+); the smallest limit that fits is (\S+ \S+) \((\d+) bytes", err)

@@ -4,8 +4,8 @@ import json
 import sqlite3
 
 import pytest
-
 from ucudnn.cli.main import main
+
 from ucudnn.errors import InvalidInput, UcudnnError
 from ucudnn.network.parallel import _work, partition, worker_environments
 from ucudnn.problem import ConvProblem

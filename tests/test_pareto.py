@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 
 import pytest
-
 from ucudnn.solver import Configuration, Infeasible, MicroConfig, pareto, wr
 
 REL_TOL = 1e-12
@@ -73,7 +73,7 @@ def _check_front(bench, batch, limit, result: list[Configuration]) -> None:
         for m in config.micros:
             assert m in bench[m.batch] and m.usable
             assert limit is None or m.workspace <= limit
-    for before, after in zip(result, result[1:], strict=False):
+    for before, after in itertools.pairwise(result):
         assert before.workspace < after.workspace
         assert before.time > after.time
 

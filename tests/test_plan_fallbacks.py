@@ -9,15 +9,15 @@ import copy
 import pytest
 
 torch = pytest.importorskip("torch")
-from torch import nn  # noqa: E402
-from torch.nn import functional as F  # noqa: E402
+from plain_training import assert_trains_alike, train
+from torch import nn
+from torch.nn import functional as F
 
-from plain_training import assert_trains_alike, train  # noqa: E402
-from ucudnn.errors import UnsupportedProblem  # noqa: E402
-from ucudnn.memory.planner import POLICIES  # noqa: E402
-from ucudnn.torch import execute_plan, measure_profile, plan_memory  # noqa: E402
-from ucudnn.torch.planning import planner as planning  # noqa: E402
-from ucudnn.torch.zoo import build  # noqa: E402
+from ucudnn.errors import UnsupportedProblem
+from ucudnn.memory.planner import POLICIES
+from ucudnn.torch import execute_plan, measure_profile, plan_memory
+from ucudnn.torch.planning import planner as planning
+from ucudnn.torch.zoo import build
 
 SEQ, BATCH, VOCAB, LABELS = 16, 2, 100, 3
 

@@ -199,9 +199,11 @@ def test_a_plan_made_outside_autocast_is_refused_inside_it_in_one_line_that_says
     model = _chain()
     plan = _recomputing(model)
     x, y = _batch(0)
-    with pytest.raises(UnsupportedProblem, match="autocast") as err:
-        with torch.autocast("cpu", dtype=torch.bfloat16), execute_plan(model, plan):
-            _loss(model(x), y).backward()
+    with (
+        pytest.raises(UnsupportedProblem, match="autocast") as err,
+        torch.autocast("cpu", dtype=torch.bfloat16), execute_plan(model, plan),
+    ):
+        _loss(model(x), y).backward()
     assert "\n" not in str(err.value)
 
 
@@ -224,11 +226,10 @@ def test_a_second_backward_through_a_retained_graph_is_refused_in_one_line_that_
     model = _chain()
     plan = PLANS[policy](model)
     x, y = _batch(0)
-    with pytest.raises(UnsupportedProblem, match="retain_graph") as err:
-        with late_copies(), execute_plan(model, plan):
-            loss = _loss(model(x), y)
-            loss.backward(retain_graph=True)
-            loss.backward()
+    with pytest.raises(UnsupportedProblem, match="retain_graph") as err, late_copies(), execute_plan(model, plan):
+        loss = _loss(model(x), y)
+        loss.backward(retain_graph=True)
+        loss.backward()
     assert "\n" not in str(err.value)
     assert not model._forward_pre_hooks and not model._forward_hooks
 

@@ -14,14 +14,14 @@ from ucudnn.problem import KINDS, ConvProblem
 from ucudnn.reference import reference, relative_error
 
 FORMS = {
-    "2-D strided, dilated, grouped": dict(x_shape=(3, 4, 9, 8), w_shape=(6, 2, 3, 3), stride=2, padding=(1, 2),
-                                          dilation=(2, 1), groups=2),
-    "2-D 1x1": dict(x_shape=(2, 5, 6, 6), w_shape=(3, 5, 1, 1)),
-    "1-D": dict(x_shape=(2, 3, 11), w_shape=(4, 3, 5), padding=2),
-    "3-D": dict(x_shape=(2, 2, 5, 4, 6), w_shape=(3, 2, 3, 2, 3), padding=1, stride=(1, 2, 1)),
-    "transposed": dict(x_shape=(2, 4, 5, 5), w_shape=(4, 3, 3, 3), stride=2, padding=1, output_padding=1,
-                       transposed=True),
-    "padding beyond the filter": dict(x_shape=(2, 3, 4, 4), w_shape=(2, 3, 2, 2), padding=3),
+    "2-D strided, dilated, grouped": {"x_shape": (3, 4, 9, 8), "w_shape": (6, 2, 3, 3), "stride": 2, "padding": (1, 2),
+                                          "dilation": (2, 1), "groups": 2},
+    "2-D 1x1": {"x_shape": (2, 5, 6, 6), "w_shape": (3, 5, 1, 1)},
+    "1-D": {"x_shape": (2, 3, 11), "w_shape": (4, 3, 5), "padding": 2},
+    "3-D": {"x_shape": (2, 2, 5, 4, 6), "w_shape": (3, 2, 3, 2, 3), "padding": 1, "stride": (1, 2, 1)},
+    "transposed": {"x_shape": (2, 4, 5, 5), "w_shape": (4, 3, 3, 3), "stride": 2, "padding": 1, "output_padding": 1,
+                       "transposed": True},
+    "padding beyond the filter": {"x_shape": (2, 3, 4, 4), "w_shape": (2, 3, 2, 2), "padding": 3},
 }
 ALGOS = ("im2col_gemm", "shift_gemm", "fft", "winograd")
 

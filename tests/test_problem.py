@@ -142,8 +142,8 @@ def test_shapes_agree_with_torch_for_every_form():
         axes = p.axes[1:] if is_1d(p) else p.axes
         if is_1d(p):
             x, w = x[:, :, 0], w[:, :, 0]
-        args = dict(stride=[a.stride for a in axes], padding=[a.pad for a in axes],
-                    dilation=[a.dilation for a in axes], groups=p.groups)
+        args = {"stride": [a.stride for a in axes], "padding": [a.pad for a in axes],
+                    "dilation": [a.dilation for a in axes], "groups": p.groups}
         if p.transposed:
             y = getattr(F, f"conv_transpose{len(axes)}d")(x, w, output_padding=[a.output_padding for a in axes], **args)
         else:

@@ -7,11 +7,11 @@ from __future__ import annotations
 import json
 
 import pytest
+from ucudnn.cli.main import cli
+from ucudnn.db import Cache
 
 from ucudnn import Handle, InvalidInput
 from ucudnn.backends.cpu import CpuBackend
-from ucudnn.cli.main import cli
-from ucudnn.db import Cache
 from ucudnn.kernel.measure import PRUNED, _pruning_order, measure_table
 from ucudnn.problem import ConvProblem
 
@@ -49,7 +49,7 @@ def test_pruning_order_takes_the_largest_then_the_smallest_then_down():
 
 def test_without_a_limit_every_candidate_is_timed():
     backend = Scripted({})
-    table, stats = table_of(backend, 0)
+    _table, stats = table_of(backend, 0)
     assert sorted(backend.timed) == sorted((a, s) for a in ALGOS for s in (1, 2, 4, 8))
     assert stats.pruned == 0 and stats.measured == stats.candidates == 20
 
@@ -60,7 +60,7 @@ def test_the_limit_times_the_backends_best_ranked_first():
     # the cpu ranking: native, im2col_gemm, winograd, shift_gemm, fft
     assert sorted(backend.timed) == sorted((a, s) for a in ("native", "im2col_gemm") for s in (1, 2, 4, 8))
     assert stats.pruned == 12 and stats.candidates == 20
-    for size, row in table.items():
+    for row in table.values():
         assert [m.algo for m in row] == ALGOS  # the caller's order, every candidate present
         for m in row:
             if m.algo not in ("native", "im2col_gemm"):

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import click
 import pytest
-
 from ucudnn.cli.main import cli
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "readme_check.py"

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from conv_reference import FORMS, is_1d, torch_reference
+
 from ucudnn.problem import KINDS, ConvProblem
 from ucudnn.reference import reference, relative_error
 

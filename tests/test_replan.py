@@ -12,13 +12,13 @@ import warnings
 
 import numpy as np
 import pytest
+from ucudnn.db import Cache
 
 from ucudnn import Handle
 from ucudnn.backends.cpu import CpuBackend
-from ucudnn.kernel.measure import device_key
-from ucudnn.db import Cache
 from ucudnn.errors import UnsupportedProblem
 from ucudnn.handle import PlanFailureWarning
+from ucudnn.kernel.measure import device_key
 from ucudnn.problem import ConvProblem
 from ucudnn.reference import reference
 

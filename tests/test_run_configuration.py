@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from conv_reference import assert_close, reference
+from ucudnn.solver.types import Configuration, MicroConfig
+
 from ucudnn.backends.cpu import ALGORITHMS, CpuBackend
 from ucudnn.errors import InvalidInput
 from ucudnn.kernel.run import run_configuration
 from ucudnn.problem import KINDS, ConvProblem
-from ucudnn.solver.types import Configuration, MicroConfig
 
 BACKEND = CpuBackend()
 ALL_ALGOS = BACKEND.algorithms(ConvProblem())

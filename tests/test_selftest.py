@@ -8,11 +8,10 @@ import sys
 
 import numpy as np
 import pytest
+from ucudnn.cli.main import main
+from ucudnn.solver.types import MicroConfig
 
 from ucudnn.backends.base import Backend, DeviceInfo, wall_clock_samples_ms
-from ucudnn.cli.main import main
-from ucudnn.problem import KINDS, ConvProblem
-from ucudnn.solver.types import MicroConfig
 from ucudnn.kernel.selftest import (
     ALPHA,
     BETA,
@@ -21,6 +20,7 @@ from ucudnn.kernel.selftest import (
     micro_batches,
     run_selftest,
 )
+from ucudnn.problem import KINDS, ConvProblem
 from ucudnn.reference import reference, relative_error, to_host_float64
 
 PROBLEMS = [ConvProblem.parse(spec) for spec in DEFAULT_PROBLEMS]
@@ -154,6 +154,7 @@ def test_an_algorithm_wrong_only_when_accumulating_is_excluded_where_it_would_ac
     # verifies a micro-batch size with beta = 1 as run_configuration runs it, so the solvers never
     # see it there, the cache keeps the reason, and the selftest shows it excluded and passes.
     from ucudnn.db.cache import Cache
+
     from ucudnn.kernel.measure import measure_table
 
     class Cached(ReferenceBackend):  # a cache row names the library versions it was measured with

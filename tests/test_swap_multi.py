@@ -1,6 +1,7 @@
 """Kim et al.'s multi-GPU swapping: the staggered layer choice, the trigger search, invariants."""
 
 import pytest
+from memory_checks import assert_prefetched_before_use, assert_resident_when_used, assert_within_limit
 
 from ucudnn.devices import load_profile
 from ucudnn.errors import InvalidInput
@@ -9,8 +10,6 @@ from ucudnn.memory.graph import from_network
 from ucudnn.memory.plan import MemoryPlan
 from ucudnn.memory.planner import baseline
 from ucudnn.memory.simulate import simulate
-
-from memory_checks import assert_prefetched_before_use, assert_resident_when_used, assert_within_limit
 
 
 def test_staggered_layers_follow_section_3a():
@@ -59,7 +58,7 @@ def test_plan_fits_and_keeps_the_invariants_on_every_gpu(vgg_case):
     assert 0 < swapped < len(swap_multi.swappable(graph))  # fewer than vDNN_all: the smallest b that fits
     actions = swap_multi.device_actions(graph, swapped, 4, 4)
     assert {t.name: t.action for t in plan.tensors} == actions[0]
-    triggers, result = swap_multi.adapt_triggers(graph, device, costs, actions, limit, 4)
+    _triggers, result = swap_multi.adapt_triggers(graph, device, costs, actions, limit, 4)
     assert result.fits and result.step_ms == pytest.approx(plan.step_ms)
     assert_within_limit(result, limit)
     for d, acts in enumerate(actions):
@@ -71,7 +70,7 @@ def test_plan_fits_and_keeps_the_invariants_on_every_gpu(vgg_case):
 
 
 def test_plan_lists_every_gpus_actions_and_its_json_reads_back(vgg_case):
-    graph, device, costs, limit = vgg_case
+    graph, device, _costs, limit = vgg_case
     plan = swap_multi.plan(graph, device, limit, devices=4, devices_per_link=2)
     b = sum(t.action == "offload" for t in plan.tensors)
     expected = swap_multi.device_actions(graph, b, 4, 2)

@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
-from torch import nn  # noqa: E402
-from torch._subclasses.fake_tensor import FakeTensorMode  # noqa: E402
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 
-import ucudnn  # noqa: E402
-from ucudnn import InvalidInput, LateRegistrationWarning, UnsupportedProblem  # noqa: E402
-from ucudnn.backends.cpu import CpuBackend  # noqa: E402
-from ucudnn.torch import Conv2d, announce, convert  # noqa: E402
+import ucudnn
+from ucudnn import InvalidInput, LateRegistrationWarning, UnsupportedProblem
+from ucudnn.backends.cpu import CpuBackend
+from ucudnn.torch import Conv2d, announce, convert
 
 RTOL, ATOL = 1e-4, 1e-4
 FAST = {"backend": "cpu", "policy": "undivided", "reps": 1, "db": "sqlite://"}
@@ -238,9 +238,9 @@ def test_wr_small_limit_micro_batches_and_still_matches():
 
 def test_state_dict_round_trips_both_ways_and_repr_is_identical():
     torch.manual_seed(0)
-    for args, kwargs in [((3, 8, 3), dict(stride=2, padding=1, bias=False)),
-                         ((4, 8, (1, 7)), dict(padding=(0, 3), groups=2, dilation=(1, 2))),
-                         ((6, 6, 3), dict(padding="same", padding_mode="reflect", groups=6))]:
+    for args, kwargs in [((3, 8, 3), {"stride": 2, "padding": 1, "bias": False}),
+                         ((4, 8, (1, 7)), {"padding": (0, 3), "groups": 2, "dilation": (1, 2)}),
+                         ((6, 6, 3), {"padding": "same", "padding_mode": "reflect", "groups": 6})]:
         plain = nn.Conv2d(*args, **kwargs)
         ours = Conv2d(*args, **kwargs, handle=ucudnn.Handle(**FAST))
         assert repr(ours) == repr(plain)
@@ -264,13 +264,13 @@ def test_same_initialisation_as_nn_conv2d():
 
 
 @pytest.mark.parametrize("kwargs", [
-    dict(kernel_size=3, padding=1, padding_mode="reflect"),
-    dict(kernel_size=3, padding=(1, 2), padding_mode="replicate"),
-    dict(kernel_size=3, padding=1, padding_mode="circular", stride=2),
-    dict(kernel_size=4, padding="same"),                          # asymmetric: padded first
-    dict(kernel_size=(3, 5), padding="same", dilation=2),         # symmetric: padded in the kernel
-    dict(kernel_size=(2, 3), padding="same", padding_mode="reflect"),
-    dict(kernel_size=3, padding="valid", stride=2),
+    {"kernel_size": 3, "padding": 1, "padding_mode": "reflect"},
+    {"kernel_size": 3, "padding": (1, 2), "padding_mode": "replicate"},
+    {"kernel_size": 3, "padding": 1, "padding_mode": "circular", "stride": 2},
+    {"kernel_size": 4, "padding": "same"},                          # asymmetric: padded first
+    {"kernel_size": (3, 5), "padding": "same", "dilation": 2},         # symmetric: padded in the kernel
+    {"kernel_size": (2, 3), "padding": "same", "padding_mode": "reflect"},
+    {"kernel_size": 3, "padding": "valid", "stride": 2},
 ], ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()))
 def test_padding_modes_and_string_padding_match_torch(kwargs):
     torch.manual_seed(0)

@@ -14,14 +14,14 @@ import warnings
 import pytest
 
 torch = pytest.importorskip("torch")
-from torch import nn  # noqa: E402
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
-import ucudnn  # noqa: E402
-from ucudnn import Handle, InvalidInput, LateRegistrationWarning  # noqa: E402
-from ucudnn.torch import Conv2d, convert  # noqa: E402
-from ucudnn.torch.converting import ops  # noqa: E402
+import ucudnn
+from ucudnn import Handle, InvalidInput, LateRegistrationWarning
+from ucudnn.torch import Conv2d, convert
+from ucudnn.torch.converting import ops
 
 RTOL, ATOL = 1e-4, 1e-4
 # ucudnn's own NumPy kernels (no `native`): every kernel of every layer runs through the handle
@@ -103,12 +103,12 @@ class Mixed(nn.Module):
 
 
 LAYERS = {
-    "strided": dict(in_channels=4, out_channels=6, kernel_size=3, stride=2, padding=1),
-    "dilated": dict(in_channels=4, out_channels=6, kernel_size=3, padding=2, dilation=2),
-    "grouped": dict(in_channels=4, out_channels=6, kernel_size=3, padding=1, groups=2),
-    "same": dict(in_channels=4, out_channels=6, kernel_size=3, padding="same"),
-    "same-even": dict(in_channels=4, out_channels=6, kernel_size=(2, 4), padding="same"),
-    "strided-dilated-1x1": dict(in_channels=4, out_channels=8, kernel_size=1, stride=(2, 1)),
+    "strided": {"in_channels": 4, "out_channels": 6, "kernel_size": 3, "stride": 2, "padding": 1},
+    "dilated": {"in_channels": 4, "out_channels": 6, "kernel_size": 3, "padding": 2, "dilation": 2},
+    "grouped": {"in_channels": 4, "out_channels": 6, "kernel_size": 3, "padding": 1, "groups": 2},
+    "same": {"in_channels": 4, "out_channels": 6, "kernel_size": 3, "padding": "same"},
+    "same-even": {"in_channels": 4, "out_channels": 6, "kernel_size": (2, 4), "padding": "same"},
+    "strided-dilated-1x1": {"in_channels": 4, "out_channels": 8, "kernel_size": 1, "stride": (2, 1)},
 }
 
 
@@ -221,9 +221,9 @@ def test_a_map_of_both_formats_gets_the_strides_torchs_convolution_gives(name):
     out = torch.compile(ours, backend="aot_eager", fullgraph=True)(x)
     assert torch.autograd.grad(out, x, dy)[0].stride() == dx.stride()
     assert _routed_kinds(ours) >= {"fwd", "bwd_data"}
-    key, conv = ops.layer_key(ours), dict(stride=list(plain.stride), padding=list(plain.padding),
-                                          dilation=list(plain.dilation), transposed=False, output_padding=[0, 0],
-                                          groups=1, layout="NCHW")
+    key, conv = ops.layer_key(ours), {"stride": list(plain.stride), "padding": list(plain.padding),
+                                          "dilation": list(plain.dilation), "transposed": False, "output_padding": [0, 0],
+                                          "groups": 1, "layout": "NCHW"}
     with FakeTensorMode() as mode:  # the fake implementations, against torch's meta convolution
         fx, fw = mode.from_tensor(x), mode.from_tensor(plain.weight)
         fy = torch.ops.ucudnn.convolution(fx, fw, key, **conv, need_dx=True, need_dw=True)
@@ -464,7 +464,7 @@ def test_export_gives_ucudnn_operator_nodes_that_run_and_equal_eager():
 def test_fake_implementations_give_shapes_and_strides_without_planning():
     ours = convert(nn.Conv2d(6, 8, (3, 5), stride=(2, 1), padding=(1, 2), dilation=(1, 2), groups=2), **NUMPY)
     key = ops.layer_key(ours)
-    conv = dict(stride=[2, 1], padding=[1, 2], dilation=[1, 2], transposed=False, output_padding=[0, 0], groups=2)
+    conv = {"stride": [2, 1], "padding": [1, 2], "dilation": [1, 2], "transposed": False, "output_padding": [0, 0], "groups": 2}
     with FakeTensorMode():
         x, w = torch.empty(5, 6, 11, 13), torch.empty(8, 3, 3, 5)
         y = torch.ops.ucudnn.convolution(x, w, key, **conv, layout="NCHW", need_dx=True, need_dw=True)
@@ -493,8 +493,8 @@ def test_fake_implementations_give_shapes_and_strides_without_planning():
 def _samples(layer: Conv2d, seed: int):
     x = _rand(2, 4, 7, 6, seed=seed, requires_grad=True)
     w = layer.weight.detach().clone().requires_grad_()
-    conv = dict(stride=list(layer.stride), padding=list(layer.padding), dilation=list(layer.dilation),
-                transposed=False, output_padding=[0, 0], groups=layer.groups, layout="NCHW")
+    conv = {"stride": list(layer.stride), "padding": list(layer.padding), "dilation": list(layer.dilation),
+                "transposed": False, "output_padding": [0, 0], "groups": layer.groups, "layout": "NCHW"}
     y_shape = nn.functional.conv2d(x, w, None, layer.stride, layer.padding, layer.dilation, layer.groups).shape
     dy = _rand(*y_shape, seed=seed + 1)
     key = ops.layer_key(layer)
@@ -553,7 +553,7 @@ def test_a_compiled_backward_asks_a_layer_for_both_gradients_at_once():
         model(x).backward(dy)
     for a, b in zip(ours.parameters(), plain.parameters()):
         torch.testing.assert_close(a.grad, b.grad, rtol=RTOL, atol=ATOL)
-    forward, backward = graphs
+    _forward, backward = graphs
     targets = [n.target for n in backward.graph.nodes if n.op == "call_function"]
     assert targets.count(torch.ops.ucudnn.convolution_backward.default) == 1  # the second layer's dx and dw
     assert targets.count(torch.ops.ucudnn.convolution_backward_filter.default) == 1  # the first layer's dw

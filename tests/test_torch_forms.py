@@ -14,15 +14,25 @@ import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
-from torch import nn  # noqa: E402
-from torch.nn.utils import parametrize  # noqa: E402
-from torch.nn.utils.parametrizations import weight_norm  # noqa: E402
+from torch import nn
+from torch.nn.utils import parametrize
+from torch.nn.utils.parametrizations import weight_norm
 
-from ucudnn.problem import ConvProblem  # noqa: E402
-from ucudnn.reference import reference, relative_error  # noqa: E402
-from ucudnn.torch import (Conv1d, Conv2d, Conv3d, ConvTranspose1d, ConvTranspose2d, ConvTranspose3d,  # noqa: E402
-                          capture, convert, execute_plan, plan_memory)
-from ucudnn.torch.converting.layer import ConvLayer  # noqa: E402
+from ucudnn.problem import ConvProblem
+from ucudnn.reference import reference, relative_error
+from ucudnn.torch import (
+    Conv1d,
+    Conv2d,
+    Conv3d,
+    ConvTranspose1d,
+    ConvTranspose2d,
+    ConvTranspose3d,
+    capture,
+    convert,
+    execute_plan,
+    plan_memory,
+)
+from ucudnn.torch.converting.layer import ConvLayer
 
 # ucudnn's NumPy kernels only, each kernel in micro-batches of one sample: nothing falls back to torch
 MICRO = {"backend": "cpu", "policy": (1,), "algos": ["im2col_gemm"], "reps": 1, "db": False, "call_overhead": 0}

@@ -14,24 +14,24 @@ import subprocess
 import sys
 import textwrap
 import weakref
+from typing import ClassVar
 
 import pytest
 
 torch = pytest.importorskip("torch")
-from torch import nn  # noqa: E402
+from torch import nn
 
-from ucudnn import InvalidInput, UnsupportedProblem  # noqa: E402
-from ucudnn.memory import available_policies  # noqa: E402
-from ucudnn.memory.plan import ConvWorkspace, MemoryPlan, TensorAction  # noqa: E402
-from ucudnn.torch import capture, convert  # noqa: E402
-from ucudnn.torch.running import executor as tm  # noqa: E402
-from ucudnn.torch.converting import ops as tm_ops  # noqa: E402
-from ucudnn.torch.planning import planner as planning  # noqa: E402
-from ucudnn.torch.running import prepared_plan  # noqa: E402
-from ucudnn.torch.checking.check import check_plan  # noqa: E402
-from ucudnn.torch.converting.layer import ConvLayer  # noqa: E402
-from ucudnn.torch.running.executor import ExecutionStats, execute_plan  # noqa: E402
-from ucudnn.torch.planning.planner import plan_memory  # noqa: E402
+from ucudnn import InvalidInput, UnsupportedProblem
+from ucudnn.memory import available_policies
+from ucudnn.memory.plan import ConvWorkspace, MemoryPlan, TensorAction
+from ucudnn.torch import capture, convert
+from ucudnn.torch.checking.check import check_plan
+from ucudnn.torch.converting import ops as tm_ops
+from ucudnn.torch.converting.layer import ConvLayer
+from ucudnn.torch.planning import planner as planning
+from ucudnn.torch.planning.planner import plan_memory
+from ucudnn.torch.running import prepared_plan
+from ucudnn.torch.running.executor import ExecutionStats, execute_plan
 
 RTOL, ATOL = 1e-5, 1e-6
 STEPS = 3
@@ -123,7 +123,7 @@ def _train(model, plan=None, steps=STEPS, loss=nn.functional.cross_entropy, **op
 def _assert_same_state(ref, got):
     assert ref.keys() == got.keys()
     for name in ref:
-        torch.testing.assert_close(got[name], ref[name], rtol=RTOL, atol=ATOL, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(got[name], ref[name], rtol=RTOL, atol=ATOL, msg=lambda m, name=name: f"{name}: {m}")
 
 
 # Hand-made plans: every action on every kind of op the model holds (the loss's maps run outside the model).
@@ -199,7 +199,7 @@ def test_prefetch_is_issued_before_every_unpack_and_ahead_of_use():
     assert set(unpacked) == set(issued)
     # Ahead of use: when a tensor is first unpacked, the next one the backward pass needs is in flight.
     events = stats.events
-    first_unpack = [i for i, e in enumerate(events) if e[0] == "unpack"][0]
+    first_unpack = next(i for i, e in enumerate(events) if e[0] == "unpack")
     assert sum(1 for e in events[:first_unpack] if e[0] == "prefetch") >= 2
     # Without prefetching ahead, each prefetch comes at the latest from the hook of the node that needs it.
     _, stats0 = _train(_model(), plan, steps=1, prefetch_ahead=0)
@@ -329,7 +329,7 @@ def test_recompute_replays_only_the_operations_that_made_each_dropped_storage(mo
                       loss=lambda out: out.square().mean())
 
     class Count(TorchDispatchMode):
-        ops: list = []
+        ops: ClassVar[list] = []
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             Count.ops.append(func._overloadpacket.__name__)
@@ -393,9 +393,8 @@ def test_a_source_changed_after_it_was_read_is_kept_by_plans_and_refused_in_a_ha
     relu = next(s for s in graph.storages if graph.op(s).type == "relu")
     assert relu in graph.captured.pinned  # every plan keeps it
     plan = _hand_plan(model, x, {relu: "recompute"}, loss=lambda out: out.sum())
-    with pytest.raises(UnsupportedProblem, match="modified in place"):
-        with execute_plan(model, plan):
-            model(x).sum().backward()
+    with pytest.raises(UnsupportedProblem, match="modified in place"), execute_plan(model, plan):
+        model(x).sum().backward()
 
 
 def test_planning_on_this_cpu_times_each_op_both_ways_and_leaves_the_model_and_rng_alone():
@@ -618,7 +617,7 @@ def test_a_loss_held_in_its_unreduced_buffer_is_counted_as_the_step_holds_it(cri
     4 bytes over it; diffusers' AutoencoderKL at 60% of its baseline, 1.0025x)."""
     torch.manual_seed(0)
     model, x, y = Reconstruction(), torch.randn(4, 3, 16, 16), torch.randn(4, 3, 16, 16)
-    loss = lambda out: criterion(out, y)  # noqa: E731
+    loss = lambda out: criterion(out, y)
     loss_op = next(op for op in capture(model, x, loss=loss).graph.ops if op.type == "loss")
     assert loss_op.bytes == criterion(model(x), y).untyped_storage().nbytes()
     plan = plan_memory(model, x, memory_limit=limit, loss=loss)
@@ -678,22 +677,25 @@ def test_plan_for_another_batch_is_refused():
     model = _model()
     plan = _hand_plan(model, torch.randn(8, 3, 8, 8), {}, loss=lambda out: out.sum())
     x, _ = _data()
-    with pytest.raises(InvalidInput, match="batch 8, the input has batch 4"):
-        with execute_plan(model, plan):
-            model(x)
+    with pytest.raises(InvalidInput, match="batch 8, the input has batch 4"), execute_plan(model, plan):
+        model(x)
     assert not model._forward_pre_hooks and not model._forward_hooks
 
 
 def test_plan_for_another_input_size_is_refused():
     model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten())
     plan = _hand_plan(model, torch.randn(4, 3, 16, 16), {}, loss=lambda out: out.sum())
-    with pytest.raises(InvalidInput, match=re.escape("made for input input of shape (4, 3, 16, 16)")):
-        with execute_plan(model, plan):
-            model(torch.randn(4, 3, 8, 8))
+    with (
+        pytest.raises(InvalidInput, match=re.escape("made for input input of shape (4, 3, 16, 16)")),
+        execute_plan(model, plan),
+    ):
+        model(torch.randn(4, 3, 8, 8))
     model = copy.deepcopy(model)  # not prepared yet: a plan read back from JSON captures it at its first call
-    with pytest.raises(InvalidInput, match="has .* bytes in the plan"):
-        with execute_plan(model, MemoryPlan.from_json(plan.to_json())):
-            model(torch.randn(4, 3, 8, 8))
+    with (
+        pytest.raises(InvalidInput, match="has .* bytes in the plan"),
+        execute_plan(model, MemoryPlan.from_json(plan.to_json())),
+    ):
+        model(torch.randn(4, 3, 8, 8))
 
 
 def test_plan_for_another_model_is_refused():
@@ -702,19 +704,18 @@ def test_plan_for_another_model_is_refused():
     other(x)
     plan = _hand_plan(other, x, {}, loss=lambda out: out.sum())
     model = _model()
-    with pytest.raises(InvalidInput, match="captured from another model"):
-        with execute_plan(model, plan):
-            model(x)
-    with pytest.raises(InvalidInput, match="does not produce; a plan made for another model"):
-        with execute_plan(model, MemoryPlan.from_json(plan.to_json())):  # no captured step: captured, then checked
-            model(x)
+    with pytest.raises(InvalidInput, match="captured from another model"), execute_plan(model, plan):
+        model(x)
+    with (
+        pytest.raises(InvalidInput, match="does not produce; a plan made for another model"),
+        execute_plan(model, MemoryPlan.from_json(plan.to_json())),  # no captured step: captured, then checked
+    ):
+        model(x)
     bad_ws = _hand_plan(model, x, {}, [ConvWorkspace("nonexistent_conv", "fwd", 0)])
-    with pytest.raises(InvalidInput, match="nonexistent_conv"):
-        with execute_plan(model, bad_ws):
-            pass
-    with pytest.raises(InvalidInput, match="MemoryPlan"):
-        with execute_plan(model, plan.to_json()):
-            pass
+    with pytest.raises(InvalidInput, match="nonexistent_conv"), execute_plan(model, bad_ws):
+        pass
+    with pytest.raises(InvalidInput, match="MemoryPlan"), execute_plan(model, plan.to_json()):
+        pass
 
 
 class Branches(nn.Module):
@@ -745,9 +746,11 @@ def test_a_step_that_diverges_from_the_captured_one_is_refused_in_one_line():
     with execute_plan(model, plan):  # the same branch: runs
         model(x + 1).sum().backward()
     # seen by the count of autograd nodes the forward pass made (or, where the plan acts, at the operation)
-    with pytest.raises(UnsupportedProblem, match=r"diverged from the captured one") as err:
-        with execute_plan(model, plan):
-            model(-x).sum().backward()  # the other branch
+    with (
+        pytest.raises(UnsupportedProblem, match=r"diverged from the captured one") as err,
+        execute_plan(model, plan),
+    ):
+        model(-x).sum().backward()  # the other branch
     assert "\n" not in str(err.value) and "plan again" in str(err.value)
     assert not model._forward_pre_hooks and not model._forward_hooks
 
@@ -837,9 +840,8 @@ def test_steps_under_one_plan_check_the_model_once_and_a_plan_read_back_captures
     _assert_same_state(ref_state, state)
     assert len(captured) == 1  # the first step captured the model and checked the plan against it
     # Another batch under the same plan is still refused once the plan has run.
-    with pytest.raises(InvalidInput, match="batch 4, the input has batch 2"):
-        with execute_plan(model, read_back):
-            model(torch.randn(2, 3, 8, 8))
+    with pytest.raises(InvalidInput, match="batch 4, the input has batch 2"), execute_plan(model, read_back):
+        model(torch.randn(2, 3, 8, 8))
 
 
 def test_a_model_changed_between_steps_is_prepared_again():
@@ -855,9 +857,8 @@ def test_a_model_changed_between_steps_is_prepared_again():
         torch.testing.assert_close(model(x), expected, rtol=RTOL, atol=ATOL)
     model.conv2 = nn.Conv2d(8, 16, 3, padding=1)  # another shape: the step no longer is the captured one
     model.fc = nn.Linear(16 * 4 * 4, 10)
-    with pytest.raises(UnsupportedProblem, match="diverged from the captured one"):
-        with execute_plan(model, plan):
-            model(x)
+    with pytest.raises(UnsupportedProblem, match="diverged from the captured one"), execute_plan(model, plan):
+        model(x)
 
 
 def test_prepared_runs_go_with_the_model_and_keep_the_latest_plans():
@@ -938,9 +939,11 @@ def test_inputs_are_bound_to_the_forward_the_model_has_now(monkeypatch):
     assert len(made) == 1
     forward = model.forward
     model.forward = lambda picture: forward(picture)  # the same computation, its input named otherwise
-    with execute_plan(model, plan):
-        with pytest.raises(InvalidInput, match="made for inputs image, the model was given picture"):
-            model(x)
+    with (
+        execute_plan(model, plan),
+        pytest.raises(InvalidInput, match="made for inputs image, the model was given picture"),
+    ):
+        model(x)
     assert len(made) == 2
 
 
@@ -986,7 +989,7 @@ def test_two_forward_passes_before_one_backward_do_not_share_host_buffers():
             loss.backward()
         assert stats.host_buffers_allocated == (stats.offloaded if step == 0 else 0)
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=RTOL, atol=ATOL, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(p.grad, q.grad, rtol=RTOL, atol=ATOL, msg=lambda m, name=name: f"{name}: {m}")
 
 
 gpu = pytest.mark.gpu
@@ -1058,7 +1061,7 @@ def test_gpu_offload_reuses_pinned_host_buffers():  # pragma: no cover - needs a
         f"pin {buffers.pin}, {sum(h.is_pinned() for h in free)} of {len(free)} free host buffers pinned"
     # the same kernels on the same GPU; cuDNN may pick other algorithms from run to run
     for (name, p), q in zip(model.state_dict().items(), ref.state_dict().values()):
-        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name} after 3 steps: {m}")
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name} after 3 steps: {m}")
 
 
 class TwoHeads(nn.Module):
@@ -1086,7 +1089,7 @@ def _both_heads_loss(outputs, y):
 def test_a_model_with_two_outputs_plans_and_trains_like_plain_pytorch(policy):
     torch.manual_seed(0)
     x = _data()[0]
-    loss = lambda out: _both_heads_loss(out, _data()[1])  # noqa: E731
+    loss = lambda out: _both_heads_loss(out, _data()[1])
     peaks = [plan_memory(TwoHeads(), x, memory_limit=limit, policy=policy, device="k40", loss=loss).peak_bytes
              for limit in (2**40, 1)]
     plan = plan_memory(TwoHeads(), x, memory_limit=sum(peaks) // 2, policy=policy, device="k40", loss=loss)
@@ -1109,7 +1112,7 @@ def test_a_prefetch_no_unpack_waits_for_is_waited_for_at_the_end_of_backward(mon
     x, y = _data()
     plan = _hand_plan(model, x, HAND_PLANS["offload-all"], loss=lambda out: _both_heads_loss(out, y))
     with execute_plan(model, plan) as stats:
-        out, side = model(x)
+        out, _side = model(x)
         nn.functional.cross_entropy(out, y).backward()
     assert ("prefetch", "sigmoid") in stats.events and ("unpack", "sigmoid") not in stats.events
     prefetched = [e for kind, e in copier.log if kind == "h2d"]
@@ -1128,7 +1131,10 @@ def _step_costs(model, x, actions):
     reference = copy.deepcopy(model)
     reference(x).square().mean().backward()
     if not callable(actions):
-        actions = (lambda todo: lambda s, op: todo.pop(0) if op.type == "relu" and todo else "keep")(actions)
+        todo = list(actions)
+
+        def actions(s, op):
+            return todo.pop(0) if op.type == "relu" and todo else "keep"
     plan = _hand_plan(model, x, actions, loss=lambda out: out.square().mean())
     with execute_plan(model, plan) as stats:
         model(x).square().mean().backward()
@@ -1184,9 +1190,11 @@ def test_a_tensor_saved_where_a_dropped_map_was_is_refused_not_rebuilt_as_that_m
         model(x).sum().backward()
     assert stats.recomputed == 1
     model.use_b = True
-    with pytest.raises(UnsupportedProblem, match=r"diverged from the captured one at operation \d+ in conv2") as err:
-        with execute_plan(model, plan):
-            model(x).sum().backward()
+    with (
+        pytest.raises(UnsupportedProblem, match=r"diverged from the captured one at operation \d+ in conv2") as err,
+        execute_plan(model, plan),
+    ):
+        model(x).sum().backward()
     assert "\n" not in str(err.value) and "plan again" in str(err.value)
     assert not model._forward_pre_hooks and not model.conv2._forward_pre_hooks and not model.a._forward_hooks
 

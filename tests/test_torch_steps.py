@@ -12,13 +12,13 @@ from types import SimpleNamespace
 import pytest
 
 torch = pytest.importorskip("torch")
-from torch import nn  # noqa: E402
-from torch.nn import functional as F  # noqa: E402
+from torch import nn
+from torch.nn import functional as F
 
-import ucudnn  # noqa: E402
-from ucudnn import Handle, LateRegistrationWarning, UnsupportedProblem  # noqa: E402
-from ucudnn.backends.cpu import CpuBackend  # noqa: E402
-from ucudnn.torch import convert  # noqa: E402
+import ucudnn
+from ucudnn import Handle, LateRegistrationWarning, UnsupportedProblem
+from ucudnn.backends.cpu import CpuBackend
+from ucudnn.torch import convert
 
 NUMPY_ALGOS = ["im2col_gemm", "shift_gemm", "fft", "winograd"]
 

@@ -10,20 +10,22 @@ from pathlib import Path
 import pytest
 
 torch = pytest.importorskip("torch")
-from torch import nn  # noqa: E402
+from torch import nn
 
-from ucudnn import InvalidInput  # noqa: E402
-from ucudnn.memory import available_policies  # noqa: E402
-from ucudnn.memory.planner import OFFLOADING  # noqa: E402
-from ucudnn.torch import convert  # noqa: E402
-from ucudnn.torch.checking.check import check_plan  # noqa: E402
-from ucudnn.torch import plan_memory  # noqa: E402
-from ucudnn.torch.running.prepared_plan import _prepared  # noqa: E402
-from ucudnn.torch.checking.tracker import StepTracker  # noqa: E402
-from ucudnn.torch.running.labels import CATEGORIES, allocated_as  # noqa: E402
+from ucudnn import InvalidInput
+from ucudnn.memory import available_policies
+from ucudnn.memory.planner import OFFLOADING
+from ucudnn.torch import (
+    convert,
+    plan_memory,
+)
+from ucudnn.torch.checking.check import check_plan
+from ucudnn.torch.checking.tracker import StepTracker
+from ucudnn.torch.running.labels import CATEGORIES, allocated_as
+from ucudnn.torch.running.prepared_plan import _prepared
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_torch_memory import HAND_PLANS, SmallNet, _data, _hand_plan  # noqa: E402
+from test_torch_memory import HAND_PLANS, SmallNet, _data, _hand_plan
 
 F32 = 4
 
@@ -120,9 +122,8 @@ def test_a_host_copy_is_its_own_category_outside_the_device_peak():
     assert r.host_peak_bytes == 4000 and r.end_by_category["host"] == 4000
     assert r.peak_bytes == 4000 and r.end_by_category["tensor"] == 0
     assert [b for _, b in r.host_memory] == [0, 4000]
-    with pytest.raises(InvalidInput, match="category must be one of"):
-        with allocated_as("gpu"):
-            pass
+    with pytest.raises(InvalidInput, match="category must be one of"), allocated_as("gpu"):
+        pass
 
 
 def test_the_executors_host_copies_are_counted_as_host():
@@ -211,7 +212,7 @@ def test_every_policy_fits_and_reaches_its_predicted_peak(policy):
     model = Chain()
     x = torch.randn(8, 3, 32, 32)
     y = torch.randint(0, 10, (8,))
-    loss = lambda out: nn.functional.cross_entropy(out, y)  # noqa: E731
+    loss = lambda out: nn.functional.cross_entropy(out, y)
     everything = plan_memory(model, x, memory_limit=2**40, policy=policy, loss=loss).peak_bytes
     if policy in OFFLOADING:
         plan = plan_memory(model, x, memory_limit=everything, policy=policy, loss=loss)
@@ -244,9 +245,8 @@ def test_the_count_agrees_with_the_caching_allocator_on_cuda():
 
 def test_a_tensor_first_read_inside_a_host_label_is_not_filed_as_host():
     dev = torch.ones(100)  # made before the block
-    with StepTracker() as tracker:
-        with allocated_as("host"):
-            host = torch.empty_like(dev)  # reads `dev` first: it stays a device tensor
+    with StepTracker() as tracker, allocated_as("host"):
+        host = torch.empty_like(dev)  # reads `dev` first: it stays a device tensor
     r = tracker.report()
     assert r.end_by_category["host"] == 400 and r.end_by_category["tensor"] == 400
     assert host.shape == dev.shape

@@ -279,7 +279,6 @@ def test_a_plan_offers_the_kinds_a_layer_leaves_to_torch_torchs_option_alone():
     import torch
 
     from ucudnn.torch import capture
-
     from ucudnn.torch.planning import planner as planning
 
     backend = Staged({"im2col_gemm": 1.0, NATIVE: 10.0}, {"im2col_gemm": 5.0, NATIVE: 30.0})

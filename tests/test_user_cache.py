@@ -17,10 +17,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from ucudnn.db import Cache, default_url
 
 from ucudnn import Handle
 from ucudnn.backends.cpu import CpuBackend
-from ucudnn.db import Cache, default_url
 from ucudnn.problem import ConvProblem
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,7 +53,7 @@ def test_writer_bench_cli_without_db(run_folders):
     command = [str(script)] if script.exists() else [sys.executable, "-m", "ucudnn.cli.main"]
     result = subprocess.run([*command, "bench", "--layer", BENCH_LAYER, "--backend", "cpu", "--kinds", "fwd",
                              "--policy", "undivided", "--reps", "1", "--quiet"],
-                            capture_output=True, text=True, timeout=300)
+                            capture_output=True, text=True, timeout=300, check=False)
     assert result.returncode == 0, result.stderr
     assert ConvProblem.parse(BENCH_LAYER).key in _problem_keys(path)
 
@@ -107,7 +107,7 @@ def test_a_test_run_leaves_the_users_cache_and_home_byte_for_byte(tmp_path):
     env["HOME"] = str(home)
     result = subprocess.run([sys.executable, "-m", "pytest", str(Path(__file__)), "-k", "writer", "-q",
                              "-p", "no:cacheprovider"],
-                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False)
     summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert re.search(r"\b[23] passed\b", summary), summary  # convert's writer skips without torch

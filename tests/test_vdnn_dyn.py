@@ -2,14 +2,13 @@
 graph with a limit chosen to force it; the greedy pass's downgrades; and trainability as pass (1) says."""
 
 import pytest
+from memory_checks import assert_resident_when_used, assert_within_limit
 
 from ucudnn.devices import load_profile
 from ucudnn.memory import vdnn
 from ucudnn.memory.graph import from_network
 from ucudnn.memory.simulate import simulate
 from ucudnn.memory.timing import KernelOption, conv_fronts, step_costs
-
-from memory_checks import assert_resident_when_used, assert_within_limit
 
 DEVICE = load_profile("k40")
 GRAPH = from_network("resnet18", 8)
@@ -88,7 +87,7 @@ def test_greedy_with_vdnn_all_downgrades_only_the_overflowing_layer_one_option_a
 
 
 def test_greedy_with_vdnn_conv_comes_first(synthetic):
-    fronts, p_all, p_conv, w1 = synthetic
+    fronts, _p_all, p_conv, w1 = synthetic
     limit = p_conv + w1
     got = vdnn.plan(GRAPH, DEVICE, limit, fronts=fronts)
     assert got.search == "greedy-conv" and got.fits and got.peak_bytes <= limit
@@ -98,7 +97,7 @@ def test_greedy_with_vdnn_conv_comes_first(synthetic):
 
 
 def test_when_both_greedy_passes_fail_pass_one_is_the_answer(synthetic, monkeypatch):
-    fronts, p_all, p_conv, w1 = synthetic
+    fronts, p_all, p_conv, _w1 = synthetic
     limit = (p_all + p_conv) // 2
     failed = []
 

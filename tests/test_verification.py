@@ -10,14 +10,14 @@ import math
 
 import numpy as np
 import pytest
+from ucudnn.db import Cache
+from ucudnn.solver import wr
 
 from ucudnn.backends.base import reduction_length, verification_tolerance
 from ucudnn.backends.cpu import CpuBackend
 from ucudnn.kernel.measure import measure_table
-from ucudnn.db import Cache
 from ucudnn.network.optimize import expand_kernels, optimize
 from ucudnn.problem import KINDS, ConvProblem
-from ucudnn.solver import wr
 
 SCALED, STALE = "fast_scaled", "fast_stale_workspace"
 PROBLEM = ConvProblem.parse("n=4,c=3,h=9,w=8,k=4,r=3,s=3,pad=1,stride=2")

@@ -8,9 +8,9 @@ import math
 import random
 
 import pytest
+from ucudnn.solver import Configuration, Infeasible, MicroConfig, wd
 
 from ucudnn.errors import InvalidInput
-from ucudnn.solver import Configuration, Infeasible, MicroConfig, wd
 
 SAME_OPTIMUM_REL = 1e-9
 EXACT_METHODS = ("milp", "mckp")

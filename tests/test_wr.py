@@ -3,7 +3,6 @@ import math
 
 import numpy as np
 import pytest
-
 from ucudnn.solver import Configuration, Infeasible, MicroConfig, wr
 
 

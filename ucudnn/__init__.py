@@ -5,10 +5,10 @@ chooses the division optimally (WR per kernel, WD per network), and caches every
 """
 
 from ucudnn.backends import get_backend
-from ucudnn.network.cluster import best_batch_size
 from ucudnn.errors import BackendUnavailable, InvalidInput, UcudnnError, UnsupportedProblem
-from ucudnn.kernel.run import run_configuration
 from ucudnn.handle import Handle, KernelChoice, LateRegistrationWarning
+from ucudnn.kernel.run import run_configuration
+from ucudnn.network.cluster import best_batch_size
 from ucudnn.problem import ConvProblem
 from ucudnn.solver.types import Configuration, Infeasible, MicroConfig
 

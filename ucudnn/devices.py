@@ -18,7 +18,7 @@ from pathlib import Path
 
 from ucudnn.errors import InvalidInput
 
-__all__ = ["DeviceProfile", "PROFILES", "ROOFLINE_EFFICIENCY", "load_profile", "profile_names"]
+__all__ = ["PROFILES", "ROOFLINE_EFFICIENCY", "DeviceProfile", "load_profile", "profile_names"]
 
 # A roofline estimate divides by peak throughput; real convolution, GEMM and elementwise kernels
 # reach a fraction of it. Half of peak is a common middle ground for cuDNN's kernels on the GPUs

@@ -46,16 +46,37 @@ from typing import Any
 
 from ucudnn.backends.base import Backend, DeviceInfo, one_line
 from ucudnn.backends.cuda_timing import HOST_MS_PER_LAUNCH, MAX_HOLD_MS, _hold_kernel, launches_per_sample
-from ucudnn.backends.cudnn_engines import (PROMOTED_SUFFIX, EngineConfig, Enumeration, Lru, Plan, build_plan,
-                                           enumerate_engines, promotions, static_reason)
+from ucudnn.backends.cudnn_engines import (
+    PROMOTED_SUFFIX,
+    EngineConfig,
+    Enumeration,
+    Lru,
+    Plan,
+    build_plan,
+    enumerate_engines,
+    promotions,
+    static_reason,
+)
 from ucudnn.backends.cudnn_graph import DeclaredGraph, declare_graph, layout_strides
 from ucudnn.backends.cupy_arrays import _narrow, _storage_dtype, _widen, blend
 from ucudnn.errors import BackendUnavailable, InvalidInput, UnsupportedProblem
 from ucudnn.problem import ConvProblem
 
-__all__ = ["ALIGNMENT_BYTES", "CUDNN_API_USED", "ENUMERATION_CACHE_ENTRIES", "FRONTEND_MODULES", "PLAN_CACHE_ENTRIES",
-           "PROMOTED_SUFFIX", "CudnnBackend", "DeclaredGraph", "EngineConfig", "HOST_MS_PER_LAUNCH", "MAX_HOLD_MS",
-           "declare_graph", "layout_strides"]
+__all__ = [
+    "ALIGNMENT_BYTES",
+    "CUDNN_API_USED",
+    "ENUMERATION_CACHE_ENTRIES",
+    "FRONTEND_MODULES",
+    "HOST_MS_PER_LAUNCH",
+    "MAX_HOLD_MS",
+    "PLAN_CACHE_ENTRIES",
+    "PROMOTED_SUFFIX",
+    "CudnnBackend",
+    "DeclaredGraph",
+    "EngineConfig",
+    "declare_graph",
+    "layout_strides",
+]
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +132,7 @@ def _probe() -> tuple[Any, Any, int]:
                                  f"install cupy-cuda12x (cupy-cuda13x on CUDA 13)") from None
     try:
         count = cupy.cuda.runtime.getDeviceCount()
-    except Exception as exc:  # CUDARuntimeError without a driver; anything else CuPy raises is the same answer
+    except Exception as exc:  # noqa: BLE001 - CUDARuntimeError without a driver; anything else CuPy raises is the same answer
         raise BackendUnavailable(f"no CUDA device: CuPy cannot reach one ({one_line(exc)})") from None
     if count < 1:
         raise BackendUnavailable("no CUDA device: CuPy sees 0 devices")
@@ -122,7 +143,7 @@ def _probe() -> tuple[Any, Any, int]:
                                  f"install nvidia-cudnn-frontend") from None
     try:
         cudnn.backend_version()
-    except Exception as exc:  # the binding raises RuntimeError("Unable to find symbol cudnnGetVersion")
+    except Exception as exc:  # noqa: BLE001 - the binding raises RuntimeError("Unable to find symbol cudnnGetVersion")
         raise BackendUnavailable(f"libcudnn is not loadable ({one_line(exc)}); install nvidia-cudnn-cu12 "
                                  f"(nvidia-cudnn-cu13 on CUDA 13) "
                                  f"or put libcudnn.so.9 on LD_LIBRARY_PATH") from None

@@ -34,7 +34,7 @@ def _data_type(cudnn: Any, dtype: str) -> Any:
 def layout_strides(shape: Sequence[int], layout: str) -> tuple[int, ...]:
     """Element strides of a logical (N, C, spatial...) shape stored channels first (NCHW, NCDHW)
     or channels last (NHWC, NDHWC)."""
-    n, c, *spatial = shape
+    _n, c, *spatial = shape
     if layout == "NCHW":
         return tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
     return (math.prod(spatial) * c, 1, *(math.prod(spatial[i + 1:]) * c for i in range(len(spatial))))

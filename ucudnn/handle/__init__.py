@@ -7,9 +7,10 @@ kernel and its launch, the hot path), `replan` (a plan that cannot run, planned 
 """
 
 from ucudnn.handle.arena import SEGMENT_ALIGN_BYTES
+
 # `_rebuild_handle` here too: handles pickled before this was a package name it at ucudnn.handle
 from ucudnn.handle.handle import Handle, KernelChoice, LateRegistrationWarning, _rebuild_handle  # noqa: F401
 from ucudnn.handle.kernel import Kernel, Turns, native_only  # noqa: F401
 from ucudnn.handle.replan import PlanFailureWarning
 
-__all__ = ["Handle", "Kernel", "KernelChoice", "LateRegistrationWarning", "PlanFailureWarning", "SEGMENT_ALIGN_BYTES"]
+__all__ = ["SEGMENT_ALIGN_BYTES", "Handle", "Kernel", "KernelChoice", "LateRegistrationWarning", "PlanFailureWarning"]

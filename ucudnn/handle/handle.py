@@ -40,16 +40,28 @@ import math
 import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Self
 
 from ucudnn.backends import get_backend
 from ucudnn.backends.base import Backend
 from ucudnn.backends.cpu import NATIVE
 from ucudnn.errors import InvalidInput
 from ucudnn.handle.arena import _Workspaces
-from ucudnn.handle.arguments import (_Pair, _check_groups, _contiguous, _dtype_name, _geometry, _infer_w_shape,
-                                     _infer_x_shape, _output, _per_axis, _positive_groups, _same_dtype, _shape4,
-                                     _shape_nd)
+from ucudnn.handle.arguments import (
+    _check_groups,
+    _contiguous,
+    _dtype_name,
+    _geometry,
+    _infer_w_shape,
+    _infer_x_shape,
+    _output,
+    _Pair,
+    _per_axis,
+    _positive_groups,
+    _same_dtype,
+    _shape4,
+    _shape_nd,
+)
 from ucudnn.handle.kernel import Kernel, _Launching, _Prepared, _prepared
 from ucudnn.handle.planning import _Plan, _Planning
 from ucudnn.handle.replan import _Recovery
@@ -313,7 +325,7 @@ class Handle(_Planning, _Trials, _Recovery, _Workspaces, _Launching):
         self._arena = None
         self._slices = (None, {})
 
-    def __enter__(self) -> Handle:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> None:

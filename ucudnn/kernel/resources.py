@@ -54,7 +54,7 @@ def _smallest_workspace(backend: Backend, problem: ConvProblem, algos: Iterable[
             continue
         try:
             need = backend.workspace_size(problem, algo)
-        except Exception:  # noqa: BLE001 -- a candidate that cannot be sized is measured (and fails) later
+        except Exception:  # noqa: BLE001, S112 -- a candidate that cannot be sized is measured (and fails) later
             continue
         if limit is None or need <= limit:
             sizes.append(need)

@@ -28,7 +28,7 @@ class PreparedConfiguration:
     and makes operands contiguous); nothing is re-derived per call.
     """
 
-    __slots__ = ("backend", "problem", "configuration", "_steps", "_launches", "_checked")
+    __slots__ = ("_checked", "_launches", "_steps", "backend", "configuration", "problem")
 
     def __init__(self, backend: Backend, problem: ConvProblem, configuration: Configuration) -> None:
         if configuration.batch != problem.n:

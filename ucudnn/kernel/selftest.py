@@ -137,8 +137,8 @@ class SelftestReport:
         kinds = [k for k in KINDS if any(c.kind == k for c in self.checks)]
         problems = list(dict.fromkeys(c.problem for c in self.checks))
         tolerance = TOLERANCE[self.dtype]
-        lines = [f"ucudnn selftest: backend {self.backend} on {self.device}, dtype {self.dtype}, "
-                 f"{len(problems)} problems, tolerance {tolerance:.0e} (max |out - expected| / max |expected|)"]
+        lines = [(f"ucudnn selftest: backend {self.backend} on {self.device}, dtype {self.dtype}, "
+                 f"{len(problems)} problems, tolerance {tolerance:.0e} (max |out - expected| / max |expected|)")]
         table = self.table()
         width = max([len("algorithm"), *(len(a) for a in table)])
         lines.append((f"{'algorithm':<{width}}  " + "  ".join(f"{k:<15}" for k in kinds)).rstrip())

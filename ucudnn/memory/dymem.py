@@ -27,8 +27,8 @@ from ucudnn.devices import DeviceProfile
 from ucudnn.errors import InvalidInput
 from ucudnn.memory import dymem_order
 from ucudnn.memory.gradients import gradient_lives
-from ucudnn.memory.gtbm import Alloc, Event, Free
 from ucudnn.memory.graph import TrainingGraph
+from ucudnn.memory.gtbm import Alloc, Event, Free
 from ucudnn.memory.plan import MemoryPlan
 from ucudnn.memory.planner import baseline, to_plan
 from ucudnn.memory.simulate import StepCost, simulate

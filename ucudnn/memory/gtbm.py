@@ -226,7 +226,7 @@ def _peak_live(trace: Sequence[Event], main_only: bool = False) -> int:
     return peak
 
 
-def minimal_capacity(trace: Sequence[Event], pool_type: type[BestFitPool] | type[GTBMPool]) -> int:
+def minimal_capacity(trace: Sequence[Event], pool_type: type[BestFitPool | GTBMPool]) -> int:
     """The smallest main-space size (found by bisection) at which `trace` replays without a failure.
 
     The answer lies between the peak of live bytes (no pool does better) and the sum of all

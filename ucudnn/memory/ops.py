@@ -108,7 +108,7 @@ class OpBuilder:
         return self.pool(name, x, (n, c, size(h), size(w)), kernel, kind)
 
     def global_pool(self, name: str, x: str) -> str:
-        n, c, h, w = self.shapes[x]
+        n, c, h, _w = self.shapes[x]
         return self.pool(name, x, (n, c, 1, 1), h, kind="avg")
 
     def flatten(self, name: str, x: str) -> str:

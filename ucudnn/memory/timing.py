@@ -47,7 +47,7 @@ import json
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache, lru_cache
 from importlib import resources
 
 from ucudnn.devices import PROFILES, ROOFLINE_EFFICIENCY, DeviceProfile
@@ -114,7 +114,7 @@ class KernelOption:
         return self.workspace if self.held is None else self.held
 
 
-@lru_cache(maxsize=None)
+@cache
 def _shipped(device: str) -> dict[tuple[str, str], dict[int, tuple[MicroConfig, ...]]]:
     """The measurements shipped for `device`: (problem key without kind, kind) -> batch -> micro-configs."""
     name = _DATA_FILES.get(device)

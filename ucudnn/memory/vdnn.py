@@ -86,7 +86,7 @@ def plan(graph: TrainingGraph, device: DeviceProfile, memory_limit: int, *, devi
         _, result = run(actions, start)
         if result.fits or start is small:
             return done(actions, start, result, NO_OFFLOAD)
-        workspace, result = _greedy(graph, fronts, fast, lambda ws: run(actions, ws))
+        workspace, result = _greedy(graph, fronts, fast, lambda ws, actions=actions: run(actions, ws))
         if result.fits:
             return done(actions, workspace, result, f"{NO_OFFLOAD}; workspaces reduced")
         return done(actions, small, run(actions, small)[1], f"{NO_OFFLOAD}; memory-optimal workspaces")
@@ -106,7 +106,7 @@ def plan(graph: TrainingGraph, device: DeviceProfile, memory_limit: int, *, devi
             return done(actions, fast, result, m)
     for m in ("conv", "all"):                                                    # pass (3)
         actions = actions_for(graph, m)
-        workspace, result = _greedy(graph, fronts, fast, lambda ws: run(actions, ws))
+        workspace, result = _greedy(graph, fronts, fast, lambda ws, actions=actions: run(actions, ws))
         if result.fits:
             return done(actions, workspace, result, f"greedy-{m}")
     return done(*floor, floor_result, "all-memory-optimal")                      # (4): back to pass (1)

@@ -22,9 +22,9 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ucudnn.kernel.measure import Policy, batch_sizes, parse_policy
 from ucudnn.devices import PROFILES, DeviceProfile, load_profile
 from ucudnn.errors import InvalidInput
+from ucudnn.kernel.measure import Policy, batch_sizes, parse_policy
 from ucudnn.network.zoo import canonical_name, kernels
 from ucudnn.problem import ConvProblem
 from ucudnn.solver import cluster, wr

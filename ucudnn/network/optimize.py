@@ -8,13 +8,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ucudnn.backends.base import NOISY_SPREAD_FRACTION, Backend, is_noisy
+from ucudnn.errors import InvalidInput
 from ucudnn.kernel.measure import PRUNED, BenchStats, Policy, batch_sizes, measure_table, policy_name, remeasure
 from ucudnn.kernel.plans import micro_to_json, pareto_fronts, undivided_baseline
-from ucudnn.errors import InvalidInput
 from ucudnn.problem import KINDS, ConvProblem
 from ucudnn.solver import wr
 from ucudnn.solver.types import Configuration, MicroConfig
-
 
 # How a kernel's baseline was chosen (KernelPlan.baseline_rule; `chosen_by` in the JSON).
 BASELINE_FASTEST = "fastest within the limit"

@@ -27,8 +27,8 @@ import time
 from collections.abc import Mapping, Sequence
 from queue import Queue
 
-from ucudnn.kernel.measure import BenchStats, Policy, batch_sizes, device_key, measure_table
 from ucudnn.errors import InvalidInput, UcudnnError
+from ucudnn.kernel.measure import BenchStats, Policy, batch_sizes, device_key, measure_table
 from ucudnn.problem import ConvProblem
 
 __all__ = ["parallel_optimize", "partition", "prefill", "worker_environments"]
@@ -82,7 +82,7 @@ def prefill(backend, kernels: Sequence[tuple[str, ConvProblem]], *, workers: int
         spec = {"backend": backend.name, "db": db_url, "expect": device_key(backend), "algos": algos,
                 "reps": reps, "workspace_limit": workspace_limit,
                 "units": [[dataclasses.asdict(p), size] for p, size in share]}
-        errors = tempfile.TemporaryFile(mode="w+")
+        errors = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 - the child writes it; read after it exits
         proc = subprocess.Popen([sys.executable, "-m", "ucudnn.network.parallel"], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=errors, env=envs[i], text=True)
         proc.stdin.write(json.dumps(spec))
@@ -171,7 +171,7 @@ def _work(spec: dict) -> None:
 if __name__ == "__main__":
     try:
         _work(json.load(sys.stdin))
-    except Exception as exc:  # the traceback for the record; the parent shows the last line
+    except Exception as exc:  # noqa: BLE001 - the traceback for the record; the parent shows the last line
         import traceback
 
         traceback.print_exc()

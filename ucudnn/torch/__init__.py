@@ -14,8 +14,16 @@ from ucudnn.torch import zoo
 from ucudnn.torch.capturing.capture import capture
 from ucudnn.torch.checking.check import PlanCheck, check_plan
 from ucudnn.torch.checking.tracker import StepTracker
-from ucudnn.torch.converting.conv import (Conv1d, Conv2d, Conv3d, ConvTranspose1d, ConvTranspose2d, ConvTranspose3d,
-                                          announce, convert)
+from ucudnn.torch.converting.conv import (
+                                          Conv1d,
+                                          Conv2d,
+                                          Conv3d,
+                                          ConvTranspose1d,
+                                          ConvTranspose2d,
+                                          ConvTranspose3d,
+                                          announce,
+                                          convert,
+)
 from ucudnn.torch.planning.planner import measure_profile, plan_memory
 from ucudnn.torch.running.executor import ExecutionStats, execute_plan
 

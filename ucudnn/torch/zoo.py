@@ -66,7 +66,7 @@ def _projection(c_in: int, c_out: int, stride: int) -> nn.Module | None:
 
 
 class ResNet(nn.Module):
-    def __init__(self, block: type[BasicBlock] | type[Bottleneck], blocks: tuple[int, ...],
+    def __init__(self, block: type[BasicBlock | Bottleneck], blocks: tuple[int, ...],
                  num_classes: int = 1000) -> None:
         super().__init__()
         self.conv1 = nn.Conv2d(3, 64, 7, stride=2, padding=3, bias=False)

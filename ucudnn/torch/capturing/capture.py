@@ -43,8 +43,13 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException, FakeTensor,
-                                           FakeTensorMode, UnsupportedOperatorException)
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensor,
+    FakeTensorMode,
+    UnsupportedOperatorException,
+)
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -52,11 +57,19 @@ from ucudnn.backends.base import one_line
 from ucudnn.errors import InvalidInput, UnsupportedProblem
 from ucudnn.memory.graph import WEIGHT_GRADS
 from ucudnn.torch.capturing.graph import CapturedOp, CapturedStep, build_step
-from ucudnn.torch.converting.layer import through_operators
 from ucudnn.torch.capturing.model_call import batched_call, default_loss, input_leaves, tensors_in
+from ucudnn.torch.capturing.operations import (
+    conv_backward_copies,
+    conv_backward_kinds,
+    conv_spec,
+    counted,
+    flops,
+    reduction_bytes,
+    storage_key,
+    written_keys,
+)
 from ucudnn.torch.capturing.same_step import autocast_state, model_nodes
-from ucudnn.torch.capturing.operations import (conv_backward_copies, conv_backward_kinds, conv_spec, counted, flops,
-                                     reduction_bytes, storage_key, written_keys)
+from ucudnn.torch.converting.layer import through_operators
 
 __all__ = ["CapturedOp", "CapturedStep", "capture", "diverged", "hook_nodes", "structure"]
 
@@ -120,7 +133,7 @@ class _Buffer:
 class _Token:
     """What a saved tensor of a feature map leaves with autograd during the capture."""
 
-    __slots__ = ("act", "size", "stride", "offset", "dtype", "device", "held", "save", "__weakref__")
+    __slots__ = ("__weakref__", "act", "device", "dtype", "held", "offset", "save", "size", "stride")
 
     def __init__(self, act: _Act, t: torch.Tensor, held: torch.Tensor | None, save: int | None) -> None:
         self.act, self.size, self.stride, self.offset = act, t.size(), t.stride(), t.storage_offset()

@@ -37,9 +37,9 @@ real tensors a saved feature map's own death is autograd's, so only unsaved ones
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from collections.abc import Mapping
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -150,7 +150,7 @@ def build_step(rec: Any, inputs: list, title: str, batch: int, weight_grads: str
     names = _Names()
     for path, act in inputs:
         act.name = names.new("input" if len(inputs) == 1 else f"input:{path}")
-    specs: list[dict] = [dict(name=act.name, type="input", inputs=(), shape=act.shape, nbytes=act.nbytes)
+    specs: list[dict] = [{"name": act.name, "type": "input", "inputs": (), "shape": act.shape, "nbytes": act.nbytes}
                          for _, act in inputs]
     graph_of: list[str] = []        # per raw op: its graph op ("" none)
     upto: list[int] = []            # per raw op: the graph position of the latest graph op at or before it
@@ -173,8 +173,8 @@ def build_step(rec: Any, inputs: list, title: str, batch: int, weight_grads: str
         problem = _problem(raw.conv, target.dtype) if raw.made else None
         kind = "loss" if raw.loss else "conv" if problem is not None else _TYPES.get(short, "other")
         reads = [a.name for a in raw.reads if a is not target]
-        spec = dict(name=name, type=kind, shape=target.shape, nbytes=target.nbytes, flops=raw.flops,
-                    bytes_moved=raw.bytes_moved, weight_bytes=pending, module=raw.module, conv=problem)
+        spec = {"name": name, "type": kind, "shape": target.shape, "nbytes": target.nbytes, "flops": raw.flops,
+                    "bytes_moved": raw.bytes_moved, "weight_bytes": pending, "module": raw.module, "conv": problem}
         if problem is not None and any(raw.conv[8]):  # a converted layer's planned fwd kernel copies (`conv_spec`)
             copied, converts = raw.conv[8]
             spec.update(layout_copies=(("fwd", copied, target.nbytes if converts else 0),))
@@ -188,8 +188,8 @@ def build_step(rec: Any, inputs: list, title: str, batch: int, weight_grads: str
             act.name = name if act is target else f"{name}.{act.leaf}"
             if act is not target:
                 companions.add(act.name)
-                specs.append(dict(name=act.name, type="loss" if raw.loss else "other", inputs=(), shape=act.shape,
-                                  nbytes=act.nbytes, module=raw.module))
+                specs.append({"name": act.name, "type": "loss" if raw.loss else "other", "inputs": (), "shape": act.shape,
+                                  "nbytes": act.nbytes, "module": raw.module})
         graph_of.append(name)
         upto.append(len(specs) - 1)
     # parameters and buffers no op read, and what the last ops read, are held all the same

@@ -38,9 +38,9 @@ from torch import nn
 from ucudnn.errors import InvalidInput
 from ucudnn.memory.plan import MemoryPlan
 from ucudnn.torch.capturing.model_call import batched_call, default_loss
+from ucudnn.torch.checking.tracker import StepTracker, TrackerReport
 from ucudnn.torch.running.executor import execute_plan
 from ucudnn.torch.running.prepared_plan import _prepared
-from ucudnn.torch.checking.tracker import StepTracker, TrackerReport
 
 __all__ = ["PlanCheck", "check_network", "check_plan"]
 
@@ -114,11 +114,11 @@ def check_plan(model: nn.Module, plan: MemoryPlan, example_input: Any, target: t
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             raise InvalidInput(f"{name} must be an integer of at least {least}, got {value!r}")
     if loss_fn is not None:
-        compute = lambda out: loss_fn(out, target)  # noqa: E731
+        compute = lambda out: loss_fn(out, target)
     elif loss is not None:
         compute = loss
     elif target is not None:
-        compute = lambda out: nn.functional.cross_entropy(out, target)  # noqa: E731
+        compute = lambda out: nn.functional.cross_entropy(out, target)
     else:
         compute = default_loss
     device = inputs[0].device
@@ -169,8 +169,8 @@ def check_network(network: str, batch: int, *, memory_limit: int | None = None, 
     this machine (`plan_memory` with the example input on `device`: "cuda" where a GPU is at hand,
     else the CPU) and run, with random inputs and labels."""
     from ucudnn.memory.graph import from_network
-    from ucudnn.torch.planning.planner import plan_memory
     from ucudnn.torch.checking.graph_model import model_of
+    from ucudnn.torch.planning.planner import plan_memory
 
     graph = from_network(network, batch)
     where = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))

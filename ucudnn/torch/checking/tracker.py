@@ -49,7 +49,7 @@ from __future__ import annotations
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Self
 
 import torch
 from torch import nn
@@ -88,7 +88,7 @@ class TrackerReport:
 
 
 class _Entry:
-    __slots__ = ("category", "nbytes", "ref", "ptr", "alias")
+    __slots__ = ("alias", "category", "nbytes", "ptr", "ref")
 
     def __init__(self, category: str, nbytes: int, ref: weakref.ref, ptr: int, alias: bool) -> None:
         self.category, self.nbytes, self.ref, self.ptr, self.alias = category, nbytes, ref, ptr, alias
@@ -138,7 +138,7 @@ class StepTracker(TorchDispatchMode):
         return True
 
     # ---- entering and leaving ------------------------------------------------------------------
-    def __enter__(self) -> StepTracker:
+    def __enter__(self) -> Self:
         if self._used:
             raise InvalidInput("a StepTracker counts one block; make a new one for the next")
         self._used = True
@@ -165,7 +165,7 @@ class StepTracker(TorchDispatchMode):
         self._sample()
         return super().__enter__()
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         super().__exit__(*exc)
         for h in self._hooks:
             h.remove()

@@ -61,11 +61,34 @@ from torch.nn.modules.lazy import LazyModuleMixin
 
 from ucudnn.errors import InvalidInput
 from ucudnn.handle import Handle
-from ucudnn.torch.converting.layer import (TRIAL_RUNS, TRIAL_STEPS, ConvLayer, ConvTransposeLayer, _EndLearning, _Learning,
-                                _new_handle, as_torch, route_overhead_ms, through_operators)
+from ucudnn.torch.converting.layer import (
+    TRIAL_RUNS,
+    TRIAL_STEPS,
+    ConvLayer,
+    ConvTransposeLayer,
+    _EndLearning,
+    _Learning,
+    _new_handle,
+    as_torch,
+    route_overhead_ms,
+    through_operators,
+)
 
-__all__ = ["Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d", "TRIAL_RUNS",
-           "TRIAL_STEPS", "announce", "as_torch", "convert", "route_overhead_ms", "through_operators"]
+__all__ = [
+    "TRIAL_RUNS",
+    "TRIAL_STEPS",
+    "Conv1d",
+    "Conv2d",
+    "Conv3d",
+    "ConvTranspose1d",
+    "ConvTranspose2d",
+    "ConvTranspose3d",
+    "announce",
+    "as_torch",
+    "convert",
+    "route_overhead_ms",
+    "through_operators",
+]
 
 _TAKES = ("Takes exactly torch's arguments (its parameters, `state_dict`, `repr` and initialisation are torch's "
           "own), plus keyword-only `handle` (default: a new handle with the default options, charging "

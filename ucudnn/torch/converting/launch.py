@@ -13,9 +13,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch._prims_common import (make_channels_last_strides_for, make_contiguous_strides_for,
-                                 suggest_memory_format)  # eager's Tensor.suggest_memory_format
 import torch.nn.functional as F
+from torch._prims_common import (
+    make_channels_last_strides_for,
+    make_contiguous_strides_for,
+    suggest_memory_format,  # eager's Tensor.suggest_memory_format
+)
 
 from ucudnn.backends.base import one_line
 from ucudnn.errors import BackendUnavailable, InvalidInput, UnsupportedProblem
@@ -155,7 +158,7 @@ _PLAIN = {3: F.conv1d, 4: F.conv2d, 5: F.conv3d}
 _TRANSPOSED = {3: F.conv_transpose1d, 4: F.conv_transpose2d, 5: F.conv_transpose3d}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def geometry(stride: tuple[int, ...], padding: tuple[int, ...], dilation: tuple[int, ...], transposed: bool,
              output_padding: tuple[int, ...], groups: int) -> Geometry:
     """The `Geometry` of these arguments (tuples), made once: a layer's call reuses it."""

@@ -35,8 +35,16 @@ from ucudnn.problem import ConvProblem
 from ucudnn.sizes import format_size
 from ucudnn.solver.types import Infeasible
 from ucudnn.torch.converting import ops as _ops
-from ucudnn.torch.converting.launch import (Geometry, _dtype_name, _in_format, _on_device, _result_format, geometry,
-                                 run_backward, run_forward)
+from ucudnn.torch.converting.launch import (
+    Geometry,
+    _dtype_name,
+    _in_format,
+    _on_device,
+    _result_format,
+    geometry,
+    run_backward,
+    run_forward,
+)
 
 __all__ = ["TRIAL_RUNS", "TRIAL_STEPS", "ConvLayer", "ConvTransposeLayer", "PlanBudgets", "as_torch",
            "route_overhead_ms", "through_operators"]

@@ -51,8 +51,15 @@ import torch
 from torch import nn
 
 from ucudnn.errors import InvalidInput
-from ucudnn.torch.converting.launch import (Geometry, _in_format, _memory_format, _result_format, geometry, run_backward,
-                                 run_forward)
+from ucudnn.torch.converting.launch import (
+    Geometry,
+    _in_format,
+    _memory_format,
+    _result_format,
+    geometry,
+    run_backward,
+    run_forward,
+)
 
 __all__ = ["convolution", "convolution_backward", "convolution_backward_data", "convolution_backward_filter",
            "layer_key", "register_layer"]

@@ -30,7 +30,7 @@ import statistics
 import time
 import weakref
 from collections.abc import Callable
-from functools import lru_cache, partial
+from functools import cache, partial
 from typing import Any
 
 import torch
@@ -51,8 +51,8 @@ from ucudnn.sizes import parse_size
 from ucudnn.torch.capturing.capture import CapturedStep, capture, diverged, hook_nodes, state_kept
 from ucudnn.torch.capturing.model_call import batched_call, call_args, default_loss
 from ucudnn.torch.capturing.operations import counted, same_op
-from ucudnn.torch.converting.layer import ConvLayer, as_torch
 from ucudnn.torch.converting.launch import held_with_copies
+from ucudnn.torch.converting.layer import ConvLayer, as_torch
 from ucudnn.torch.planning.replay_cost import replay_host_ms
 
 __all__ = ["measure_profile", "plan_memory"]
@@ -69,7 +69,7 @@ def _best_ms(fn, reps: int = 3) -> float:
     return best * 1e3
 
 
-@lru_cache(maxsize=None)
+@cache
 def measure_profile(device: str = "cpu") -> DeviceProfile:
     """A `DeviceProfile` of this machine's `device` ("cpu" or "cuda[:i]"), measured once per process.
 
@@ -428,7 +428,7 @@ def _op_times(model: nn.Module, step: CapturedStep, args: tuple, kwargs: dict, l
             starts: list[tuple[float, int | None]] = []
 
             def began(first: int, seq: int, grads: Any) -> None:
-                starts.append((time.perf_counter(), by_node.get(seq - first)))
+                starts.append((time.perf_counter(), by_node.get(seq - first)))  # noqa: B023 - this iteration's
 
             first = torch._C._autograd._get_sequence_nr()
             with timer:

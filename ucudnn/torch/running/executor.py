@@ -73,11 +73,11 @@ from ucudnn.memory.plan import MemoryPlan
 from ucudnn.torch.capturing.capture import CapturedStep, diverged
 from ucudnn.torch.capturing.model_call import input_leaves, tensors_in
 from ucudnn.torch.capturing.operations import counted, same_op
-from ucudnn.torch.converting.layer import ConvLayer, through_operators
-from ucudnn.torch.running.offload import _Offloaded, _OffloadHooks, _Pass, _PrefetchHook
-from ucudnn.torch.running.prepared_plan import _Prepared, _Scope, _prepared
-from ucudnn.torch.running.recompute import _Dropped, _Rebuilds, _Recompute
 from ucudnn.torch.capturing.same_step import autocast_state, model_nodes
+from ucudnn.torch.converting.layer import ConvLayer, through_operators
+from ucudnn.torch.running.offload import _HostBuffers, _Offloaded, _OffloadHooks, _Pass, _PrefetchHook
+from ucudnn.torch.running.prepared_plan import _Prepared, _prepared, _Scope
+from ucudnn.torch.running.recompute import _Dropped, _Rebuilds, _Recompute
 
 __all__ = ["ExecutionStats", "execute_plan"]
 

@@ -204,7 +204,7 @@ def _copier_for(device: torch.device):
 class _Offloaded:
     """One storage view copied to the host: shared by every save of it in one forward pass."""
 
-    __slots__ = ("name", "key", "host", "d2h", "device", "use", "saves", "dev", "ready", "issued", "storage")
+    __slots__ = ("d2h", "dev", "device", "host", "issued", "key", "name", "ready", "saves", "storage", "use")
 
     def __init__(self, name: str, key: tuple, host: torch.Tensor, d2h: Any, device: torch.device, use: int,
                  storage) -> None:
@@ -335,7 +335,7 @@ class _OffloadHooks:
 class _PrefetchHook:
     """A pre-hook on the autograd node of an operation's output: fires just before its backward step."""
 
-    __slots__ = ("executor", "pass_", "index")
+    __slots__ = ("executor", "index", "pass_")
 
     def __init__(self, executor: _OffloadHooks, pass_: _Pass, index: int) -> None:
         self.executor, self.pass_, self.index = executor, pass_, index

@@ -74,7 +74,7 @@ class _Dropped:
     """What a saved tensor of a dropped storage leaves behind: where in the storage it lies, and the op whose
     backward step unpacks it (None: a source saved for a rebuild)."""
 
-    __slots__ = ("rebuilds", "name", "size", "stride", "offset", "at")
+    __slots__ = ("at", "name", "offset", "rebuilds", "size", "stride")
 
     def __init__(self, rebuilds: _Rebuilds, name: str, t: torch.Tensor, at: int | None = None) -> None:
         self.rebuilds, self.name, self.at = rebuilds, name, at
@@ -103,7 +103,7 @@ class _Source:
 class _Other:
     """Another tensor argument: a parameter (passed as it is) or a buffer or constant (copied)."""
 
-    __slots__ = ("tensor", "parameter", "version")
+    __slots__ = ("parameter", "tensor", "version")
 
     def __init__(self, tensor: torch.Tensor, parameter: bool) -> None:
         self.tensor, self.parameter, self.version = tensor, parameter, tensor._version
