@@ -24,36 +24,102 @@ _UNUSED_LAYER_KEYS = {"kind": "bench runs every kind of --kinds"}
 
 
 @click.command()
-@click.option("--layer", "layer_specs", multiple=True, metavar="SPEC",
-              help="A conv layer, e.g. n=32,c=64,h=56,w=56,k=128,r=3,s=3,pad=1 (repeatable; no kind=, see --kinds).")
+@click.option(
+    "--layer",
+    "layer_specs",
+    multiple=True,
+    metavar="SPEC",
+    help="A conv layer, e.g. n=32,c=64,h=56,w=56,k=128,r=3,s=3,pad=1 (repeatable; no kind=, see --kinds).",
+)
 @click.option("--network", metavar="NAME", help="A network of the zoo (see `ucudnn networks`).")
 @click.option("--batch", type=click.IntRange(min=1), help="Mini-batch size (overrides n of --layer).")
-@click.option("--workspace", callback=_size_option, metavar="SIZE",
-              help="Per-kernel workspace limit, WR mode (e.g. 64MiB).")
-@click.option("--total-workspace", callback=_size_option, metavar="SIZE",
-              help="Total workspace of all kernels, WD mode (e.g. 256MiB).")
-@click.option("--policy", default="powerOfTwo", show_default=True,
-              help="Micro-batch sizes to benchmark: all, powerOfTwo, undivided, or a list like 1,4,16.")
-@click.option("--backend", "backend_name", default="auto", show_default=True, type=click.Choice(["auto", "cpu", "cudnn"]),
-              help="Where the kernels run: cpu (NumPy/SciPy algorithms, and PyTorch's own as native when torch is "
-                   "installed), cudnn (cuDNN's engines on an NVIDIA GPU), auto (cudnn when a GPU is usable, else cpu).")
+@click.option(
+    "--workspace", callback=_size_option, metavar="SIZE", help="Per-kernel workspace limit, WR mode (e.g. 64MiB)."
+)
+@click.option(
+    "--total-workspace",
+    callback=_size_option,
+    metavar="SIZE",
+    help="Total workspace of all kernels, WD mode (e.g. 256MiB).",
+)
+@click.option(
+    "--policy",
+    default="powerOfTwo",
+    show_default=True,
+    help="Micro-batch sizes to benchmark: all, powerOfTwo, undivided, or a list like 1,4,16.",
+)
+@click.option(
+    "--backend",
+    "backend_name",
+    default="auto",
+    show_default=True,
+    type=click.Choice(["auto", "cpu", "cudnn"]),
+    help="Where the kernels run: cpu (NumPy/SciPy algorithms, and PyTorch's own as native when torch is "
+    "installed), cudnn (cuDNN's engines on an NVIDIA GPU), auto (cudnn when a GPU is usable, else cpu).",
+)
 @click.option("--kinds", default=",".join(KINDS), show_default=True, help="Kernels to optimise, comma-separated.")
 @click.option("--algos", help="Restrict the candidate algorithms (comma-separated).")
-@click.option("--db", "db_url", metavar="URL", help="Measurement cache (SQLAlchemy URL or SQLite file); default $UCUDNN_DB or the user cache.")
-@click.option("--reps", default=3, show_default=True, type=click.IntRange(1, MAX_REPS), help="Timed runs per measurement (median).")
+@click.option(
+    "--db",
+    "db_url",
+    metavar="URL",
+    help="Measurement cache (SQLAlchemy URL or SQLite file); default $UCUDNN_DB or the user cache.",
+)
+@click.option(
+    "--reps",
+    default=3,
+    show_default=True,
+    type=click.IntRange(1, MAX_REPS),
+    help="Timed runs per measurement (median).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
-@click.option("--verbose", is_flag=True, help="After the table, list every noisy timing and every excluded (wrong) algorithm.")
+@click.option(
+    "--verbose", is_flag=True, help="After the table, list every noisy timing and every excluded (wrong) algorithm."
+)
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
-@click.option("--workers", default=1, show_default=True, type=click.IntRange(min=1),
-              help="Measure in N processes (one GPU each on cudnn, N CPU workers on cpu) into the one cache; "
-                   "they time every candidate (no --benchmark-limit).")
-@click.option("--benchmark-limit", default=DEFAULT_BENCHMARK_LIMIT, show_default=True, type=click.IntRange(min=0),
-              help="Time at most N candidates per kernel and micro-batch size, the backend's best-ranked first, "
-                   "and skip those that lost clearly at the next larger size (0: time every candidate).")
+@click.option(
+    "--workers",
+    default=1,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Measure in N processes (one GPU each on cudnn, N CPU workers on cpu) into the one cache; "
+    "they time every candidate (no --benchmark-limit).",
+)
+@click.option(
+    "--benchmark-limit",
+    default=DEFAULT_BENCHMARK_LIMIT,
+    show_default=True,
+    type=click.IntRange(min=0),
+    help="Time at most N candidates per kernel and micro-batch size, the backend's best-ranked first, "
+    "and skip those that lost clearly at the next larger size (0: time every candidate).",
+)
 @click.option("--exhaustive", is_flag=True, help="Time every candidate at every size (--benchmark-limit 0).")
-@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="WD mode: draw the Pareto front and the workspace division to this PNG.")
-def bench(layer_specs, network, batch, workspace, total_workspace, policy, backend_name, kinds, algos,
-          db_url, reps, as_json, verbose, quiet, workers, benchmark_limit, exhaustive, plot_path):
+@click.option(
+    "--plot",
+    "plot_path",
+    type=click.Path(dir_okay=False),
+    help="WD mode: draw the Pareto front and the workspace division to this PNG.",
+)
+def bench(
+    layer_specs,
+    network,
+    batch,
+    workspace,
+    total_workspace,
+    policy,
+    backend_name,
+    kinds,
+    algos,
+    db_url,
+    reps,
+    as_json,
+    verbose,
+    quiet,
+    workers,
+    benchmark_limit,
+    exhaustive,
+    plot_path,
+):
     """Benchmark every algorithm at several micro-batch sizes and pick the fastest division.
 
     WR (--workspace, or no limit) optimises each kernel within its own limit, so --layer specs
@@ -68,6 +134,7 @@ def bench(layer_specs, network, batch, workspace, total_workspace, policy, backe
 
     if workers > 1:  # the same optimize, after N worker processes have filled the cache
         from ucudnn.network.parallel import parallel_optimize
+
         optimize = parallel_optimize(workers, db_url)
 
     if bool(layer_specs) == bool(network):
@@ -85,12 +152,15 @@ def bench(layer_specs, network, batch, workspace, total_workspace, policy, backe
 
     if network:
         from ucudnn.network.zoo import layers as network_layers
+
         layers = [(layer.name, layer.problem) for layer in network_layers(network, batch)]
     else:
         problems = [ConvProblem.parse(spec, unused=_UNUSED_LAYER_KEYS) for spec in layer_specs]
         if batch is None and total_workspace is not None and len({p.n for p in problems}) > 1:
-            raise InvalidInput("the --layer specs have different n and WD divides one workspace among kernels of "
-                               "one batch size; give --batch to choose one")
+            raise InvalidInput(
+                "the --layer specs have different n and WD divides one workspace among kernels of "
+                "one batch size; give --batch to choose one"
+            )
         layers = [(f"layer{i + 1}", p) for i, p in enumerate(problems)]  # the table names each --layer above it
     # Each layer at --batch, or at its own n (WR: every kernel stands alone).
     kernels = [kernel for layer in layers for kernel in expand_kernels([layer], batch or layer[1].n, kind_list)]
@@ -100,16 +170,23 @@ def bench(layer_specs, network, batch, workspace, total_workspace, policy, backe
         known = set().union(*(backend.algorithms(p) for _, p in kernels))
         unknown = [a for a in algo_list if a not in known]
         if unknown:
-            raise InvalidInput(f"unknown algorithm(s) {', '.join(unknown)} for backend {backend.name}; "
-                               f"known: {', '.join(sorted(known))}")
+            raise InvalidInput(
+                f"unknown algorithm(s) {', '.join(unknown)} for backend {backend.name}; "
+                f"known: {', '.join(sorted(known))}"
+            )
     unique = {(p.key, p.n): p for _, p in kernels}
     sizes = {p.n: batch_sizes(policy_value, p.n) for p in unique.values()}
     for n, sizes_n in sizes.items():
         if not sizes_n:
             raise InvalidInput(f"--policy {policy}: every size is larger than the batch {n}")
     for problem in unique.values():  # refuse before measuring anything
-        check_can_run(backend, problem, sizes=sizes[problem.n], algos=algo_list,
-                      workspace_limit=workspace if workspace is not None else total_workspace)
+        check_can_run(
+            backend,
+            problem,
+            sizes=sizes[problem.n],
+            algos=algo_list,
+            workspace_limit=workspace if workspace is not None else total_workspace,
+        )
     cache = Cache(db_url)
     show_progress = not quiet and not (as_json and not sys.stderr.isatty())
     from tqdm import tqdm
@@ -118,16 +195,30 @@ def bench(layer_specs, network, batch, workspace, total_workspace, policy, backe
     total = sum(len(sizes[p.n]) * len(algo_list or backend.algorithms(p)) for p in unique.values())
     try:
         # One step per candidate (an algorithm at a micro-batch size): measured, from the cache, over the limit or pruned.
-        with tqdm(total=total, desc="benchmark", unit="candidate", file=sys.stderr, disable=not show_progress,
-                  leave=False) as progress, logging_redirect_tqdm():
-            report = optimize(backend, kernels, policy=policy_value, workspace_limit=workspace,
-                              total_workspace=total_workspace, cache=cache, algos=algo_list, reps=reps,
-                              progress=progress, benchmark_limit=0 if exhaustive else benchmark_limit)
+        with (
+            tqdm(
+                total=total, desc="benchmark", unit="candidate", file=sys.stderr, disable=not show_progress, leave=False
+            ) as progress,
+            logging_redirect_tqdm(),
+        ):
+            report = optimize(
+                backend,
+                kernels,
+                policy=policy_value,
+                workspace_limit=workspace,
+                total_workspace=total_workspace,
+                cache=cache,
+                algos=algo_list,
+                reps=reps,
+                progress=progress,
+                benchmark_limit=0 if exhaustive else benchmark_limit,
+            )
     finally:
         cache.close()
 
     if plot_path:
         from ucudnn.network.plot import plot_wd
+
         plot_wd(report, plot_path)
     if as_json:
         click.echo(json.dumps(report.to_json(), indent=2))
@@ -140,63 +231,106 @@ def format_report(report, verbose: bool = False, layer_specs=None) -> str:
     """A table a person can read: one row per kernel, then totals, what the columns mean, the headline."""
     from ucudnn.network.optimize import BASELINE_LEAST_WORKSPACE, configuration_notation
 
-    limit = (f"workspace limit {format_size(report.workspace_limit)} per kernel" if report.mode == "WR"
-             else f"total workspace {format_size(report.total_workspace)}")
-    lines = [(f"device {report.device} | backend {report.backend} | mode {report.mode}, {limit} | "
-             f"policy {report.policy} | batch {report.batch if report.batch is not None else 'per layer'}")]
+    limit = (
+        f"workspace limit {format_size(report.workspace_limit)} per kernel"
+        if report.mode == "WR"
+        else f"total workspace {format_size(report.total_workspace)}"
+    )
+    lines = [
+        (
+            f"device {report.device} | backend {report.backend} | mode {report.mode}, {limit} | "
+            f"policy {report.policy} | batch {report.batch if report.batch is not None else 'per layer'}"
+        )
+    ]
     lines += [f"{name}: --layer {spec}" for name, spec in layer_specs or ()]
     header = ("layer", "kind", "baseline", "base ms", "configuration", "ms", "workspace", "speedup")
     rows = []
     for k in report.kernels:
         base = k.baseline
         fallback = "*" if base and k.baseline_rule == BASELINE_LEAST_WORKSPACE else ""
-        rows.append((k.layer, k.problem.kind, base.algo + fallback if base else "(none runs)",
-                     f"{base.time:.3f}" if base else "-", k.config.describe(), f"{k.config.time:.3f}",
-                     format_size(k.config.workspace), _ratio(k.speedup) + ("?" if k.doubtful else "")))
+        rows.append(
+            (
+                k.layer,
+                k.problem.kind,
+                base.algo + fallback if base else "(none runs)",
+                f"{base.time:.3f}" if base else "-",
+                k.config.describe(),
+                f"{k.config.time:.3f}",
+                format_size(k.config.workspace),
+                _ratio(k.speedup) + ("?" if k.doubtful else ""),
+            )
+        )
     total_ws = "sum " if report.mode == "WD" else "max "
-    rows.append(("total", "", "", _ms(report.baseline_ms), "", f"{report.time_ms:.3f}",
-                 total_ws + format_size(report.workspace), _ratio(report.baseline_ms / report.time_ms)))
+    rows.append(
+        (
+            "total",
+            "",
+            "",
+            _ms(report.baseline_ms),
+            "",
+            f"{report.time_ms:.3f}",
+            total_ws + format_size(report.workspace),
+            _ratio(report.baseline_ms / report.time_ms),
+        )
+    )
     widths = [max(len(str(row[i])) for row in [header, *rows]) for i in range(len(header))]
     numeric = {3, 5, 6, 7}
 
     def line(row):
-        return "  ".join(str(c).rjust(w) if i in numeric else str(c).ljust(w)
-                         for i, (c, w) in enumerate(zip(row, widths))).rstrip()
+        return "  ".join(
+            str(c).rjust(w) if i in numeric else str(c).ljust(w) for i, (c, w) in enumerate(zip(row, widths))
+        ).rstrip()
 
     rule = "  ".join("-" * w for w in widths)
     lines += [line(header), rule, *map(line, rows[:-1]), rule, line(rows[-1])]
     fallbacks = sum(1 for k in report.kernels if k.baseline and k.baseline_rule == BASELINE_LEAST_WORKSPACE)
-    lines += [f"configuration: {configuration_notation(report.example_configuration)}.",
-              f"baseline: {report.baseline_text}"
-              + (f" (marked *: {fallbacks} of {len(report.kernels)} kernels)." if fallbacks else ".")]
+    lines += [
+        f"configuration: {configuration_notation(report.example_configuration)}.",
+        f"baseline: {report.baseline_text}"
+        + (f" (marked *: {fallbacks} of {len(report.kernels)} kernels)." if fallbacks else "."),
+    ]
     speedup = report.baseline_ms / report.time_ms
     doubtful = sum(k.doubtful for k in report.kernels)
     if math.isfinite(speedup):
-        lines.append(f"speedup: {speedup:.2f}x in total, {report.time_ms:.1f} ms against the baselines' "
-                     f"{report.baseline_ms:.1f} ms (sums over the {len(report.kernels)} kernels)"
-                     + (f"; `?` marks {doubtful} ratio{'' if doubtful == 1 else 's'} resting on a time that still looks like an outlier "
-                        f"(noisy, or over 2x slower per sample than at a smaller size) after re-measuring"
-                        if doubtful else ""))
+        lines.append(
+            f"speedup: {speedup:.2f}x in total, {report.time_ms:.1f} ms against the baselines' "
+            f"{report.baseline_ms:.1f} ms (sums over the {len(report.kernels)} kernels)"
+            + (
+                f"; `?` marks {doubtful} ratio{'' if doubtful == 1 else 's'} resting on a time that still looks like an outlier "
+                f"(noisy, or over 2x slower per sample than at a smaller size) after re-measuring"
+                if doubtful
+                else ""
+            )
+        )
     else:
         lines.append("speedup: - in total: some kernel has no baseline (no algorithm ran its undivided batch)")
     s = report.stats
-    lines.append(f"benchmark: {s.candidates} candidates (an algorithm at a micro-batch size), {s.measured} measured now, "
-                 f"{s.cached} from the cache, {s.over_limit} not run (workspace over the limit), {s.pruned} pruned "
-                 f"(--benchmark-limit; --exhaustive times them); {s.seconds:.1f} s")
+    lines.append(
+        f"benchmark: {s.candidates} candidates (an algorithm at a micro-batch size), {s.measured} measured now, "
+        f"{s.cached} from the cache, {s.over_limit} not run (workspace over the limit), {s.pruned} pruned "
+        f"(--benchmark-limit; --exhaustive times them); {s.seconds:.1f} s"
+    )
     if report.noise_text:
         lines.append(f"note: {report.noise_text}")
     skipped: dict[tuple[str, str], int] = {}
     for k in report.kernels:
         for pair in k.unsupported:
             skipped[pair] = skipped.get(pair, 0) + 1
-    lines += [f"skipped: {algo} on {count} of {len(report.kernels)} kernels, which it cannot run: {reason}"
-              for (algo, reason), count in skipped.items()]
+    lines += [
+        f"skipped: {algo} on {count} of {len(report.kernels)} kernels, which it cannot run: {reason}"
+        for (algo, reason), count in skipped.items()
+    ]
     excluded = [(k, m) for k in report.kernels for m in k.excluded]
     if excluded:
-        lines.append(f"warning: {len(excluded)} wrong results excluded" + ("" if verbose else " (details: --verbose or --json)"))
+        lines.append(
+            f"warning: {len(excluded)} wrong results excluded" + ("" if verbose else " (details: --verbose or --json)")
+        )
     if verbose:
-        lines += [f"noisy: {k.layer} {k.problem.kind} {m.algo} at batch {m.batch}: median {m.time:.3f} ms, "
-                  f"IQR {m.spread:.3f} ms (over {NOISY_SPREAD_FRACTION:.0%} of the median)" for k, m in report.noisy]
+        lines += [
+            f"noisy: {k.layer} {k.problem.kind} {m.algo} at batch {m.batch}: median {m.time:.3f} ms, "
+            f"IQR {m.spread:.3f} ms (over {NOISY_SPREAD_FRACTION:.0%} of the median)"
+            for k, m in report.noisy
+        ]
         lines += [f"excluded: {k.layer} {k.problem.kind} {m.algo} at batch {m.batch}: {m.reason}" for k, m in excluded]
     return "\n".join(lines)
 
@@ -213,8 +347,10 @@ def check_plot_path(path: str) -> None:
     target = Path(path).expanduser()
     formats = FigureCanvasBase.get_supported_filetypes()
     if target.suffix and target.suffix[1:].lower() not in formats:
-        raise InvalidInput(f"--plot {path!r}: matplotlib cannot write {target.suffix!r} files; "
-                           f"use one of {', '.join('.' + f for f in sorted(formats))}")
+        raise InvalidInput(
+            f"--plot {path!r}: matplotlib cannot write {target.suffix!r} files; "
+            f"use one of {', '.join('.' + f for f in sorted(formats))}"
+        )
     folder = target.parent
     if target.is_dir():
         raise InvalidInput(f"--plot {path!r} is a directory; name a file")

@@ -10,8 +10,10 @@ import click
 from ucudnn.db import MERGE_RULE, Cache
 from ucudnn.db.transfer import export_to, import_into
 
-_DB_HELP = ("Cache URL (sqlite:///PATH, postgresql+psycopg://USER@HOST/DB) or a SQLite file path. "
-            "Default: $UCUDNN_DB, else $XDG_CACHE_HOME/ucudnn/cache.db.")
+_DB_HELP = (
+    "Cache URL (sqlite:///PATH, postgresql+psycopg://USER@HOST/DB) or a SQLite file path. "
+    "Default: $UCUDNN_DB, else $XDG_CACHE_HOME/ucudnn/cache.db."
+)
 
 
 def _db_option(command: Callable[..., Any]) -> Callable[..., Any]:
@@ -45,8 +47,10 @@ def info(db_url: str | None, as_json: bool) -> None:
         note = ""
         if name == "devices":
             models = facts["device_models"]
-            note = (f"  (sets of device model, backend and library versions, each measured apart; "
-                    f"{models} device model{'' if models == 1 else 's'})")
+            note = (
+                f"  (sets of device model, backend and library versions, each measured apart; "
+                f"{models} device model{'' if models == 1 else 's'})"
+            )
         click.echo(f"{name:<15} {facts[name]}{note}")
     for d in facts["by_device"]:
         click.echo(f"  {d['measurements']:>8}  {d['device']} [{d['backend']}] {d['versions']}")
@@ -97,20 +101,39 @@ def _counts(c: Any) -> dict[str, int]:
 @click.option("--device", default=None, help="Only this device model (exact match).")
 @click.option("--backend", default=None, help="Only this backend (exact match).")
 @click.option("--versions", default=None, help="Only this library-versions text (exact match).")
-@click.option("--older-than", "older_than", type=click.FloatRange(min=0), default=None,
-              metavar="DAYS", help="Only rows written more than DAYS days ago.")
+@click.option(
+    "--older-than",
+    "older_than",
+    type=click.FloatRange(min=0),
+    default=None,
+    metavar="DAYS",
+    help="Only rows written more than DAYS days ago.",
+)
 @click.option("--all", "everything", is_flag=True, help="Remove everything (and no filter).")
 @click.option("--dry-run", is_flag=True, help="Count what would be removed; remove nothing.")
-def prune(db_url: str | None, device: str | None, backend: str | None, versions: str | None,
-          older_than: float | None, everything: bool, dry_run: bool) -> None:
+def prune(
+    db_url: str | None,
+    device: str | None,
+    backend: str | None,
+    versions: str | None,
+    older_than: float | None,
+    everything: bool,
+    dry_run: bool,
+) -> None:
     """Remove measurements matching every filter given (AND), and print how many rows went.
 
     Plans carry no device, so they go only with --older-than alone, or with --all. Devices and
     problems left without measurements are removed too.
     """
     with Cache(db_url, create=False) as cache:
-        removed = cache.prune(device=device, backend=backend, versions=versions,
-                              older_than_days=older_than, everything=everything, dry_run=dry_run)
+        removed = cache.prune(
+            device=device,
+            backend=backend,
+            versions=versions,
+            older_than_days=older_than,
+            everything=everything,
+            dry_run=dry_run,
+        )
     verb = "would remove" if dry_run else "removed"
     parts = ", ".join(f"{n} {name}" for name, n in removed.items())
     click.echo(f"{verb} {sum(removed.values())} rows ({parts})")

@@ -20,5 +20,8 @@ def size_option(ctx: click.Context | None, param: click.Parameter | None, value:
         raise click.BadParameter(str(exc), ctx=ctx, param=param) from None
     exact = exact_bytes(value)
     if exact is not None:
-        click.echo(f"ucudnn: note: {name} {value} is {format(exact.normalize(), 'f')} bytes; rounded down to {nbytes} bytes", err=True)
+        click.echo(
+            f"ucudnn: note: {name} {value} is {format(exact.normalize(), 'f')} bytes; rounded down to {nbytes} bytes",
+            err=True,
+        )
     return nbytes

@@ -9,5 +9,13 @@ from ucudnn.db.location import default_url
 from ucudnn.db.merge import MERGE_RULE, MeasurementRecord, MergeCounts, MergeReport, PlanRecord
 from ucudnn.db.models import SCHEMA_VERSION
 
-__all__ = ["MERGE_RULE", "SCHEMA_VERSION", "Cache", "MeasurementRecord", "MergeCounts",
-           "MergeReport", "PlanRecord", "default_url"]
+__all__ = [
+    "MERGE_RULE",
+    "SCHEMA_VERSION",
+    "Cache",
+    "MeasurementRecord",
+    "MergeCounts",
+    "MergeReport",
+    "PlanRecord",
+    "default_url",
+]

@@ -41,8 +41,7 @@ from ucudnn.solver.types import MicroConfig
 from ucudnn.errors import DatabaseError, InvalidInput
 
 # The names this module held before db/ was split; `ucudnn.db` exports them too.
-__all__ = ["MERGE_RULE", "Cache", "MeasurementRecord", "MergeCounts", "MergeReport", "PlanRecord",
-           "default_url"]
+__all__ = ["MERGE_RULE", "Cache", "MeasurementRecord", "MergeCounts", "MergeReport", "PlanRecord", "default_url"]
 
 log = logging.getLogger(__name__)
 
@@ -50,14 +49,19 @@ log = logging.getLogger(__name__)
 ROWS_PER_STATEMENT = 500
 
 _devices, _problems, _measurements, _plans, _meta = (
-    TABLES["devices"], TABLES["problems"], TABLES["measurements"], TABLES["plans"], TABLES["meta"])
+    TABLES["devices"],
+    TABLES["problems"],
+    TABLES["measurements"],
+    TABLES["plans"],
+    TABLES["meta"],
+)
 
 T = TypeVar("T")
 
 
 def _chunks(items: list[T], size: int = ROWS_PER_STATEMENT) -> Iterator[list[T]]:
     for start in range(0, len(items), size):
-        yield items[start:start + size]
+        yield items[start : start + size]
 
 
 class Cache:
@@ -70,8 +74,9 @@ class Cache:
     refuses a SQLite file that does not exist yet instead of creating it.
     """
 
-    def __init__(self, url: str | os.PathLike[str] | None = None, *, readonly: bool = False,
-                 create: bool = True) -> None:
+    def __init__(
+        self, url: str | os.PathLike[str] | None = None, *, readonly: bool = False, create: bool = True
+    ) -> None:
         self._url = _resolve_url(url)
         self.readonly = readonly
         self.url = self._url.render_as_string(hide_password=True)
@@ -95,16 +100,16 @@ class Cache:
             else:
                 if path is not None:
                     enable_wal(self._engine, self._where)
-                self._run(lambda conn: initialise(conn, self._where, is_sqlite=self._is_sqlite),
-                          write=True, action="open")
+                self._run(
+                    lambda conn: initialise(conn, self._where, is_sqlite=self._is_sqlite), write=True, action="open"
+                )
         except BaseException:
             self._engine.dispose()
             raise
 
     # -- transactions -------------------------------------------------------------------------
 
-    def _run(self, work: Callable[[Connection], T], *, write: bool, action: str,
-             single_read: bool = False) -> T:
+    def _run(self, work: Callable[[Connection], T], *, write: bool, action: str, single_read: bool = False) -> T:
         """`work(conn)` in one transaction (an immediate one for writes on SQLite), retried.
 
         `single_read`: `work` only reads, one statement at a time, and needs no snapshot across
@@ -112,9 +117,11 @@ class Cache:
         """
         if write and self.readonly:
             why = self.readonly_reason or "it was opened read-only"
-            raise DatabaseError(f"cannot {action} {self._where}: {why} (the cache is read-only; "
-                                f"everything cached can be read, nothing new stored); pass --db or "
-                                f"set {ENV_VAR} to a writable cache")
+            raise DatabaseError(
+                f"cannot {action} {self._where}: {why} (the cache is read-only; "
+                f"everything cached can be read, nothing new stored); pass --db or "
+                f"set {ENV_VAR} to a writable cache"
+            )
 
         if os.getpid() != self._pid:
             # A forked child must not use its parent's connections (both would talk over the
@@ -148,27 +155,40 @@ class Cache:
     # -- devices and problems -----------------------------------------------------------------
 
     def _device_id(self, conn: Connection, model: str, backend: str, versions: str) -> int:
-        conn.execute(self._insert(_devices)
-                     .values(model=model, backend=backend, versions=versions, created_at=_now())
-                     .on_conflict_do_nothing(index_elements=["model", "backend", "versions"]))
+        conn.execute(
+            self._insert(_devices)
+            .values(model=model, backend=backend, versions=versions, created_at=_now())
+            .on_conflict_do_nothing(index_elements=["model", "backend", "versions"])
+        )
         # KEY SHARE: a concurrent prune cannot delete the row before our measurements point at it.
-        query = (select(_devices.c.id).where(_devices.c.model == model, _devices.c.backend == backend,
-                                             _devices.c.versions == versions)
-                 .with_for_update(key_share=True))
+        query = (
+            select(_devices.c.id)
+            .where(_devices.c.model == model, _devices.c.backend == backend, _devices.c.versions == versions)
+            .with_for_update(key_share=True)
+        )
         return conn.execute(query).scalar_one()
 
     def _problem_id(self, conn: Connection, problem_key: str) -> int:
-        conn.execute(self._insert(_problems)
-                     .values(key=problem_key, kind=_kind_of(problem_key), created_at=_now())
-                     .on_conflict_do_nothing(index_elements=["key"]))
+        conn.execute(
+            self._insert(_problems)
+            .values(key=problem_key, kind=_kind_of(problem_key), created_at=_now())
+            .on_conflict_do_nothing(index_elements=["key"])
+        )
         query = select(_problems.c.id).where(_problems.c.key == problem_key).with_for_update(key_share=True)
         return conn.execute(query).scalar_one()
 
     # -- measurements -------------------------------------------------------------------------
 
-    def lookup(self, *, device: str, backend: str, versions: str, problem_key: str,
-               batches: Iterable[int] | None, algos: Iterable[str] | None = None,
-               ) -> dict[tuple[str, int], MicroConfig]:
+    def lookup(
+        self,
+        *,
+        device: str,
+        backend: str,
+        versions: str,
+        problem_key: str,
+        batches: Iterable[int] | None,
+        algos: Iterable[str] | None = None,
+    ) -> dict[tuple[str, int], MicroConfig]:
         """Cached measurements of one problem on one device/backend/versions, keyed (algo, batch).
 
         Only rows whose device, backend, versions and problem key match exactly are returned, so
@@ -176,22 +196,25 @@ class Cache:
         every batch size; `algos=None` every algorithm. A failed candidate comes back with
         `time=inf` and its reason.
         """
-        ident = (_text("device", device), _text("backend", backend), _text("versions", versions),
-                 _text("problem_key", problem_key))
+        ident = (
+            _text("device", device),
+            _text("backend", backend),
+            _text("versions", versions),
+            _text("problem_key", problem_key),
+        )
         batch_list = None if batches is None else sorted(set(self._check_batches(batches)))
         algo_list = None if algos is None else sorted({_text("algo", a) for a in algos})
         if batch_list == [] or algo_list == []:
             return {}
         m, d, p = _measurements.c, _devices.c, _problems.c
-        base = (select(m.algo, m.batch, m.time_ms, m.workspace_bytes, m.reason, m.spread_ms)
-                .select_from(_measurements.join(_devices, d.id == m.device_id)
-                             .join(_problems, p.id == m.problem_id))
-                .where(d.model == ident[0], d.backend == ident[1], d.versions == ident[2],
-                       p.key == ident[3]))
+        base = (
+            select(m.algo, m.batch, m.time_ms, m.workspace_bytes, m.reason, m.spread_ms)
+            .select_from(_measurements.join(_devices, d.id == m.device_id).join(_problems, p.id == m.problem_id))
+            .where(d.model == ident[0], d.backend == ident[1], d.versions == ident[2], p.key == ident[3])
+        )
         if algo_list is not None:
             base = base.where(m.algo.in_(algo_list))
-        queries = [base] if batch_list is None else [base.where(m.batch.in_(chunk))
-                                                     for chunk in _chunks(batch_list)]
+        queries = [base] if batch_list is None else [base.where(m.batch.in_(chunk)) for chunk in _chunks(batch_list)]
 
         def work(conn: Connection) -> dict[tuple[str, int], MicroConfig]:
             found = {}
@@ -211,23 +234,37 @@ class Cache:
             out.append(b)
         return out
 
-    def store(self, *, device: str, backend: str, versions: str, problem_key: str,
-              micros: Iterable[MicroConfig], replace: bool = False) -> int:
+    def store(
+        self,
+        *,
+        device: str,
+        backend: str,
+        versions: str,
+        problem_key: str,
+        micros: Iterable[MicroConfig],
+        replace: bool = False,
+    ) -> int:
         """Write measurements of one problem; returns how many rows were newly written.
 
         Idempotent: a measurement already cached under the same key is kept as it is (another
         process measured it first), unless `replace=True`, which overwrites it and counts it. An
         infinite time is stored as NULL with its reason and comes back as `inf`.
         """
-        ident = (_text("device", device), _text("backend", backend), _text("versions", versions),
-                 _text("problem_key", problem_key))
+        ident = (
+            _text("device", device),
+            _text("backend", backend),
+            _text("versions", versions),
+            _text("problem_key", problem_key),
+        )
         rows = [_check_micro(mc, i) for i, mc in enumerate(micros)]
         seen: dict[tuple[str, int], int] = {}
         for i, row in enumerate(rows):
             first = seen.setdefault((row["algo"], row["batch"]), i)
             if first != i:
-                raise InvalidInput(f"micros[{first}] and micros[{i}] are both {row['algo']!r} at batch "
-                                   f"{row['batch']}; store one measurement per algorithm and batch")
+                raise InvalidInput(
+                    f"micros[{first}] and micros[{i}] are both {row['algo']!r} at batch "
+                    f"{row['batch']}; store one measurement per algorithm and batch"
+                )
         if not rows:
             return 0
         # The same order in every writer, so PostgreSQL row locks are taken without deadlock.
@@ -236,9 +273,13 @@ class Cache:
         keys = ["device_id", "problem_id", "algo", "batch"]
         stmt = self._insert(_measurements)
         if replace:
-            stmt = stmt.on_conflict_do_update(index_elements=keys, set_={
-                name: stmt.excluded[name] for name in
-                ("time_ms", "spread_ms", "workspace_bytes", "reason", "created_at")})
+            stmt = stmt.on_conflict_do_update(
+                index_elements=keys,
+                set_={
+                    name: stmt.excluded[name]
+                    for name in ("time_ms", "spread_ms", "workspace_bytes", "reason", "created_at")
+                },
+            )
         else:
             stmt = stmt.on_conflict_do_nothing(index_elements=keys)
         # RETURNING gives exactly the rows this call wrote (none for a skipped conflict). Run as
@@ -250,8 +291,7 @@ class Cache:
             device_id = self._device_id(conn, *ident[:3])
             problem_id = self._problem_id(conn, ident[3])
             created_at = _now()
-            values = [{**r, "device_id": device_id, "problem_id": problem_id,
-                       "created_at": created_at} for r in rows]
+            values = [{**r, "device_id": device_id, "problem_id": problem_id, "created_at": created_at} for r in rows]
             return len(conn.execute(stmt, values).all())
 
         return self._run(work, write=True, action="write to")
@@ -264,8 +304,7 @@ class Cache:
         digest = _key_sha256(key)
 
         def work(conn: Connection) -> str | None:
-            row = conn.execute(select(_plans.c.key, _plans.c.plan_json)
-                               .where(_plans.c.key_sha256 == digest)).first()
+            row = conn.execute(select(_plans.c.key, _plans.c.plan_json).where(_plans.c.key_sha256 == digest)).first()
             return row.plan_json if row is not None and row.key == key else None
 
         text = self._run(work, write=False, action="read", single_read=True)
@@ -274,8 +313,10 @@ class Cache:
         try:
             return json.loads(text)
         except ValueError as exc:
-            raise DatabaseError(f"{self._where}: the plan under key {key[:80]!r} is not valid JSON "
-                                f"({exc}); prune it or use another --db") from exc
+            raise DatabaseError(
+                f"{self._where}: the plan under key {key[:80]!r} is not valid JSON "
+                f"({exc}); prune it or use another --db"
+            ) from exc
 
     def put_plan(self, key: str, plan: dict) -> None:
         """Store `plan` (a JSON-able dict) under `key`, replacing any plan already there."""
@@ -285,9 +326,16 @@ class Cache:
 
         def work(conn: Connection) -> None:
             stmt = self._insert(_plans).values(values)
-            conn.execute(stmt.on_conflict_do_update(index_elements=["key_sha256"], set_={
-                "key": stmt.excluded.key, "plan_json": stmt.excluded.plan_json,
-                "created_at": stmt.excluded.created_at}))
+            conn.execute(
+                stmt.on_conflict_do_update(
+                    index_elements=["key_sha256"],
+                    set_={
+                        "key": stmt.excluded.key,
+                        "plan_json": stmt.excluded.plan_json,
+                        "created_at": stmt.excluded.created_at,
+                    },
+                )
+            )
 
         self._run(work, write=True, action="write to")
 
@@ -303,20 +351,34 @@ class Cache:
                 select(d.model, d.backend, d.versions, func.count(m.id).label("n"))
                 .select_from(_devices.outerjoin(_measurements, m.device_id == d.id))
                 .group_by(d.id, d.model, d.backend, d.versions)
-                .order_by(d.model, d.backend, d.versions)).all()
-            version = conn.execute(select(_meta.c.value)
-                                   .where(_meta.c.key == SCHEMA_VERSION_KEY)).scalar_one()
-            return {"url": self.url, "schema_version": int(version),
-                    "devices": count(_devices), "problems": count(_problems),
-                    "measurements": count(_measurements), "plans": count(_plans),
-                    "by_device": [{"device": r.model, "backend": r.backend, "versions": r.versions,
-                                   "measurements": r.n} for r in per_device]}
+                .order_by(d.model, d.backend, d.versions)
+            ).all()
+            version = conn.execute(select(_meta.c.value).where(_meta.c.key == SCHEMA_VERSION_KEY)).scalar_one()
+            return {
+                "url": self.url,
+                "schema_version": int(version),
+                "devices": count(_devices),
+                "problems": count(_problems),
+                "measurements": count(_measurements),
+                "plans": count(_plans),
+                "by_device": [
+                    {"device": r.model, "backend": r.backend, "versions": r.versions, "measurements": r.n}
+                    for r in per_device
+                ],
+            }
 
         return self._run(work, write=False, action="read")
 
-    def prune(self, *, device: str | None = None, backend: str | None = None,
-              versions: str | None = None, older_than_days: float | None = None,
-              everything: bool = False, dry_run: bool = False) -> dict[str, int]:
+    def prune(
+        self,
+        *,
+        device: str | None = None,
+        backend: str | None = None,
+        versions: str | None = None,
+        older_than_days: float | None = None,
+        everything: bool = False,
+        dry_run: bool = False,
+    ) -> dict[str, int]:
         """Delete measurements matching every given filter; returns rows removed per table.
 
         Filters combine with AND. Plans carry no device, so they are removed only by age
@@ -328,13 +390,15 @@ class Cache:
         for name, value in filters.items():
             if value is not None:
                 _text(name, value)
-        if older_than_days is not None and (not isinstance(older_than_days, (int, float))
-                                            or not math.isfinite(older_than_days) or older_than_days < 0):
+        if older_than_days is not None and (
+            not isinstance(older_than_days, (int, float)) or not math.isfinite(older_than_days) or older_than_days < 0
+        ):
             raise InvalidInput(f"older_than_days must be a non-negative number, got {older_than_days!r}")
         has_filter = any(v is not None for v in filters.values()) or older_than_days is not None
         if everything == has_filter:
-            raise InvalidInput("prune needs --device, --backend, --versions or --older-than "
-                               "(combined with AND), or --all alone")
+            raise InvalidInput(
+                "prune needs --device, --backend, --versions or --older-than (combined with AND), or --all alone"
+            )
         m, d = _measurements.c, _devices.c
         conditions = []
         for column, value in ((d.model, device), (d.backend, backend), (d.versions, versions)):
@@ -361,9 +425,12 @@ class Cache:
         def work(conn: Connection) -> dict[str, int]:
             self._lock_for_bulk(conn)
             count = lambda table, where: conn.execute(
-                select(func.count()).select_from(table).where(*where)).scalar_one()
-            removed = {"measurements": count(_measurements, measurement_where),
-                       "plans": 0 if plan_where is None else count(_plans, plan_where)}
+                select(func.count()).select_from(table).where(*where)
+            ).scalar_one()
+            removed = {
+                "measurements": count(_measurements, measurement_where),
+                "plans": 0 if plan_where is None else count(_plans, plan_where),
+            }
             if dry_run:
                 return removed
             conn.execute(delete(_measurements).where(*measurement_where))
@@ -380,20 +447,43 @@ class Cache:
     def measurement_records(self) -> Iterator[MeasurementRecord]:
         """Every measurement with its full key, in key order (stable across runs and engines)."""
         m, d, p = _measurements.c, _devices.c, _problems.c
-        query = (select(d.model, d.backend, d.versions, p.key, m.algo, m.batch, m.time_ms,
-                        m.spread_ms, m.workspace_bytes, m.reason, m.created_at)
-                 .select_from(_measurements.join(_devices, d.id == m.device_id)
-                              .join(_problems, p.id == m.problem_id))
-                 .order_by(*map(self._bytewise, (d.model, d.backend, d.versions, p.key, m.algo)),
-                           m.batch))
-        yield from self._stream(query, lambda r: MeasurementRecord(
-            r.model, r.backend, r.versions, r.key, r.algo, r.batch, r.time_ms, r.spread_ms,
-            r.workspace_bytes, r.reason, r.created_at))
+        query = (
+            select(
+                d.model,
+                d.backend,
+                d.versions,
+                p.key,
+                m.algo,
+                m.batch,
+                m.time_ms,
+                m.spread_ms,
+                m.workspace_bytes,
+                m.reason,
+                m.created_at,
+            )
+            .select_from(_measurements.join(_devices, d.id == m.device_id).join(_problems, p.id == m.problem_id))
+            .order_by(*map(self._bytewise, (d.model, d.backend, d.versions, p.key, m.algo)), m.batch)
+        )
+        yield from self._stream(
+            query,
+            lambda r: MeasurementRecord(
+                r.model,
+                r.backend,
+                r.versions,
+                r.key,
+                r.algo,
+                r.batch,
+                r.time_ms,
+                r.spread_ms,
+                r.workspace_bytes,
+                r.reason,
+                r.created_at,
+            ),
+        )
 
     def plan_records(self) -> Iterator[PlanRecord]:
         """Every plan, in key order."""
-        query = (select(_plans.c.key, _plans.c.plan_json, _plans.c.created_at)
-                 .order_by(self._bytewise(_plans.c.key)))
+        query = select(_plans.c.key, _plans.c.plan_json, _plans.c.created_at).order_by(self._bytewise(_plans.c.key))
         yield from self._stream(query, lambda r: PlanRecord(r.key, r.plan_json, r.created_at))
 
     def _bytewise(self, column: Any) -> Any:
@@ -409,8 +499,9 @@ class Cache:
         except sa_exc.SQLAlchemyError as exc:
             raise DatabaseError(f"cannot read {self._where}: {_reason(exc)}") from exc
 
-    def merge(self, measurements: Callable[[], Iterable[MeasurementRecord]],
-              plans: Callable[[], Iterable[PlanRecord]]) -> MergeReport:
+    def merge(
+        self, measurements: Callable[[], Iterable[MeasurementRecord]], plans: Callable[[], Iterable[PlanRecord]]
+    ) -> MergeReport:
         """Merge records into this cache in one transaction; returns what was inserted/replaced/kept.
 
         The rule (also `MERGE_RULE`, shown by `ucudnn db import --help`): records match on their
@@ -431,8 +522,9 @@ class Cache:
 
         def work(conn: Connection) -> MergeReport:
             self._lock_for_bulk(conn)
-            return MergeReport(merge_measurements(conn, measurements(), self._device_id, self._problem_id),
-                               merge_plans(conn, plans()))
+            return MergeReport(
+                merge_measurements(conn, measurements(), self._device_id, self._problem_id), merge_plans(conn, plans())
+            )
 
         return self._run(work, write=True, action="import into")
 

@@ -33,8 +33,10 @@ def default_url() -> str:
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise DatabaseError(f"cannot create the cache folder {folder}: {exc.strerror or exc}; "
-                            f"set {ENV_VAR} or pass --db to put the cache elsewhere") from exc
+        raise DatabaseError(
+            f"cannot create the cache folder {folder}: {exc.strerror or exc}; "
+            f"set {ENV_VAR} or pass --db to put the cache elsewhere"
+        ) from exc
     return f"sqlite:///{folder / 'cache.db'}"
 
 
@@ -51,16 +53,19 @@ def _resolve_url(url: str | os.PathLike[str] | None) -> URL:
     try:
         parsed = make_url(url)
     except sa_exc.ArgumentError as exc:
-        raise InvalidInput(f"cache URL {url!r} is not a database URL ({exc}); "
-                           f"use sqlite:///PATH, a file path, or postgresql+psycopg://...") from exc
+        raise InvalidInput(
+            f"cache URL {url!r} is not a database URL ({exc}); "
+            f"use sqlite:///PATH, a file path, or postgresql+psycopg://..."
+        ) from exc
     backend = parsed.get_backend_name()
     if backend not in ("sqlite", "postgresql"):
-        raise InvalidInput(f"cache URL {parsed.render_as_string(hide_password=True)!r} uses "
-                           f"{backend!r}; ucudnn caches live in SQLite or PostgreSQL")
+        raise InvalidInput(
+            f"cache URL {parsed.render_as_string(hide_password=True)!r} uses "
+            f"{backend!r}; ucudnn caches live in SQLite or PostgreSQL"
+        )
     if parsed.drivername == "postgresql":  # SQLAlchemy's default is psycopg2; ours is psycopg 3
         parsed = parsed.set(drivername="postgresql+psycopg")
-    if backend == "sqlite" and parsed.database and parsed.database != ":memory:" \
-            and not parsed.query.get("uri"):
+    if backend == "sqlite" and parsed.database and parsed.database != ":memory:" and not parsed.query.get("uri"):
         parsed = parsed.set(database=os.path.abspath(os.path.expanduser(parsed.database)))
     return parsed
 

@@ -47,8 +47,14 @@ class MeasurementRecord:
     def rank(self) -> tuple:
         """Merge order; the larger rank wins (see `MERGE_RULE`). A total order on stored fields."""
         usable = self.time_ms is not None
-        return (self.created_at, usable, -(self.time_ms if usable else 0.0), -self.spread_ms,
-                -self.workspace_bytes, self.reason)
+        return (
+            self.created_at,
+            usable,
+            -(self.time_ms if usable else 0.0),
+            -self.spread_ms,
+            -self.workspace_bytes,
+            self.reason,
+        )
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -86,12 +92,16 @@ MERGE_RULE = (
     "lower spread_ms, the smaller workspace_bytes, and last the reason text that sorts later; a "
     "plan at equal created_at loses to the one whose canonical JSON sorts later. This is a total "
     "order on everything stored, so merging the same inputs in any order, any number of times, "
-    "gives the same cache.")
+    "gives the same cache."
+)
 
 
-def merge_measurements(conn: Connection, records: Iterable[MeasurementRecord],
-                       find_device: Callable[[Connection, str, str, str], int],
-                       find_problem: Callable[[Connection, str], int]) -> MergeCounts:
+def merge_measurements(
+    conn: Connection,
+    records: Iterable[MeasurementRecord],
+    find_device: Callable[[Connection, str, str, str], int],
+    find_problem: Callable[[Connection, str], int],
+) -> MergeCounts:
     """Merge `records` by `MERGE_RULE`; `find_device` and `find_problem` give (inserting) a key's row id."""
     device_ids: dict[tuple[str, str, str], int] = {}
     problem_ids: dict[str, int] = {}
@@ -111,23 +121,43 @@ def merge_measurements(conn: Connection, records: Iterable[MeasurementRecord],
         to_insert, to_update = [], []
         m = _measurements.c
         for (device_id, problem_id), recs in sorted(groups.items()):
-            existing = {(row.algo, row.batch): row for row in conn.execute(
-                select(m.id, m.algo, m.batch, m.time_ms, m.spread_ms, m.workspace_bytes,
-                       m.reason, m.created_at)
-                .where(m.device_id == device_id, m.problem_id == problem_id))}
+            existing = {
+                (row.algo, row.batch): row
+                for row in conn.execute(
+                    select(
+                        m.id, m.algo, m.batch, m.time_ms, m.spread_ms, m.workspace_bytes, m.reason, m.created_at
+                    ).where(m.device_id == device_id, m.problem_id == problem_id)
+                )
+            }
             for rec in sorted(recs, key=lambda r: (r.algo, r.batch)):
-                values = {"time_ms": rec.time_ms, "spread_ms": rec.spread_ms,
-                          "workspace_bytes": rec.workspace_bytes, "reason": rec.reason,
-                          "created_at": rec.created_at}
+                values = {
+                    "time_ms": rec.time_ms,
+                    "spread_ms": rec.spread_ms,
+                    "workspace_bytes": rec.workspace_bytes,
+                    "reason": rec.reason,
+                    "created_at": rec.created_at,
+                }
                 old = existing.get((rec.algo, rec.batch))
                 if old is None:
-                    to_insert.append({"device_id": device_id, "problem_id": problem_id,
-                                      "algo": rec.algo, "batch": rec.batch, **values})
+                    to_insert.append(
+                        {
+                            "device_id": device_id,
+                            "problem_id": problem_id,
+                            "algo": rec.algo,
+                            "batch": rec.batch,
+                            **values,
+                        }
+                    )
                     inserted += 1
                     continue
-                old_rec = dataclasses.replace(rec, time_ms=old.time_ms, spread_ms=old.spread_ms,
-                                              workspace_bytes=old.workspace_bytes,
-                                              reason=old.reason, created_at=old.created_at)
+                old_rec = dataclasses.replace(
+                    rec,
+                    time_ms=old.time_ms,
+                    spread_ms=old.spread_ms,
+                    workspace_bytes=old.workspace_bytes,
+                    reason=old.reason,
+                    created_at=old.created_at,
+                )
                 if rec.rank > old_rec.rank:
                     to_update.append({"_id": old.id, **values})
                     replaced += 1
@@ -136,8 +166,7 @@ def merge_measurements(conn: Connection, records: Iterable[MeasurementRecord],
         if to_insert:
             conn.execute(_measurements.insert(), to_insert)
         if to_update:
-            conn.execute(update(_measurements).where(_measurements.c.id == bindparam("_id")),
-                         to_update)
+            conn.execute(update(_measurements).where(_measurements.c.id == bindparam("_id")), to_update)
         batch.clear()
 
     for rec in records:
@@ -160,8 +189,11 @@ def merge_plans(conn: Connection, records: Iterable[PlanRecord]) -> MergeCounts:
     inserted = replaced = kept = 0
     for rec in records:
         digest = _key_sha256(rec.key)
-        old = conn.execute(select(_plans.c.id, _plans.c.key, _plans.c.plan_json, _plans.c.created_at)
-                           .where(_plans.c.key_sha256 == digest)).first()
+        old = conn.execute(
+            select(_plans.c.id, _plans.c.key, _plans.c.plan_json, _plans.c.created_at).where(
+                _plans.c.key_sha256 == digest
+            )
+        ).first()
         values = {"key": rec.key, "plan_json": rec.plan_json, "created_at": rec.created_at}
         if old is None:
             conn.execute(_plans.insert().values(key_sha256=digest, **values))

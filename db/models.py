@@ -63,9 +63,7 @@ class Measurement(Base):
     """One algorithm at one micro-batch size: time (NULL = could not run), spread and workspace."""
 
     __tablename__ = "measurements"
-    __table_args__ = (
-        UniqueConstraint("device_id", "problem_id", "algo", "batch", name="uq_measurements_key"),
-    )
+    __table_args__ = (UniqueConstraint("device_id", "problem_id", "algo", "batch", name="uq_measurements_key"),)
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     device_id: Mapped[int] = mapped_column(ForeignKey("devices.id", ondelete="CASCADE"))

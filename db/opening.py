@@ -87,18 +87,25 @@ def _precheck_sqlite_file(path: Path, *, readonly: bool) -> str | None:
     unwritable = _unwritable(path)
     if not header:
         if unwritable and not readonly:  # an empty database must be written to become a cache
-            raise DatabaseError(f"cannot create cache {path}: {unwritable}; pass --db or set "
-                                f"{ENV_VAR} to a writable place")
+            raise DatabaseError(
+                f"cannot create cache {path}: {unwritable}; pass --db or set {ENV_VAR} to a writable place"
+            )
         return None  # SQLite treats an empty file as an empty database
     if not header.startswith(SQLITE_HEADER):
-        raise DatabaseError(f"{where} is not a SQLite database (it starts with {header[:16]!r}); "
-                            f"move it away or pass another --db")
+        raise DatabaseError(
+            f"{where} is not a SQLite database (it starts with {header[:16]!r}); move it away or pass another --db"
+        )
     if len(header) < 100:
-        raise DatabaseError(f"{where} is damaged: it is {len(header)} bytes, shorter than a SQLite "
-                            f"header; move it away or pass another --db")
+        raise DatabaseError(
+            f"{where} is damaged: it is {len(header)} bytes, shorter than a SQLite "
+            f"header; move it away or pass another --db"
+        )
     uri = _ro_uri(path, immutable=_immutable(path, header, unwritable))
-    engine = create_engine(URL.create("sqlite", database=str(path)), poolclass=NullPool,
-                           creator=lambda: sqlite3.connect(uri, uri=True, timeout=SQLITE_BUSY_TIMEOUT_S))
+    engine = create_engine(
+        URL.create("sqlite", database=str(path)),
+        poolclass=NullPool,
+        creator=lambda: sqlite3.connect(uri, uri=True, timeout=SQLITE_BUSY_TIMEOUT_S),
+    )
     try:
         with engine.connect() as conn:
             _schema_version(conn, where)
@@ -107,11 +114,13 @@ def _precheck_sqlite_file(path: Path, *, readonly: bool) -> str | None:
                 # a problem may span lines ("*** in database main ***\nPage 4: ..."): one line each
                 problems = [" ".join(str(row[0]).split()) for row in conn.exec_driver_sql("PRAGMA quick_check(5)")]
             if problems != ["ok"]:
-                raise DatabaseError(f"{where} is damaged (integrity check: {'; '.join(problems)}); "
-                                    f"move it away or pass another --db")
+                raise DatabaseError(
+                    f"{where} is damaged (integrity check: {'; '.join(problems)}); move it away or pass another --db"
+                )
     except sa_exc.DBAPIError as exc:
-        raise DatabaseError(f"{where} cannot be read as a database ({_reason(exc)}); "
-                            f"move it away or pass another --db") from exc
+        raise DatabaseError(
+            f"{where} cannot be read as a database ({_reason(exc)}); move it away or pass another --db"
+        ) from exc
     finally:
         engine.dispose()
     return unwritable
@@ -135,8 +144,10 @@ def _check_writable_dir(folder: Path, path: Path) -> None:
         raise DatabaseError(f"cannot create cache {path}: {folder} is not a directory")
     # SQLite writes -wal and -shm files beside the database, so the folder must be writable.
     if not os.access(folder, os.W_OK | os.X_OK):
-        raise DatabaseError(f"cannot write cache {path}: the directory {folder} is not writable; "
-                            f"pass --db or set {ENV_VAR} to a writable place")
+        raise DatabaseError(
+            f"cannot write cache {path}: the directory {folder} is not writable; "
+            f"pass --db or set {ENV_VAR} to a writable place"
+        )
 
 
 def open_engine(url: URL, path: Path | None, *, readonly: bool, where: str) -> Engine:
@@ -146,8 +157,9 @@ def open_engine(url: URL, path: Path | None, *, readonly: bool, where: str) -> E
         try:
             engine = create_engine(url, pool_pre_ping=True)
         except (ImportError, sa_exc.NoSuchModuleError) as exc:
-            raise DatabaseError(f"cannot use {where}: {exc}; install the driver with "
-                                f"pip install 'psycopg[binary]'") from exc
+            raise DatabaseError(
+                f"cannot use {where}: {exc}; install the driver with pip install 'psycopg[binary]'"
+            ) from exc
         return engine
     if path is not None and readonly:
         # Immutable only where nobody can be writing (a read-only mount): elsewhere a writer may
@@ -155,11 +167,10 @@ def open_engine(url: URL, path: Path | None, *, readonly: bool, where: str) -> E
         uri = _ro_uri(path, immutable=_unwritable(path) is not None and not _in_use(path))
         engine = create_engine(
             URL.create("sqlite", database=str(path)),
-            creator=lambda: sqlite3.connect(uri, uri=True, timeout=SQLITE_BUSY_TIMEOUT_S,
-                                            check_same_thread=False))
+            creator=lambda: sqlite3.connect(uri, uri=True, timeout=SQLITE_BUSY_TIMEOUT_S, check_same_thread=False),
+        )
     else:
-        engine = create_engine(url, connect_args={"timeout": SQLITE_BUSY_TIMEOUT_S,
-                                                        "check_same_thread": False})
+        engine = create_engine(url, connect_args={"timeout": SQLITE_BUSY_TIMEOUT_S, "check_same_thread": False})
 
     @event.listens_for(engine, "connect")
     def _on_connect(dbapi_conn: sqlite3.Connection, _record: object) -> None:
@@ -184,6 +195,7 @@ def open_engine(url: URL, path: Path | None, *, readonly: bool, where: str) -> E
 
 def enable_wal(engine: Engine, where: str) -> None:
     """Put a SQLite file in WAL mode, so readers never wait on the writer; warn where it cannot be."""
+
     def set_wal() -> str:
         # Outside any transaction: SQLite cannot change the journal mode inside one.
         raw = engine.raw_connection()
@@ -197,5 +209,8 @@ def enable_wal(engine: Engine, where: str) -> None:
 
     mode = retry(set_wal, action="open", where=where)
     if mode != "wal":
-        log.warning("%s: journal mode is %s, not WAL (a network file system?); concurrent "
-                    "writers will wait on each other", where, mode)
+        log.warning(
+            "%s: journal mode is %s, not WAL (a network file system?); concurrent writers will wait on each other",
+            where,
+            mode,
+        )

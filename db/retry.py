@@ -56,9 +56,8 @@ def retry(work: Callable[[], T], *, action: str, where: str) -> T:
             return work()
         except (sa_exc.DBAPIError, sqlite3.Error) as exc:
             if _is_transient(exc) and attempt + 1 < RETRY_ATTEMPTS:
-                delay = min(RETRY_MAX_S, RETRY_BASE_S * 2 ** attempt) * (0.5 + random.random())
-                log.debug("%s: %s (attempt %d), retrying in %.3f s", where,
-                          _reason(exc), attempt + 1, delay)
+                delay = min(RETRY_MAX_S, RETRY_BASE_S * 2**attempt) * (0.5 + random.random())
+                log.debug("%s: %s (attempt %d), retrying in %.3f s", where, _reason(exc), attempt + 1, delay)
                 time.sleep(delay)
                 continue
             raise DatabaseError(f"cannot {action} {where}: {_reason(exc)}") from exc

@@ -43,8 +43,10 @@ def _plan_json(key: str, plan: object) -> str:
     try:
         return json.dumps(plan, sort_keys=True, separators=(",", ":"), allow_nan=False)
     except (TypeError, ValueError) as exc:
-        raise InvalidInput(f"plan for key {key[:80]!r} is not JSON-able ({exc}); "
-                           f"plans hold only dicts, lists, strings, finite numbers, bools, None") from exc
+        raise InvalidInput(
+            f"plan for key {key[:80]!r} is not JSON-able ({exc}); "
+            f"plans hold only dicts, lists, strings, finite numbers, bools, None"
+        ) from exc
 
 
 def _key_sha256(key: str) -> str:
@@ -66,12 +68,22 @@ def _check_micro(m: object, index: int) -> dict[str, Any]:
         raise InvalidInput(f"{where}: spread must be a finite non-negative number of ms, got {m.spread!r}")
     if not isinstance(m.reason, str):
         raise InvalidInput(f"{where}: reason must be a string, got {type(m.reason).__name__}")
-    return {"algo": m.algo, "batch": m.batch,
-            "time_ms": float(m.time) if math.isfinite(m.time) else None,
-            "spread_ms": float(m.spread), "workspace_bytes": m.workspace, "reason": m.reason}
+    return {
+        "algo": m.algo,
+        "batch": m.batch,
+        "time_ms": float(m.time) if math.isfinite(m.time) else None,
+        "spread_ms": float(m.spread),
+        "workspace_bytes": m.workspace,
+        "reason": m.reason,
+    }
 
 
 def _micro_from_row(row: Any) -> MicroConfig:
-    return MicroConfig(algo=row.algo, batch=row.batch,
-                       time=math.inf if row.time_ms is None else row.time_ms,
-                       workspace=row.workspace_bytes, reason=row.reason, spread=row.spread_ms)
+    return MicroConfig(
+        algo=row.algo,
+        batch=row.batch,
+        time=math.inf if row.time_ms is None else row.time_ms,
+        workspace=row.workspace_bytes,
+        reason=row.reason,
+        spread=row.spread_ms,
+    )

@@ -37,20 +37,27 @@ def _schema_version(conn: Connection, where: str) -> int | None:
         return None
     if "meta" not in names:
         shown = ", ".join(sorted(names)[:5]) + (", ..." if len(names) > 5 else "")
-        raise DatabaseError(f"{where} is a database but not a ucudnn cache (it holds tables {shown} "
-                            f"and no meta table); pass another --db, or use an empty database")
+        raise DatabaseError(
+            f"{where} is a database but not a ucudnn cache (it holds tables {shown} "
+            f"and no meta table); pass another --db, or use an empty database"
+        )
     text = conn.execute(select(_meta.c.value).where(_meta.c.key == SCHEMA_VERSION_KEY)).scalar()
     if text is None or not str(text).isdigit():
-        raise DatabaseError(f"{where} has no readable schema version (meta holds {text!r}); "
-                            f"it was not written by ucudnn, or is damaged")
+        raise DatabaseError(
+            f"{where} has no readable schema version (meta holds {text!r}); it was not written by ucudnn, or is damaged"
+        )
     version = int(text)
     if version > SCHEMA_VERSION:
-        raise DatabaseError(f"{where} has schema version {version}, newer than the {SCHEMA_VERSION} "
-                            f"this ucudnn knows; upgrade ucudnn, or pass another --db")
+        raise DatabaseError(
+            f"{where} has schema version {version}, newer than the {SCHEMA_VERSION} "
+            f"this ucudnn knows; upgrade ucudnn, or pass another --db"
+        )
     if version < SCHEMA_VERSION and any(v not in _MIGRATIONS for v in range(version, SCHEMA_VERSION)):
-        raise DatabaseError(f"{where} has schema version {version}, older than {SCHEMA_VERSION}, and "
-                            f"this ucudnn cannot migrate it; export it with the ucudnn that wrote it "
-                            f"and `ucudnn db import` the export into a new cache")
+        raise DatabaseError(
+            f"{where} has schema version {version}, older than {SCHEMA_VERSION}, and "
+            f"this ucudnn cannot migrate it; export it with the ucudnn that wrote it "
+            f"and `ucudnn db import` the export into a new cache"
+        )
     if version == SCHEMA_VERSION:
         _check_columns(conn, names, where)
     return version
@@ -60,14 +67,18 @@ def _check_columns(conn: Connection, names: set[str], where: str) -> None:
     inspector = inspect(conn)
     for table in Base.metadata.sorted_tables:
         if table.name not in names:
-            raise DatabaseError(f"{where} says schema version {SCHEMA_VERSION} but has no table "
-                                f"{table.name!r}; it is damaged or not a ucudnn cache")
+            raise DatabaseError(
+                f"{where} says schema version {SCHEMA_VERSION} but has no table "
+                f"{table.name!r}; it is damaged or not a ucudnn cache"
+            )
         present = {c["name"] for c in inspector.get_columns(table.name)}
         missing = [c.name for c in table.columns if c.name not in present]
         if missing:
-            raise DatabaseError(f"{where} says schema version {SCHEMA_VERSION} but table "
-                                f"{table.name!r} lacks columns {', '.join(missing)}; it is damaged "
-                                f"or not a ucudnn cache")
+            raise DatabaseError(
+                f"{where} says schema version {SCHEMA_VERSION} but table "
+                f"{table.name!r} lacks columns {', '.join(missing)}; it is damaged "
+                f"or not a ucudnn cache"
+            )
 
 
 def require_current(conn: Connection, where: str) -> None:
@@ -76,8 +87,9 @@ def require_current(conn: Connection, where: str) -> None:
     if version is None:
         raise DatabaseError(f"{where} is empty; run a benchmark to fill it, or pass --db")
     if version != SCHEMA_VERSION:
-        raise DatabaseError(f"{where} has schema version {version}; open it once for "
-                            f"writing to migrate it to {SCHEMA_VERSION}")
+        raise DatabaseError(
+            f"{where} has schema version {version}; open it once for writing to migrate it to {SCHEMA_VERSION}"
+        )
 
 
 def initialise(conn: Connection, where: str, *, is_sqlite: bool) -> None:
@@ -94,6 +106,5 @@ def initialise(conn: Connection, where: str, *, is_sqlite: bool) -> None:
     for step in range(version, SCHEMA_VERSION):
         log.info("%s: migrating schema %d -> %d", where, step, step + 1)
         _MIGRATIONS[step](conn)
-    conn.execute(update(_meta).where(_meta.c.key == SCHEMA_VERSION_KEY)
-                 .values(value=str(SCHEMA_VERSION)))
+    conn.execute(update(_meta).where(_meta.c.key == SCHEMA_VERSION_KEY).values(value=str(SCHEMA_VERSION)))
     _check_columns(conn, set(inspect(conn).get_table_names()), where)

@@ -53,18 +53,31 @@ def _parse_timestamp(text: object) -> datetime:
 
 def export_objects(cache: Cache) -> Iterator[dict[str, Any]]:
     """The export of `cache`, one JSON-able dict per line: a header, measurements, plans."""
-    yield {"type": "header", "format": EXPORT_FORMAT, "version": EXPORT_VERSION,
-           "schema_version": SCHEMA_VERSION, "exported_at": _timestamp(_now())}
+    yield {
+        "type": "header",
+        "format": EXPORT_FORMAT,
+        "version": EXPORT_VERSION,
+        "schema_version": SCHEMA_VERSION,
+        "exported_at": _timestamp(_now()),
+    }
     for r in cache.measurement_records():
-        yield {"type": "measurement", "device": r.device, "backend": r.backend,
-               "versions": r.versions, "problem_key": r.problem_key,
-               "kind": _kind_of(r.problem_key), "algo": r.algo, "batch": r.batch,
-               "time_ms": r.time_ms, "spread_ms": r.spread_ms,
-               "workspace_bytes": r.workspace_bytes, "reason": r.reason,
-               "created_at": _timestamp(r.created_at)}
+        yield {
+            "type": "measurement",
+            "device": r.device,
+            "backend": r.backend,
+            "versions": r.versions,
+            "problem_key": r.problem_key,
+            "kind": _kind_of(r.problem_key),
+            "algo": r.algo,
+            "batch": r.batch,
+            "time_ms": r.time_ms,
+            "spread_ms": r.spread_ms,
+            "workspace_bytes": r.workspace_bytes,
+            "reason": r.reason,
+            "created_at": _timestamp(r.created_at),
+        }
     for p in cache.plan_records():
-        yield {"type": "plan", "key": p.key, "plan": json.loads(p.plan_json),
-               "created_at": _timestamp(p.created_at)}
+        yield {"type": "plan", "key": p.key, "plan": json.loads(p.plan_json), "created_at": _timestamp(p.created_at)}
 
 
 def _umask() -> int:
@@ -159,8 +172,15 @@ _MAX_INT32, _MAX_INT64 = 2**31 - 1, 2**63 - 1
 _MAX_TIME_MS = 86_400_000.0  # one kernel taking a day is a broken record, not a measurement
 # Longest text per field: device models, version lists, problem keys and cuDNN engine names with
 # their knobs are all far below these; a reason quotes an exception, so it gets more room.
-_MAX_LENGTH = {"device": 256, "backend": 32, "versions": 1024, "problem_key": 512, "algo": 256,
-               "reason": 4096, "plan key": 4096}
+_MAX_LENGTH = {
+    "device": 256,
+    "backend": 32,
+    "versions": 1024,
+    "problem_key": 512,
+    "algo": 256,
+    "reason": 4096,
+    "plan key": 4096,
+}
 _BACKEND_NAME = re.compile(r"[a-z][a-z0-9_-]*")
 _WHITE_SPACE = re.compile(r"\s")
 _CPU_ALGORITHMS = ("im2col_gemm", "shift_gemm", "fft", "winograd", "native")
@@ -170,8 +190,7 @@ def _check_text(name: str, value: object, *, empty_ok: bool = False) -> str:
     if not isinstance(value, str) or (not value.strip() and not empty_ok):
         raise ValueError(f"{name} must be a non-empty string, got {value!r:.80}")
     if len(value) > _MAX_LENGTH[name]:
-        raise ValueError(f"{name} is {len(value)} characters long, over the {_MAX_LENGTH[name]} "
-                         f"a real one needs")
+        raise ValueError(f"{name} is {len(value)} characters long, over the {_MAX_LENGTH[name]} a real one needs")
     if not value.isprintable():
         raise ValueError(f"{name} {value!r:.80} holds control characters")
     return value
@@ -179,16 +198,21 @@ def _check_text(name: str, value: object, *, empty_ok: bool = False) -> str:
 
 def _check_timestamp(value: datetime, now: datetime) -> None:
     if value > now + CLOCK_SKEW:
-        raise ValueError(f"created_at {_timestamp(value)} is in the future (now is {_timestamp(now)}, "
-                         f"clock skew allowed {CLOCK_SKEW}); it would win every later merge")
+        raise ValueError(
+            f"created_at {_timestamp(value)} is in the future (now is {_timestamp(now)}, "
+            f"clock skew allowed {CLOCK_SKEW}); it would win every later merge"
+        )
     if value < EARLIEST:
-        raise ValueError(f"created_at {_timestamp(value)} is before {EARLIEST.year}; no ucudnn "
-                         f"measurement is that old")
+        raise ValueError(f"created_at {_timestamp(value)} is before {EARLIEST.year}; no ucudnn measurement is that old")
 
 
 def _check_number(name: str, value: object, *, maximum: float) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-            or not 0 <= value <= maximum:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or not 0 <= value <= maximum
+    ):
         raise ValueError(f"{name} must be a number from 0 to {maximum:g}, got {value!r:.80}")
 
 
@@ -254,16 +278,22 @@ def _measurement(obj: dict[str, Any], now: datetime) -> MeasurementRecord:
     if isinstance(spread_ms, bool) or not isinstance(spread_ms, (int, float)):
         raise ValueError(f"spread_ms must be a number, got {spread_ms!r:.80}")  # noqa: TRY004
     record = MeasurementRecord(
-        device=obj.get("device"), backend=obj.get("backend"), versions=obj.get("versions"),
-        problem_key=obj.get("problem_key"), algo=obj.get("algo"), batch=obj.get("batch"),
-        time_ms=None if time_ms is None else float(time_ms), spread_ms=float(spread_ms),
-        workspace_bytes=obj.get("workspace_bytes"), reason=obj.get("reason", ""),
-        created_at=_parse_timestamp(obj.get("created_at")))
+        device=obj.get("device"),
+        backend=obj.get("backend"),
+        versions=obj.get("versions"),
+        problem_key=obj.get("problem_key"),
+        algo=obj.get("algo"),
+        batch=obj.get("batch"),
+        time_ms=None if time_ms is None else float(time_ms),
+        spread_ms=float(spread_ms),
+        workspace_bytes=obj.get("workspace_bytes"),
+        reason=obj.get("reason", ""),
+        created_at=_parse_timestamp(obj.get("created_at")),
+    )
     check_measurement(record, now)
     kind = obj.get("kind")
     if kind is not None and kind != _kind_of(record.problem_key):
-        raise ValueError(f"kind {kind!r:.40} disagrees with the problem key's "
-                         f"{_kind_of(record.problem_key)!r}")
+        raise ValueError(f"kind {kind!r:.40} disagrees with the problem key's {_kind_of(record.problem_key)!r}")
     return record
 
 
@@ -299,11 +329,14 @@ def _read_export(path: Path, now: datetime) -> Iterator[MeasurementRecord | Plan
                     kind = obj.get("type")
                     if not header_seen:
                         if kind != "header" or obj.get("format") != EXPORT_FORMAT:
-                            raise ValueError(f"the first line must be a {EXPORT_FORMAT} header "
-                                             f"(write one with `ucudnn db export`)")
+                            raise ValueError(
+                                f"the first line must be a {EXPORT_FORMAT} header (write one with `ucudnn db export`)"
+                            )
                         if obj.get("version") != EXPORT_VERSION:
-                            raise ValueError(f"export format version {obj.get('version')!r} is "
-                                             f"not {EXPORT_VERSION}, the one this ucudnn reads")
+                            raise ValueError(
+                                f"export format version {obj.get('version')!r} is "
+                                f"not {EXPORT_VERSION}, the one this ucudnn reads"
+                            )
                         header_seen = True
                     elif kind == "measurement":
                         yield _measurement(obj, now)
@@ -314,8 +347,9 @@ def _read_export(path: Path, now: datetime) -> Iterator[MeasurementRecord | Plan
                 except ValueError as exc:
                     raise InvalidInput(f"{where}: {exc}") from exc
         except UnicodeDecodeError as exc:
-            raise InvalidInput(f"{path} is neither a ucudnn export (JSON lines) nor a SQLite "
-                               f"cache: {exc.reason} at byte {exc.start}") from exc
+            raise InvalidInput(
+                f"{path} is neither a ucudnn export (JSON lines) nor a SQLite cache: {exc.reason} at byte {exc.start}"
+            ) from exc
         if not header_seen:
             raise InvalidInput(f"{path} is empty; expected a {EXPORT_FORMAT} file")
 
@@ -360,8 +394,11 @@ def import_into(cache: Cache, source: str) -> MergeReport:
 
 def _import_cache(cache: Cache, source: Cache) -> MergeReport:
     try:
-        if source.sqlite_path is not None and cache.sqlite_path is not None \
-                and _same_file(str(source.sqlite_path), str(cache.sqlite_path)):
+        if (
+            source.sqlite_path is not None
+            and cache.sqlite_path is not None
+            and _same_file(str(source.sqlite_path), str(cache.sqlite_path))
+        ):
             raise InvalidInput(f"import source {source.url} is the cache itself")
         if source.url == cache.url and source.sqlite_path is None:
             raise InvalidInput(f"import source {source.url} is the cache itself")
@@ -371,8 +408,9 @@ def _import_cache(cache: Cache, source: Cache) -> MergeReport:
             try:
                 check_measurement(record, now)
             except ValueError as exc:
-                raise InvalidInput(f"{source.url} measurement {number} ({record.algo!r:.60} at batch "
-                                   f"{record.batch}): {exc}") from None
+                raise InvalidInput(
+                    f"{source.url} measurement {number} ({record.algo!r:.60} at batch {record.batch}): {exc}"
+                ) from None
         for record in source.plan_records():
             try:
                 check_plan(record, now)

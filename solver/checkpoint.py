@@ -54,9 +54,9 @@ PRICES = (0.0, 0.25, 0.5, 1.0, 2.0, 4.0)
 class Segmentation:
     """A checkpoint set and what it costs: the peak of equation (1) and the recomputed forward work."""
 
-    checkpoints: tuple[int, ...]   # kept stage indices, ascending; always holds n - 1
+    checkpoints: tuple[int, ...]  # kept stage indices, ascending; always holds n - 1
     peak_bytes: int
-    recompute_cost: float          # sum of the dropped stages' forward costs (the last segment is kept)
+    recompute_cost: float  # sum of the dropped stages' forward costs (the last segment is kept)
 
 
 def _check_sizes(sizes: Sequence[int]) -> list[int]:
@@ -89,8 +89,12 @@ def _check_costs(costs: Sequence[float] | None, n: int) -> list[float]:
     return [float(c) for c in costs]
 
 
-def evaluate(sizes: Sequence[int], checkpoints: Sequence[int], costs: Sequence[float] | None = None,
-             kept_sizes: Sequence[int] | None = None) -> Segmentation:
+def evaluate(
+    sizes: Sequence[int],
+    checkpoints: Sequence[int],
+    costs: Sequence[float] | None = None,
+    kept_sizes: Sequence[int] | None = None,
+) -> Segmentation:
     """peak(K) of equation (1) and the recompute cost of keeping `checkpoints` (the last stage is added)."""
     s = _check_sizes(sizes)
     f = _check_costs(costs, len(s))
@@ -126,7 +130,9 @@ def sqrt_n(n: int) -> tuple[int, ...]:
     return tuple(sorted({*range(step - 1, n, step), n - 1}))
 
 
-def greedy(sizes: Sequence[int], budget: float, candidates: Sequence[int] | None = None) -> tuple[tuple[int, ...], int, int]:
+def greedy(
+    sizes: Sequence[int], budget: float, candidates: Sequence[int] | None = None
+) -> tuple[tuple[int, ...], int, int]:
     """Algorithm 3 (memory planning with budget B): walk the chain summing output sizes into `temp`;
     at a candidate stage where temp exceeds B, keep that stage and start a new segment.
 
@@ -150,8 +156,13 @@ def greedy(sizes: Sequence[int], budget: float, candidates: Sequence[int] | None
     return tuple(kept), x, y
 
 
-def budget_search(sizes: Sequence[int], costs: Sequence[float] | None = None, *,
-                  candidates: Sequence[int] | None = None, grid_points: int = GRID_POINTS) -> Segmentation:
+def budget_search(
+    sizes: Sequence[int],
+    costs: Sequence[float] | None = None,
+    *,
+    candidates: Sequence[int] | None = None,
+    grid_points: int = GRID_POINTS,
+) -> Segmentation:
     """Appendix A: run Algorithm 3 with B = 0 to get x and y, then B = sqrt(xy) and a grid of
     `grid_points` budgets on [B / sqrt 2, sqrt 2 B]; keep the plan with the smallest exact peak
     (ties: the smaller recompute cost)."""
@@ -166,8 +177,13 @@ def budget_search(sizes: Sequence[int], costs: Sequence[float] | None = None, *,
     return min(plans, key=lambda p: (p.peak_bytes, p.recompute_cost))
 
 
-def optimal(sizes: Sequence[int], costs: Sequence[float] | None = None, *,
-            candidates: Sequence[int] | None = None, kept_sizes: Sequence[int] | None = None) -> Segmentation:
+def optimal(
+    sizes: Sequence[int],
+    costs: Sequence[float] | None = None,
+    *,
+    candidates: Sequence[int] | None = None,
+    kept_sizes: Sequence[int] | None = None,
+) -> Segmentation:
     """The checkpoint set with the smallest peak(K) (ties: the smaller recompute cost).
 
     For a fixed bound M on a segment's dropped bytes, the cheapest kept set is a shortest path over
@@ -190,9 +206,13 @@ def optimal(sizes: Sequence[int], costs: Sequence[float] | None = None, *,
     return best
 
 
-def frontier(sizes: Sequence[int], costs: Sequence[float] | None = None, *,
-             candidates: Sequence[int] | None = None,
-             kept_sizes: Sequence[int] | None = None) -> tuple[Segmentation, ...]:
+def frontier(
+    sizes: Sequence[int],
+    costs: Sequence[float] | None = None,
+    *,
+    candidates: Sequence[int] | None = None,
+    kept_sizes: Sequence[int] | None = None,
+) -> tuple[Segmentation, ...]:
     """Checkpoint sets on a front of (peak(K), recompute cost), by ascending peak: none has both a
     smaller peak and a smaller recompute cost than another, so that a limit between the smallest peak
     and keeping everything buys little recompute (a longer kept last segment, larger segments before it).
@@ -216,14 +236,15 @@ def frontier(sizes: Sequence[int], costs: Sequence[float] | None = None, *,
                 key = tuple(sorted(kept))
                 bound_of[key] = min(bound_of.get(key, (math.inf, 0.0)), (kept_bytes + bound, recompute))
     plans = {_evaluate(s, kept, f, kept_s) for kept in bound_of}
-    plans |= {_evaluate(s, [allowed[j * len(allowed) // k - 1] for j in range(1, k)], f, kept_s)
-              for k in range(1, len(allowed) + 1)}
+    plans |= {
+        _evaluate(s, [allowed[j * len(allowed) // k - 1] for j in range(1, k)], f, kept_s)
+        for k in range(1, len(allowed) + 1)
+    }
     exact = sorted(plans, key=lambda p: (p.peak_bytes, p.recompute_cost))
     return tuple(p for k, p in enumerate(exact) if all(p.recompute_cost < q.recompute_cost for q in exact[:k]))
 
 
-def _least_kept(s: list[int], f: list[float], candidates: Sequence[int] | None, kept_s: list[int],
-                price: float = 0.0):
+def _least_kept(s: list[int], f: list[float], candidates: Sequence[int] | None, kept_s: list[int], price: float = 0.0):
     """For each bound M on a segment's dropped bytes: (M, [(kept bytes, recompute cost, kept stages)
     for each possible last checkpoint L]), each with the fewest kept bytes (ties: the least recompute)."""
     n = len(s)

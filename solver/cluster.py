@@ -83,8 +83,11 @@ def _check(times, batch, method) -> dict[str, dict[int, float]]:
 def _plain_row(row: Mapping) -> bool:
     """The fast check of a well-formed row (a 64x64 table is validated in well under a millisecond)."""
     try:
-        return (all(type(b) is int for b in row) and min(row, default=1) >= 1
-                and all(type(t) is not bool and t >= 0 for t in row.values()))  # NaN >= 0 is False
+        return (
+            all(type(b) is int for b in row)
+            and min(row, default=1) >= 1
+            and all(type(t) is not bool and t >= 0 for t in row.values())
+        )  # NaN >= 0 is False
     except TypeError:
         return False
 
@@ -100,13 +103,18 @@ def _name_bad_entry(g: str, row: Mapping) -> None:
 def _infeasible(table: dict[str, dict[int, float]], batch: int) -> Infeasible:
     most = sum(max(row, default=0) for row in table.values())
     if most < batch:
-        return Infeasible(f"the devices can take at most {most} samples together (each its largest usable "
-                          f"size), fewer than batch {batch}")
-    return Infeasible(f"no choice of one usable size per device sums to batch {batch} "
-                      f"(sizes per device: {({g: sorted(row) for g, row in table.items()})})")
+        return Infeasible(
+            f"the devices can take at most {most} samples together (each its largest usable "
+            f"size), fewer than batch {batch}"
+        )
+    return Infeasible(
+        f"no choice of one usable size per device sums to batch {batch} "
+        f"(sizes per device: { ({g: sorted(row) for g, row in table.items()}) })"
+    )
 
 
 # ---- search: binary search on T over the distinct times, subset-sum bitset per threshold ----------
+
 
 def _runs(sizes: list[int]) -> list[tuple[int, int, int]]:
     """Sorted sizes as maximal arithmetic runs (first, step, count): [1,2,3,4,8,12] -> (1,1,4), (8,4,2)."""
@@ -150,7 +158,7 @@ def _solve_search(table: dict[str, dict[int, float]], batch: int) -> dict[str, i
     sorted_times = {g: [t for t, _ in pairs[g]] for g in devices}
 
     def allowed(g: str, limit: float) -> list[int]:
-        return sorted(by_time[g][:bisect.bisect_right(sorted_times[g], limit)])
+        return sorted(by_time[g][: bisect.bisect_right(sorted_times[g], limit)])
 
     @functools.cache  # the walk back re-asks the optimum's layers
     def layers(limit: float) -> list[int] | None:
@@ -202,6 +210,7 @@ def _solve_search(table: dict[str, dict[int, float]], batch: int) -> dict[str, i
 
 # ---- milp: the paper's program through HiGHS -------------------------------------------------------
 
+
 def _solve_milp(table: dict[str, dict[int, float]], batch: int) -> dict[str, int]:
     import numpy as np
     from scipy.optimize import Bounds, LinearConstraint, milp
@@ -218,11 +227,11 @@ def _solve_milp(table: dict[str, dict[int, float]], batch: int) -> dict[str, int
     index = {g: i for i, g in enumerate(devices)}
     for j, (g, b) in enumerate(columns):
         i = index[g]
-        A[i, j] = 1.0                                  # sum_b x[g,b] <= 1
-        A[len(devices) + i, j] = table[g][b]           # sum_b t[g,b] x[g,b] - z <= 0
-        A[2 * len(devices), j] = b                     # sum_g sum_b b x[g,b] = B
+        A[i, j] = 1.0  # sum_b x[g,b] <= 1
+        A[len(devices) + i, j] = table[g][b]  # sum_b t[g,b] x[g,b] - z <= 0
+        A[2 * len(devices), j] = b  # sum_g sum_b b x[g,b] = B
     upper[: len(devices)] = 1.0
-    A[len(devices):2 * len(devices), n - 1] = -1.0
+    A[len(devices) : 2 * len(devices), n - 1] = -1.0
     lower[-1] = upper[-1] = batch
     c = np.zeros(n)
     c[-1] = 1.0
@@ -230,8 +239,13 @@ def _solve_milp(table: dict[str, dict[int, float]], batch: int) -> dict[str, int
     integrality[-1] = 0
     ub = np.ones(n)
     ub[-1] = np.inf
-    result = milp(c, integrality=integrality, bounds=Bounds(np.zeros(n), ub),
-                  constraints=LinearConstraint(A.tocsr(), lower, upper), options={"mip_rel_gap": 0.0})
+    result = milp(
+        c,
+        integrality=integrality,
+        bounds=Bounds(np.zeros(n), ub),
+        constraints=LinearConstraint(A.tocsr(), lower, upper),
+        options={"mip_rel_gap": 0.0},
+    )
     if result.status == 2:  # HiGHS proved the program infeasible
         raise _infeasible(table, batch)
     if result.x is None:

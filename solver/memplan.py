@@ -50,10 +50,10 @@ __all__ = ["Kernel", "Solution", "Tensor", "solve"]
 class Tensor:
     name: str
     bytes: int
-    rows: dict[str, tuple[int, ...]]      # action -> the rows where the tensor is resident
-    cost_ms: dict[str, float]             # action -> the time it adds
-    rebuilt_from: tuple[str, ...] = ()    # tensors a recompute of this one reads
-    copy_row: int | None = None           # offload: the row at whose end its copy out is queued
+    rows: dict[str, tuple[int, ...]]  # action -> the rows where the tensor is resident
+    cost_ms: dict[str, float]  # action -> the time it adds
+    rebuilt_from: tuple[str, ...] = ()  # tensors a recompute of this one reads
+    copy_row: int | None = None  # offload: the row at whose end its copy out is queued
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,12 +67,12 @@ class Kernel:
 @dataclass(frozen=True, slots=True)
 class Solution:
     actions: dict[str, str]
-    options: dict[str, int]               # kernel -> the index of its chosen option
+    options: dict[str, int]  # kernel -> the index of its chosen option
     objective_ms: float
-    mip_gap: float                        # HiGHS's relative gap between its answer and its bound
+    mip_gap: float  # HiGHS's relative gap between its answer and its bound
     solve_time_s: float
     status: str = field(default="optimal")
-    peak_bytes: float | None = None       # minimise_peak: the least peak M the program found
+    peak_bytes: float | None = None  # minimise_peak: the least peak M the program found
 
 
 @contextlib.contextmanager
@@ -91,10 +91,19 @@ def _quiet_stdout():
         os.close(devnull)
 
 
-def solve(tensors: Sequence[Tensor], kernels: Sequence[Kernel], fixed_bytes: Sequence[int], memory_limit: int,
-          *, copy_budget_bytes: float | None = None, drain_bytes: Sequence[float] = (),
-          queue_block: Sequence[int] = (),
-          time_limit_s: float = 8.0, mip_rel_gap: float = 1e-3, minimise_peak: bool = False) -> Solution:
+def solve(
+    tensors: Sequence[Tensor],
+    kernels: Sequence[Kernel],
+    fixed_bytes: Sequence[int],
+    memory_limit: int,
+    *,
+    copy_budget_bytes: float | None = None,
+    drain_bytes: Sequence[float] = (),
+    queue_block: Sequence[int] = (),
+    time_limit_s: float = 8.0,
+    mip_rel_gap: float = 1e-3,
+    minimise_peak: bool = False,
+) -> Solution:
     """Solve the program above; `Infeasible` when no choice fits `memory_limit`. `minimise_peak`: the
     choices with the least peak instead of the least time (see the module docstring)."""
     from scipy.optimize import Bounds, LinearConstraint, milp
@@ -176,8 +185,11 @@ def solve(tensors: Sequence[Tensor], kernels: Sequence[Kernel], fixed_bytes: Seq
         entries = [(m_var[r], 1.0)] + ([(m_var[r - 1], -1.0)] if r else []) + [(c, -v) for c, v in delta[r]]
         step = float(fixed_bytes[r] - (fixed_bytes[r - 1] if r else 0))
         row(entries, step, step)
-        cap = [(m_var[r], 1.0)] + ([(w_var[r], 1.0)] if r in w_var else []) + \
-            ([(q_var[queue_block[r]], 1.0)] if r < len(queue_block) else [])
+        cap = (
+            [(m_var[r], 1.0)]
+            + ([(w_var[r], 1.0)] if r in w_var else [])
+            + ([(q_var[queue_block[r]], 1.0)] if r < len(queue_block) else [])
+        )
         if peak_var is None:
             row(cap, -np.inf, float(memory_limit))
         else:
@@ -191,13 +203,15 @@ def solve(tensors: Sequence[Tensor], kernels: Sequence[Kernel], fixed_bytes: Seq
             pi = index_of.get(p)
             if pi is None:
                 continue
-            entries = [(var_of[(si, "recompute")], 1.0)] + [(var_of[(pi, a)], 1.0)
-                                                           for a in ("offload", "recompute") if (pi, a) in var_of]
+            entries = [(var_of[(si, "recompute")], 1.0)] + [
+                (var_of[(pi, a)], 1.0) for a in ("offload", "recompute") if (pi, a) in var_of
+            ]
             if len(entries) > 1:
                 row(entries, -np.inf, 1.0)
     if copy_budget_bytes is not None:
-        entries = [(var_of[(si, "offload")], float(t.bytes)) for si, t in enumerate(tensors)
-                   if (si, "offload") in var_of]
+        entries = [
+            (var_of[(si, "offload")], float(t.bytes)) for si, t in enumerate(tensors) if (si, "offload") in var_of
+        ]
         if entries:
             row(entries, -np.inf, float(copy_budget_bytes))
     queued: dict[int, list[tuple[int, float]]] = {}
@@ -222,9 +236,13 @@ def solve(tensors: Sequence[Tensor], kernels: Sequence[Kernel], fixed_bytes: Seq
     lower[m_var] = -np.inf
     start = time.perf_counter()
     with _quiet_stdout():
-        res = milp(np.asarray(cost), constraints=LinearConstraint(A, lo, hi), integrality=integrality,
-                   bounds=Bounds(lower, upper),
-                   options={"time_limit": time_limit_s, "mip_rel_gap": mip_rel_gap, "disp": False})
+        res = milp(
+            np.asarray(cost),
+            constraints=LinearConstraint(A, lo, hi),
+            integrality=integrality,
+            bounds=Bounds(lower, upper),
+            options={"time_limit": time_limit_s, "mip_rel_gap": mip_rel_gap, "disp": False},
+        )
     elapsed = time.perf_counter() - start
     if res.x is None:
         raise Infeasible(f"no keep/offload/recompute choice fits {memory_limit} bytes ({res.message})")
@@ -238,6 +256,13 @@ def solve(tensors: Sequence[Tensor], kernels: Sequence[Kernel], fixed_bytes: Seq
     gap = float(getattr(res, "mip_gap", 0.0) or 0.0)
     status = "optimal" if res.status == 0 else "time limit"
     if peak_var is not None:
-        return Solution(actions, options, float(time_cost @ x[:len(time_cost)]), gap, elapsed, status,
-                        peak_bytes=float(x[peak_var]))
+        return Solution(
+            actions,
+            options,
+            float(time_cost @ x[: len(time_cost)]),
+            gap,
+            elapsed,
+            status,
+            peak_bytes=float(x[peak_var]),
+        )
     return Solution(actions, options, float(res.fun), gap, elapsed, status)

@@ -52,8 +52,9 @@ _NONE = 1
 _FIRST_MEMBER = 2
 
 
-def _micro_fronts(bench: Mapping[int, Sequence[MicroConfig]], batch: int,
-                  workspace_limit: int | None) -> list[tuple[int, list[MicroConfig]]]:
+def _micro_fronts(
+    bench: Mapping[int, Sequence[MicroConfig]], batch: int, workspace_limit: int | None
+) -> list[tuple[int, list[MicroConfig]]]:
     """P(s) for each measured size s <= batch: usable micro-configs, ascending workspace, strictly descending time."""
     fronts: list[tuple[int, list[MicroConfig]]] = []
     for size, options in bench.items():
@@ -64,9 +65,10 @@ def _micro_fronts(bench: Mapping[int, Sequence[MicroConfig]], batch: int,
                 raise InvalidInput(f"bench[{size}] holds a micro-config of batch {m.batch}")
         if size > batch:
             continue
-        usable = sorted((m for m in options
-                         if m.usable and (workspace_limit is None or m.workspace <= workspace_limit)),
-                        key=lambda m: (m.workspace, m.time))
+        usable = sorted(
+            (m for m in options if m.usable and (workspace_limit is None or m.workspace <= workspace_limit)),
+            key=lambda m: (m.workspace, m.time),
+        )
         front: list[MicroConfig] = []
         for m in usable:
             if not front or m.time < front[-1].time:
@@ -99,7 +101,8 @@ def front(bench: Mapping[int, Sequence[MicroConfig]], batch: int, workspace_limi
     if not fronts:
         raise Infeasible(
             f"no measured micro-config of size <= {batch} is usable within the workspace limit "
-            f"{workspace_limit} B (measured sizes: {sorted(bench)})")
+            f"{workspace_limit} B (measured sizes: {sorted(bench)})"
+        )
 
     # Flat arrays over all micro fronts P(s), ordered by size, so P(1..b) is a prefix.
     micros = [m for _, ms in fronts for m in ms]
@@ -119,7 +122,7 @@ def front(bench: Mapping[int, Sequence[MicroConfig]], batch: int, workspace_limi
     Tmu_micro = np.full((len(fronts) + 1, K), -1, dtype=np.int64)
     start = 0
     for row, (_, ms) in enumerate(fronts):
-        ranks = m_rank[start:start + len(ms)]
+        ranks = m_rank[start : start + len(ms)]
         # P(s) is ascending in workspace and descending in time: micro j rules from its rank on.
         owner = np.full(K, -1, dtype=np.int64)
         owner[ranks] = np.arange(start, start + len(ms))
@@ -132,18 +135,18 @@ def front(bench: Mapping[int, Sequence[MicroConfig]], batch: int, workspace_limi
 
     # The front store: members of F(1), F(2), ... appended in order of b, with back-pointers.
     capacity = _FIRST_MEMBER + 64 * batch
-    f_b = np.zeros(capacity, dtype=np.int64)       # b of the member
-    f_rank = np.zeros(capacity, dtype=np.int64)    # k: its workspace is W_k
+    f_b = np.zeros(capacity, dtype=np.int64)  # b of the member
+    f_rank = np.zeros(capacity, dtype=np.int64)  # k: its workspace is W_k
     f_time = np.zeros(capacity, dtype=np.float64)  # T_b(k)
-    f_micro = np.full(capacity, -1, dtype=np.int64)   # first micro-config (index into micros)
-    f_rest = np.full(capacity, -1, dtype=np.int64)    # member of F(b - s) that follows it
+    f_micro = np.full(capacity, -1, dtype=np.int64)  # first micro-config (index into micros)
+    f_rest = np.full(capacity, -1, dtype=np.int64)  # member of F(b - s) that follows it
     f_time[_NONE] = np.inf
     n_members = _FIRST_MEMBER
     # owner_of[b, k]: the member of F(b) in effect at workspace W_k (its T_b(k)); F(0) is 0 everywhere.
     owner_of = np.full((batch + 1, K), _NONE, dtype=np.int64)
     owner_of[0] = _EMPTY
     member_range = np.zeros((batch + 2,), dtype=np.int64)  # F(b) is members [range[b], range[b+1])
-    member_range[: 2] = _FIRST_MEMBER
+    member_range[:2] = _FIRST_MEMBER
     grid = np.empty(K)
 
     for b in range(1, batch + 1):
@@ -177,7 +180,8 @@ def front(bench: Mapping[int, Sequence[MicroConfig]], batch: int, workspace_limi
             grow = max(len(f_b), n_new)
             f_b, f_rank, f_time, f_micro, f_rest = (
                 np.concatenate((arr, np.full(grow, fill, dtype=arr.dtype)))
-                for arr, fill in ((f_b, 0), (f_rank, 0), (f_time, 0.0), (f_micro, -1), (f_rest, -1)))
+                for arr, fill in ((f_b, 0), (f_rank, 0), (f_time, 0.0), (f_micro, -1), (f_rest, -1))
+            )
         new = slice(n_members, n_members + n_new)
         f_b[new] = b
         f_rank[new] = steps
@@ -203,7 +207,8 @@ def front(bench: Mapping[int, Sequence[MicroConfig]], batch: int, workspace_limi
         usable_sizes = [s for s in sizes if s <= batch]
         raise Infeasible(
             f"no division of batch {batch} fits the workspace limit {workspace_limit} B: "
-            f"usable sizes within it are {usable_sizes} (measured: {sorted(bench)})")
+            f"usable sizes within it are {usable_sizes} (measured: {sorted(bench)})"
+        )
 
     result: list[Configuration] = []
     for member in final:

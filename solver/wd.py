@@ -89,19 +89,20 @@ class _Instance:
     """
 
     keys: tuple[Hashable, ...]
-    configs: tuple[Configuration, ...]   # item -> the caller's Configuration object
-    time_ms: np.ndarray                  # t_kc, float64
-    workspace_B: np.ndarray              # w_kc, int64
-    start: np.ndarray                    # kernel k's items are start[k]:start[k+1]
-    capacity_B: int                      # C = W - sum_k min_c w_kc: what the choices may add
+    configs: tuple[Configuration, ...]  # item -> the caller's Configuration object
+    time_ms: np.ndarray  # t_kc, float64
+    workspace_B: np.ndarray  # w_kc, int64
+    start: np.ndarray  # kernel k's items are start[k]:start[k+1]
+    capacity_B: int  # C = W - sum_k min_c w_kc: what the choices may add
 
     @property
     def kernels(self) -> int:
         return len(self.keys)
 
 
-def solve(fronts: Mapping[Hashable, Sequence[Configuration]], total_workspace: int, *,
-          method: str = "auto") -> dict[Hashable, Configuration]:
+def solve(
+    fronts: Mapping[Hashable, Sequence[Configuration]], total_workspace: int, *, method: str = "auto"
+) -> dict[Hashable, Configuration]:
     """The fastest choice of one configuration per kernel whose workspaces sum to <= `total_workspace`.
 
     Parameters
@@ -134,8 +135,12 @@ def _instance(fronts: Mapping[Hashable, Sequence[Configuration]], total_workspac
         raise InvalidInput(f"fronts must be a mapping kernel -> configurations, got {type(fronts).__name__}")
     if not fronts:
         raise InvalidInput("fronts is empty: give at least one kernel with at least one configuration")
-    if (isinstance(total_workspace, bool) or not isinstance(total_workspace, numbers.Real)
-            or math.isnan(total_workspace) or total_workspace < 0):
+    if (
+        isinstance(total_workspace, bool)
+        or not isinstance(total_workspace, numbers.Real)
+        or math.isnan(total_workspace)
+        or total_workspace < 0
+    ):
         raise InvalidInput(f"total_workspace must be a non-negative number of bytes, got {total_workspace!r}")
     # Workspaces are whole bytes: a fractional total allows what its floor allows.
     total_B = math.inf if math.isinf(total_workspace) else math.floor(total_workspace)
@@ -145,8 +150,10 @@ def _instance(fronts: Mapping[Hashable, Sequence[Configuration]], total_workspac
     sizes: list[int] = []
     for key, front in fronts.items():
         # list and tuple first: the Sequence ABC check is slow, and this runs once per kernel.
-        if (not isinstance(front, (list, tuple))
-                and (isinstance(front, (str, bytes)) or not isinstance(front, Sequence))) or not front:
+        if (
+            not isinstance(front, (list, tuple))
+            and (isinstance(front, (str, bytes)) or not isinstance(front, Sequence))
+        ) or not front:
             raise InvalidInput(f"fronts[{key!r}] must be a non-empty sequence of Configurations")
         given.extend(front)
         sizes.append(len(front))
@@ -160,13 +167,18 @@ def _instance(fronts: Mapping[Hashable, Sequence[Configuration]], total_workspac
     bad = np.flatnonzero(np.isnan(time_all) | (workspace_all < 0))
     if len(bad):
         kernel, i = _locate(int(bad[0]), sizes)
-        raise InvalidInput(f"fronts[{keys[kernel]!r}][{i}] has time {time_all[bad[0]]} ms and workspace "
-                           f"{workspace_all[bad[0]]} B: a time must be a number and a workspace non-negative")
+        raise InvalidInput(
+            f"fronts[{keys[kernel]!r}][{i}] has time {time_all[bad[0]]} ms and workspace "
+            f"{workspace_all[bad[0]]} B: a time must be a number and a workspace non-negative"
+        )
 
     kernel_all = np.repeat(np.arange(len(keys)), sizes)
     same_kernel = kernel_all[1:] == kernel_all[:-1]
-    if (np.isfinite(time_all).all() and np.all((workspace_all[1:] > workspace_all[:-1]) | ~same_kernel)
-            and np.all((time_all[1:] < time_all[:-1]) | ~same_kernel)):
+    if (
+        np.isfinite(time_all).all()
+        and np.all((workspace_all[1:] > workspace_all[:-1]) | ~same_kernel)
+        and np.all((time_all[1:] < time_all[:-1]) | ~same_kernel)
+    ):
         # Already Pareto fronts (what `pareto.front` returns): keep every option as given.
         order, kernel_of = None, kernel_all
         start = np.concatenate(([0], np.cumsum(sizes)))
@@ -195,7 +207,8 @@ def _instance(fronts: Mapping[Hashable, Sequence[Configuration]], total_workspac
     if needed_B > total_B:
         raise Infeasible(
             f"the {len(keys)} kernels need at least {needed_B} B of workspace together (each at its "
-            f"smallest configuration), but total_workspace is {total_B} B; give at least {needed_B} B")
+            f"smallest configuration), but total_workspace is {total_B} B; give at least {needed_B} B"
+        )
     capacity_B = int(min(total_B - needed_B, workspace_arr.sum()))
     # An option whose extra workspace over its kernel's smallest exceeds C can never be chosen.
     keep = workspace_arr - workspace_arr[first][kernel_of] <= capacity_B
@@ -237,8 +250,9 @@ def _solve_milp(instance: _Instance) -> np.ndarray:
         if capacity_B > 0 and extra_B.any():
             # sum_k sum_c (w_kc - w_k0) x_kc <= W - sum_k w_k0, scaled to a right-hand side of 1
             constraints.append(LinearConstraint((extra_B / capacity_B)[np.newaxis, :], -np.inf, 1.0))
-        result = milp(cost, integrality=np.ones(n), bounds=Bounds(0, 1), constraints=constraints,
-                      options={"mip_rel_gap": 0.0})
+        result = milp(
+            cost, integrality=np.ones(n), bounds=Bounds(0, 1), constraints=constraints, options={"mip_rel_gap": 0.0}
+        )
         if result.status != 0 or result.x is None:
             raise UcudnnError(f"HiGHS did not solve the WD program: {result.message}")
         chosen = np.lexsort((-result.x, kernel_of))[first]  # each kernel's largest x_kc
@@ -246,8 +260,10 @@ def _solve_milp(instance: _Instance) -> np.ndarray:
         if over_B <= 0:
             return chosen
         capacity_B -= over_B
-    raise UcudnnError(f"HiGHS kept returning choices over the workspace total after {_MILP_TIGHTEN_ROUNDS} "
-                       f"tightenings (by {over_B} B); use method='mckp'")
+    raise UcudnnError(
+        f"HiGHS kept returning choices over the workspace total after {_MILP_TIGHTEN_ROUNDS} "
+        f"tightenings (by {over_B} B); use method='mckp'"
+    )
 
 
 def _lower_hulls(dw: np.ndarray, dt: np.ndarray, kernel_of: np.ndarray) -> np.ndarray:
@@ -350,8 +366,18 @@ def _solve_mckp(instance: _Instance, *, max_states: int | None) -> np.ndarray | 
     gap = min(max(gap, (U - L) / _GAP_MIN_DIVISOR), U - L)
     while U - L > slack:
         gap = min(gap, U - L)
-        found = _bounded_dp(dw, dt, reduced, start, kernel_of, capacity_B, hull, gap=gap + slack,
-                            incumbent=U - slack, max_states=max_states)
+        found = _bounded_dp(
+            dw,
+            dt,
+            reduced,
+            start,
+            kernel_of,
+            capacity_B,
+            hull,
+            gap=gap + slack,
+            incumbent=U - slack,
+            max_states=max_states,
+        )
         if found is _TOO_MANY:
             return None
         if found is not None:
@@ -384,13 +410,14 @@ class _Hull:
     """Every kernel's convex-hull segments, in order of decreasing gain (the LP greedy's order)."""
 
     kernel: np.ndarray
-    to: np.ndarray   # the item a segment ends at (it starts at the kernel's previous hull item)
-    dw: np.ndarray   # extra bytes of the segment, > 0
-    dt: np.ndarray   # time change of the segment, < 0
+    to: np.ndarray  # the item a segment ends at (it starts at the kernel's previous hull item)
+    dw: np.ndarray  # extra bytes of the segment, > 0
+    dt: np.ndarray  # time change of the segment, < 0
 
 
-def _bounded_dp(dw, dt, reduced, start, kernel_of, capacity_B, hull: _Hull, *, gap: float,
-                incumbent: float, max_states: int | None):
+def _bounded_dp(
+    dw, dt, reduced, start, kernel_of, capacity_B, hull: _Hull, *, gap: float, incumbent: float, max_states: int | None
+):
     """Improve on `incumbent` with items of reduced cost <= gap: (time, items) of the best
     solution found, or None when none beats it, or _TOO_MANY past max_states partial choices.
 
@@ -500,17 +527,23 @@ class _Group:
     np.unravel_index(p, shape): the last member varies fastest.
     """
 
-    kernels: np.ndarray                  # (r,) kernel indices
-    candidates: tuple[np.ndarray, ...]   # per member, its candidate items, ascending workspace
-    wt: np.ndarray                       # (2, P): extra workspace and time of each combination
+    kernels: np.ndarray  # (r,) kernel indices
+    candidates: tuple[np.ndarray, ...]  # per member, its candidate items, ascending workspace
+    wt: np.ndarray  # (2, P): extra workspace and time of each combination
 
     def items(self, p: int) -> list[int]:
         digits = np.unravel_index(p, [len(c) for c in self.candidates])
         return [int(c[d]) for c, d in zip(self.candidates, digits, strict=True)]
 
 
-def _group_items(free: np.ndarray, n_candidates: np.ndarray, candidate: np.ndarray, kernel_of: np.ndarray,
-                 dw: np.ndarray, dt: np.ndarray) -> tuple[np.ndarray, list[_Group]]:
+def _group_items(
+    free: np.ndarray,
+    n_candidates: np.ndarray,
+    candidate: np.ndarray,
+    kernel_of: np.ndarray,
+    dw: np.ndarray,
+    dt: np.ndarray,
+) -> tuple[np.ndarray, list[_Group]]:
     """Free kernels in order, merged into consecutive groups of at most _GROUP_OPTIONS combinations.
 
     Each DP stage costs a fixed number of NumPy calls, so few wider stages beat many narrow ones.
@@ -531,10 +564,10 @@ def _group_items(free: np.ndarray, n_candidates: np.ndarray, candidate: np.ndarr
         while j < len(free) and size * counts[j] <= _GROUP_OPTIONS:
             size *= counts[j]
             j += 1
-        combined = wt[:, bounds[i]:bounds[i + 1]]
+        combined = wt[:, bounds[i] : bounds[i + 1]]
         for m in range(i + 1, j):
-            combined = (combined[:, :, np.newaxis] + wt[:, np.newaxis, bounds[m]:bounds[m + 1]]).reshape(2, -1)
+            combined = (combined[:, :, np.newaxis] + wt[:, np.newaxis, bounds[m] : bounds[m + 1]]).reshape(2, -1)
         group_of[i:j] = len(groups)
-        groups.append(_Group(free[i:j], tuple(items[bounds[m]:bounds[m + 1]] for m in range(i, j)), combined))
+        groups.append(_Group(free[i:j], tuple(items[bounds[m] : bounds[m + 1]] for m in range(i, j)), combined))
         i = j
     return group_of, groups

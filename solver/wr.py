@@ -62,7 +62,8 @@ def solve(bench: Mapping[int, Sequence[MicroConfig]], batch: int, workspace_limi
         measured = sorted(bench)
         raise Infeasible(
             f"no division of batch {batch} fits the workspace limit "
-            f"{workspace_limit} B: usable sizes within it are {sizes or 'none'} (measured: {measured})")
+            f"{workspace_limit} B: usable sizes within it are {sizes or 'none'} (measured: {measured})"
+        )
     micros: list[MicroConfig] = []
     b = batch
     while b:

@@ -19,8 +19,10 @@ except ImportError:  # the NumPy reference stands in
 def _windows(p: ConvProblem, i: int, j: int) -> tuple[slice, slice]:
     """Rows and columns of the padded input that filter tap (i, j) reads for every output pixel."""
     top, left = i * p.dilation_h, j * p.dilation_w
-    return (slice(top, top + (p.out_h - 1) * p.stride_h + 1, p.stride_h),
-            slice(left, left + (p.out_w - 1) * p.stride_w + 1, p.stride_w))
+    return (
+        slice(top, top + (p.out_h - 1) * p.stride_h + 1, p.stride_h),
+        slice(left, left + (p.out_w - 1) * p.stride_w + 1, p.stride_w),
+    )
 
 
 def numpy_reference(p: ConvProblem, *, x=None, w=None, dy=None) -> np.ndarray:
@@ -43,9 +45,10 @@ def numpy_reference(p: ConvProblem, *, x=None, w=None, dy=None) -> np.ndarray:
             for j in range(p.s):
                 rows, cols = _windows(p, i, j)
                 for ks, cs in groups:
-                    dxp[:, cs, rows, cols] += np.einsum("nkhw,kc->nchw", np.asarray(dy[:, ks], np.float64),
-                                                        w[ks, :, i, j])
-        return dxp[:, :, p.pad_h:p.pad_h + p.h, p.pad_w:p.pad_w + p.w]
+                    dxp[:, cs, rows, cols] += np.einsum(
+                        "nkhw,kc->nchw", np.asarray(dy[:, ks], np.float64), w[ks, :, i, j]
+                    )
+        return dxp[:, :, p.pad_h : p.pad_h + p.h, p.pad_w : p.pad_w + p.w]
     xp = np.pad(np.asarray(x, np.float64), pads)
     dw = np.zeros(p.w_shape)
     for i in range(p.r):
@@ -76,8 +79,7 @@ FORMS = {
 
 def is_1d(p: ConvProblem) -> bool:
     """A 2-D problem of height 1 that a 1-D convolution gives."""
-    return (not p.d and p.h == p.r == 1 and p.pad_h == 0 and p.stride_h == p.dilation_h == 1
-            and p.output_padding_h == 0)
+    return not p.d and p.h == p.r == 1 and p.pad_h == 0 and p.stride_h == p.dilation_h == 1 and p.output_padding_h == 0
 
 
 def torch_reference(p: ConvProblem, *, x=None, w=None, dy=None) -> np.ndarray:
@@ -88,8 +90,12 @@ def torch_reference(p: ConvProblem, *, x=None, w=None, dy=None) -> np.ndarray:
     axes = p.axes[1:] if one_d else p.axes
     dims = len(axes)
     fn = getattr(F, f"conv_transpose{dims}d" if p.transposed else f"conv{dims}d")
-    args = {"stride": tuple(a.stride for a in axes), "padding": tuple(a.pad for a in axes),
-                "dilation": tuple(a.dilation for a in axes), "groups": p.groups}
+    args = {
+        "stride": tuple(a.stride for a in axes),
+        "padding": tuple(a.pad for a in axes),
+        "dilation": tuple(a.dilation for a in axes),
+        "groups": p.groups,
+    }
     if p.transposed:
         args["output_padding"] = tuple(a.output_padding for a in axes)
 

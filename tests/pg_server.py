@@ -85,14 +85,24 @@ class PgServer:
         if self._user is not None:
             kwargs = {"user": self._user.pw_uid, "group": self._user.pw_gid, "extra_groups": []}
         env = {**os.environ, "LC_ALL": "C", "HOME": str(self.folder)}
-        result = subprocess.run(args, cwd=self.folder, env=env, capture_output=True, text=True,
-                                timeout=START_TIMEOUT_S, check=False, **kwargs)
+        result = subprocess.run(
+            args,
+            cwd=self.folder,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=START_TIMEOUT_S,
+            check=False,
+            **kwargs,
+        )
         if result.returncode != 0:
             log = ""
             if self.folder is not None and (self.folder / "server.log").exists():
                 log = (self.folder / "server.log").read_text(errors="replace")[-2000:]
-            raise RuntimeError(f"{' '.join(args)} failed ({result.returncode}): "
-                               f"{result.stderr.strip() or result.stdout.strip()}\n{log}")
+            raise RuntimeError(
+                f"{' '.join(args)} failed ({result.returncode}): "
+                f"{result.stderr.strip() or result.stdout.strip()}\n{log}"
+            )
         return result
 
     def start(self) -> PgServer:
@@ -102,26 +112,55 @@ class PgServer:
             raise PgUnavailable("psycopg is not installed (pip install 'psycopg[binary]')") from exc
         self.bin = find_pg_bin()
         if self.bin is None:
-            raise PgUnavailable("PostgreSQL server binaries (initdb, pg_ctl) are not on PATH or in "
-                                "/usr/lib/postgresql/*/bin (apt-get install postgresql)")
+            raise PgUnavailable(
+                "PostgreSQL server binaries (initdb, pg_ctl) are not on PATH or in "
+                "/usr/lib/postgresql/*/bin (apt-get install postgresql)"
+            )
         if os.geteuid() == 0:
             try:
                 self._user = pwd.getpwnam(SERVER_USER)
             except KeyError as exc:
-                raise PgUnavailable(f"running as root, and there is no {SERVER_USER!r} user to run "
-                                    f"the server as (PostgreSQL refuses root)") from exc
+                raise PgUnavailable(
+                    f"running as root, and there is no {SERVER_USER!r} user to run "
+                    f"the server as (PostgreSQL refuses root)"
+                ) from exc
         self.folder = Path(tempfile.mkdtemp(prefix="ucudnn-pg-"))
         if self._user is not None:
             os.chown(self.folder, self._user.pw_uid, self._user.pw_gid)
         try:
             data = self.folder / "data"
-            self._run(str(self.bin / "initdb"), "-D", str(data), "-U", "postgres", "--auth=trust",
-                      "-E", "UTF8", "--no-locale", "--no-sync")
+            self._run(
+                str(self.bin / "initdb"),
+                "-D",
+                str(data),
+                "-U",
+                "postgres",
+                "--auth=trust",
+                "-E",
+                "UTF8",
+                "--no-locale",
+                "--no-sync",
+            )
             self.port = _free_port()
-            options = [f"-p {self.port}", f"-k {self.folder}", "-c listen_addresses=127.0.0.1",
-                       *(f"-c {s}" for s in _FAST_SETTINGS)]
-            self._run(str(self.bin / "pg_ctl"), "-D", str(data), "-l", str(self.folder / "server.log"),
-                      "-w", "-t", str(START_TIMEOUT_S), "-o", " ".join(options), "start")
+            options = [
+                f"-p {self.port}",
+                f"-k {self.folder}",
+                "-c listen_addresses=127.0.0.1",
+                *(f"-c {s}" for s in _FAST_SETTINGS),
+            ]
+            self._run(
+                str(self.bin / "pg_ctl"),
+                "-D",
+                str(data),
+                "-l",
+                str(self.folder / "server.log"),
+                "-w",
+                "-t",
+                str(START_TIMEOUT_S),
+                "-o",
+                " ".join(options),
+                "start",
+            )
         except BaseException:
             self.stop()
             raise
@@ -132,8 +171,9 @@ class PgServer:
         import psycopg
 
         name = name or f"ucudnn_{next(self._names)}"
-        with psycopg.connect(host="127.0.0.1", port=self.port, user="postgres", dbname="postgres",
-                             autocommit=True) as conn:
+        with psycopg.connect(
+            host="127.0.0.1", port=self.port, user="postgres", dbname="postgres", autocommit=True
+        ) as conn:
             conn.execute(f'CREATE DATABASE "{name}"')
         return f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/{name}"
 
@@ -148,8 +188,9 @@ class PgServer:
         if self._shared_db is None:
             self._shared_db = self.create_database("ucudnn_tests")
         name = name or f"t{next(self._names)}"
-        with psycopg.connect(host="127.0.0.1", port=self.port, user="postgres", dbname="ucudnn_tests",
-                             autocommit=True) as conn:
+        with psycopg.connect(
+            host="127.0.0.1", port=self.port, user="postgres", dbname="ucudnn_tests", autocommit=True
+        ) as conn:
             conn.execute(f'CREATE SCHEMA "{name}"')
         return f"{self._shared_db}?options=-csearch_path%3D{name}"
 

@@ -85,8 +85,10 @@ def _unseen_bytes(tracker, arrays, pending: dict) -> int:
     for a in arrays:
         storage = a.base.untyped_storage() if isinstance(a.base, torch.Tensor) else None
         # (an address reused: the array there now)
-        pending[a.__array_interface__["data"][0]] = (a.nbytes, weakref.ref(storage) if storage is not None
-                                                     else (lambda: None))
+        pending[a.__array_interface__["data"][0]] = (
+            a.nbytes,
+            weakref.ref(storage) if storage is not None else (lambda: None),
+        )
     held = [(s.data_ptr(), s.nbytes()) for s in list(tracker._WINFO.keys())]
     out = 0
     for ptr, (nbytes, alive) in list(pending.items()):
@@ -122,7 +124,6 @@ def memtracker_peak(model, plan, x, y, loss: Callable = loss) -> int:
 
         def taken(delta: int, out=None, reads=()) -> None:
             if out is not None:  # a kernel starts
-
                 now = tracker.get_tracker_snapshot("current")[device]["Total"]  # noqa: B023
                 unseen = _unseen_bytes(tracker, (out, *reads), pending)  # noqa: B023
                 with_workspace[0] = max(with_workspace[0], now + delta + unseen)  # noqa: B023

@@ -25,8 +25,9 @@ def test_measure_table_skips_what_exceeds_the_limit_and_records_why():
     backend = CpuBackend()
     problem = ConvProblem.parse("n=4,c=4,h=10,w=10,k=8,r=3,s=3,pad=1")
     limit = backend.workspace_size(problem.with_batch(2), "im2col_gemm")
-    table, stats = measure_table(backend, problem, [1, 2, 4], algos=["im2col_gemm", "shift_gemm"], reps=1,
-                                 workspace_limit=limit)
+    table, stats = measure_table(
+        backend, problem, [1, 2, 4], algos=["im2col_gemm", "shift_gemm"], reps=1, workspace_limit=limit
+    )
     assert sorted(table) == [1, 2, 4]
     assert stats.measured == 5 and stats.cached == 0  # im2col_gemm at 4 exceeds the limit: not run
     too_big = table[4][0]
@@ -61,8 +62,9 @@ def test_confirm_faster_keeps_the_configuration_that_runs_faster(monkeypatch):
     assert confirm_faster(backend, problem, claimed_fast, baseline, reps=3) == Configuration((baseline,))
     # And the other way round: a micro-batched im2col plan beats an undivided shift_gemm run.
     slow_baseline = MicroConfig("shift_gemm", 8, 0.01, backend.workspace_size(problem, "shift_gemm"))
-    split = Configuration((MicroConfig("im2col_gemm", 4, 1.0, backend.workspace_size(problem.with_batch(4),
-                                                                                      "im2col_gemm")),) * 2)
+    split = Configuration(
+        (MicroConfig("im2col_gemm", 4, 1.0, backend.workspace_size(problem.with_batch(4), "im2col_gemm")),) * 2
+    )
     assert confirm_faster(backend, problem, split, slow_baseline, reps=3) is split
     same = Configuration((baseline,))
     assert confirm_faster(backend, problem, same, baseline) is same

@@ -47,8 +47,10 @@ def as_this_machine(path: Path) -> None:
     with sqlite3.connect(path) as conn:
         for row_id, versions in conn.execute("SELECT id, versions FROM devices").fetchall():
             algo = NATIVE if "torch=" in versions else "im2col_gemm"
-            conn.execute("UPDATE devices SET model = ?, versions = ? WHERE id = ?",
-                         (backend.device.model, backend.versions_for(algo), row_id))
+            conn.execute(
+                "UPDATE devices SET model = ?, versions = ? WHERE id = ?",
+                (backend.device.model, backend.versions_for(algo), row_id),
+            )
 
 
 def test_the_fixture_is_what_the_old_release_wrote():
@@ -89,10 +91,13 @@ def test_export_and_import_carry_every_row(old_cache, tmp_path, capsys):
     assert (info["measurements"], info["plans"], info["problems"]) == (57, 1, 6)
 
 
-@pytest.mark.parametrize("argv", [
-    ["--layer", LAYERS[0]],
-    ["--layer", LAYERS[0], "--layer", LAYERS[1], "--total-workspace", "64KiB"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--layer", LAYERS[0]],
+        ["--layer", LAYERS[0], "--layer", LAYERS[1], "--total-workspace", "64KiB"],
+    ],
+)
 def test_bench_serves_its_2d_layers_without_measuring(old_cache, argv, capsys):
     as_this_machine(old_cache)
     code = main(["bench", *argv, "--backend", "cpu", "--json", "--quiet", "--db", str(old_cache)])
@@ -120,8 +125,23 @@ def test_a_handle_is_served_without_measuring(old_cache):
 def test_a_3d_layer_beside_them_is_a_new_problem(old_cache, capsys):
     as_this_machine(old_cache)
     spec = "n=2,c=8,d=4,h=8,w=8,k=8,t=1,r=3,s=3"  # a 3-D layer of depth filter 1: not the 2-D layer
-    code = main(["bench", "--layer", spec, "--kinds", "fwd", "--backend", "cpu", "--json", "--quiet",
-                 "--reps", "1", "--db", str(old_cache)])
+    code = main(
+        [
+            "bench",
+            "--layer",
+            spec,
+            "--kinds",
+            "fwd",
+            "--backend",
+            "cpu",
+            "--json",
+            "--quiet",
+            "--reps",
+            "1",
+            "--db",
+            str(old_cache),
+        ]
+    )
     out, err = capsys.readouterr()
     assert code == 0, err
     assert json.loads(out)["benchmark"]["measured"] > 0

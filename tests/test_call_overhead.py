@@ -59,8 +59,15 @@ class Scripted(CpuBackend):
 
 
 def _plan(times, overhead, *, policy="undivided", db=False, **options) -> Configuration:
-    handle = Handle(backend=Scripted(times), policy=policy, algos=["im2col_gemm", NATIVE], db=db, reps=5,
-                    call_overhead=overhead, **options)
+    handle = Handle(
+        backend=Scripted(times),
+        policy=policy,
+        algos=["im2col_gemm", NATIVE],
+        db=db,
+        reps=5,
+        call_overhead=overhead,
+        **options,
+    )
     return handle.prepare("fwd", PROBLEM.x_shape, PROBLEM.w_shape, **CONV)
 
 
@@ -81,10 +88,12 @@ def test_wr_picks_numpy_only_when_it_wins_by_more_than_the_charge(overhead, algo
 
 def test_wr_decides_on_real_runs_not_on_a_noisy_table():
     # measured under a load spike: native looked 15 ms slower; run side by side it is 1 ms slower
-    backend = Scripted({("native", 2): 20.0, ("im2col_gemm", 2): 5.0},
-                       run_times={("native", 2): 20.0, ("im2col_gemm", 2): 19.0})
-    handle = Handle(backend=backend, policy="undivided", algos=["im2col_gemm", NATIVE], db=False, reps=5,
-                    call_overhead=4.0)
+    backend = Scripted(
+        {("native", 2): 20.0, ("im2col_gemm", 2): 5.0}, run_times={("native", 2): 20.0, ("im2col_gemm", 2): 19.0}
+    )
+    handle = Handle(
+        backend=backend, policy="undivided", algos=["im2col_gemm", NATIVE], db=False, reps=5, call_overhead=4.0
+    )
     assert _algos(handle.prepare("fwd", PROBLEM.x_shape, PROBLEM.w_shape, **CONV)) == [(NATIVE, 2)]
 
 
@@ -97,8 +106,14 @@ def test_wr_charge_respects_the_workspace_limit():
     # native's declared workspace (its result plus unfolded columns) over the limit: it cannot be chosen
     shift_bytes = CpuBackend().workspace_size(PROBLEM, "shift_gemm")
     assert shift_bytes < CpuBackend().workspace_size(PROBLEM, NATIVE)
-    handle = Handle(backend=Scripted({("native", 2): 1.0, ("shift_gemm", 2): 0.9}), policy="undivided",
-                    algos=["shift_gemm", NATIVE], db=False, call_overhead=10.0, workspace_limit=shift_bytes)
+    handle = Handle(
+        backend=Scripted({("native", 2): 1.0, ("shift_gemm", 2): 0.9}),
+        policy="undivided",
+        algos=["shift_gemm", NATIVE],
+        db=False,
+        call_overhead=10.0,
+        workspace_limit=shift_bytes,
+    )
     # (native does not fit: nothing to re-time against, so the 10 ms charge changes nothing)
     assert _algos(handle.prepare("fwd", PROBLEM.x_shape, PROBLEM.w_shape, **CONV)) == [("shift_gemm", 2)]
 
@@ -116,17 +131,28 @@ MICRO = {("native", 2): 1.0, ("native", 1): 0.35, ("im2col_gemm", 2): 0.95, ("im
 
 
 def _wd_plan(overhead) -> Configuration:
-    handle = Handle(backend=Scripted(MICRO), policy="powerOfTwo", algos=["im2col_gemm", NATIVE], db=False,
-                    total_workspace="64MiB", call_overhead=overhead)
+    handle = Handle(
+        backend=Scripted(MICRO),
+        policy="powerOfTwo",
+        algos=["im2col_gemm", NATIVE],
+        db=False,
+        total_workspace="64MiB",
+        call_overhead=overhead,
+    )
     handle.register("a", PROBLEM, kinds=["fwd", "bwd_filter"])
     config = handle.prepare("fwd", PROBLEM.x_shape, PROBLEM.w_shape, layer="a", **CONV)
     assert {c.kind for c in handle.choices()} == {"fwd", "bwd_filter"}
     return config
 
 
-@pytest.mark.parametrize("overhead, expected", [(0.0, [(NATIVE, 1), (NATIVE, 1)]),
-                                                (0.2, [(NATIVE, 1), (NATIVE, 1)]),  # wins by 0.3 > 0.2
-                                                (0.4, [(NATIVE, 2)])])              # 0.7 + 0.4 > 1.0
+@pytest.mark.parametrize(
+    "overhead, expected",
+    [
+        (0.0, [(NATIVE, 1), (NATIVE, 1)]),
+        (0.2, [(NATIVE, 1), (NATIVE, 1)]),  # wins by 0.3 > 0.2
+        (0.4, [(NATIVE, 2)]),
+    ],
+)  # 0.7 + 0.4 > 1.0
 def test_wd_charges_every_configuration_but_native_undivided(overhead, expected):
     assert _algos(_wd_plan(overhead)) == expected
 
@@ -202,8 +228,16 @@ def test_a_layer_routes_through_ucudnn_only_where_numpy_wins_by_more_than_the_ch
     reference = torch.nn.Conv2d(3, 4, 3, padding=1)
     reference.load_state_dict(conv.state_dict())
     # no in-step trial: the scripted times hold for measurements and checked runs, not for launches
-    layer = convert(conv, backend=backend, policy="undivided", algos=["im2col_gemm", NATIVE], db=False, reps=5,
-                    call_overhead=4.0, trial_runs=0)
+    layer = convert(
+        conv,
+        backend=backend,
+        policy="undivided",
+        algos=["im2col_gemm", NATIVE],
+        db=False,
+        reps=5,
+        call_overhead=4.0,
+        trial_runs=0,
+    )
     rng = np.random.default_rng(0)
     checked_runs = []
     original_run = backend.run

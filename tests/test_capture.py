@@ -35,8 +35,9 @@ def _torch_resnet50():
             self.relu = nn.ReLU(inplace=True)
             self.downsample = None
             if stride != 1 or c_in != 4 * width:
-                self.downsample = nn.Sequential(nn.Conv2d(c_in, 4 * width, 1, stride=stride, bias=False),
-                                                nn.BatchNorm2d(4 * width))
+                self.downsample = nn.Sequential(
+                    nn.Conv2d(c_in, 4 * width, 1, stride=stride, bias=False), nn.BatchNorm2d(4 * width)
+                )
 
         def forward(self, x):
             identity = x
@@ -57,7 +58,7 @@ def _torch_resnet50():
             self.maxpool = nn.MaxPool2d(3, stride=2, padding=1)
             blocks, c = [], 64
             for stage, count in enumerate((3, 4, 6, 3)):
-                width = 64 * 2 ** stage
+                width = 64 * 2**stage
                 for i in range(count):
                     blocks.append(Bottleneck(c, width, 2 if stage > 0 and i == 0 else 1))
                     c = 4 * width
@@ -84,13 +85,17 @@ def test_a_captured_resnet50_runs_the_zoos_convolutions_with_what_autograd_holds
     assert graph.weight_bytes == zoo.weight_bytes + buffers
     # named after the module and the operation; in-place ReLUs and `out += identity` write their input's storage
     assert graph.op("layers.0.conv1:conv").type == "conv"
-    assert graph.op("layers.0.relu:relu_").inplace and graph.storage_of("layers.0.relu:relu_") == \
-        "layers.0.bn1:native_batch_norm"
+    assert (
+        graph.op("layers.0.relu:relu_").inplace
+        and graph.storage_of("layers.0.relu:relu_") == "layers.0.bn1:native_batch_norm"
+    )
     assert graph.op("layers.0:add_").inplace
     # a max-pool's int64 indices are a storage of their own, kept, and read by its backward step
     indices = "maxpool:max_pool2d_with_indices.1"
     assert graph.bytes_of(indices) == 8 * 2 * 64 * 56 * 56 and indices in graph.captured.pinned
-    assert any(indices in s.reads for s in graph.steps if s.phase == "bwd" and s.op == "maxpool:max_pool2d_with_indices")
+    assert any(
+        indices in s.reads for s in graph.steps if s.phase == "bwd" and s.op == "maxpool:max_pool2d_with_indices"
+    )
     # every conv's backward step runs the kernels autograd ran: the first conv's input needs no gradient
     kernels = {s.op: s.kernels for s in graph.steps if s.phase == "bwd" and s.kernels}
     assert kernels["conv1:conv"] == ("bwd_filter",) and kernels["layers.0.conv1:conv"] == ("bwd_data", "bwd_filter")
@@ -190,16 +195,19 @@ def test_fake_and_real_captures_agree_and_leave_the_model_as_it_was():
     assert fake.fake and not real.fake
     assert [op.name for op in fake.graph.ops] == [op.name for op in real.graph.ops]
     assert [op.bytes for op in fake.graph.ops] == [op.bytes for op in real.graph.ops]
-    assert fake.graph.steps[fake.graph.forward_steps:] == real.graph.steps[real.graph.forward_steps:]
-    assert [(life.bytes, life.start, life.end) for life in fake.graph.captured.lives] == \
-        [(life.bytes, life.start, life.end) for life in real.graph.captured.lives]
+    assert fake.graph.steps[fake.graph.forward_steps :] == real.graph.steps[real.graph.forward_steps :]
+    assert [(life.bytes, life.start, life.end) for life in fake.graph.captured.lives] == [
+        (life.bytes, life.start, life.end) for life in real.graph.captured.lives
+    ]
     for name, value in model.state_dict().items():  # batch-norm statistics did not move
         assert torch.equal(value, state[name]), name
     assert all(p.grad is None for p in model.parameters())
 
 
-@pytest.mark.parametrize("criterion", [nn.functional.mse_loss, nn.functional.smooth_l1_loss,
-                                       nn.functional.binary_cross_entropy, nn.functional.l1_loss])
+@pytest.mark.parametrize(
+    "criterion",
+    [nn.functional.mse_loss, nn.functional.smooth_l1_loss, nn.functional.binary_cross_entropy, nn.functional.l1_loss],
+)
 def test_fake_and_real_captures_agree_on_a_loss_held_in_its_unreduced_buffer(criterion):
     """Some of PyTorch's CPU losses return a 0-dim view of their unreduced buffer (4 bytes on fake tensors): a
     fake capture counts the storage the real kernel returns."""
@@ -329,8 +337,7 @@ def test_a_model_torch_fx_cannot_trace_is_captured_planned_and_trains_like_plain
 
     torch.manual_seed(0)
     loss = lambda out: F.cross_entropy(out, y)
-    peaks = [plan_memory(Unusual(), x, memory_limit=limit, policy=policy, loss=loss).peak_bytes
-             for limit in (2**40, 1)]
+    peaks = [plan_memory(Unusual(), x, memory_limit=limit, policy=policy, loss=loss).peak_bytes for limit in (2**40, 1)]
     torch.manual_seed(0)
     plan = plan_memory(Unusual(), x, memory_limit=sum(peaks) // 2, policy=policy, loss=loss)
     assert plan.fits and any(t.action == "recompute" for t in plan.tensors)

@@ -103,6 +103,7 @@ def test_a_looser_limit_buys_less_recompute():
     limit = (tightest.peak_bytes + everything) // 2
     looser = checkpoint.plan(graph, device, limit)
     assert looser.fits and looser.peak_bytes <= limit
+
     def recomputed(plan):
         return sum(t.action == "recompute" for t in plan.tensors)
 

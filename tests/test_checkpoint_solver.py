@@ -113,8 +113,11 @@ def _random_chain(seed: int) -> tuple[int, list[int], list[float], list[int], li
     kept = [s + rng.choice((0, 0, rng.randint(1, 30))) for s in sizes]
     costs = [rng.uniform(0, 3) for _ in range(n)]
     candidates = sorted(rng.sample(range(n - 1), rng.randint(0, n - 1)))
-    every = [checkpoint.evaluate(sizes, ks, costs, kept)
-             for r in range(len(candidates) + 1) for ks in itertools.combinations(candidates, r)]
+    every = [
+        checkpoint.evaluate(sizes, ks, costs, kept)
+        for r in range(len(candidates) + 1)
+        for ks in itertools.combinations(candidates, r)
+    ]
     return n, sizes, costs, candidates, kept, every
 
 
@@ -142,8 +145,10 @@ def test_frontier_spans_the_smallest_peak_to_no_recompute_and_beats_equal_splits
     assert front[0].peak_bytes == min(p.peak_bytes for p in every)
     assert front[-1].recompute_cost == 0
     # at every limit, no more recompute than checkpoint_sequential's split (k equal runs) within it
-    evens = [checkpoint.evaluate(sizes, [candidates[j * len(candidates) // k - 1] for j in range(1, k)], costs, kept)
-             for k in range(1, len(candidates) + 1)]
+    evens = [
+        checkpoint.evaluate(sizes, [candidates[j * len(candidates) // k - 1] for j in range(1, k)], costs, kept)
+        for k in range(1, len(candidates) + 1)
+    ]
     for e in evens:
         assert min(p.recompute_cost for p in front if p.peak_bytes <= e.peak_bytes) <= e.recompute_cost + 1e-9
 

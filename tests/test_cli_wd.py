@@ -40,23 +40,59 @@ def test_wd_plot_is_written(tmp_path, capsys):
 
 
 def test_network_wd_reports_every_kernel(tmp_path, capsys):
-    report = bench(tmp_path, capsys, "--network", "alexnet", "--batch", "1", "--policy", "undivided",
-                   "--algos", "shift_gemm", "--total-workspace", "32MiB")
+    report = bench(
+        tmp_path,
+        capsys,
+        "--network",
+        "alexnet",
+        "--batch",
+        "1",
+        "--policy",
+        "undivided",
+        "--algos",
+        "shift_gemm",
+        "--total-workspace",
+        "32MiB",
+    )
     assert report["mode"] == "WD" and len(report["kernels"]) == 15
     assert [k["layer"] for k in report["kernels"][:3]] == ["conv1"] * 3
     assert report["total"]["workspace"] <= 32 * 2**20
 
 
 def test_an_impossible_total_fails_with_exit_1(tmp_path, capsys):
-    code = main(["bench", "--backend", "cpu", "--reps", "1", "--db", str(tmp_path / "c.db"), "--layer", LAYERS[0],
-                 "--algos", "im2col_gemm", "--total-workspace", "16"])
+    code = main(
+        [
+            "bench",
+            "--backend",
+            "cpu",
+            "--reps",
+            "1",
+            "--db",
+            str(tmp_path / "c.db"),
+            "--layer",
+            LAYERS[0],
+            "--algos",
+            "im2col_gemm",
+            "--total-workspace",
+            "16",
+        ]
+    )
     _, err = capsys.readouterr()
     assert code == 1 and err.count("\n") == 1
 
 
 @pytest.mark.parametrize("argv", [["--plot", "x.png", "--workspace", "1MiB"], ["--network", "lenet"]])
 def test_wd_usage_errors_exit_2(argv, tmp_path, capsys):
-    code = main(["bench", "--backend", "cpu", "--db", str(tmp_path / "c.db"),
-                 *(["--layer", LAYERS[0]] if "--network" not in argv else []), *argv])
+    code = main(
+        [
+            "bench",
+            "--backend",
+            "cpu",
+            "--db",
+            str(tmp_path / "c.db"),
+            *(["--layer", LAYERS[0]] if "--network" not in argv else []),
+            *argv,
+        ]
+    )
     _, err = capsys.readouterr()
     assert code == 2 and err.count("\n") == 1

@@ -32,9 +32,17 @@ def fill_cache(path, model, ms_per_sample, *, skip_keys=0):
             seen.add(problem.key)
             if len(seen) <= skip_keys:
                 continue
-            cache.store(device=model, backend="cudnn", versions="v1", problem_key=problem.key,
-                        micros=[m for b in MEASURED_SIZES for m in
-                                (MicroConfig("gemm", b, rate * b, 1024), MicroConfig("huge", b, rate * b / 10, 2**30))])
+            cache.store(
+                device=model,
+                backend="cudnn",
+                versions="v1",
+                problem_key=problem.key,
+                micros=[
+                    m
+                    for b in MEASURED_SIZES
+                    for m in (MicroConfig("gemm", b, rate * b, 1024), MicroConfig("huge", b, rate * b / 10, 2**30))
+                ],
+            )
     return per_sample
 
 
@@ -113,15 +121,18 @@ def test_candidate_sizes_are_all_sizes_or_multiples_of_a_power_of_two():
     assert len(candidate_sizes(1000)) <= 65 and candidate_sizes(1000)[-1] == 1000
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"mb": 0, "gpus": ["k40"]}, "mb"),
-    ({"mb": 8, "gpus": []}, "gpus"),
-    ({"mb": 8, "gpus": "k40"}, "gpus"),
-    ({"mb": 8, "gpus": ["k40"], "network": "nonet"}, "unknown network"),
-    ({"mb": 8, "gpus": ["nodevice"]}, "unknown device"),
-    ({"mb": 8, "gpus": ["k40"], "sizes": [0, 3]}, "sizes must be"),
-    ({"mb": 8, "gpus": ["k40"], "policy": "often"}, "unknown policy"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"mb": 0, "gpus": ["k40"]}, "mb"),
+        ({"mb": 8, "gpus": []}, "gpus"),
+        ({"mb": 8, "gpus": "k40"}, "gpus"),
+        ({"mb": 8, "gpus": ["k40"], "network": "nonet"}, "unknown network"),
+        ({"mb": 8, "gpus": ["nodevice"]}, "unknown device"),
+        ({"mb": 8, "gpus": ["k40"], "sizes": [0, 3]}, "sizes must be"),
+        ({"mb": 8, "gpus": ["k40"], "policy": "often"}, "unknown policy"),
+    ],
+)
 def test_bad_arguments_are_named(kwargs, match, tmp_path, monkeypatch):
     monkeypatch.setenv("UCUDNN_DB", str(tmp_path / "none.db"))
     kwargs.setdefault("network", "resnet18")
@@ -130,6 +141,7 @@ def test_bad_arguments_are_named(kwargs, match, tmp_path, monkeypatch):
 
 
 # ---- the CLI ----------------------------------------------------------------------------------------
+
 
 def run(argv, capsys):
     code = main(argv)
@@ -140,8 +152,21 @@ def run(argv, capsys):
 def test_cli_json_contract(tmp_path, capsys):
     db = tmp_path / "c.db"
     fast = fill_cache(db, "Fast GPU", 0.01)
-    code, out, err = run(["cluster", "--network", NETWORK, "--batch", "30", "--devices", "Fast GPU,k20xm,gtx750ti",
-                          "--db", str(db), "--json"], capsys)
+    code, out, err = run(
+        [
+            "cluster",
+            "--network",
+            NETWORK,
+            "--batch",
+            "30",
+            "--devices",
+            "Fast GPU,k20xm,gtx750ti",
+            "--db",
+            str(db),
+            "--json",
+        ],
+        capsys,
+    )
     assert code == 0, err
     report = json.loads(out)
     assert report["network"] == NETWORK and report["batch"] == 30
@@ -160,21 +185,26 @@ def test_cli_json_contract(tmp_path, capsys):
 def test_cli_table_and_plot(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("UCUDNN_DB", str(tmp_path / "none.db"))
     png = tmp_path / "bars.png"
-    code, out, err = run(["cluster", "--network", "resnet18", "--batch", "32", "--devices", "gk210,gk210,k20xm",
-                          "--plot", str(png)], capsys)
+    code, out, err = run(
+        ["cluster", "--network", "resnet18", "--batch", "32", "--devices", "gk210,gk210,k20xm", "--plot", str(png)],
+        capsys,
+    )
     assert code == 0, err
     assert "makespan" in out and "vs even split" in out and out.count("estimated: gk210 roofline") == 2
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.mark.parametrize("argv, words", [
-    (["--network", "resnet18", "--batch", "0", "--devices", "k40"], "batch"),
-    (["--network", "resnet18", "--batch", "8", "--devices", "k40,,k40"], "empty entries"),
-    (["--network", "resnet18", "--batch", "8", "--devices", "warpdrive"], "unknown device"),
-    (["--network", "nonet", "--batch", "8", "--devices", "k40"], "unknown network"),
-    (["--network", "resnet18", "--batch", "8", "--devices", "k40", "--workspace", "lots"], "cannot read size"),
-    (["--network", "resnet18", "--batch", "8"], "--devices"),
-])
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--network", "resnet18", "--batch", "0", "--devices", "k40"], "batch"),
+        (["--network", "resnet18", "--batch", "8", "--devices", "k40,,k40"], "empty entries"),
+        (["--network", "resnet18", "--batch", "8", "--devices", "warpdrive"], "unknown device"),
+        (["--network", "nonet", "--batch", "8", "--devices", "k40"], "unknown network"),
+        (["--network", "resnet18", "--batch", "8", "--devices", "k40", "--workspace", "lots"], "cannot read size"),
+        (["--network", "resnet18", "--batch", "8"], "--devices"),
+    ],
+)
 def test_cli_bad_input_exits_2_with_one_line(argv, words, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("UCUDNN_DB", str(tmp_path / "none.db"))
     code, out, err = run(["cluster", *argv], capsys)
@@ -185,7 +215,9 @@ def test_cli_bad_input_exits_2_with_one_line(argv, words, tmp_path, capsys, monk
 def test_cli_no_split_exits_1(tmp_path, capsys):
     db = tmp_path / "c.db"
     fill_cache(db, "Fast GPU", 0.01)
-    code, out, err = run(["cluster", "--network", NETWORK, "--batch", "12", "--devices", "Fast GPU",
-                          "--db", str(db), "--policy", "8"], capsys)
+    code, out, err = run(
+        ["cluster", "--network", NETWORK, "--batch", "12", "--devices", "Fast GPU", "--db", str(db), "--policy", "8"],
+        capsys,
+    )
     assert code == 1 and len(err.strip().splitlines()) == 1 and "failed" in err
     assert out == ""

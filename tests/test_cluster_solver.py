@@ -80,8 +80,11 @@ def test_methods_agree_on_larger_clusters(seed):
 
 def test_paper_shape_unequal_devices_get_uneven_batches():
     # Two devices 1.5x faster per sample than the third: B = 32 splits 12, 12, 8 (the paper's K80 + K20Xm).
-    times = {"a": {b: b / 1.5 for b in range(1, 33)}, "b": {b: b / 1.5 for b in range(1, 33)},
-             "c": {b: float(b) for b in range(1, 33)}}
+    times = {
+        "a": {b: b / 1.5 for b in range(1, 33)},
+        "b": {b: b / 1.5 for b in range(1, 33)},
+        "c": {b: float(b) for b in range(1, 33)},
+    }
     out = best_batch_sizes(times, 32)
     assert sorted(out.values()) == [8, 12, 12]
     assert out["c"] == 8
@@ -119,15 +122,18 @@ def test_runs_split_sorted_sizes_into_arithmetic_progressions():
     assert _runs([2, 4, 6, 7]) == [(2, 2, 3), (7, 1, 1)]
 
 
-@pytest.mark.parametrize("times, batch, match", [
-    ({}, 4, "at least one device"),
-    ({"a": {1: 1.0}}, 0, "batch must be a positive integer"),
-    ({"a": {1: 1.0}}, 2.0, "batch must be a positive integer"),
-    ({"a": {0: 1.0}}, 1, "batch sizes must be positive integers"),
-    ({"a": {1: -1.0}}, 1, "non-negative number of ms"),
-    ({"a": {1: float("nan")}}, 1, "non-negative number of ms"),
-    ({"a": [1.0]}, 1, "must map batch sizes to times"),
-])
+@pytest.mark.parametrize(
+    "times, batch, match",
+    [
+        ({}, 4, "at least one device"),
+        ({"a": {1: 1.0}}, 0, "batch must be a positive integer"),
+        ({"a": {1: 1.0}}, 2.0, "batch must be a positive integer"),
+        ({"a": {0: 1.0}}, 1, "batch sizes must be positive integers"),
+        ({"a": {1: -1.0}}, 1, "non-negative number of ms"),
+        ({"a": {1: float("nan")}}, 1, "non-negative number of ms"),
+        ({"a": [1.0]}, 1, "must map batch sizes to times"),
+    ],
+)
 def test_bad_input_is_named(times, batch, match):
     with pytest.raises(InvalidInput, match=match):
         best_batch_sizes(times, batch)

@@ -30,10 +30,28 @@ from test_torch_memory import HAND_PLANS, SmallNet, TwoHeads, _both_heads_loss, 
 
 MB = 10**6  # a feature map of (1, 250000) float32
 # 1 MB copies in 1 ms each way; the slow one copies out at 0.5 GB/s (2 ms)
-FAST = DeviceProfile("toy", "toy", 10**9, h2d_gbps=1.0, d2h_gbps=1.0, duplex_gbps=2.0, devices_per_link=1,
-                     fp32_tflops=1.0, memory_gbps=1.0)
-SLOW_OUT = DeviceProfile("slow-out", "slow-out", 10**9, h2d_gbps=1.0, d2h_gbps=0.5, duplex_gbps=2.0,
-                         devices_per_link=1, fp32_tflops=1.0, memory_gbps=1.0)
+FAST = DeviceProfile(
+    "toy",
+    "toy",
+    10**9,
+    h2d_gbps=1.0,
+    d2h_gbps=1.0,
+    duplex_gbps=2.0,
+    devices_per_link=1,
+    fp32_tflops=1.0,
+    memory_gbps=1.0,
+)
+SLOW_OUT = DeviceProfile(
+    "slow-out",
+    "slow-out",
+    10**9,
+    h2d_gbps=1.0,
+    d2h_gbps=0.5,
+    duplex_gbps=2.0,
+    devices_per_link=1,
+    fp32_tflops=1.0,
+    memory_gbps=1.0,
+)
 
 
 def chain(layers: int) -> TrainingGraph:
@@ -69,19 +87,34 @@ def test_prefetched_maps_are_held_from_their_issue_one_map_ahead():
     # reads, and one map ahead, l1: both allocated at 6, though l1's copy back waits for l2's (6->7, 7->8).
     # l3's backward runs 7->11; at l2's backward (11) it issues x, one ahead again (copied 11->12); l2's
     # backward reads l1, there since 8: 11->15; l1's backward reads x: 15->19.
-    costs = [StepCost(0), StepCost(2), StepCost(2), StepCost(2), StepCost(0), StepCost(0), StepCost(4),
-             StepCost(4), StepCost(4)]
+    costs = [
+        StepCost(0),
+        StepCost(2),
+        StepCost(2),
+        StepCost(2),
+        StepCost(0),
+        StepCost(0),
+        StepCost(4),
+        StepCost(4),
+        StepCost(4),
+    ]
     offload = {"x": "offload", "l1": "offload", "l2": "offload"}
     r = simulate(chain(3), FAST, costs, offload, prefetch="ahead")
     back = [(t, n) for t, n, b in lives(r, set(offload)) if b > 0 and t >= 6]
     assert back == [(6.0, "l2"), (6.0, "l1"), (11.0, "x")]
-    assert [(i.label, round(i.start_ms, 9), round(i.end_ms, 9)) for i in r.timeline if i.stream == "h2d"] == \
-        [("l2", 6.0, 7.0), ("l1", 7.0, 8.0), ("x", 11.0, 12.0)]
+    assert [(i.label, round(i.start_ms, 9), round(i.end_ms, 9)) for i in r.timeline if i.stream == "h2d"] == [
+        ("l2", 6.0, 7.0),
+        ("l1", 7.0, 8.0),
+        ("x", 11.0, 12.0),
+    ]
     assert r.step_ms == pytest.approx(19.0) and r.stall_ms == pytest.approx(1.0)
     # a policy's own trigger at the same step holds l1's memory only from its copy's start
     at_start = simulate(chain(3), FAST, costs, offload, prefetch={"l2": 6, "l1": 6, "x": 7})
-    assert [(t, n) for t, n, b in lives(at_start, set(offload)) if b > 0 and t >= 6] == \
-        [(6.0, "l2"), (7.0, "l1"), (11.0, "x")]
+    assert [(t, n) for t, n, b in lives(at_start, set(offload)) if b > 0 and t >= 6] == [
+        (6.0, "l2"),
+        (7.0, "l1"),
+        (11.0, "x"),
+    ]
 
 
 def test_the_executor_issues_its_copies_back_as_the_simulator_times_them():
@@ -95,7 +128,13 @@ def test_the_executor_issues_its_copies_back_as_the_simulator_times_them():
     with late_copies(), execute_plan(model, plan) as stats:
         model(x).sum().backward()
     assert [e for e in stats.events if e[0] != "offload"] == [
-        ("prefetch", l2), ("prefetch", l1), ("unpack", l2), ("prefetch", x_), ("unpack", l1), ("unpack", x_)]
+        ("prefetch", l2),
+        ("prefetch", l1),
+        ("unpack", l2),
+        ("prefetch", x_),
+        ("unpack", l1),
+        ("unpack", x_),
+    ]
 
 
 def test_a_late_copy_is_made_when_something_waits_for_it():
@@ -144,7 +183,7 @@ def test_late_copies_hold_an_offloaded_map_until_the_executor_lets_it_go():
     with late_copies():
         late = check_plan(model, plan, x, loss=loss, steps=1).tracker.memory
     assert len(prompt) == len(late)
-    (i, a, b), = [(i, a, b) for i, ((_, a), (_, b)) in enumerate(zip(prompt, late)) if a != b]
+    ((i, a, b),) = [(i, a, b) for i, ((_, a), (_, b)) in enumerate(zip(prompt, late)) if a != b]
     held = prompt[i - 1][1]  # conv1's and conv2's outputs and what came before
     one_map = 4 * 8 * 16 * 16 * 4
     assert (a, b) == (held - one_map, held + one_map)
@@ -176,8 +215,9 @@ def test_a_late_copy_run_counts_the_peak_a_gpu_plan_predicts(policy):
     torch.manual_seed(0)
     model = SmallNet()
     x, y = _data(n=8)
-    plan = plan_memory(model, x, memory_limit=1, policy=policy, device="h100",
-                       loss=lambda out: nn.functional.cross_entropy(out, y))
+    plan = plan_memory(
+        model, x, memory_limit=1, policy=policy, device="h100", loss=lambda out: nn.functional.cross_entropy(out, y)
+    )
     assert any(t.action == "offload" for t in plan.tensors)
     with late_copies():
         checked = check_plan(model, plan, x, y, steps=1)
@@ -196,8 +236,10 @@ def test_a_plan_that_fits_only_by_its_policys_copy_timing_is_made_again_within_a
     def loss(out):
         return _both_heads_loss(out, y)
 
-    peaks = [plan_memory(TwoHeads(), x, memory_limit=limit, policy="optimal", device="k40", loss=loss).peak_bytes
-             for limit in (2**40, 1)]
+    peaks = [
+        plan_memory(TwoHeads(), x, memory_limit=limit, policy="optimal", device="k40", loss=loss).peak_bytes
+        for limit in (2**40, 1)
+    ]
     limit = sum(peaks) // 2
     model = TwoHeads()
     plan = plan_memory(model, x, memory_limit=limit, policy="optimal", device="k40", loss=loss)

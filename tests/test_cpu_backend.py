@@ -128,7 +128,7 @@ def test_workspace_at_any_address_and_in_a_slice_of_out(algo: str) -> None:
     workspace = nan_workspace(nbytes + 3)[3:]
     assert workspace.nbytes == nbytes
     big = np.full((problem.n + 2, *problem.out_shape[1:]), np.nan, np.float32)
-    ops["out"] = big[1:1 + problem.n]
+    ops["out"] = big[1 : 1 + problem.n]
     BACKEND.run(problem, algo, workspace=workspace, **ops)
     assert_close(ops["out"], reference(problem, **inputs_of(ops)), "float32", algo)
     assert np.isnan(big[0]).all() and np.isnan(big[-1]).all(), "wrote outside its slice of out"
@@ -136,8 +136,10 @@ def test_workspace_at_any_address_and_in_a_slice_of_out(algo: str) -> None:
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("algo", ALGORITHMS)
-@pytest.mark.parametrize("spec", ["n=4,c=64,h=24,w=24,k=32,r=3,s=3,pad=1",
-                                  "n=4,c=8,h=21,w=19,k=12,r=5,s=3,pad=2,stride=2,dilation_w=2,groups=2"])
+@pytest.mark.parametrize(
+    "spec",
+    ["n=4,c=64,h=24,w=24,k=32,r=3,s=3,pad=1", "n=4,c=8,h=21,w=19,k=12,r=5,s=3,pad=2,stride=2,dilation_w=2,groups=2"],
+)
 def test_temporaries_come_from_the_workspace(spec: str, algo: str, kind: str) -> None:
     """No algorithm allocates array memory outside its workspace (native is exempt: torch's own
     allocator is invisible to tracemalloc, and it cannot use our buffer anyway)."""
@@ -156,16 +158,19 @@ def test_temporaries_come_from_the_workspace(spec: str, algo: str, kind: str) ->
         tracemalloc.stop()
     # Stricter than "workspace + out + allowance": operands and workspace exist before tracing
     # starts, so every byte traced here is a temporary the workspace should have held.
-    assert peak <= allowance, (f"{algo} {kind} allocated {peak} bytes outside its workspace "
-                               f"({workspace.nbytes} bytes declared; allowance {allowance})")
+    assert peak <= allowance, (
+        f"{algo} {kind} allocated {peak} bytes outside its workspace "
+        f"({workspace.nbytes} bytes declared; allowance {allowance})"
+    )
 
 
 def test_workspace_growth_with_batch() -> None:
     """im2col, fft and winograd grow with the batch (the point of micro-batching); shift_gemm does not."""
     for kind in KINDS:
         problem = ConvProblem.parse("c=8,h=12,w=12,k=8,r=3,s=3,pad=1").with_kind(kind)
-        sizes = {algo: [BACKEND.workspace_size(problem.with_batch(n), algo) for n in (1, 2, 4, 8)]
-                 for algo in ALGORITHMS}
+        sizes = {
+            algo: [BACKEND.workspace_size(problem.with_batch(n), algo) for n in (1, 2, 4, 8)] for algo in ALGORITHMS
+        }
         assert len(set(sizes["shift_gemm"])) == 1, sizes
         for algo in ("im2col_gemm", "fft", "winograd"):
             steps = np.diff(sizes[algo])
@@ -199,14 +204,24 @@ def test_bad_operands_are_rejected() -> None:
     with pytest.raises(InvalidInput, match="needs"):
         BACKEND.run(problem, "im2col_gemm", workspace=BACKEND.empty_workspace(nbytes - 1), **ops)
     with pytest.raises(InvalidInput, match="'x'"):
-        BACKEND.run(problem, "im2col_gemm", workspace=BACKEND.empty_workspace(nbytes),
-                    **{**ops, "x": ops["x"][:, :, :, :-1]})
+        BACKEND.run(
+            problem, "im2col_gemm", workspace=BACKEND.empty_workspace(nbytes), **{**ops, "x": ops["x"][:, :, :, :-1]}
+        )
     with pytest.raises(InvalidInput, match="float32"):
-        BACKEND.run(problem, "im2col_gemm", workspace=BACKEND.empty_workspace(nbytes),
-                    **{**ops, "w": ops["w"].astype(np.float64)})
+        BACKEND.run(
+            problem,
+            "im2col_gemm",
+            workspace=BACKEND.empty_workspace(nbytes),
+            **{**ops, "w": ops["w"].astype(np.float64)},
+        )
     with pytest.raises(InvalidInput, match="'dy'"):
-        BACKEND.run(problem.with_kind("bwd_data"), "im2col_gemm", workspace=BACKEND.empty_workspace(10**6),
-                    w=ops["w"], out=np.empty(problem.x_shape, np.float32))
+        BACKEND.run(
+            problem.with_kind("bwd_data"),
+            "im2col_gemm",
+            workspace=BACKEND.empty_workspace(10**6),
+            w=ops["w"],
+            out=np.empty(problem.x_shape, np.float32),
+        )
 
 
 def test_numpy_reference_agrees_with_torch() -> None:
@@ -214,12 +229,14 @@ def test_numpy_reference_agrees_with_torch() -> None:
     if torch is None:
         pytest.skip("torch is not importable here; the NumPy reference is the only one")
     from conv_reference import torch_reference
+
     for spec in (PROBLEMS["mixed_axes"], PROBLEMS["groups2"], PROBLEMS["pad_beyond_kernel"]):
         for kind in KINDS:
             problem = ConvProblem.parse(spec).with_kind(kind)
             ops = inputs_of(BACKEND.random_operands(problem, seed=1))
-            np.testing.assert_allclose(numpy_reference(problem, **ops), torch_reference(problem, **ops),
-                                       rtol=1e-10, atol=1e-10)
+            np.testing.assert_allclose(
+                numpy_reference(problem, **ops), torch_reference(problem, **ops), rtol=1e-10, atol=1e-10
+            )
 
 
 def test_algorithms_device_and_operands() -> None:
@@ -266,8 +283,13 @@ def test_measure() -> None:
         else:
             assert micro.algo in ("winograd", "direct")
             assert micro.time == math.inf and micro.reason == reason and not micro.usable
-    times = BACKEND.time_run_ms(problem, "shift_gemm", BACKEND.random_operands(problem),
-                                BACKEND.empty_workspace(BACKEND.workspace_size(problem, "shift_gemm")), 3)
+    times = BACKEND.time_run_ms(
+        problem,
+        "shift_gemm",
+        BACKEND.random_operands(problem),
+        BACKEND.empty_workspace(BACKEND.workspace_size(problem, "shift_gemm")),
+        3,
+    )
     assert len(times) == 3 and all(t > 0 for t in times)
 
 

@@ -45,8 +45,13 @@ def test_every_form_matches_the_reference_undivided_and_micro_batched(name, kind
     reason = BACKEND.unsupported_reason(problem, algo)
     if reason is not None:
         # Only winograd lacks forms: 3-D, or a filter other than 3x3 at stride 1 (every 1-D one).
-        assert algo == "winograd" and (problem.d or is_1d(problem) or problem.stride_h > 1 or problem.dilation_w > 1
-                                       or (problem.r, problem.s) != (3, 3)), reason
+        assert algo == "winograd" and (
+            problem.d
+            or is_1d(problem)
+            or problem.stride_h > 1
+            or problem.dilation_w > 1
+            or (problem.r, problem.s) != (3, 3)
+        ), reason
         with pytest.raises(UnsupportedProblem, match="winograd"):
             BACKEND.workspace_size(problem, algo)
         return
@@ -61,8 +66,14 @@ def test_every_form_matches_the_reference_undivided_and_micro_batched(name, kind
     sizes = (problem.n - problem.n // 2, problem.n // 2)
     micros = tuple(MicroConfig(algo, b, 0.0, BACKEND.workspace_size(problem.with_batch(b), algo)) for b in sizes)
     out = np.full(problem.out_shape, np.nan, ops["out"].dtype)
-    run_configuration(BACKEND, problem, Configuration(micros), out=out,
-                      workspace=nan_workspace(max(m.workspace for m in micros)), **inputs)
+    run_configuration(
+        BACKEND,
+        problem,
+        Configuration(micros),
+        out=out,
+        workspace=nan_workspace(max(m.workspace for m in micros)),
+        **inputs,
+    )
     micro = out.astype(np.float64)
     assert relative_error(micro, expected) < TOLERANCE[dtype], (name, kind, algo, "micro-batched")
     assert relative_error(micro, undivided) < TOLERANCE[dtype], (name, kind, algo, "micro vs undivided")
@@ -89,10 +100,15 @@ def test_winograd_runs_a_transposed_stride_1_layer():
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("algo", ALGORITHMS)
-@pytest.mark.parametrize("spec", ["n=3,c=8,d=9,h=10,w=11,k=12,t=3,r=3,s=3,pad=1,stride_w=2,groups=2",
-                                  "n=3,c=12,h=9,w=10,k=8,r=3,s=3,pad=1,stride=2,transposed=1,output_padding=1",
-                                  "n=2,c=12,d=5,h=6,w=5,k=8,t=2,r=2,s=2,stride=2,transposed=1",
-                                  "n=4,c=16,h=1,w=300,k=16,r=1,s=9,pad_w=4,stride_w=2"])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "n=3,c=8,d=9,h=10,w=11,k=12,t=3,r=3,s=3,pad=1,stride_w=2,groups=2",
+        "n=3,c=12,h=9,w=10,k=8,r=3,s=3,pad=1,stride=2,transposed=1,output_padding=1",
+        "n=2,c=12,d=5,h=6,w=5,k=8,t=2,r=2,s=2,stride=2,transposed=1",
+        "n=4,c=16,h=1,w=300,k=16,r=1,s=9,pad_w=4,stride_w=2",
+    ],
+)
 def test_new_forms_take_temporaries_from_the_workspace(spec, algo, kind):
     """The declared workspace is the truth for 3-D, transposed and 1-D problems too (native is
     exempt, as in test_cpu_backend: torch's allocator is invisible to tracemalloc)."""
@@ -109,8 +125,10 @@ def test_new_forms_take_temporaries_from_the_workspace(spec, algo, kind):
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    assert peak <= allowance, (f"{algo} {kind} allocated {peak} bytes outside its workspace "
-                               f"({workspace.nbytes} bytes declared; allowance {allowance})")
+    assert peak <= allowance, (
+        f"{algo} {kind} allocated {peak} bytes outside its workspace "
+        f"({workspace.nbytes} bytes declared; allowance {allowance})"
+    )
 
 
 def test_a_transposed_problem_sizes_its_workspace_as_its_convolution():

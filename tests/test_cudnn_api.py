@@ -49,9 +49,11 @@ ENUM_GROUPS = ("data_type", "heur_mode", "knob_type")
 # ---- 1. importable without a GPU, clear errors ---------------------------------------------------
 def test_backend_module_imports_without_cupy_or_the_frontend():
     # A clean interpreter in which neither CuPy nor the frontend can be imported.
-    code = ("import sys; sys.modules['cupy'] = None; sys.modules['cudnn'] = None\n"
-            "import ucudnn.backends.cudnn as m\n"
-            "try:\n    m.CudnnBackend()\nexcept m.BackendUnavailable as exc:\n    print(exc)\n")
+    code = (
+        "import sys; sys.modules['cupy'] = None; sys.modules['cudnn'] = None\n"
+        "import ucudnn.backends.cudnn as m\n"
+        "try:\n    m.CudnnBackend()\nexcept m.BackendUnavailable as exc:\n    print(exc)\n"
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("cupy is not installed") and result.stdout.count("\n") == 1
@@ -70,11 +72,13 @@ def _fake_cupy_without_device(error: Exception | None, count: int = 0):
         if error is not None:
             raise error
         return count
+
     return SimpleNamespace(cuda=SimpleNamespace(runtime=SimpleNamespace(getDeviceCount=device_count)))
 
 
-@pytest.mark.parametrize("error, count", [(RuntimeError("cudaErrorNoDevice: no CUDA-capable device\nis detected"), 0),
-                                          (None, 0)])
+@pytest.mark.parametrize(
+    "error, count", [(RuntimeError("cudaErrorNoDevice: no CUDA-capable device\nis detected"), 0), (None, 0)]
+)
 def test_no_cuda_device_is_one_line(monkeypatch, error, count):
     monkeypatch.setitem(sys.modules, "cupy", _fake_cupy_without_device(error, count))
     with pytest.raises(BackendUnavailable) as info:
@@ -88,6 +92,7 @@ def test_libcudnn_not_loadable_is_one_line(monkeypatch):
 
     def backend_version():
         raise RuntimeError("Unable to find symbol cudnnGetVersion")
+
     monkeypatch.setitem(sys.modules, "cudnn", SimpleNamespace(backend_version=backend_version))
     with pytest.raises(BackendUnavailable) as info:
         cudnn_backend.CudnnBackend()
@@ -114,13 +119,19 @@ def _used_api(source: str) -> dict[str, set[str]]:
         # set_dim from what set_output returned, which is the tensor again.
         root = base
         while isinstance(root, (ast.Call, ast.Attribute)) and not (
-                isinstance(root, ast.Attribute) and isinstance(root.value, ast.Name)):
+            isinstance(root, ast.Attribute) and isinstance(root.value, ast.Name)
+        ):
             root = root.func if isinstance(root, ast.Call) else root.value
         chained = isinstance(base, ast.Call)
         if isinstance(base, ast.Name) and base.id == "cudnn":
             used["cudnn"].add(node.attr)
-        elif (isinstance(base, ast.Attribute) and isinstance(base.value, ast.Name) and base.value.id == "cudnn"
-              and base.attr in ENUM_GROUPS and f"cudnn.{base.attr}" in used):
+        elif (
+            isinstance(base, ast.Attribute)
+            and isinstance(base.value, ast.Name)
+            and base.value.id == "cudnn"
+            and base.attr in ENUM_GROUPS
+            and f"cudnn.{base.attr}" in used
+        ):
             used[f"cudnn.{base.attr}"].add(node.attr)
         elif isinstance(base, ast.Name) and base.id == "graph":
             used["graph"].add(node.attr)
@@ -143,7 +154,8 @@ def test_api_list_matches_the_source():
     for group, names in CUDNN_API_USED.items():
         assert used[group] == set(names), (
             f"CUDNN_API_USED[{group!r}] is out of date: used but unlisted {sorted(used[group] - set(names))}, "
-            f"listed but unused {sorted(set(names) - used[group])}")
+            f"listed but unused {sorted(set(names) - used[group])}"
+        )
 
 
 def test_only_the_listed_modules_touch_the_frontend():
@@ -153,8 +165,13 @@ def test_only_the_listed_modules_touch_the_frontend():
     touching = set()
     for path in package.rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
-            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
-                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
             imports = any(name == "cudnn" or name.startswith("cudnn.") for name in names)
             reads = isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "cudnn"
             if imports or reads:
@@ -165,8 +182,10 @@ def test_only_the_listed_modules_touch_the_frontend():
 
 def test_the_grep_sees_calls():
     # Guard the guard: a sample in the backend's conventions is read the way the test above expects.
-    used = _used_api("graph.validate()\nx_t.set_output(True).set_dim([1])\ncudnn.data_type.FLOAT\n"
-                     "cudnn.create_handle()\ncudnn.create_handle().foo\n")
+    used = _used_api(
+        "graph.validate()\nx_t.set_output(True).set_dim([1])\ncudnn.data_type.FLOAT\n"
+        "cudnn.create_handle()\ncudnn.create_handle().foo\n"
+    )
     assert used["graph"] == {"validate"} and used["tensor"] == {"set_output", "set_dim"}
     assert used["unlisted"] == {"cudnn.create_handle(...).foo"}
     assert used["cudnn"] == {"data_type", "create_handle"} and used["cudnn.data_type"] == {"FLOAT"}
@@ -213,16 +232,18 @@ def test_signatures_take_the_arguments_the_backend_passes():
 
 
 # ---- 3. the declared graph -----------------------------------------------------------------------
-PROBLEM = ConvProblem(n=3, c=6, h=9, w=8, k=4, r=3, s=2, pad_h=1, pad_w=0, stride_h=2, stride_w=1,
-                      dilation_h=1, dilation_w=2, groups=2)
+PROBLEM = ConvProblem(
+    n=3, c=6, h=9, w=8, k=4, r=3, s=2, pad_h=1, pad_w=0, stride_h=2, stride_w=1, dilation_h=1, dilation_w=2, groups=2
+)
 
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
 def test_declared_graph_matches_the_problem(kind, layout):
     cudnn = pytest.importorskip("cudnn")
-    problem = ConvProblem(**{**{f: getattr(PROBLEM, f) for f in PROBLEM.__dataclass_fields__}, "kind": kind,
-                             "layout": layout})
+    problem = ConvProblem(
+        **{**{f: getattr(PROBLEM, f) for f in PROBLEM.__dataclass_fields__}, "kind": kind, "layout": layout}
+    )
     declared = declare_graph(cudnn, problem)
     (node,) = declared.graph.nodes
     assert node.params["padding"] == [1, 0] and node.params["stride"] == [2, 1] and node.params["dilation"] == [1, 2]
@@ -244,8 +265,10 @@ def test_declared_graph_matches_the_problem(kind, layout):
         assert weight.dim[1] == problem.c // problem.groups
 
 
-@pytest.mark.parametrize("dtype, promoted, compute", [("float16", False, "HALF"), ("float16", True, "FLOAT"),
-                                                      ("bfloat16", True, "FLOAT"), ("float64", False, "DOUBLE")])
+@pytest.mark.parametrize(
+    "dtype, promoted, compute",
+    [("float16", False, "HALF"), ("float16", True, "FLOAT"), ("bfloat16", True, "FLOAT"), ("float64", False, "DOUBLE")],
+)
 def test_declared_graph_data_types(dtype, promoted, compute):
     cudnn = pytest.importorskip("cudnn")
     declared = declare_graph(cudnn, ConvProblem(c=2, h=4, w=4, k=2, r=1, s=1, dtype=dtype), promoted=promoted)
@@ -259,11 +282,30 @@ def test_layout_strides():
     assert layout_strides((2, 3, 4, 5), "NCHW") == (60, 20, 5, 1)
     assert layout_strides((2, 3, 4, 5), "NHWC") == (60, 1, 15, 3)
     assert layout_strides((2, 3, 4, 5, 6), "NCHW") == (360, 120, 30, 6, 1)  # NCDHW
-    assert layout_strides((2, 3, 4, 5, 6), "NHWC") == (360, 1, 90, 18, 3)   # NDHWC
+    assert layout_strides((2, 3, 4, 5, 6), "NHWC") == (360, 1, 90, 18, 3)  # NDHWC
 
 
-PROBLEM_3D = ConvProblem(n=2, c=6, d=7, h=9, w=8, k=4, t=3, r=3, s=2, pad_d=1, pad_h=1, pad_w=0, stride_d=2,
-                         stride_h=1, stride_w=2, dilation_d=1, dilation_h=2, dilation_w=1, groups=2)
+PROBLEM_3D = ConvProblem(
+    n=2,
+    c=6,
+    d=7,
+    h=9,
+    w=8,
+    k=4,
+    t=3,
+    r=3,
+    s=2,
+    pad_d=1,
+    pad_h=1,
+    pad_w=0,
+    stride_d=2,
+    stride_h=1,
+    stride_w=2,
+    dilation_d=1,
+    dilation_h=2,
+    dilation_w=1,
+    groups=2,
+)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -283,18 +325,22 @@ def test_declared_3d_graph_matches_the_problem(kind, layout):
     assert list(declared.output.stride) == list(layout_strides(problem.out_shape, layout))
 
 
-@pytest.mark.parametrize("kind, lowered_kind, port", [("fwd", "bwd_data", "loss"), ("bwd_data", "fwd", "image"),
-                                                      ("bwd_filter", "bwd_filter", "image")])
+@pytest.mark.parametrize(
+    "kind, lowered_kind, port",
+    [("fwd", "bwd_data", "loss"), ("bwd_data", "fwd", "image"), ("bwd_filter", "bwd_filter", "image")],
+)
 def test_a_transposed_problem_is_declared_as_its_convolution(kind, lowered_kind, port):
     cudnn = pytest.importorskip("cudnn")
-    problem = ConvProblem.parse(f"n=2,c=4,d=3,h=4,w=3,k=6,t=2,r=3,s=2,pad_h=1,stride=2,transposed=1,"
-                                f"output_padding_d=1,groups=2,kind={kind}")
+    problem = ConvProblem.parse(
+        f"n=2,c=4,d=3,h=4,w=3,k=6,t=2,r=3,s=2,pad_h=1,stride=2,transposed=1,output_padding_d=1,groups=2,kind={kind}"
+    )
     with pytest.raises(ValueError, match="lowered"):
         declare_graph(cudnn, problem)
     declared = declare_graph(cudnn, problem.lowered())
     (node,) = declared.graph.nodes
-    assert node.node_type.name == {"fwd": "CONV_FPROP", "bwd_data": "CONV_DGRAD", "bwd_filter": "CONV_WGRAD"}[
-        lowered_kind]
+    assert (
+        node.node_type.name == {"fwd": "CONV_FPROP", "bwd_data": "CONV_DGRAD", "bwd_filter": "CONV_WGRAD"}[lowered_kind]
+    )
     # the transposed problem's x (n, c, d, h, w) is what the graph reads as dy (fwd) or x (bwd_data, bwd_filter's dy)
     reads = {"fwd": problem.x_shape, "bwd_data": problem.y_shape, "bwd_filter": problem.y_shape}[kind]
     assert list(node.inputs[port].dim) == list(reads)
@@ -441,7 +487,9 @@ class _ElementwiseKernel:
     def __call__(self, *args):
         assert len(args) == len(self.inputs) + len(self.outputs), f"{self.name}: wrong argument count"
         types: dict[str, np.dtype] = {}
-        for (type_name, name), arg in zip(self.outputs + self.inputs, args[len(self.inputs):] + args[:len(self.inputs)]):
+        for (type_name, name), arg in zip(
+            self.outputs + self.inputs, args[len(self.inputs) :] + args[: len(self.inputs)]
+        ):
             if not isinstance(arg, np.ndarray):
                 continue  # a scalar: converted to its parameter's type, never filling a placeholder
             if not _is_placeholder(type_name):
@@ -452,8 +500,10 @@ class _ElementwiseKernel:
         resolved = {t: types[t] if _is_placeholder(t) else np.dtype(t) for t, _ in self.inputs + self.outputs}
         TRACE.append(("kernel", self.name))
         LAUNCHES.append(("kernel", self.name, STREAMS[-1].ptr))
-        values = {name: (arg if isinstance(arg, np.ndarray) else resolved[t].type(arg))
-                  for (t, name), arg in zip(self.inputs + self.outputs, args)}
+        values = {
+            name: (arg if isinstance(arg, np.ndarray) else resolved[t].type(arg))
+            for (t, name), arg in zip(self.inputs + self.outputs, args)
+        }
         target, expression = (part.strip() for part in self.operation.split("=", 1))
         casts = {**_C_TYPES, **{t: types[t].type for t in types}}
         python = re.sub(r"\((\w+)\)\s*(\w+)", lambda m: f"_cast[{m.group(1)!r}]({m.group(2)})", expression)
@@ -483,23 +533,43 @@ def _pool_block(shape, dtype, like=None) -> FakeArray:
 
 def make_fake_cupy():
     runtime = SimpleNamespace(
-        getDeviceCount=lambda: 1, getDevice=lambda: 0, runtimeGetVersion=lambda: 12090, driverGetVersion=lambda: 12090,
-        getDeviceProperties=lambda i: {"name": b"Fake GPU", "totalGlobalMem": 2**34, "major": 9, "minor": 0})
+        getDeviceCount=lambda: 1,
+        getDevice=lambda: 0,
+        runtimeGetVersion=lambda: 12090,
+        driverGetVersion=lambda: 12090,
+        getDeviceProperties=lambda i: {"name": b"Fake GPU", "totalGlobalMem": 2**34, "major": 9, "minor": 0},
+    )
     cupy = ModuleType("cupy")  # hashable, as the real module (the backend caches kernels by it)
     cupy.__dict__.update(
-        __version__="14.fake", ndarray=FakeArray, dtype=np.dtype,
-        float16=np.float16, float32=np.float32, float64=np.float64, uint8=np.uint8, uint16=np.uint16,
+        __version__="14.fake",
+        ndarray=FakeArray,
+        dtype=np.dtype,
+        float16=np.float16,
+        float32=np.float32,
+        float64=np.float64,
+        uint8=np.uint8,
+        uint16=np.uint16,
         uint32=np.uint32,
         empty=lambda shape, dtype=np.float32: _pool_block(shape, dtype),
         zeros=lambda shape, dtype=np.float64: _block(np.zeros(shape, dtype)),
         empty_like=lambda a: _pool_block(a.shape, a.dtype, like=a),
         asarray=lambda a, dtype=None: _fake(np.asarray(a, dtype)),
-        pad=lambda a, pads: _fake(np.pad(a, pads)), einsum=lambda *a, **kw: _fake(np.einsum(*a, **kw)),
-        abs=lambda a: _fake(np.abs(a)), tensordot=lambda a, b, axes: _fake(np.tensordot(a, b, axes)),
-        random=SimpleNamespace(default_rng=_Rng), RawKernel=_RawKernel, ElementwiseKernel=_ElementwiseKernel,
-        cuda=SimpleNamespace(runtime=runtime, Device=_Device, Event=_Event,
-                             get_current_stream=lambda: STREAMS[-1], ExternalStream=_Stream,
-                             get_elapsed_time=lambda start, end: (end.at - start.at) * 1e3))
+        pad=lambda a, pads: _fake(np.pad(a, pads)),
+        einsum=lambda *a, **kw: _fake(np.einsum(*a, **kw)),
+        abs=lambda a: _fake(np.abs(a)),
+        tensordot=lambda a, b, axes: _fake(np.tensordot(a, b, axes)),
+        random=SimpleNamespace(default_rng=_Rng),
+        RawKernel=_RawKernel,
+        ElementwiseKernel=_ElementwiseKernel,
+        cuda=SimpleNamespace(
+            runtime=runtime,
+            Device=_Device,
+            Event=_Event,
+            get_current_stream=lambda: STREAMS[-1],
+            ExternalStream=_Stream,
+            get_elapsed_time=lambda start, end: (end.at - start.at) * 1e3,
+        ),
+    )
     return cupy
 
 
@@ -507,16 +577,32 @@ def make_fake_cupy():
 # sample). A duplicate, a frontend python engine and the delegating entry must not become
 # algorithms; engine 7 is offered but does not build; engine 28 is listed with the NOT_SET
 # placeholder knob, which `create_execution_plan` rejects as the real frontend does.
-FAKE_ENGINES = ((0, {}, 0), (1, {"TILE_SIZE": 2}, 256), (1, {"TILE_SIZE": 2}, 256), (7, {"SPLIT_K_BUF": 1}, 0),
-                (20_800, {}, 0), (-1, {}, 0), (2, {"SPLIT_K_BUF": 4, "TILEK": 0}, 1024),
-                (28, {"NOT_SET": 0, "TILE_SIZE": 4}, 64))
-FAKE_ALGOS = ["eng0", "eng1:TILE_SIZE=2", "eng7:SPLIT_K_BUF=1", "eng2:SPLIT_K_BUF=4,TILEK=0",
-              "eng28:NOT_SET=0,TILE_SIZE=4"]
+FAKE_ENGINES = (
+    (0, {}, 0),
+    (1, {"TILE_SIZE": 2}, 256),
+    (1, {"TILE_SIZE": 2}, 256),
+    (7, {"SPLIT_K_BUF": 1}, 0),
+    (20_800, {}, 0),
+    (-1, {}, 0),
+    (2, {"SPLIT_K_BUF": 4, "TILEK": 0}, 1024),
+    (28, {"NOT_SET": 0, "TILE_SIZE": 4}, 64),
+)
+FAKE_ALGOS = [
+    "eng0",
+    "eng1:TILE_SIZE=2",
+    "eng7:SPLIT_K_BUF=1",
+    "eng2:SPLIT_K_BUF=4,TILEK=0",
+    "eng28:NOT_SET=0,TILE_SIZE=4",
+]
 
 
 def _host_view(address: int, dims, strides, data_type, cudnn) -> np.ndarray:
-    storage = {cudnn.data_type.FLOAT: np.float32, cudnn.data_type.HALF: np.float16,
-               cudnn.data_type.DOUBLE: np.float64, cudnn.data_type.BFLOAT16: np.uint16}[data_type]
+    storage = {
+        cudnn.data_type.FLOAT: np.float32,
+        cudnn.data_type.HALF: np.float16,
+        cudnn.data_type.DOUBLE: np.float64,
+        cudnn.data_type.BFLOAT16: np.uint16,
+    }[data_type]
     itemsize = np.dtype(storage).itemsize
     span = 1 + sum((d - 1) * s for d, s in zip(dims, strides))
     buffer = (ctypes.c_char * (span * itemsize)).from_address(address)
@@ -528,8 +614,14 @@ def make_fake_cudnn(real):
     # "stale_workspace": engine ids that read the first float of their workspace without writing it;
     # "reads_output": engine ids that add into their output instead of overwriting it (right on a
     # zeroed output, wrong on a temporary holding old bytes, as eng70's bwd_filter accumulating).
-    calls = {"create_execution_plans": [], "create_execution_plan": [], "build_plan_at_index": [], "execute": 0,
-             "stale_workspace": set(), "reads_output": set()}
+    calls = {
+        "create_execution_plans": [],
+        "create_execution_plan": [],
+        "build_plan_at_index": [],
+        "execute": 0,
+        "stale_workspace": set(),
+        "reads_output": set(),
+    }
     knob = real.knob_type
 
     class FakeGraph(real.pygraph):
@@ -555,8 +647,9 @@ def make_fake_cudnn(real):
             assert self.fake_state["operation_graph"]
             assert all(isinstance(k, knob) and isinstance(v, int) for k, v in (knobs or {}).items())
             if knob.NOT_SET in (knobs or {}):
-                raise RuntimeError("convert_to_backend_knob_type(type, backend_type) failed with "
-                                   "CUDNN_STATUS_INVALID_VALUE")
+                raise RuntimeError(
+                    "convert_to_backend_knob_type(type, backend_type) failed with CUDNN_STATUS_INVALID_VALUE"
+                )
             calls["create_execution_plan"].append((engine_id, dict(knobs or {})))
             self.fake_state["plans"] = (self.fake_state["plans"] or []) + [(engine_id, dict(knobs or {}))]
             return self
@@ -618,17 +711,25 @@ def make_fake_cudnn(real):
                 assert address % 16 == 0, f"{port} pointer {address} is not 16-byte aligned"
                 views[port] = _host_view(address, tensor.dim, tensor.stride, tensor.data_type, real)
             out_port = next(iter(node.outputs))
-            dtype = {np.float32: "float32", np.float16: "float16", np.float64: "float64",
-                     np.uint16: "bfloat16"}[views[out_port].dtype.type]
+            dtype = {np.float32: "float32", np.float16: "float16", np.float64: "float64", np.uint16: "bfloat16"}[
+                views[out_port].dtype.type
+            ]
             host = {port: selftest.to_host_float64(v, dtype) for port, v in views.items() if port != out_port}
             names = {"image": "x", "weight": "w", "filter": "w", "loss": "dy"}
             x_dims = (node.inputs.get("image") or node.outputs.get("DX")).dim
             w_dims = (node.inputs.get("weight") or node.inputs.get("filter") or node.outputs.get("DW")).dim
             y_dims = (node.inputs.get("loss") or node.outputs.get("Y")).dim
             # Any number of spatial axes (4-D or 5-D tensors); the graph is always a convolution.
-            problem = ConvProblem.from_shapes(x_dims, w_dims, stride=node.params["stride"],
-                                              padding=node.params["padding"], dilation=node.params["dilation"],
-                                              groups=x_dims[1] // w_dims[1], kind=kind, dtype=dtype)
+            problem = ConvProblem.from_shapes(
+                x_dims,
+                w_dims,
+                stride=node.params["stride"],
+                padding=node.params["padding"],
+                dilation=node.params["dilation"],
+                groups=x_dims[1] // w_dims[1],
+                kind=kind,
+                dtype=dtype,
+            )
             assert tuple(y_dims) == problem.y_shape
             result = selftest.reference(problem, **{names[p]: v for p, v in host.items()})
             engine_id, _ = self._engine(index)
@@ -665,11 +766,19 @@ def make_fake_cudnn(real):
             handles["switched"].append(stream)
             handle.stream = stream
 
-    api = {"__version__": real.__version__, "backend_version": lambda: 92800,
-           "backend_version_string": lambda: "9.28.0", "create_handle": create_handle,
-           "destroy_handle": destroy_handle, "set_stream": set_stream, "pygraph": FakeGraph,
-           "cudnnGraphNotSupportedError": real.cudnnGraphNotSupportedError, "data_type": real.data_type,
-           "heur_mode": real.heur_mode, "knob_type": real.knob_type}
+    api = {
+        "__version__": real.__version__,
+        "backend_version": lambda: 92800,
+        "backend_version_string": lambda: "9.28.0",
+        "create_handle": create_handle,
+        "destroy_handle": destroy_handle,
+        "set_stream": set_stream,
+        "pygraph": FakeGraph,
+        "cudnnGraphNotSupportedError": real.cudnnGraphNotSupportedError,
+        "data_type": real.data_type,
+        "heur_mode": real.heur_mode,
+        "knob_type": real.knob_type,
+    }
     assert set(api) == set(CUDNN_API_USED["cudnn"]), "the stand-in must offer exactly the listed API"
     return SimpleNamespace(**api), calls, handles
 
@@ -801,11 +910,13 @@ def test_run_rejects_bad_operands(fake_gpu):
     with pytest.raises(InvalidInput, match="shape"):
         backend.run(SMALL, "eng0", x=operands["x"][:2], w=operands["w"], out=operands["out"], workspace=workspace)
     with pytest.raises(InvalidInput, match="dtype"):
-        backend.run(SMALL, "eng0", x=operands["x"].astype(np.float64), w=operands["w"], out=operands["out"],
-                    workspace=workspace)
+        backend.run(
+            SMALL, "eng0", x=operands["x"].astype(np.float64), w=operands["w"], out=operands["out"], workspace=workspace
+        )
     with pytest.raises(InvalidInput, match="CuPy array"):
-        backend.run(SMALL, "eng0", x=np.asarray(operands["x"]), w=operands["w"], out=operands["out"],
-                    workspace=workspace)
+        backend.run(
+            SMALL, "eng0", x=np.asarray(operands["x"]), w=operands["w"], out=operands["out"], workspace=workspace
+        )
     with pytest.raises(InvalidInput, match="needs operand 'w'"):
         backend.run(SMALL, "eng0", x=operands["x"], out=operands["out"], workspace=workspace)
     with pytest.raises(InvalidInput, match="workspace"):
@@ -826,8 +937,9 @@ def test_a_not_set_name_rebuilds_with_the_placeholder_dropped(fake_gpu):
     assert fake_gpu.calls["create_execution_plan"][-1] == (28, {knob.TILE_SIZE: 4})
     assert EngineConfig.parse(NOT_SET_ALGO).name == NOT_SET_ALGO  # stored names keep their spelling
     operands = fresh.random_operands(problem)
-    fresh.run(problem, NOT_SET_ALGO, workspace=fresh.empty_workspace(fresh.workspace_size(problem, NOT_SET_ALGO)),
-              **operands)
+    fresh.run(
+        problem, NOT_SET_ALGO, workspace=fresh.empty_workspace(fresh.workspace_size(problem, NOT_SET_ALGO)), **operands
+    )
     expected = selftest.reference(problem, x=np.asarray(operands["x"]), w=np.asarray(operands["w"]))
     assert selftest.relative_error(np.asarray(operands["out"], np.float64), expected) < 1e-6
 
@@ -930,8 +1042,9 @@ def test_a_placeholder_only_scalars_use_is_refused_as_cupy_refuses_it():
     # The blend as it was on 2026-11-22 (W filled by nothing): CuPy raised KeyError: 'W' on every
     # launch that blends. The stand-in refuses it the same way, so the tests above would catch it.
     cupy = make_fake_cupy()
-    kernel = cupy.ElementwiseKernel("T tmp, W alpha, W beta", "T out", "out = (T)(alpha * (W)tmp + beta * (W)out)",
-                                    "old_blend")
+    kernel = cupy.ElementwiseKernel(
+        "T tmp, W alpha, W beta", "T out", "out = (T)(alpha * (W)tmp + beta * (W)out)", "old_blend"
+    )
     tmp, out = _fake(np.ones(4, np.float32)), _fake(np.ones(4, np.float32))
     with pytest.raises(KeyError, match="W"):
         kernel(tmp, np.float32(2.0), np.float32(1.0), out)
@@ -978,8 +1091,14 @@ def test_a_handle_keeps_no_device_memory_between_runs(fake_gpu, mode):
     from ucudnn.handle import Handle
 
     backend = cudnn_backend.CudnnBackend()
-    handle = Handle(backend=backend, db=False, reps=1, policy=(1, 2, 4), algos=["eng1:TILE_SIZE=2",
-                                                                                "eng2:SPLIT_K_BUF=4,TILEK=0"], **mode)
+    handle = Handle(
+        backend=backend,
+        db=False,
+        reps=1,
+        policy=(1, 2, 4),
+        algos=["eng1:TILE_SIZE=2", "eng2:SPLIT_K_BUF=4,TILEK=0"],
+        **mode,
+    )
     problems = {kind: SMALL.with_kind(kind) for kind in KINDS}
     handle.register("conv", SMALL, kinds=KINDS)
     operands = {kind: backend.random_operands(problem, seed=1) for kind, problem in problems.items()}
@@ -1041,9 +1160,13 @@ def test_selftest_runs_every_form_through_the_backend(fake_gpu, dtype):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("spec", ["n=3,c=3,d=4,h=5,w=3,k=4,t=3,r=3,s=3,pad=1,layout=NHWC",
-                                  ("n=3,c=4,d=2,h=3,w=3,k=6,t=2,r=2,s=2,stride=2,transposed=1,output_padding_w=1,"
-                                  "layout=NHWC")])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "n=3,c=3,d=4,h=5,w=3,k=4,t=3,r=3,s=3,pad=1,layout=NHWC",
+        ("n=3,c=4,d=2,h=3,w=3,k=6,t=2,r=2,s=2,stride=2,transposed=1,output_padding_w=1,layout=NHWC"),
+    ],
+)
 def test_ndhwc_and_transposed_operands_run_micro_batched(fake_gpu, spec, kind):
     from ucudnn.solver.types import Configuration, MicroConfig
 
@@ -1071,8 +1194,10 @@ def test_transposed_operands_are_checked_by_the_callers_names(fake_gpu):
     operands = backend.random_operands(problem)
     workspace = backend.empty_workspace(backend.workspace_size(problem, "eng0"))
     with pytest.raises(InvalidInput, match="operand 'x' has shape"):
-        backend.run(problem, "eng0", x=operands["x"][:, :, :2], w=operands["w"], out=operands["out"],
-                    workspace=workspace)
+        backend.run(
+            problem, "eng0", x=operands["x"][:, :, :2], w=operands["w"], out=operands["out"], workspace=workspace
+        )
     assert backend.algorithms(problem) == FAKE_ALGOS
-    assert backend.workspace_size(problem, "eng1:TILE_SIZE=2") == backend.workspace_size(problem.lowered(),
-                                                                                        "eng1:TILE_SIZE=2")
+    assert backend.workspace_size(problem, "eng1:TILE_SIZE=2") == backend.workspace_size(
+        problem.lowered(), "eng1:TILE_SIZE=2"
+    )

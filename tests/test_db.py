@@ -28,8 +28,16 @@ def micros(algos=ALGOS, batches=BATCHES, scale: float = 1.0) -> list[MicroConfig
             if algo == "winograd" and b > 8:
                 out.append(MicroConfig(algo, b, math.inf, 0, reason="unsupported: batch > 8"))
             else:
-                out.append(MicroConfig(algo, b, scale * (0.125 * (i + 1) + b / 64), 1024 * b * i,
-                                       reason="noisy" if b == 1 else "", spread=0.015625 * i))
+                out.append(
+                    MicroConfig(
+                        algo,
+                        b,
+                        scale * (0.125 * (i + 1) + b / 64),
+                        1024 * b * i,
+                        reason="noisy" if b == 1 else "",
+                        spread=0.015625 * i,
+                    )
+                )
         # and nothing else: the fixture values are what the tests compare against
     return out
 
@@ -89,8 +97,9 @@ def test_lookup_filters_batches_and_algos(cache: Cache) -> None:
     everything = cache.lookup(problem_key=PROBLEM.key, batches=None, **DEVICE)
     assert len(everything) == len(ALGOS) * len(BATCHES)
     assert cache.lookup(problem_key=PROBLEM.key, batches=[], **DEVICE) == {}
-    assert cache.lookup(problem_key=PROBLEM.key, batches=iter([1]), algos=iter(["gemm"]), **DEVICE) \
-        .keys() == {("gemm", 1)}
+    assert cache.lookup(problem_key=PROBLEM.key, batches=iter([1]), algos=iter(["gemm"]), **DEVICE).keys() == {
+        ("gemm", 1)
+    }
 
 
 def test_lookup_of_many_batches_spans_statements(cache: Cache) -> None:
@@ -99,20 +108,36 @@ def test_lookup_of_many_batches_spans_statements(cache: Cache) -> None:
     assert len(cache.lookup(problem_key=PROBLEM.key, batches=range(1, 1300), **DEVICE)) == 1200
 
 
-@pytest.mark.parametrize("field, value", [
-    ("device", "Other GPU 40GB"), ("backend", "cpu"),
-    ("versions", "cudnn=9.2.0,frontend=1.8"), ("versions", "cudnn=9.1.0,frontend=1.9"),
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("device", "Other GPU 40GB"),
+        ("backend", "cpu"),
+        ("versions", "cudnn=9.2.0,frontend=1.8"),
+        ("versions", "cudnn=9.1.0,frontend=1.9"),
+    ],
+)
 def test_other_device_backend_or_versions_never_match(cache: Cache, field: str, value: str) -> None:
     cache.store(problem_key=PROBLEM.key, micros=micros(), **DEVICE)
     assert cache.lookup(problem_key=PROBLEM.key, batches=BATCHES, **{**DEVICE, field: value}) == {}
 
 
-@pytest.mark.parametrize("change", [
-    {"dilation_h": 2, "dilation_w": 2}, {"dilation_w": 2}, {"groups": 2}, {"dtype": "float16"},
-    {"compute_type": "float64"}, {"layout": "NHWC"}, {"kind": "bwd_data"}, {"kind": "bwd_filter"},
-    {"pad_h": 0}, {"stride_w": 2}, {"c": 32},
-])
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"dilation_h": 2, "dilation_w": 2},
+        {"dilation_w": 2},
+        {"groups": 2},
+        {"dtype": "float16"},
+        {"compute_type": "float64"},
+        {"layout": "NHWC"},
+        {"kind": "bwd_data"},
+        {"kind": "bwd_filter"},
+        {"pad_h": 0},
+        {"stride_w": 2},
+        {"c": 32},
+    ],
+)
 def test_problem_differing_in_one_field_never_matches(cache: Cache, change: dict) -> None:
     other = dataclasses.replace(PROBLEM, **change)
     assert other.key != PROBLEM.key
@@ -120,34 +145,38 @@ def test_problem_differing_in_one_field_never_matches(cache: Cache, change: dict
     assert cache.lookup(problem_key=other.key, batches=BATCHES, **DEVICE) == {}
     # ... and the reverse: storing under the other key leaves the first untouched.
     cache.store(problem_key=other.key, micros=micros(scale=2.0), **DEVICE)
-    assert all(same(m, cache.lookup(problem_key=PROBLEM.key, batches=[m.batch], **DEVICE)[m.algo, m.batch])
-               for m in micros())
+    assert all(
+        same(m, cache.lookup(problem_key=PROBLEM.key, batches=[m.batch], **DEVICE)[m.algo, m.batch]) for m in micros()
+    )
 
 
 def test_batch_size_is_not_part_of_the_problem_key(cache: Cache) -> None:
     cache.store(problem_key=PROBLEM.with_batch(8).key, micros=micros(), **DEVICE)
-    assert len(cache.lookup(problem_key=PROBLEM.with_batch(256).key, batches=BATCHES, **DEVICE)) \
-        == len(ALGOS) * len(BATCHES)
+    assert len(cache.lookup(problem_key=PROBLEM.with_batch(256).key, batches=BATCHES, **DEVICE)) == len(ALGOS) * len(
+        BATCHES
+    )
 
 
 def test_problem_kind_is_recorded(cache: Cache) -> None:
     for kind in ("fwd", "bwd_data", "bwd_filter"):
-        cache.store(problem_key=dataclasses.replace(PROBLEM, kind=kind).key,
-                    micros=micros(batches=(1,)), **DEVICE)
+        cache.store(problem_key=dataclasses.replace(PROBLEM, kind=kind).key, micros=micros(batches=(1,)), **DEVICE)
     kinds = {r.problem_key.split(",")[0] for r in cache.measurement_records()}
     assert kinds == {"kind=fwd", "kind=bwd_data", "kind=bwd_filter"}
 
 
-@pytest.mark.parametrize("bad, rule", [
-    (MicroConfig("gemm", 0, 1.0, 0), "positive integer"),
-    (MicroConfig("gemm", 1, math.nan, 0), "non-negative number"),
-    (MicroConfig("gemm", 1, -1.0, 0), "non-negative number"),
-    (MicroConfig("gemm", 1, -math.inf, 0), "non-negative number"),
-    (MicroConfig("gemm", 1, 1.0, -5), "workspace"),
-    (MicroConfig("gemm", 1, 1.0, 0, spread=math.nan), "spread"),
-    (MicroConfig("", 1, 1.0, 0), "algo"),
-    (("gemm", 1, 1.0, 0), "MicroConfig"),
-])
+@pytest.mark.parametrize(
+    "bad, rule",
+    [
+        (MicroConfig("gemm", 0, 1.0, 0), "positive integer"),
+        (MicroConfig("gemm", 1, math.nan, 0), "non-negative number"),
+        (MicroConfig("gemm", 1, -1.0, 0), "non-negative number"),
+        (MicroConfig("gemm", 1, -math.inf, 0), "non-negative number"),
+        (MicroConfig("gemm", 1, 1.0, -5), "workspace"),
+        (MicroConfig("gemm", 1, 1.0, 0, spread=math.nan), "spread"),
+        (MicroConfig("", 1, 1.0, 0), "algo"),
+        (("gemm", 1, 1.0, 0), "MicroConfig"),
+    ],
+)
 def test_store_rejects_bad_measurements(cache: Cache, bad, rule: str) -> None:
     with pytest.raises(InvalidInput, match=rule):
         cache.store(problem_key=PROBLEM.key, micros=[bad], **DEVICE)
@@ -168,8 +197,12 @@ def test_store_rejects_duplicates_and_empty_keys(cache: Cache) -> None:
 
 
 def test_plans_round_trip_and_replace(cache: Cache) -> None:
-    plan = {"mode": "WR", "config": [{"algo": "fft", "batch": 16, "time_ms": 0.1, "workspace": 3}],
-            "baseline": None, "nested": {"ok": True, "list": [1, 2.5, "x"]}}
+    plan = {
+        "mode": "WR",
+        "config": [{"algo": "fft", "batch": 16, "time_ms": 0.1, "workspace": 3}],
+        "baseline": None,
+        "nested": {"ok": True, "list": [1, 2.5, "x"]},
+    }
     assert cache.get_plan("wr:abc") is None
     cache.put_plan("wr:abc", plan)
     assert cache.get_plan("wr:abc") == plan
@@ -190,13 +223,20 @@ def test_plans_must_be_json(cache: Cache, plan) -> None:
 
 def test_info_counts(cache: Cache) -> None:
     cache.store(problem_key=PROBLEM.key, micros=micros(), **DEVICE)
-    cache.store(problem_key=dataclasses.replace(PROBLEM, kind="bwd_data").key,
-                micros=micros(batches=(1,)), **{**DEVICE, "versions": "cudnn=9.2"})
+    cache.store(
+        problem_key=dataclasses.replace(PROBLEM, kind="bwd_data").key,
+        micros=micros(batches=(1,)),
+        **{**DEVICE, "versions": "cudnn=9.2"},
+    )
     cache.put_plan("p", {"a": 1})
     info = cache.info()
-    assert {k: info[k] for k in ("schema_version", "devices", "problems", "measurements", "plans")} \
-        == {"schema_version": SCHEMA_VERSION, "devices": 2, "problems": 2,
-            "measurements": len(ALGOS) * (len(BATCHES) + 1), "plans": 1}
+    assert {k: info[k] for k in ("schema_version", "devices", "problems", "measurements", "plans")} == {
+        "schema_version": SCHEMA_VERSION,
+        "devices": 2,
+        "problems": 2,
+        "measurements": len(ALGOS) * (len(BATCHES) + 1),
+        "plans": 1,
+    }
     assert info["url"] == cache.url
     assert [d["measurements"] for d in info["by_device"]] == [len(ALGOS) * len(BATCHES), len(ALGOS)]
 
@@ -213,8 +253,12 @@ def test_prune_by_filters(cache: Cache) -> None:
     assert cache.lookup(problem_key=PROBLEM.key, batches=BATCHES, **other) == {}
     assert len(cache.lookup(problem_key=PROBLEM.key, batches=BATCHES, **DEVICE)) == n
     assert cache.prune(older_than_days=1)["measurements"] == 0  # everything is new
-    assert cache.prune(device=DEVICE["device"], older_than_days=0) == \
-        {"measurements": n, "plans": 0, "devices": 1, "problems": 1}
+    assert cache.prune(device=DEVICE["device"], older_than_days=0) == {
+        "measurements": n,
+        "plans": 0,
+        "devices": 1,
+        "problems": 1,
+    }
     assert cache.prune(older_than_days=0)["plans"] == 1
     with pytest.raises(InvalidInput, match="--all"):
         cache.prune()
@@ -284,9 +328,14 @@ def test_plain_path_and_in_memory(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
         assert c.info()["measurements"] == len(micros())
 
 
-@pytest.mark.parametrize("url, rule", [
-    ("mysql://u@h/db", "SQLite or PostgreSQL"), ("", "non-empty"), ("not a url://x", "not a database URL"),
-])
+@pytest.mark.parametrize(
+    "url, rule",
+    [
+        ("mysql://u@h/db", "SQLite or PostgreSQL"),
+        ("", "non-empty"),
+        ("not a url://x", "not a database URL"),
+    ],
+)
 def test_bad_urls(url: str, rule: str) -> None:
     with pytest.raises(InvalidInput, match=rule):
         Cache(url)
@@ -307,7 +356,6 @@ def test_bare_postgresql_url_gets_psycopg(pg_server) -> None:  # noqa: F811
         assert c.store(problem_key=PROBLEM.key, micros=micros(), **DEVICE) == len(micros())
 
 
-
 @pytest.mark.parametrize("kind", ["fwd", "bwd_data", "bwd_filter"])
 def test_second_benchmark_run_measures_nothing(db_url: str, kind: str) -> None:  # noqa: F811
     """Issue 1 end to end: the CPU backend measures through the cache, twice."""
@@ -322,5 +370,6 @@ def test_second_benchmark_run_measures_nothing(db_url: str, kind: str) -> None: 
         second, stats2 = measure_table(backend, problem, [1, 2, 4], cache=c, reps=1)
     assert stats1.measured > 0 and stats1.cached == 0
     assert stats2.measured == 0 and stats2.cached == stats1.measured
-    assert {b: [dataclasses.astuple(m) for m in ms] for b, ms in first.items()} == \
-        {b: [dataclasses.astuple(m) for m in ms] for b, ms in second.items()}
+    assert {b: [dataclasses.astuple(m) for m in ms] for b, ms in first.items()} == {
+        b: [dataclasses.astuple(m) for m in ms] for b, ms in second.items()
+    }

@@ -18,8 +18,11 @@ from ucudnn.problem import ConvProblem
 
 DEVICE = {"device": "Test GPU", "backend": "cudnn", "versions": "cudnn=9.1.0"}
 KEY = ConvProblem(c=64, h=56, w=56, k=128, r=3, s=3, pad_h=1, pad_w=1).key
-MICROS = [MicroConfig("gemm", 1, 0.5, 0, spread=0.125), MicroConfig("fft", 1, 0.25, 4096),
-          MicroConfig("winograd", 1, math.inf, 0, reason="unsupported: stride 2")]
+MICROS = [
+    MicroConfig("gemm", 1, 0.5, 0, spread=0.125),
+    MicroConfig("fft", 1, 0.25, 4096),
+    MicroConfig("winograd", 1, math.inf, 0, reason="unsupported: stride 2"),
+]
 
 
 def run(capsys: pytest.CaptureFixture, *args: str) -> tuple[int, str, str]:
@@ -31,8 +34,7 @@ def run(capsys: pytest.CaptureFixture, *args: str) -> tuple[int, str, str]:
 def filled(url: str) -> str:
     with Cache(url) as c:
         c.store(problem_key=KEY, micros=MICROS, **DEVICE)
-        c.store(problem_key=KEY.replace("fwd", "bwd_data"), micros=MICROS[:1],
-                **{**DEVICE, "versions": "cudnn=9.2.0"})
+        c.store(problem_key=KEY.replace("fwd", "bwd_data"), micros=MICROS[:1], **{**DEVICE, "versions": "cudnn=9.2.0"})
         c.put_plan("plan-1", {"mode": "WR", "config": [{"algo": "fft", "batch": 1}]})
     return url
 
@@ -52,15 +54,19 @@ def test_info(db_url: str, capsys: pytest.CaptureFixture) -> None:  # noqa: F811
     code, out, _ = run(capsys, "info", "--db", db_url, "--json")
     assert code == 0
     info = json.loads(out)
-    assert {k: info[k] for k in ("schema_version", "devices", "problems", "measurements", "plans")} == \
-        {"schema_version": SCHEMA_VERSION, "devices": 2, "problems": 2, "measurements": 4, "plans": 1}
+    assert {k: info[k] for k in ("schema_version", "devices", "problems", "measurements", "plans")} == {
+        "schema_version": SCHEMA_VERSION,
+        "devices": 2,
+        "problems": 2,
+        "measurements": 4,
+        "plans": 1,
+    }
     code, out, _ = run(capsys, "info", "--db", db_url)
     assert code == 0
     assert "measurements    4" in out and "schema_version  1" in out and "Test GPU [cudnn] cudnn=9.2.0" in out
 
 
-def test_info_uses_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                               capsys: pytest.CaptureFixture) -> None:
+def test_info_uses_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
     monkeypatch.setenv("UCUDNN_DB", filled(str(tmp_path / "env.db")))
     code, out, _ = run(capsys, "info", "--json")
     assert code == 0 and json.loads(out)["measurements"] == 4
@@ -90,8 +96,10 @@ def test_export_import_round_trip(db_url: str, tmp_path: Path, capsys: pytest.Ca
     copy = tmp_path / "copy.db"
     code, out, _ = run(capsys, "import", "--db", str(copy), str(first), "--json")
     assert code == 0
-    assert json.loads(out) == {"measurements": {"inserted": 4, "replaced": 0, "kept": 0},
-                               "plans": {"inserted": 1, "replaced": 0, "kept": 0}}
+    assert json.loads(out) == {
+        "measurements": {"inserted": 4, "replaced": 0, "kept": 0},
+        "plans": {"inserted": 1, "replaced": 0, "kept": 0},
+    }
     second = tmp_path / "b.jsonl"
     assert run(capsys, "export", "--db", str(copy), str(second))[0] == 0
     assert body(second) == records
@@ -130,17 +138,40 @@ def test_import_into_itself_is_refused(tmp_path: Path, capsys: pytest.CaptureFix
 
 
 def header() -> dict:
-    return {"type": "header", "format": "ucudnn-cache-export", "version": 1, "schema_version": 1,
-            "exported_at": "2026-01-01T00:00:00Z"}
+    return {
+        "type": "header",
+        "format": "ucudnn-cache-export",
+        "version": 1,
+        "schema_version": 1,
+        "exported_at": "2026-01-01T00:00:00Z",
+    }
 
 
-def measurement(algo: str = "gemm", batch: int = 1, time_ms: float | None = 1.0, *,
-                created_at: str = "2026-01-01T00:00:00.000000Z", device: str = "Test GPU",
-                spread_ms: float = 0.0, workspace_bytes: int = 0, reason: str = "") -> dict:
-    return {"type": "measurement", "device": device, "backend": "cudnn", "versions": "cudnn=9.1.0",
-            "problem_key": KEY, "algo": algo, "batch": batch, "time_ms": time_ms,
-            "spread_ms": spread_ms, "workspace_bytes": workspace_bytes, "reason": reason,
-            "created_at": created_at}
+def measurement(
+    algo: str = "gemm",
+    batch: int = 1,
+    time_ms: float | None = 1.0,
+    *,
+    created_at: str = "2026-01-01T00:00:00.000000Z",
+    device: str = "Test GPU",
+    spread_ms: float = 0.0,
+    workspace_bytes: int = 0,
+    reason: str = "",
+) -> dict:
+    return {
+        "type": "measurement",
+        "device": device,
+        "backend": "cudnn",
+        "versions": "cudnn=9.1.0",
+        "problem_key": KEY,
+        "algo": algo,
+        "batch": batch,
+        "time_ms": time_ms,
+        "spread_ms": spread_ms,
+        "workspace_bytes": workspace_bytes,
+        "reason": reason,
+        "created_at": created_at,
+    }
 
 
 def plan(key: str, value: dict, created_at: str = "2026-01-01T00:00:00Z") -> dict:
@@ -166,11 +197,16 @@ BAD_EXPORTS = {
 
 
 @pytest.mark.parametrize("name", BAD_EXPORTS)
-def test_import_bad_export_changes_nothing(name: str, db_url: str, tmp_path: Path,  # noqa: F811
-                                           capsys: pytest.CaptureFixture) -> None:
+def test_import_bad_export_changes_nothing(
+    name: str,
+    db_url: str,  # noqa: F811 - the fixture imported above
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture,
+) -> None:
     records, with_header, message = BAD_EXPORTS[name]
-    lines = ([json.dumps(header())] if with_header else []) + \
-        [r if isinstance(r, str) else json.dumps(r) for r in records]
+    lines = ([json.dumps(header())] if with_header else []) + [
+        r if isinstance(r, str) else json.dumps(r) for r in records
+    ]
     # A good record first, so that an import that wrote as it read would leave it behind.
     if with_header:
         lines.insert(1, json.dumps(measurement("direct")))
@@ -196,8 +232,7 @@ def test_import_of_a_text_file(tmp_path: Path, capsys: pytest.CaptureFixture) ->
 # ---- the merge rule ----------------------------------------------------------------------------
 
 
-def merged(tmp_path: Path, capsys: pytest.CaptureFixture, *sources: Path,
-           url: str | None = None) -> list[dict]:
+def merged(tmp_path: Path, capsys: pytest.CaptureFixture, *sources: Path, url: str | None = None) -> list[dict]:
     db = url or str(tmp_path / f"merged-{random.random()}.db")
     for source in sources:
         assert run(capsys, "import", "--db", db, str(source))[0] == 0
@@ -206,30 +241,46 @@ def merged(tmp_path: Path, capsys: pytest.CaptureFixture, *sources: Path,
     return body(out)
 
 
-@pytest.mark.parametrize("old, new, winner", [
-    # later created_at wins, whatever the values
-    (measurement(time_ms=1.0, created_at="2026-01-01T00:00:00Z"),
-     measurement(time_ms=5.0, created_at="2026-01-02T00:00:00Z"), "new"),
-    (measurement(time_ms=None, reason="oom", created_at="2026-01-03T00:00:00Z"),
-     measurement(time_ms=5.0, created_at="2026-01-02T00:00:00Z"), "old"),
-    # time zones are honoured: 01:00+02:00 is 23:00 the day before
-    (measurement(time_ms=1.0, created_at="2026-01-01T22:00:00Z"),
-     measurement(time_ms=5.0, created_at="2026-01-02T01:00:00+02:00"), "new"),
-    # equal created_at: usable beats failed, then lower time, spread, workspace, then reason
-    (measurement(time_ms=None, reason="oom"), measurement(time_ms=9.0), "new"),
-    (measurement(time_ms=2.0), measurement(time_ms=1.0), "new"),
-    (measurement(time_ms=1.0, spread_ms=0.5), measurement(time_ms=1.0, spread_ms=0.25), "new"),
-    (measurement(time_ms=1.0, workspace_bytes=8), measurement(time_ms=1.0, workspace_bytes=16), "old"),
-    (measurement(time_ms=1.0, reason="a"), measurement(time_ms=1.0, reason="b"), "new"),
-])
+@pytest.mark.parametrize(
+    "old, new, winner",
+    [
+        # later created_at wins, whatever the values
+        (
+            measurement(time_ms=1.0, created_at="2026-01-01T00:00:00Z"),
+            measurement(time_ms=5.0, created_at="2026-01-02T00:00:00Z"),
+            "new",
+        ),
+        (
+            measurement(time_ms=None, reason="oom", created_at="2026-01-03T00:00:00Z"),
+            measurement(time_ms=5.0, created_at="2026-01-02T00:00:00Z"),
+            "old",
+        ),
+        # time zones are honoured: 01:00+02:00 is 23:00 the day before
+        (
+            measurement(time_ms=1.0, created_at="2026-01-01T22:00:00Z"),
+            measurement(time_ms=5.0, created_at="2026-01-02T01:00:00+02:00"),
+            "new",
+        ),
+        # equal created_at: usable beats failed, then lower time, spread, workspace, then reason
+        (measurement(time_ms=None, reason="oom"), measurement(time_ms=9.0), "new"),
+        (measurement(time_ms=2.0), measurement(time_ms=1.0), "new"),
+        (measurement(time_ms=1.0, spread_ms=0.5), measurement(time_ms=1.0, spread_ms=0.25), "new"),
+        (measurement(time_ms=1.0, workspace_bytes=8), measurement(time_ms=1.0, workspace_bytes=16), "old"),
+        (measurement(time_ms=1.0, reason="a"), measurement(time_ms=1.0, reason="b"), "new"),
+    ],
+)
 def test_merge_rule(old: dict, new: dict, winner: str, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     a = write(tmp_path / "a.jsonl", [old])
     b = write(tmp_path / "b.jsonl", [new])
     expected = {"old": old, "new": new}[winner]
     for order in ((a, b), (b, a)):
         [got] = merged(tmp_path, capsys, *order)
-        assert (got["time_ms"], got["spread_ms"], got["workspace_bytes"], got["reason"]) == \
-            (expected["time_ms"], expected["spread_ms"], expected["workspace_bytes"], expected["reason"])
+        assert (got["time_ms"], got["spread_ms"], got["workspace_bytes"], got["reason"]) == (
+            expected["time_ms"],
+            expected["spread_ms"],
+            expected["workspace_bytes"],
+            expected["reason"],
+        )
 
 
 def test_plan_merge_rule(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
@@ -249,15 +300,19 @@ def random_exports(tmp_path: Path, count: int = 3) -> list[Path]:
         records = []
         for _ in range(300):
             record = measurement(
-                algo=rng.choice(["gemm", "fft", "winograd"]), batch=rng.choice([1, 2, 4, 8]),
-                time_ms=rng.choice([None, 0.5, 1.0, 2.0]), created_at=rng.choice(stamps),
-                device=rng.choice(["A", "B"]), spread_ms=rng.choice([0.0, 0.25]),
-                workspace_bytes=rng.choice([0, 64]), reason=rng.choice(["", "x"]))
+                algo=rng.choice(["gemm", "fft", "winograd"]),
+                batch=rng.choice([1, 2, 4, 8]),
+                time_ms=rng.choice([None, 0.5, 1.0, 2.0]),
+                created_at=rng.choice(stamps),
+                device=rng.choice(["A", "B"]),
+                spread_ms=rng.choice([0.0, 0.25]),
+                workspace_bytes=rng.choice([0, 64]),
+                reason=rng.choice(["", "x"]),
+            )
             if record["time_ms"] is None:  # a candidate that could not run always says why
                 record["reason"] = record["reason"] or "y"
             records.append(record)
-        records += [plan(f"p{rng.randrange(5)}", {"v": rng.randrange(3)}, rng.choice(stamps))
-                    for _ in range(10)]
+        records += [plan(f"p{rng.randrange(5)}", {"v": rng.randrange(3)}, rng.choice(stamps)) for _ in range(10)]
         files.append(write(tmp_path / f"e{f}.jsonl", records))
     return files
 
@@ -277,8 +332,11 @@ def test_merge_is_deterministic_in_any_order(tmp_path: Path, capsys: pytest.Capt
     assert merged(tmp_path, capsys, url=str(staged)) == results[0]
 
 
-def test_merge_is_the_same_on_both_engines(db_url: str, tmp_path: Path,  # noqa: F811
-                                           capsys: pytest.CaptureFixture) -> None:
+def test_merge_is_the_same_on_both_engines(
+    db_url: str,  # noqa: F811 - the fixture imported above
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture,
+) -> None:
     files = random_exports(tmp_path)
     assert merged(tmp_path, capsys, *files, url=db_url) == merged(tmp_path, capsys, *files[::-1])
 
@@ -298,19 +356,24 @@ def test_prune(db_url: str, capsys: pytest.CaptureFixture) -> None:  # noqa: F81
     assert code == 0 and out.startswith("would remove 1 rows (1 measurements, 0 plans)")
     code, out, _ = run(capsys, "prune", "--db", db_url, "--versions", "cudnn=9.2.0")
     assert code == 0 and out.startswith("removed 3 rows (1 measurements, 0 plans, 1 devices, 1 problems)")
-    code, out, _ = run(capsys, "prune", "--db", db_url, "--device", "Test GPU", "--backend", "cudnn",
-                       "--older-than", "1")
+    code, out, _ = run(
+        capsys, "prune", "--db", db_url, "--device", "Test GPU", "--backend", "cudnn", "--older-than", "1"
+    )
     assert code == 0 and out.startswith("removed 0 rows")
     code, out, _ = run(capsys, "prune", "--db", db_url, "--older-than", "0")
     assert code == 0 and out.startswith("removed 6 rows (3 measurements, 1 plans, 1 devices, 1 problems)")
 
 
-@pytest.mark.parametrize("args, message", [
-    ([], "prune needs"), (["--all", "--device", "x"], "prune needs"),
-    (["--older-than", "-1"], "--older-than"), (["--device", ""], "device must be a non-empty"),
-])
-def test_prune_bad_usage(args: list[str], message: str, tmp_path: Path,
-                         capsys: pytest.CaptureFixture) -> None:
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ([], "prune needs"),
+        (["--all", "--device", "x"], "prune needs"),
+        (["--older-than", "-1"], "--older-than"),
+        (["--device", ""], "device must be a non-empty"),
+    ],
+)
+def test_prune_bad_usage(args: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     db = filled(str(tmp_path / "c.db"))
     code, _, err = run(capsys, "prune", "--db", db, *args)
     assert code == 2 and message in err and err.count("\n") == 1

@@ -31,8 +31,11 @@ def problem_key(name: str) -> str:
 
 def micros_for(name: str) -> list[MicroConfig]:
     seed = sum(map(ord, name))
-    return [MicroConfig(algo, b, (seed % 7 + i) * 0.25 + b / 8, 4096 * b * i, spread=0.5 * (i % 2))
-            for i, algo in enumerate(ALGOS) for b in BATCHES]
+    return [
+        MicroConfig(algo, b, (seed % 7 + i) * 0.25 + b / 8, 4096 * b * i, spread=0.5 * (i % 2))
+        for i, algo in enumerate(ALGOS)
+        for b in BATCHES
+    ]
 
 
 def problems_of(writer: int) -> list[str]:
@@ -122,8 +125,9 @@ def test_concurrent_writers_lose_and_duplicate_nothing(db_url: str) -> None:  # 
         assert (info["devices"], info["problems"], info["measurements"]) == (1, len(names), expected)
         for name in names:
             found = cache.lookup(problem_key=problem_key(name), batches=BATCHES, **DEVICE)
-            assert {k: (m.time, m.workspace, m.spread) for k, m in found.items()} == \
-                {(m.algo, m.batch): (m.time, m.workspace, m.spread) for m in micros_for(name)}
+            assert {k: (m.time, m.workspace, m.spread) for k, m in found.items()} == {
+                (m.algo, m.batch): (m.time, m.workspace, m.spread) for m in micros_for(name)
+            }
 
 
 def _forked_child(cache: Cache, results) -> None:

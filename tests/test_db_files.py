@@ -59,7 +59,7 @@ def _short_header(p: Path) -> None:
 def _truncated(p: Path) -> None:
     good_cache(p)
     data = p.read_bytes()
-    p.write_bytes(data[:len(data) // 3])
+    p.write_bytes(data[: len(data) // 3])
 
 
 def _page_one_smashed(p: Path) -> None:
@@ -74,7 +74,7 @@ def _data_page_smashed(p: Path) -> None:
     data = bytearray(p.read_bytes())
     page = 4096
     assert len(data) > 4 * page
-    data[3 * page:4 * page] = b"\x0d" + os.urandom(page - 1)
+    data[3 * page : 4 * page] = b"\x0d" + os.urandom(page - 1)
     p.write_bytes(bytes(data))
 
 
@@ -84,14 +84,20 @@ def _free_space_corrupt(p: Path) -> None:
     data = bytearray(p.read_bytes())
     page = 4096
     assert data[3 * page] == 0x0D  # a table leaf page
-    data[3 * page + 1:3 * page + 3] = b"\x0f\xf0"
+    data[3 * page + 1 : 3 * page + 3] = b"\x0f\xf0"
     p.write_bytes(bytes(data))
 
 
-BAD_FILES = {"text": _text_file, "binary": _binary_junk, "header_then_junk": _header_then_junk,
-             "short_header": _short_header, "truncated": _truncated,
-             "page_one_smashed": _page_one_smashed, "data_page_smashed": _data_page_smashed,
-             "free_space_corrupt": _free_space_corrupt}
+BAD_FILES = {
+    "text": _text_file,
+    "binary": _binary_junk,
+    "header_then_junk": _header_then_junk,
+    "short_header": _short_header,
+    "truncated": _truncated,
+    "page_one_smashed": _page_one_smashed,
+    "data_page_smashed": _data_page_smashed,
+    "free_space_corrupt": _free_space_corrupt,
+}
 
 
 @pytest.mark.parametrize("make", BAD_FILES.values(), ids=BAD_FILES.keys())
@@ -108,10 +114,10 @@ def test_bad_file_is_refused_and_left_untouched(tmp_path: Path, make, readonly: 
 
 
 @pytest.mark.parametrize("make", [_text_file, _data_page_smashed], ids=["text", "data_page_smashed"])
-@pytest.mark.parametrize("command", [["info"], ["export", "out.jsonl"], ["prune", "--all"],
-                                     ["import", "other.jsonl"]])
-def test_cli_bad_file_exit_2_one_line(tmp_path: Path, make, command: list[str],
-                                      capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("command", [["info"], ["export", "out.jsonl"], ["prune", "--all"], ["import", "other.jsonl"]])
+def test_cli_bad_file_exit_2_one_line(
+    tmp_path: Path, make, command: list[str], capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.chdir(tmp_path)
     path = tmp_path / "cache.db"
     make(path)
@@ -186,8 +192,9 @@ def test_unwritable_directory(tmp_path: Path, exists: bool) -> None:
         good_cache(folder / "cache.db")
     how = _make_unwritable(folder)
     if how is None:
-        pytest.skip("running as root on a file system without chattr +i: no way to make a "
-                    "directory unwritable for this process")
+        pytest.skip(
+            "running as root on a file system without chattr +i: no way to make a directory unwritable for this process"
+        )
     try:
         before = fingerprint(folder)
         if exists:  # opened read-only: it can be read, and a write says why it cannot be stored
@@ -223,8 +230,7 @@ def test_schema_version_is_stored(db_url: str) -> None:  # noqa: F811
     _filled(db_url)
     engine = create_engine(db_url)
     with engine.connect() as conn:
-        assert conn.execute(text("SELECT value FROM meta WHERE key = 'schema_version'")).scalar() \
-            == str(SCHEMA_VERSION)
+        assert conn.execute(text("SELECT value FROM meta WHERE key = 'schema_version'")).scalar() == str(SCHEMA_VERSION)
     engine.dispose()
 
 
@@ -233,8 +239,10 @@ def _snapshot(url: str) -> object:
         return fingerprint(Path(url.removeprefix("sqlite:///")).parent)
     engine = create_engine(url)
     with engine.connect() as conn:
-        rows = (conn.execute(text("SELECT * FROM meta ORDER BY key")).all(),
-                conn.execute(text("SELECT count(*) FROM measurements")).scalar())
+        rows = (
+            conn.execute(text("SELECT * FROM meta ORDER BY key")).all(),
+            conn.execute(text("SELECT count(*) FROM measurements")).scalar(),
+        )
     engine.dispose()
     return rows
 
@@ -293,8 +301,13 @@ def test_db_package_imports_no_runtime() -> None:
     folder = Path(cache_module.__file__).parent
     for source in sorted(folder.glob("*.py")):
         for node in ast.walk(ast.parse(source.read_text())):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
             for name in names:
                 if name.startswith("ucudnn"):
                     assert name.startswith(allowed), f"{source.name} imports {name}"

@@ -43,11 +43,14 @@ def test_user_profile_from_json(tmp_path):
     assert profile.name == "my_gpu" and profile.memory_bytes == 3 * 2**30
 
 
-@pytest.mark.parametrize("text, words", [
-    ("{not json", "not valid JSON"),
-    ("[1, 2]", "JSON object"),
-    ('{"name": "x"}', "missing field"),
-])
+@pytest.mark.parametrize(
+    "text, words",
+    [
+        ("{not json", "not valid JSON"),
+        ("[1, 2]", "JSON object"),
+        ('{"name": "x"}', "missing field"),
+    ],
+)
 def test_bad_user_profiles_are_refused(tmp_path, text, words):
     path = tmp_path / "bad.json"
     path.write_text(text)
@@ -71,11 +74,24 @@ def test_unknown_device_names_the_choices():
 
 
 def test_memory_plan_json_round_trip():
-    plan = MemoryPlan(network="vgg16", batch=256, device="k40", devices=1, memory_limit=12 * 2**30,
-                      policy="vdnn-all", fits=True, peak_bytes=5, average_bytes=3, baseline_peak_bytes=9,
-                      step_ms=12.0, baseline_step_ms=10.0, stall_ms=1.0, bytes_offloaded=7,
-                      tensors=(TensorAction("conv1_1", 4, "offload"),),
-                      conv_workspace=(ConvWorkspace("conv1_1", "fwd", 1024),))
+    plan = MemoryPlan(
+        network="vgg16",
+        batch=256,
+        device="k40",
+        devices=1,
+        memory_limit=12 * 2**30,
+        policy="vdnn-all",
+        fits=True,
+        peak_bytes=5,
+        average_bytes=3,
+        baseline_peak_bytes=9,
+        step_ms=12.0,
+        baseline_step_ms=10.0,
+        stall_ms=1.0,
+        bytes_offloaded=7,
+        tensors=(TensorAction("conv1_1", 4, "offload"),),
+        conv_workspace=(ConvWorkspace("conv1_1", "fwd", 1024),),
+    )
     data = json.loads(json.dumps(plan.to_json()))
     assert data["overhead"] == pytest.approx(0.2)
     assert MemoryPlan.from_json(data) == plan

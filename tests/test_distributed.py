@@ -24,8 +24,9 @@ def make_data():
 
 def make_model():
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.ReLU(), torch.nn.Flatten(),
-                               torch.nn.Linear(4 * 8 * 8, 4))
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(3, 4, 3, padding=1), torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(4 * 8 * 8, 4)
+    )
 
 
 def train(model, batches, reduce):
@@ -97,13 +98,16 @@ def test_sampler_covers_each_global_batch_once_across_ranks():
     assert list(UnevenSampler(8, (3, 5), 1, shuffle=False)) == [[3, 4, 5, 6, 7]]
 
 
-@pytest.mark.parametrize("args, match", [
-    ((10, (), 0), "batch_sizes"),
-    ((10, (0, 0), 0), "batch_sizes"),
-    ((10, (2, -1), 0), "batch_sizes"),
-    ((10, (2, 3), 2), "rank"),
-    ((4, (2, 3), 0), "num_samples"),
-])
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        ((10, (), 0), "batch_sizes"),
+        ((10, (0, 0), 0), "batch_sizes"),
+        ((10, (2, -1), 0), "batch_sizes"),
+        ((10, (2, 3), 2), "rank"),
+        ((4, (2, 3), 0), "num_samples"),
+    ],
+)
 def test_sampler_rejects_bad_arguments(args, match):
     with pytest.raises(InvalidInput, match=match):
         UnevenSampler(*args)

@@ -47,8 +47,15 @@ def test_dfs_rejects_cycles_and_unknown_names():
 
 
 def test_prefetch_looks_ahead_two_convolutions():
-    steps = [("relu", ["a"]), ("conv", ["b"]), ("pool", ["c"]), ("conv", ["d"]), ("relu", ["e"]),
-             ("conv", ["f"]), ("conv", ["g"])]
+    steps = [
+        ("relu", ["a"]),
+        ("conv", ["b"]),
+        ("pool", ["c"]),
+        ("conv", ["d"]),
+        ("relu", ["e"]),
+        ("conv", ["f"]),
+        ("conv", ["g"]),
+    ]
     starts = prefetch_starts(steps, {"a", "b", "c", "d", "e", "f", "g"})
     # before the pass (-1) the window reaches the second conv (step 3): a, b, c, d
     assert starts == {"a": -1, "b": -1, "c": -1, "d": -1, "e": 1, "f": 1, "g": 3}

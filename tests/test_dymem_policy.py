@@ -19,9 +19,18 @@ def test_dfs_graph_keeps_the_zoo_order_and_regroups_interleaved_branches():
     ops = list(graph.ops)
     names = [op.name for op in ops]
     block = [k for k, n in enumerate(names) if n.startswith("inception3a.") and n != "inception3a.output"]
-    by_depth = sorted(block, key=lambda k: (sum(1 for j in block if j < k and names[j].split(".")[1].split("_")[0]
-                                                 == names[k].split(".")[1].split("_")[0]), k))
-    shuffled = ops[:block[0]] + [ops[k] for k in by_depth] + ops[block[-1] + 1:]
+    by_depth = sorted(
+        block,
+        key=lambda k: (
+            sum(
+                1
+                for j in block
+                if j < k and names[j].split(".")[1].split("_")[0] == names[k].split(".")[1].split("_")[0]
+            ),
+            k,
+        ),
+    )
+    shuffled = ops[: block[0]] + [ops[k] for k in by_depth] + ops[block[-1] + 1 :]
     interleaved = TrainingGraph(graph.network, graph.batch, tuple(shuffled))
     assert [op.name for op in interleaved.ops] != names
     assert [op.name for op in dymem.dfs_graph(interleaved).ops] == names
@@ -52,8 +61,9 @@ def test_dymem_invariants_and_lower_stall_than_vdnn(net):
     actions = {t.name: t.action for t in plan.tensors}
     assert "offload" in actions.values()
     assert_resident_when_used(graph, actions)
-    result = simulate(graph, device, costs, actions, memory_limit=limit,
-                      prefetch=dymem.prefetch_schedule(graph, actions))
+    result = simulate(
+        graph, device, costs, actions, memory_limit=limit, prefetch=dymem.prefetch_schedule(graph, actions)
+    )
     assert result.fits
     assert_within_limit(result, limit)
     assert_prefetched_before_use(graph, actions, result)
@@ -87,8 +97,8 @@ def test_allocation_trace_mobility():
     actions = actions_for(graph, "all")
     trace = dymem.allocation_trace(graph, actions, costs, dymem.prefetch_schedule(graph, actions))
     mobility = {e.name: e.mobility for e in trace if isinstance(e, gtbm.Alloc)}
-    assert mobility["pool2"] == "temporary"             # the fork into inception3a's four branches
-    assert mobility["inception3a.1x1"] == "temporary"   # waits for the join
+    assert mobility["pool2"] == "temporary"  # the fork into inception3a's four branches
+    assert mobility["inception3a.1x1"] == "temporary"  # waits for the join
     assert mobility["inception3a.3x3_reduce"] == "movable"  # read by the next op only, then offloaded
     assert mobility["fc"] == "reclaimed"
     assert any(name.endswith("@prefetch") for name in mobility)
@@ -104,10 +114,13 @@ def _vdnn_all_mobility(net):
     return graph, {e.name: e.mobility for e in trace if isinstance(e, gtbm.Alloc)}
 
 
-@pytest.mark.parametrize("net, summed, continued", [
-    ("resnet50", "grad:maxpool", "grad:layer1.0.bn1"),        # block input; bn1 then ReLU in place
-    ("densenet40", "grad:dense1.7.cat", "grad:dense1.7.bn"),  # a concatenation read by two layers
-])
+@pytest.mark.parametrize(
+    "net, summed, continued",
+    [
+        ("resnet50", "grad:maxpool", "grad:layer1.0.bn1"),  # block input; bn1 then ReLU in place
+        ("densenet40", "grad:dense1.7.cat", "grad:dense1.7.bn"),  # a concatenation read by two layers
+    ],
+)
 def test_a_gradient_summed_from_branches_is_temporary(net, summed, continued):
     # Algorithm 3: a tensor waiting for a join is temporary. In the backward pass a fork's gradient
     # waits for each branch to add to it; an in-place ReLU's backward only continues a write.

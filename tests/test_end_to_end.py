@@ -78,16 +78,22 @@ def trained(tmp_path_factory):
         if name not in made:
             torch.manual_seed(0)
             plain = zoo.build(name, num_classes=10).double()
-            made[name] = (plain, _train(copy.deepcopy(plain), SHAPES[name]),
-                          f"sqlite:///{tmp_path_factory.mktemp(name)}/cache.db")
+            made[name] = (
+                plain,
+                _train(copy.deepcopy(plain), SHAPES[name]),
+                f"sqlite:///{tmp_path_factory.mktemp(name)}/cache.db",
+            )
         return made[name]
 
     return get
 
 
 # ResNet-50 under every policy but optimal takes about a minute each on 2 cores: behind -m slow
-CASES = [pytest.param(name, policy, marks=[pytest.mark.slow] if name == "resnet50" and policy != "optimal" else [])
-         for name in SHAPES for policy in POLICIES]
+CASES = [
+    pytest.param(name, policy, marks=[pytest.mark.slow] if name == "resnet50" and policy != "optimal" else [])
+    for name in SHAPES
+    for policy in POLICIES
+]
 
 
 @pytest.mark.parametrize("name, policy", CASES)
@@ -101,8 +107,15 @@ def test_converted_planned_and_executed_trains_like_plain_pytorch(trained, name,
     plain, reference, db = trained(name)
     size = SHAPES[name]
     # NumPy on one thread, as convert's own CPU handles run it
-    model = convert(copy.deepcopy(plain), backend=TimedByWorkspace(numpy_threads=1), workspace_limit=64 * 2**20,
-                    policy="undivided", reps=1, db=db, call_overhead=0)
+    model = convert(
+        copy.deepcopy(plain),
+        backend=TimedByWorkspace(numpy_threads=1),
+        workspace_limit=64 * 2**20,
+        policy="undivided",
+        reps=1,
+        db=db,
+        call_overhead=0,
+    )
     x, y = _data(size, 0)
     loss = lambda out: F.cross_entropy(out, y)
     peaks = [plan_memory(model, x, memory_limit=limit, policy=policy, loss=loss).peak_bytes for limit in (2**40, 1)]
@@ -131,8 +144,7 @@ def test_a_plan_made_before_convert_is_refused_in_one_line_when_its_budgets_fit_
     loss = lambda out: F.cross_entropy(out, _data(32, 0)[1])
     plan = plan_memory(plain, x, policy="checkpoint", loss=loss)  # no handle yet: torch's own convolution
     assert all(c.bytes == 0 for c in plan.conv_workspace)
-    model = convert(plain, backend="cpu", policy="undivided", algos=["native", "im2col_gemm"], reps=1,
-                    db="sqlite://")
+    model = convert(plain, backend="cpu", policy="undivided", algos=["native", "im2col_gemm"], reps=1, db="sqlite://")
     with pytest.raises(Infeasible) as caught:
         _train(model, 32, plan)
     message = str(caught.value)
@@ -145,8 +157,9 @@ def test_wd_handles_plan_and_train_from_the_first_step():
     torch.manual_seed(0)
     plain = zoo.build("resnet18", num_classes=10).double()
     reference = _train(copy.deepcopy(plain), 32)
-    model = convert(copy.deepcopy(plain), backend="cpu", total_workspace=64 * 2**20, policy="undivided", reps=1,
-                    db="sqlite://")
+    model = convert(
+        copy.deepcopy(plain), backend="cpu", total_workspace=64 * 2**20, policy="undivided", reps=1, db="sqlite://"
+    )
     x, y = _data(32, 0)
     plan = plan_memory(model, x, policy="optimal", loss=lambda out: F.cross_entropy(out, y))
     handle = next(m.handle for m in model.modules() if isinstance(m, Conv2d))

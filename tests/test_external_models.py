@@ -26,16 +26,25 @@ from ucudnn.memory.plan import MemoryPlan
 from ucudnn.torch import capture, check_plan, convert, plan_memory
 from ucudnn.torch.converting.layer import ConvLayer, PlanBudgets
 
-needs_transformers = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
-                                        reason="needs transformers (pip install '.[models]')")
+needs_transformers = pytest.mark.skipif(
+    importlib.util.find_spec("transformers") is None, reason="needs transformers (pip install '.[models]')"
+)
 TOLERANCE = (0.97, 1.03)
 
 
 def _converted(model, tmp_path, algos):
     """`convert` with no trials and one measurement per kernel: every plan and its run rest on the cached
     measurements, not on this machine's load (`algos`: the kernels' candidates)."""
-    return convert(model, backend="cpu", workspace_limit=8 * 2**20, policy="undivided", reps=1, trial_runs=0,
-                   algos=algos, db=f"sqlite:///{tmp_path}/cache.db")
+    return convert(
+        model,
+        backend="cpu",
+        workspace_limit=8 * 2**20,
+        policy="undivided",
+        reps=1,
+        trial_runs=0,
+        algos=algos,
+        db=f"sqlite:///{tmp_path}/cache.db",
+    )
 
 
 def _halfway(model, x, loss):
@@ -77,11 +86,23 @@ def _whisper():
     import transformers
 
     torch.manual_seed(0)
-    config = transformers.WhisperConfig(d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
-                                        decoder_attention_heads=2, encoder_ffn_dim=128, decoder_ffn_dim=128,
-                                        num_mel_bins=80, max_source_positions=50, max_target_positions=16,
-                                        vocab_size=128, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-                                        decoder_start_token_id=1)
+    config = transformers.WhisperConfig(
+        d_model=64,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_attention_heads=2,
+        decoder_attention_heads=2,
+        encoder_ffn_dim=128,
+        decoder_ffn_dim=128,
+        num_mel_bins=80,
+        max_source_positions=50,
+        max_target_positions=16,
+        vocab_size=128,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        decoder_start_token_id=1,
+    )
     return transformers.WhisperForConditionalGeneration(config)
 
 
@@ -122,9 +143,18 @@ def _segformer():
     import transformers
 
     torch.manual_seed(0)
-    config = transformers.SegformerConfig(num_encoder_blocks=2, depths=[1, 1], sr_ratios=[8, 4], hidden_sizes=[16, 32],
-                                          num_attention_heads=[1, 2], patch_sizes=[7, 3], strides=[4, 2],
-                                          mlp_ratios=[4, 4], decoder_hidden_size=32, num_labels=5)
+    config = transformers.SegformerConfig(
+        num_encoder_blocks=2,
+        depths=[1, 1],
+        sr_ratios=[8, 4],
+        hidden_sizes=[16, 32],
+        num_attention_heads=[1, 2],
+        patch_sizes=[7, 3],
+        strides=[4, 2],
+        mlp_ratios=[4, 4],
+        decoder_hidden_size=32,
+        num_labels=5,
+    )
     return transformers.SegformerForSemanticSegmentation(config)
 
 
@@ -135,12 +165,16 @@ def test_segformer_converted_counts_what_its_plans_predict(tmp_path):
     them into NCHW, and the plans hold those copies (`Op.layout_copies`)."""
     model = _converted(_segformer(), tmp_path, ["im2col_gemm"])
     g = torch.Generator().manual_seed(1)
-    x = {"pixel_values": torch.randn(2, 3, 64, 64, generator=g),
-         "labels": torch.randint(0, 5, (2, 64, 64), generator=g)}
+    x = {
+        "pixel_values": torch.randn(2, 3, 64, 64, generator=g),
+        "labels": torch.randint(0, 5, (2, 64, 64), generator=g),
+    }
     halfway, smallest = _halfway(model, x, _model_loss)
     convs = {op.module: op for op in halfway.capture.graph.conv_ops}
-    assert any(kind == "fwd" and copied for kind, copied, _ in
-               convs["segformer.stages.0.blocks.0.mlp.dwconv.dwconv"].layout_copies)
+    assert any(
+        kind == "fwd" and copied
+        for kind, copied, _ in convs["segformer.stages.0.blocks.0.mlp.dwconv.dwconv"].layout_copies
+    )
     assert all(any(kind == "bwd_filter" and copied for kind, copied, _ in op.layout_copies) for op in convs.values())
     for plan in (halfway, smallest):
         ratio = memtracker_peak(model, plan, x, None, loss=_model_loss) / plan.peak_bytes
@@ -177,8 +211,11 @@ def test_a_converted_conv_on_a_channels_last_map_plans_the_copies_its_kernels_ma
     copies = {kind: (copied, converted) for kind, copied, converted in op.layout_copies}
     map_bytes = 4 * 32 * 8 * 8 * 4
     # in: x (and dy) copied into NCHW; out: the result made channels-last again (dx where one operation gives both)
-    assert copies == {"fwd": (map_bytes, map_bytes), "bwd_data": (map_bytes, map_bytes),
-                      "bwd_filter": (2 * map_bytes, 0)}
+    assert copies == {
+        "fwd": (map_bytes, map_bytes),
+        "bwd_data": (map_bytes, map_bytes),
+        "bwd_filter": (2 * map_bytes, 0),
+    }
     assert check_plan(model, plan, x, loss=loss, steps=1).peak_ratio == pytest.approx(1.0, abs=1e-9)
     reference = _TokensToMap()
     reference.load_state_dict(model.state_dict())
@@ -194,11 +231,31 @@ def test_a_kernel_whose_option_is_torchs_own_runs_torchs_own_within_its_budget(t
     from ucudnn.memory.planner import _torch_own_marked
     from ucudnn.memory.timing import KernelOption
 
-    fronts = {("c", "fwd"): (KernelOption(2.0, 100, "1x4:im2col_gemm", held=None),
-                             KernelOption(1.0, 1000, "1x4:native", held=0)),
-              ("c", "bwd_data"): (KernelOption(1.0, 100, "1x4:im2col_gemm", held=None),)}
-    plan = MemoryPlan("net", 4, "host", 1, 2**30, "optimal", True, 0, 0, 0, 1.0, 1.0, 0.0, 0, (),
-                      (ConvWorkspace("c", "fwd", 1000), ConvWorkspace("c", "bwd_data", 100)))
+    fronts = {
+        ("c", "fwd"): (
+            KernelOption(2.0, 100, "1x4:im2col_gemm", held=None),
+            KernelOption(1.0, 1000, "1x4:native", held=0),
+        ),
+        ("c", "bwd_data"): (KernelOption(1.0, 100, "1x4:im2col_gemm", held=None),),
+    }
+    plan = MemoryPlan(
+        "net",
+        4,
+        "host",
+        1,
+        2**30,
+        "optimal",
+        True,
+        0,
+        0,
+        0,
+        1.0,
+        1.0,
+        0.0,
+        0,
+        (),
+        (ConvWorkspace("c", "fwd", 1000), ConvWorkspace("c", "bwd_data", 100)),
+    )
     marked = _torch_own_marked(plan, fronts)
     assert [c.torch_own for c in marked.conv_workspace] == [True, False]
     assert MemoryPlan.from_json(marked.to_json()).conv_workspace == marked.conv_workspace
@@ -207,8 +264,9 @@ def test_a_kernel_whose_option_is_torchs_own_runs_torchs_own_within_its_budget(t
     layer = _converted(nn.Conv2d(4, 4, 3, padding=1), tmp_path, ["im2col_gemm", "native"])
     assert isinstance(layer, ConvLayer)
     x = torch.randn(2, 4, 8, 8, requires_grad=True)
-    layer._budgets = PlanBudgets({"fwd": 2**30, "bwd_data": 2**30, "bwd_filter": 2**30},
-                                 frozenset({"fwd", "bwd_data", "bwd_filter"}))
+    layer._budgets = PlanBudgets(
+        {"fwd": 2**30, "bwd_data": 2**30, "bwd_filter": 2**30}, frozenset({"fwd", "bwd_data", "bwd_filter"})
+    )
     try:
         layer(x).sum().backward()
     finally:

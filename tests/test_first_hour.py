@@ -28,6 +28,7 @@ def run(capsys, *argv):
 
 # ---- sizes: a fraction of a byte is rounded down on the command line, and the note says so ----
 
+
 def test_parse_size_rounds_down_only_when_asked():
     exact = Decimal("10.35") * 2**30
     assert parse_size("10.35GiB", round_down=True) == math.floor(exact) == 11113227878
@@ -39,23 +40,55 @@ def test_parse_size_rounds_down_only_when_asked():
 
 
 def test_plan_memory_with_a_fraction_of_a_byte_is_rounded_down_with_a_note(capsys):
-    code, out, err = run(capsys, "plan", "--network", "alexnet", "--batch", "16", "--device", "k40",
-                         "--memory", "1.35GiB", "--policy", "vdnn-all", "--json")
+    code, out, err = run(
+        capsys,
+        "plan",
+        "--network",
+        "alexnet",
+        "--batch",
+        "16",
+        "--device",
+        "k40",
+        "--memory",
+        "1.35GiB",
+        "--policy",
+        "vdnn-all",
+        "--json",
+    )
     assert code == 0, err
     assert json.loads(out)["memory_limit"] == math.floor(Decimal("1.35") * 2**30)
-    assert err.count("\n") == 1 and err.startswith("ucudnn: note: --memory 1.35GiB is 1449551462.4 bytes; "
-                                                   "rounded down to 1449551462 bytes")
+    assert err.count("\n") == 1 and err.startswith(
+        "ucudnn: note: --memory 1.35GiB is 1449551462.4 bytes; rounded down to 1449551462 bytes"
+    )
 
 
 def test_bench_workspace_is_rounded_down_too(tmp_path, capsys):
-    code, out, err = run(capsys, "bench", "--layer", LAYER, "--backend", "cpu", "--reps", "1", "--kinds", "fwd",
-                         "--policy", "undivided", "--workspace", "64.1KiB", "--json", "--db", str(tmp_path / "c.db"))
+    code, out, err = run(
+        capsys,
+        "bench",
+        "--layer",
+        LAYER,
+        "--backend",
+        "cpu",
+        "--reps",
+        "1",
+        "--kinds",
+        "fwd",
+        "--policy",
+        "undivided",
+        "--workspace",
+        "64.1KiB",
+        "--json",
+        "--db",
+        str(tmp_path / "c.db"),
+    )
     assert code == 0, err
     assert json.loads(out)["workspace_limit"] == 65638  # 64.1 * 1024 = 65638.4
     assert "rounded down to 65638 bytes" in err
 
 
 # ---- --layer keys the command would ignore are refused, naming the keys it takes ----
+
 
 @pytest.mark.parametrize("command", [["bench", "--backend", "cpu"], ["selftest", "--backend", "cpu"]])
 def test_a_layer_key_the_command_does_not_use_is_refused_in_one_line(command, tmp_path, capsys):
@@ -78,14 +111,22 @@ def test_parse_keeps_kind_where_it_is_used():
 
 # ---- baselines: one for every kernel, and the rule that chose it ----
 
+
 def test_every_wd_kernel_has_a_baseline_even_when_nothing_fits_its_share(tmp_path):
     # shift_gemm needs 9,280 B on layer a and 55,360 B on layer b at every batch size: 200 KiB over
     # 6 kernels is a share of 34,133 B, which layer b's kernels cannot keep to undivided.
     kernels = expand_kernels([("a", PROBLEM), ("b", ConvProblem.parse("n=8,c=32,h=12,w=12,k=32,r=3,s=3,pad=1"))], 8)
     total = 200 * 2**10
     with Cache(str(tmp_path / "c.db")) as cache:
-        report = optimize(CpuBackend(), kernels, policy="powerOfTwo", total_workspace=total, cache=cache,
-                          algos=["im2col_gemm", "shift_gemm"], reps=1)
+        report = optimize(
+            CpuBackend(),
+            kernels,
+            policy="powerOfTwo",
+            total_workspace=total,
+            cache=cache,
+            algos=["im2col_gemm", "shift_gemm"],
+            reps=1,
+        )
     share = total // len(kernels)
     for k in report.kernels:
         assert k.baseline is not None and k.baseline.batch == 8 and math.isfinite(k.baseline.time)
@@ -98,16 +139,16 @@ def test_every_wd_kernel_has_a_baseline_even_when_nothing_fits_its_share(tmp_pat
     assert math.isfinite(report.baseline_ms) and data["total"]["speedup"] is not None
     assert {k["baseline"]["chosen_by"] for k in data["kernels"]} <= {BASELINE_FASTEST, BASELINE_LEAST_WORKSPACE}
     assert "equal share" in data["legend"]["baseline"] and "least workspace" in data["legend"]["baseline"]
-    assert data["benchmark"]["candidates"] == (data["benchmark"]["measured"] + data["benchmark"]["cached"]
-                                               + data["benchmark"]["over_limit"])
+    assert data["benchmark"]["candidates"] == (
+        data["benchmark"]["measured"] + data["benchmark"]["cached"] + data["benchmark"]["over_limit"]
+    )
 
 
 def test_a_wr_baseline_over_the_limit_is_measured_without_it(tmp_path):
     # im2col_gemm fits 60,000 B at batch 1 (50,752 B) but not undivided (405,568 B): the benchmark skips
     # it there, and the baseline, the least workspace undivided, is measured anyway.
     kernels = expand_kernels([("layer1", PROBLEM)], 8, ["fwd"])
-    report = optimize(CpuBackend(), kernels, policy="powerOfTwo", workspace_limit=60000, algos=["im2col_gemm"],
-                      reps=1)
+    report = optimize(CpuBackend(), kernels, policy="powerOfTwo", workspace_limit=60000, algos=["im2col_gemm"], reps=1)
     (k,) = report.kernels
     assert k.baseline_rule == BASELINE_LEAST_WORKSPACE
     assert (k.baseline.algo, k.baseline.batch, k.baseline.workspace) == ("im2col_gemm", 8, 405568)
@@ -117,9 +158,23 @@ def test_a_wr_baseline_over_the_limit_is_measured_without_it(tmp_path):
 
 
 def test_the_table_explains_itself_and_prints_the_total_speedup(tmp_path, capsys):
-    code, out, err = run(capsys, "bench", "--layer", LAYER, "--backend", "cpu", "--reps", "1", "--quiet",
-                         "--total-workspace", "64KiB", "--algos", "im2col_gemm,shift_gemm",
-                         "--db", str(tmp_path / "c.db"))
+    code, out, err = run(
+        capsys,
+        "bench",
+        "--layer",
+        LAYER,
+        "--backend",
+        "cpu",
+        "--reps",
+        "1",
+        "--quiet",
+        "--total-workspace",
+        "64KiB",
+        "--algos",
+        "im2col_gemm,shift_gemm",
+        "--db",
+        str(tmp_path / "c.db"),
+    )
     assert code == 0, err
     lines = out.splitlines()
     assert lines[1] == f"layer1: --layer {LAYER}"
@@ -133,6 +188,7 @@ def test_the_table_explains_itself_and_prints_the_total_speedup(tmp_path, capsys
 
 
 # ---- a time a ratio rests on is measured again when it looks like an outlier ----
+
 
 class StallOnce(CpuBackend):
     """The first time each undivided kernel is measured, it is STALL times too slow (a busy machine). The
@@ -193,8 +249,9 @@ def test_a_ratio_that_stays_doubtful_after_re_measuring_is_marked(tmp_path, caps
     backend = StallAlways()
     calls = []
     original = backend.measure
-    backend.measure = lambda problem, algos, reps=3, **kw: calls.append((problem.n, reps)) or original(
-        problem, algos, reps, **kw)
+    backend.measure = lambda problem, algos, reps=3, **kw: (
+        calls.append((problem.n, reps)) or original(problem, algos, reps, **kw)
+    )
     kernels = expand_kernels([("layer1", PROBLEM)], 8, ["fwd"])
     report = optimize(backend, kernels, policy="powerOfTwo", algos=["im2col_gemm"], reps=1)
     (k,) = report.kernels
@@ -207,6 +264,7 @@ def test_a_ratio_that_stays_doubtful_after_re_measuring_is_marked(tmp_path, caps
 
 
 # ---- cluster device names, plan plots, db info ----
+
 
 def test_an_unknown_cluster_device_says_where_it_was_looked_for(tmp_path):
     import ucudnn
@@ -223,8 +281,21 @@ def test_an_unknown_cluster_device_says_where_it_was_looked_for(tmp_path):
 def test_plan_compare_plot_draws_every_policy(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     target = tmp_path / "timeline.png"
-    code, out, err = run(capsys, "plan", "--network", "alexnet", "--batch", "16", "--device", "k40",
-                         "--memory", "1GiB", "--compare", "--plot", str(target))
+    code, out, err = run(
+        capsys,
+        "plan",
+        "--network",
+        "alexnet",
+        "--batch",
+        "16",
+        "--device",
+        "k40",
+        "--memory",
+        "1GiB",
+        "--compare",
+        "--plot",
+        str(target),
+    )
     assert code == 0, err
     policies = [line.split()[0] for line in out.splitlines()[2:] if line and not line.startswith("plots:")]
     drawn = sorted(p.name for p in tmp_path.glob("timeline-*.png"))
@@ -237,8 +308,13 @@ def test_db_info_says_what_a_device_is(tmp_path, capsys):
     url = str(tmp_path / "c.db")
     with Cache(url) as cache:
         for versions in ("numpy=1", "torch=2"):
-            cache.store(device="cpu0", backend="cpu", versions=versions, problem_key=PROBLEM.key,
-                        micros=[CpuBackend().measure(PROBLEM, ["shift_gemm"], 1)[0]])
+            cache.store(
+                device="cpu0",
+                backend="cpu",
+                versions=versions,
+                problem_key=PROBLEM.key,
+                micros=[CpuBackend().measure(PROBLEM, ["shift_gemm"], 1)[0]],
+            )
     code, out, err = run(capsys, "db", "info", "--db", url)
     assert code == 0, err
     (line,) = [line for line in out.splitlines() if line.startswith("devices")]
@@ -249,6 +325,7 @@ def test_db_info_says_what_a_device_is(tmp_path, capsys):
 
 
 # ---- the note under the table reads, and says only what happened ----
+
 
 def test_the_note_says_only_what_happened(tmp_path):
     import dataclasses
@@ -278,6 +355,10 @@ def test_every_option_of_every_command_says_what_it_does():
             else:
                 yield [*path, name], command
 
-    silent = [(" ".join(path), param.opts[0]) for path, command in commands(cli, [])
-              for param in command.params if isinstance(param, click.Option) and not param.help]
+    silent = [
+        (" ".join(path), param.opts[0])
+        for path, command in commands(cli, [])
+        for param in command.params
+        if isinstance(param, click.Option) and not param.help
+    ]
     assert not silent, silent

@@ -74,8 +74,7 @@ def test_measure_returns_finite_times(backend):
 def test_rebuild_from_name_round_trip(backend):
     from ucudnn.backends.cudnn import CudnnBackend
 
-    best = min((m for m in backend.measure(TIMED, backend.algorithms(TIMED), reps=2) if m.usable),
-               key=lambda m: m.time)
+    best = min((m for m in backend.measure(TIMED, backend.algorithms(TIMED), reps=2) if m.usable), key=lambda m: m.time)
     fresh = CudnnBackend()  # empty caches: the name is all it gets, as from the measurement cache
     for problem in (TIMED, TIMED.with_batch(3)):
         assert fresh.unsupported_reason(problem, best.algo) is None
@@ -84,8 +83,9 @@ def test_rebuild_from_name_round_trip(backend):
         operands = fresh.random_operands(problem, seed=5)
         workspace = fresh.empty_workspace(fresh.workspace_size(problem, best.algo))
         fresh.run(problem, best.algo, workspace=workspace, **operands)
-        expected = reference(problem, x=to_host_float64(operands["x"], "float32"),
-                             w=to_host_float64(operands["w"], "float32"))
+        expected = reference(
+            problem, x=to_host_float64(operands["x"], "float32"), w=to_host_float64(operands["w"], "float32")
+        )
         assert relative_error(to_host_float64(operands["out"], "float32"), expected) <= TOLERANCE["float32"]
 
 
@@ -102,8 +102,9 @@ def test_runs_on_the_current_cupy_stream(backend):
     with stream:
         run_configuration(backend, problem, Configuration(micros), **operands)
     stream.synchronize()
-    expected = reference(problem, x=to_host_float64(operands["x"], "float32"),
-                         dy=to_host_float64(operands["dy"], "float32"))
+    expected = reference(
+        problem, x=to_host_float64(operands["x"], "float32"), dy=to_host_float64(operands["dy"], "float32")
+    )
     assert relative_error(to_host_float64(operands["out"], "float32"), expected) <= TOLERANCE["float32"]
 
 

@@ -56,30 +56,34 @@ class Dense(nn.Module):
 def _residual_graph(**settings) -> TrainingGraph:
     """`Residual` as a zoo graph is written (batch 2, 8x8, 4 channels), its backward steps modelled."""
     fmap = (2, 4, 8, 8)
-    ops = (Op("x", "input", (), (2, 3, 8, 8)),
-           Op("stem", "conv", ("x",), fmap, saves=("x",), weight_bytes=4 * 3 * 9 * 4),
-           Op("conv", "conv", ("stem",), fmap, saves=("stem",), weight_bytes=4 * 4 * 9 * 4),
-           Op("add", "add", ("conv", "stem"), fmap),
-           Op("relu", "relu", ("add",), fmap, inplace=True, saves=("relu",)),
-           Op("pool", "pool", ("relu",), (2, 4, 1, 1)),
-           Op("flatten", "view", ("pool",), (2, 4), inplace=True),
-           Op("fc", "linear", ("flatten",), (2, 2), saves=("flatten",), weight_bytes=(4 * 2 + 2) * 4),
-           Op("loss", "loss", ("fc",), (1,), saves=("fc",)))
+    ops = (
+        Op("x", "input", (), (2, 3, 8, 8)),
+        Op("stem", "conv", ("x",), fmap, saves=("x",), weight_bytes=4 * 3 * 9 * 4),
+        Op("conv", "conv", ("stem",), fmap, saves=("stem",), weight_bytes=4 * 4 * 9 * 4),
+        Op("add", "add", ("conv", "stem"), fmap),
+        Op("relu", "relu", ("add",), fmap, inplace=True, saves=("relu",)),
+        Op("pool", "pool", ("relu",), (2, 4, 1, 1)),
+        Op("flatten", "view", ("pool",), (2, 4), inplace=True),
+        Op("fc", "linear", ("flatten",), (2, 2), saves=("flatten",), weight_bytes=(4 * 2 + 2) * 4),
+        Op("loss", "loss", ("fc",), (1,), saves=("fc",)),
+    )
     return TrainingGraph("residual", 2, ops, **{"weight_grads": "step", **settings})
 
 
 def _dense_graph() -> TrainingGraph:
     """`Dense` as a zoo graph is written: the stem and a ReLU of a conv of it, concatenated."""
     fmap = (2, 4, 8, 8)
-    ops = (Op("x", "input", (), (2, 3, 8, 8)),
-           Op("stem", "conv", ("x",), fmap, saves=("x",), weight_bytes=4 * 3 * 9 * 4),
-           Op("conv", "conv", ("stem",), fmap, saves=("stem",), weight_bytes=4 * 4 * 9 * 4),
-           Op("relu", "relu", ("conv",), fmap, saves=("relu",)),
-           Op("cat", "concat", ("stem", "relu"), (2, 8, 8, 8)),
-           Op("pool", "pool", ("cat",), (2, 8, 1, 1)),
-           Op("flatten", "view", ("pool",), (2, 8), inplace=True),
-           Op("fc", "linear", ("flatten",), (2, 2), saves=("flatten",), weight_bytes=(8 * 2 + 2) * 4),
-           Op("loss", "loss", ("fc",), (1,), saves=("fc",)))
+    ops = (
+        Op("x", "input", (), (2, 3, 8, 8)),
+        Op("stem", "conv", ("x",), fmap, saves=("x",), weight_bytes=4 * 3 * 9 * 4),
+        Op("conv", "conv", ("stem",), fmap, saves=("stem",), weight_bytes=4 * 4 * 9 * 4),
+        Op("relu", "relu", ("conv",), fmap, saves=("relu",)),
+        Op("cat", "concat", ("stem", "relu"), (2, 8, 8, 8)),
+        Op("pool", "pool", ("cat",), (2, 8, 1, 1)),
+        Op("flatten", "view", ("pool",), (2, 8), inplace=True),
+        Op("fc", "linear", ("flatten",), (2, 2), saves=("flatten",), weight_bytes=(8 * 2 + 2) * 4),
+        Op("loss", "loss", ("fc",), (1,), saves=("fc",)),
+    )
     return TrainingGraph("dense", 2, ops, "step")
 
 
@@ -94,8 +98,8 @@ def test_an_add_passes_its_gradient_on_and_an_in_place_relu_replaces_its_own():
     fmap = 2 * 4 * 8 * 8 * 4  # one 4-channel 8x8 map of batch 2, float32
     assert lives == [
         ("grad:fc", 2 * 2 * 4, bwd("loss"), bwd("fc")),
-        ("grad:pool", 2 * 4 * 4, bwd("fc"), bwd("pool")),   # the flatten's view passes it on: no buffer
-        ("grad:add", fmap, bwd("pool"), bwd("relu")),       # replaced by the ReLU's new gradient, freed after
+        ("grad:pool", 2 * 4 * 4, bwd("fc"), bwd("pool")),  # the flatten's view passes it on: no buffer
+        ("grad:add", fmap, bwd("pool"), bwd("relu")),  # replaced by the ReLU's new gradient, freed after
         # the ReLU's gradient is the add's, and both its inputs' (no buffers of their own), until the
         # conv's backward step adds the stem's second part: the sum goes into that new part
         ("grad:add#2", fmap, bwd("relu"), bwd("conv")),
@@ -109,7 +113,7 @@ def test_the_papers_frameworks_overwrite_an_in_place_relus_gradient_and_keep_wei
     assert lives == [
         ("grad:fc", 2 * 2 * 4, bwd("loss"), bwd("fc")),
         ("grad:pool", 2 * 4 * 4, bwd("fc"), bwd("pool")),
-        ("grad:add", fmap, bwd("pool"), bwd("conv")),   # the ReLU's step writes over it; the add passes it on
+        ("grad:add", fmap, bwd("pool"), bwd("conv")),  # the ReLU's step writes over it; the add passes it on
         ("grad:stem", fmap, bwd("conv"), bwd("stem")),
     ]
 
@@ -118,9 +122,11 @@ def test_weight_gradients_made_in_the_backward_pass_live_from_their_first_write_
     held, _ = _lives(_residual_graph())
     lives, bwd = _lives(_residual_graph(weight_grads="backward"))
     end = bwd("stem")  # the last step
-    assert lives == held + [("wgrad:fc", (2 * 4 + 2) * 4, bwd("fc"), end),
-                            ("wgrad:conv", 4 * 4 * 9 * 4, bwd("conv"), end),
-                            ("wgrad:stem", 4 * 3 * 9 * 4, bwd("stem"), end)]
+    assert lives == held + [
+        ("wgrad:fc", (2 * 4 + 2) * 4, bwd("fc"), end),
+        ("wgrad:conv", 4 * 4 * 9 * 4, bwd("conv"), end),
+        ("wgrad:stem", 4 * 3 * 9 * 4, bwd("stem"), end),
+    ]
 
 
 def test_a_concatenations_slices_hold_its_whole_gradient_until_summed():
@@ -154,8 +160,13 @@ class Block(nn.Module):
 
 def _net(join: str, c: int = 16, blocks: int = 4) -> nn.Module:
     width = [c] * (blocks + 1) if join == "add" else [c * (k + 1) for k in range(blocks + 1)]
-    return nn.Sequential(nn.Conv2d(3, c, 3, padding=1), *[Block(width[k], c, join) for k in range(blocks)],
-                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(width[-1], 10))
+    return nn.Sequential(
+        nn.Conv2d(3, c, 3, padding=1),
+        *[Block(width[k], c, join) for k in range(blocks)],
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(width[-1], 10),
+    )
 
 
 def test_a_captured_step_holds_the_buffers_its_backward_pass_made_as_it_made_them():
@@ -171,10 +182,10 @@ def test_a_captured_step_holds_the_buffers_its_backward_pass_made_as_it_made_the
 
     lives = {name: (at(start), at(end)) for name, b, start, end in gradient_lives(graph, graph.steps) if b == fmap}
     assert lives == {
-        "grad:pool:mean": (("pool:mean", 0), ("relu:relu_", 0)),      # the pool's gradient, spread over the map
-        "grad:relu:relu_": (("relu:relu_", 0), ("conv:conv", 1)),     # the add passes it to the conv and the stem
-        "grad:conv:conv": (("conv:conv", 0), ("conv:conv", 1)),       # the conv's dx, for the stem
-        "grad:conv:conv#2": (("conv:conv", 1), ("stem:conv", 0)),     # dx + the add's part: the stem's gradient
+        "grad:pool:mean": (("pool:mean", 0), ("relu:relu_", 0)),  # the pool's gradient, spread over the map
+        "grad:relu:relu_": (("relu:relu_", 0), ("conv:conv", 1)),  # the add passes it to the conv and the stem
+        "grad:conv:conv": (("conv:conv", 0), ("conv:conv", 1)),  # the conv's dx, for the stem
+        "grad:conv:conv#2": (("conv:conv", 1), ("stem:conv", 0)),  # dx + the add's part: the stem's gradient
     }
     weight = [life for life in graph.captured.lives if life.weight_grad]
     assert sorted(life.bytes for life in weight) == sorted(p.numel() * 4 for p in Residual().parameters())
@@ -245,7 +256,7 @@ def test_pools_keep_what_pytorchs_autograd_saves_a_max_pools_indices_included():
     assert graph.bytes_of(indices) == 8 * (2 * 4 * 4 * 4)  # int64, of the max-pool's output shape
     assert indices in graph.captured.pinned  # only the max-pool makes them: kept, until its backward step
     reads: dict[str, set[str]] = {}
-    for step in graph.steps[graph.forward_steps:]:
+    for step in graph.steps[graph.forward_steps :]:
         reads.setdefault(step.op, set()).update(step.reads)
     assert set(reads[maxpool]) == {"conv:conv", indices}
     assert set(reads["avgpool:avg_pool2d"]) == {maxpool}
@@ -259,15 +270,20 @@ def test_a_plan_of_a_max_pooling_net_reaches_its_predicted_peak():
     # VGG-shaped: each max-pool holds int64 indices, twice its output's bytes, until its backward step
     # (counted as the output alone, the plans were 5% under a VGG-16 step)
     torch.manual_seed(0)
-    model = nn.Sequential(*[m for c_in, c in ((3, 16), (16, 32), (32, 32)) for m in
-                            (nn.Conv2d(c_in, c, 3, padding=1), nn.ReLU(inplace=True), nn.MaxPool2d(2))],
-                          nn.Flatten(), nn.Linear(32 * 4 * 4, 10))
+    model = nn.Sequential(
+        *[
+            m
+            for c_in, c in ((3, 16), (16, 32), (32, 32))
+            for m in (nn.Conv2d(c_in, c, 3, padding=1), nn.ReLU(inplace=True), nn.MaxPool2d(2))
+        ],
+        nn.Flatten(),
+        nn.Linear(32 * 4 * 4, 10),
+    )
     x = torch.randn(8, 3, 32, 32)
     y = torch.randint(0, 10, (8,))
     loss = lambda out: nn.functional.cross_entropy(out, y)
     everything = plan_memory(model, x, policy="checkpoint", loss=loss)
     for fraction in (1.0, 0.7):
-        plan = plan_memory(model, x, memory_limit=int(everything.peak_bytes * fraction), policy="checkpoint",
-                           loss=loss)
+        plan = plan_memory(model, x, memory_limit=int(everything.peak_bytes * fraction), policy="checkpoint", loss=loss)
         assert fraction == 1.0 or any(t.action == "recompute" for t in plan.tensors)
         assert abs(check_plan(model, plan, x, y, steps=1).peak_ratio - 1) <= 0.02, fraction

@@ -35,8 +35,16 @@ def test_best_fit_coalesces_neighbours_only():
 
 def figure7_trace():
     """Figure 7's nonlinear case: a fork tensor lives between two short-lived ones; then 400 MB."""
-    return [Alloc("a", 200 * MB), Alloc("fork", 500 * MB, "temporary"), Alloc("b", 300 * MB),
-            Free("a"), Free("b"), Alloc("c", 400 * MB), Free("c"), Free("fork")]
+    return [
+        Alloc("a", 200 * MB),
+        Alloc("fork", 500 * MB, "temporary"),
+        Alloc("b", 300 * MB),
+        Free("a"),
+        Free("b"),
+        Alloc("c", 400 * MB),
+        Free("c"),
+        Free("fork"),
+    ]
 
 
 def test_figure7_best_fit_fails_gtbm_serves():
@@ -60,7 +68,7 @@ def test_gtbm_places_temporary_high_movable_low_reclaimed_outside():
 
 def test_minimal_capacity_and_compare_on_figure7():
     trace = figure7_trace()
-    assert minimal_capacity(trace, GTBMPool) == 1000 * MB           # the peak of live bytes
+    assert minimal_capacity(trace, GTBMPool) == 1000 * MB  # the peak of live bytes
     # best-fit needs 100 more: b's freed hole [700, 1000) joins the tail [1000, 1100) to hold c
     assert minimal_capacity(trace, BestFitPool) == 1100 * MB
     result = compare(trace)

@@ -40,8 +40,9 @@ def test_the_fitted_steps_are_predicted_within_fifteen_percent(network, batch):
     assert abs(step / measured - 1) <= TOLERANCE, (network, batch, step, measured)
 
 
-@pytest.mark.parametrize("network,batch,measured", [s for s in _steps() if s[:2] not in
-                                                    {("resnet50", 128), ("vgg16", 128)}])
+@pytest.mark.parametrize(
+    "network,batch,measured", [s for s in _steps() if s[:2] not in {("resnet50", 128), ("vgg16", 128)}]
+)
 def test_steps_not_fitted_are_predicted_within_fifteen_percent_where_the_convs_were_measured(network, batch, measured):
     try:
         graph = from_network(network, batch)
@@ -64,8 +65,9 @@ def test_the_calibration_scales_the_h100s_own_measurements_and_its_other_operati
     got = kernel_front(H100, problem)
     assert [o.time_ms for o in got] == pytest.approx([o.time_ms * cal.conv_scale for o in raw])
     assert [o.workspace for o in got] == [o.workspace for o in raw]
-    assert other_ms(H100, 1e9, 1e9) == pytest.approx(H100.roofline_ms(1e9, 1e9) * ROOFLINE_EFFICIENCY
-                                                      / cal.other_efficiency)
+    assert other_ms(H100, 1e9, 1e9) == pytest.approx(
+        H100.roofline_ms(1e9, 1e9) * ROOFLINE_EFFICIENCY / cal.other_efficiency
+    )
     # another link (the CLI's --devices-per-link) computes as the measured device did: still calibrated
     linked = dataclasses.replace(H100, devices_per_link=2)
     assert calibration(linked) is cal and kernel_front(linked, problem) == got

@@ -21,6 +21,7 @@ RTOL = ATOL = 2e-4  # float32 algorithms (FFT, Winograd) against a float64 refer
 
 # ---- a float64 reference ---------------------------------------------------------------------
 
+
 def _geometry(x_shape, w_shape, stride, padding, dilation):
     _n, _c, h, w = x_shape
     _k, _cg, r, s = w_shape
@@ -48,8 +49,8 @@ def ref_forward(x, w, stride, padding, dilation, groups):
         for i in range(r):
             for j in range(s):
                 rows, cols = _taps(i, j, oh, ow, stride, dilation)
-                patch = xp[:, g * cg:(g + 1) * cg, rows, cols]          # n, cg, oh, ow
-                y[:, g * kg:(g + 1) * kg] += np.einsum("nchw,kc->nkhw", patch, w[g * kg:(g + 1) * kg, :, i, j])
+                patch = xp[:, g * cg : (g + 1) * cg, rows, cols]  # n, cg, oh, ow
+                y[:, g * kg : (g + 1) * kg] += np.einsum("nchw,kc->nkhw", patch, w[g * kg : (g + 1) * kg, :, i, j])
     return y
 
 
@@ -64,9 +65,10 @@ def ref_backward_data(dy, w, x_shape, stride, padding, dilation, groups):
         for i in range(r):
             for j in range(s):
                 rows, cols = _taps(i, j, oh, ow, stride, dilation)
-                dxp[:, g * cg:(g + 1) * cg, rows, cols] += np.einsum(
-                    "nkhw,kc->nchw", dy[:, g * kg:(g + 1) * kg], w[g * kg:(g + 1) * kg, :, i, j])
-    return dxp[:, :, padding[0]:padding[0] + h, padding[1]:padding[1] + wd]
+                dxp[:, g * cg : (g + 1) * cg, rows, cols] += np.einsum(
+                    "nkhw,kc->nchw", dy[:, g * kg : (g + 1) * kg], w[g * kg : (g + 1) * kg, :, i, j]
+                )
+    return dxp[:, :, padding[0] : padding[0] + h, padding[1] : padding[1] + wd]
 
 
 def ref_backward_filter(x, dy, w_shape, stride, padding, dilation, groups):
@@ -80,8 +82,9 @@ def ref_backward_filter(x, dy, w_shape, stride, padding, dilation, groups):
         for i in range(r):
             for j in range(s):
                 rows, cols = _taps(i, j, oh, ow, stride, dilation)
-                dw[g * kg:(g + 1) * kg, :, i, j] = np.einsum(
-                    "nchw,nkhw->kc", xp[:, g * cg:(g + 1) * cg, rows, cols], dy[:, g * kg:(g + 1) * kg])
+                dw[g * kg : (g + 1) * kg, :, i, j] = np.einsum(
+                    "nchw,nkhw->kc", xp[:, g * cg : (g + 1) * cg, rows, cols], dy[:, g * kg : (g + 1) * kg]
+                )
     return dw
 
 
@@ -123,9 +126,11 @@ def test_three_kernels_match_float64_reference_with_alpha_beta(shared_handle, ca
     dx_ref = ref_backward_data(dy, w, x.shape, **conv)
     dw_ref = ref_backward_filter(x, dy, w.shape, **conv)
 
-    for run, ref in [(lambda **kw: shared_handle.conv_forward(x, w, **conv, **kw), y_ref),
-                     (lambda **kw: shared_handle.conv_backward_data(dy, w, x_shape=x.shape, **conv, **kw), dx_ref),
-                     (lambda **kw: shared_handle.conv_backward_filter(x, dy, w_shape=w.shape, **conv, **kw), dw_ref)]:
+    for run, ref in [
+        (lambda **kw: shared_handle.conv_forward(x, w, **conv, **kw), y_ref),
+        (lambda **kw: shared_handle.conv_backward_data(dy, w, x_shape=x.shape, **conv, **kw), dx_ref),
+        (lambda **kw: shared_handle.conv_backward_filter(x, dy, w_shape=w.shape, **conv, **kw), dw_ref),
+    ]:
         if beta == 0.0:
             fresh = run(alpha=alpha)  # allocated and returned
             assert fresh.dtype == np.float32 and fresh.shape == ref.shape
@@ -161,18 +166,21 @@ def test_shapes_are_inferred_at_stride_one_and_required_above(shared_handle):
         shared_handle.conv_backward_filter(x, y2, stride=2, **conv)
 
 
-@pytest.mark.parametrize("call,match", [
-    (lambda h, x, w: h.conv_forward(x, w, beta=1.0), "give out"),
-    (lambda h, x, w: h.conv_forward(x, w, out=np.zeros((2, 4, 5, 5), np.float32)), "shape"),
-    (lambda h, x, w: h.conv_forward(x, w, out=np.zeros((2, 4, 4, 4), np.float64)), "dtype"),
-    (lambda h, x, w: h.conv_forward(x, w, groups=2), "groups"),
-    (lambda h, x, w: h.conv_forward(x, w, stride=0), "stride"),
-    (lambda h, x, w: h.conv_forward(x, w, padding=(1, 2, 3)), "padding"),
-    (lambda h, x, w: h.conv_forward(x[0], w), "4-D"),
-    (lambda h, x, w: h.conv_forward(x, w.astype(np.float64)), "dtype"),
-    (lambda h, x, w: h.conv_forward(x, w, layer=""), "layer"),
-    (lambda h, x, w: h.conv_backward_data(np.zeros((2, 4, 3, 3), np.float32), w, x_shape=x.shape), "dy has shape"),
-])
+@pytest.mark.parametrize(
+    "call,match",
+    [
+        (lambda h, x, w: h.conv_forward(x, w, beta=1.0), "give out"),
+        (lambda h, x, w: h.conv_forward(x, w, out=np.zeros((2, 4, 5, 5), np.float32)), "shape"),
+        (lambda h, x, w: h.conv_forward(x, w, out=np.zeros((2, 4, 4, 4), np.float64)), "dtype"),
+        (lambda h, x, w: h.conv_forward(x, w, groups=2), "groups"),
+        (lambda h, x, w: h.conv_forward(x, w, stride=0), "stride"),
+        (lambda h, x, w: h.conv_forward(x, w, padding=(1, 2, 3)), "padding"),
+        (lambda h, x, w: h.conv_forward(x[0], w), "4-D"),
+        (lambda h, x, w: h.conv_forward(x, w.astype(np.float64)), "dtype"),
+        (lambda h, x, w: h.conv_forward(x, w, layer=""), "layer"),
+        (lambda h, x, w: h.conv_backward_data(np.zeros((2, 4, 3, 3), np.float32), w, x_shape=x.shape), "dy has shape"),
+    ],
+)
 def test_bad_calls_raise_invalid_input_naming_the_rule(shared_handle, call, match):
     x = np.zeros((2, 3, 6, 6), np.float32)
     w = np.zeros((4, 3, 3, 3), np.float32)
@@ -180,20 +188,24 @@ def test_bad_calls_raise_invalid_input_naming_the_rule(shared_handle, call, matc
         call(shared_handle, x, w)
 
 
-@pytest.mark.parametrize("options,match", [
-    ({"workspace_limit": 1, "total_workspace": 1}, "not both"),
-    ({"policy": "halves"}, "policy"),
-    ({"reps": 0}, "reps"),
-    ({"db": True}, "db"),
-    ({"backend": 3}, "backend"),
-    ({"workspace_limit": "lots"}, "size"),
-])
+@pytest.mark.parametrize(
+    "options,match",
+    [
+        ({"workspace_limit": 1, "total_workspace": 1}, "not both"),
+        ({"policy": "halves"}, "policy"),
+        ({"reps": 0}, "reps"),
+        ({"db": True}, "db"),
+        ({"backend": 3}, "backend"),
+        ({"workspace_limit": "lots"}, "size"),
+    ],
+)
 def test_bad_options_raise_invalid_input(options, match):
     with pytest.raises(InvalidInput, match=match):
         _handle(**options)
 
 
 # ---- WR ----------------------------------------------------------------------------------------
+
 
 def test_wr_small_limit_micro_batches_in_one_reused_buffer():
     rng = np.random.default_rng(4)
@@ -234,7 +246,7 @@ def test_wr_plans_are_per_batch_and_shared_by_equal_shapes():
         handle.conv_forward(rng.standard_normal((4, 3, 8, 8), dtype=np.float32), w, layer="b")
         assert handle.stats.measured == measured  # same shape: nothing new to measure
         handle.conv_forward(rng.standard_normal((3, 3, 8, 8), dtype=np.float32), w, layer="a")
-        assert handle.stats.measured > measured   # the smaller last batch gets its own plan
+        assert handle.stats.measured > measured  # the smaller last batch gets its own plan
         assert sorted((c.layer, c.batch) for c in handle.choices()) == [("a", 3), ("a", 4), ("b", 4)]
 
 
@@ -277,8 +289,13 @@ LAYERS = {
 
 def _run_layer(handle, name, problem, rng, batch=None):
     p = problem.with_batch(batch or problem.n)
-    conv = {"stride": (p.stride_h, p.stride_w), "padding": (p.pad_h, p.pad_w), "dilation": (p.dilation_h, p.dilation_w),
-                "groups": p.groups, "layer": name}
+    conv = {
+        "stride": (p.stride_h, p.stride_w),
+        "padding": (p.pad_h, p.pad_w),
+        "dilation": (p.dilation_h, p.dilation_w),
+        "groups": p.groups,
+        "layer": name,
+    }
     x = rng.standard_normal(p.x_shape, dtype=np.float32)
     w = rng.standard_normal(p.w_shape, dtype=np.float32)
     y = handle.conv_forward(x, w, **conv)
@@ -296,8 +313,11 @@ def _check_segments(handle):
     arena = handle.arena
     assert isinstance(arena, np.ndarray) and arena.nbytes == total  # one buffer of the whole budget
     for batch in {c.batch for c in handle.choices()}:
-        spans = sorted((c.offset, c.offset + c.config.workspace) for c in handle.choices()
-                       if c.batch == batch and c.config.workspace)
+        spans = sorted(
+            (c.offset, c.offset + c.config.workspace)
+            for c in handle.choices()
+            if c.batch == batch and c.config.workspace
+        )
         for (_, end), (start, _) in itertools.pairwise(spans):
             assert end <= start  # disjoint segments
         assert all(0 <= s and e <= total for s, e in spans)
@@ -316,7 +336,9 @@ def test_wd_divides_one_arena_among_announced_kernels():
             for name, problem in LAYERS.items():
                 _run_layer(handle, name, problem, rng)
         choices = handle.choices()
-        assert {(c.layer, c.kind) for c in choices} == {(n, k) for n in LAYERS for k in ("fwd", "bwd_data", "bwd_filter")}
+        assert {(c.layer, c.kind) for c in choices} == {
+            (n, k) for n in LAYERS for k in ("fwd", "bwd_data", "bwd_filter")
+        }
         assert all(c.batch == 8 and c.config.batch == 8 for c in choices)
         _check_segments(handle)
         assert handle.peak_workspace > 0
@@ -332,8 +354,14 @@ def test_wd_tight_total_keeps_peak_within_it():
     cpu = CpuBackend()
     # room for little more than the cheapest algorithm of each kernel: the division must micro-batch
     # or fall back, and the segments still fit
-    total = sum(min(cpu.workspace_size(p.with_batch(1).with_kind(k), a) for a in ("shift_gemm", "im2col_gemm"))
-                for p in LAYERS.values() for k in ("fwd", "bwd_data", "bwd_filter")) + 64 * 1024
+    total = (
+        sum(
+            min(cpu.workspace_size(p.with_batch(1).with_kind(k), a) for a in ("shift_gemm", "im2col_gemm"))
+            for p in LAYERS.values()
+            for k in ("fwd", "bwd_data", "bwd_filter")
+        )
+        + 64 * 1024
+    )
     with _handle(policy="powerOfTwo", total_workspace=total, algos=["im2col_gemm", "shift_gemm"]) as handle:
         for name, problem in LAYERS.items():
             handle.register(name, problem)
@@ -374,11 +402,17 @@ def test_register_checks_its_arguments():
 
 # ---- lifetime ----------------------------------------------------------------------------------
 
+
 def test_copies_are_fresh_handles_with_the_same_options():
     with _handle(workspace_limit="1MiB", policy="powerOfTwo") as handle:
         for clone in (copy.deepcopy(handle), pickle.loads(pickle.dumps(handle))):
             assert clone is not handle
-            assert (clone.mode, clone.workspace_limit, clone.policy, clone.backend.name) == ("WR", 2**20, "powerOfTwo", "cpu")
+            assert (clone.mode, clone.workspace_limit, clone.policy, clone.backend.name) == (
+                "WR",
+                2**20,
+                "powerOfTwo",
+                "cpu",
+            )
             assert clone.peak_workspace == 0 and clone.choices() == []
 
 

@@ -22,8 +22,11 @@ CALLS = {
     "conv1d": ((4, 6, 21), (8, 3, 5), {"stride": 2, "padding": 2, "groups": 2}),
     "conv3d": ((4, 3, 6, 7, 5), (4, 3, 3, 3, 3), {"padding": (1, 0, 1), "dilation": (1, 2, 1)}),
     "conv_transpose1d": ((4, 4, 9), (4, 6, 3), {"stride": 2, "padding": 1, "output_padding": 1, "transposed": True}),
-    "conv_transpose2d": ((4, 4, 5, 6), (4, 3, 3, 3), {"stride": (2, 1), "padding": 1, "output_padding": (1, 0),
-                                                        "groups": 2, "transposed": True}),
+    "conv_transpose2d": (
+        (4, 4, 5, 6),
+        (4, 3, 3, 3),
+        {"stride": (2, 1), "padding": 1, "output_padding": (1, 0), "groups": 2, "transposed": True},
+    ),
     "conv_transpose3d": ((4, 6, 3, 4, 3), (6, 4, 2, 2, 2), {"stride": 2, "transposed": True}),
 }
 
@@ -35,8 +38,9 @@ def test_kernel_builds_the_problem_of_the_pytorch_call(name):
         problem = handle.kernel("fwd", x_shape, w_shape, **args).problem
     assert problem == ConvProblem.from_shapes(x_shape, w_shape, kind="fwd", **args)
     assert problem.transposed == args.get("transposed", False)
-    assert problem.x_shape[:2] == x_shape[:2] and problem.w_shape == (w_shape if len(w_shape) > 3
-                                                                     else (*w_shape[:2], 1, w_shape[2]))
+    assert problem.x_shape[:2] == x_shape[:2] and problem.w_shape == (
+        w_shape if len(w_shape) > 3 else (*w_shape[:2], 1, w_shape[2])
+    )
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -63,14 +67,26 @@ def test_kernels_of_every_form_run_micro_batched_within_the_limit(name, kind):
             assert relative_error(out.astype(np.float64), expected) < 1e-4
 
 
-@pytest.mark.parametrize("call, words", [
-    ({"x_shape": (2, 4, 5, 5), "w_shape": (4, 2, 3, 3), "groups": 2, "transposed": True, "output_padding": 1}, "stride_h"),
-    ({"x_shape": (2, 4, 5, 5, 5), "w_shape": (4, 4, 3, 3), }, "3, 4 or 5 dimensions"),
-    ({"x_shape": (2, 4, 5, 5, 5), "w_shape": (4, 4, 3, 3, 3), "stride": (1, 1)}, "one per spatial axis"),
-    ({"x_shape": (2, 4), "w_shape": (4, 4)}, "3-D, 4-D or 5-D"),
-    ({"x_shape": (2, 4, 9), "w_shape": (4, 4, 3), "transposed": "yes"}, "True or False"),
-    ({"x_shape": (2, 4, 9), "w_shape": (4, 4, 3), "groups": 0}, "groups"),
-])
+@pytest.mark.parametrize(
+    "call, words",
+    [
+        (
+            {"x_shape": (2, 4, 5, 5), "w_shape": (4, 2, 3, 3), "groups": 2, "transposed": True, "output_padding": 1},
+            "stride_h",
+        ),
+        (
+            {
+                "x_shape": (2, 4, 5, 5, 5),
+                "w_shape": (4, 4, 3, 3),
+            },
+            "3, 4 or 5 dimensions",
+        ),
+        ({"x_shape": (2, 4, 5, 5, 5), "w_shape": (4, 4, 3, 3, 3), "stride": (1, 1)}, "one per spatial axis"),
+        ({"x_shape": (2, 4), "w_shape": (4, 4)}, "3-D, 4-D or 5-D"),
+        ({"x_shape": (2, 4, 9), "w_shape": (4, 4, 3), "transposed": "yes"}, "True or False"),
+        ({"x_shape": (2, 4, 9), "w_shape": (4, 4, 3), "groups": 0}, "groups"),
+    ],
+)
 def test_bad_calls_are_refused_in_one_line(call, words):
     with Handle(backend=CpuBackend(), db=False, reps=1) as handle, pytest.raises(InvalidInput, match=words) as info:
         handle.kernel("fwd", **call)

@@ -108,8 +108,9 @@ def test_a_new_export_gets_the_umasks_mode(umask: int, tmp_path: Path, capsys: p
     assert stat.S_IMODE((tmp_path / "new.jsonl").stat().st_mode) == 0o666 & ~umask
 
 
-def test_export_through_a_symlink_writes_the_target_and_keeps_the_link(tmp_path: Path,
-                                                                       capsys: pytest.CaptureFixture) -> None:
+def test_export_through_a_symlink_writes_the_target_and_keeps_the_link(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     db = cache_file(tmp_path / "c.db")
     target = tmp_path / "real.jsonl"
     target.write_text("")
@@ -119,13 +120,17 @@ def test_export_through_a_symlink_writes_the_target_and_keeps_the_link(tmp_path:
     assert link.is_symlink() and len(target.read_text().splitlines()) == 3
 
 
-@pytest.mark.parametrize("target, words", [
-    ("{tmp}", ["is a directory"]),
-    ("{tmp}/absent/out.jsonl", ["cannot write the export", "No such file"]),
-    ("/dev/full", ["cannot write the export", "No space left"]),
-])
-def test_export_failures_are_one_line(target: str, words: list[str], tmp_path: Path,
-                                      capsys: pytest.CaptureFixture) -> None:
+@pytest.mark.parametrize(
+    "target, words",
+    [
+        ("{tmp}", ["is a directory"]),
+        ("{tmp}/absent/out.jsonl", ["cannot write the export", "No such file"]),
+        ("/dev/full", ["cannot write the export", "No space left"]),
+    ],
+)
+def test_export_failures_are_one_line(
+    target: str, words: list[str], tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     db = cache_file(tmp_path / "c.db")
     before = snapshot(db)
     refused(run(capsys, "db", "export", "--db", str(db), target.format(tmp=tmp_path)), *words)
@@ -136,8 +141,14 @@ def test_export_failures_are_one_line(target: str, words: list[str], tmp_path: P
 def test_output_to_a_full_disk_is_one_line(argv: list[str], tmp_path: Path) -> None:
     db = cache_file(tmp_path / "c.db")
     with open("/dev/full", "w") as full:
-        result = subprocess.run([sys.executable, "-m", "ucudnn.cli.main", *[a.format(db=db) for a in argv]],
-                                stdout=full, stderr=subprocess.PIPE, text=True, timeout=120, check=False)
+        result = subprocess.run(
+            [sys.executable, "-m", "ucudnn.cli.main", *[a.format(db=db) for a in argv]],
+            stdout=full,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+            check=False,
+        )
     assert result.returncode in (1, 2) and "Traceback" not in result.stderr, result.stderr
     assert result.stderr.count("\n") == 1 and "No space left" in result.stderr, result.stderr
 
@@ -146,9 +157,19 @@ def test_output_to_a_full_disk_is_one_line(argv: list[str], tmp_path: Path) -> N
 
 
 def _record(**changes: object) -> dict:
-    base = {"type": "measurement", **DEVICE, "problem_key": KEY, "kind": "fwd", "algo": "gemm",
-            "batch": 1, "time_ms": 1.0, "spread_ms": 0.0, "workspace_bytes": 0, "reason": "",
-            "created_at": "2026-01-01T00:00:00Z"}
+    base = {
+        "type": "measurement",
+        **DEVICE,
+        "problem_key": KEY,
+        "kind": "fwd",
+        "algo": "gemm",
+        "batch": 1,
+        "time_ms": 1.0,
+        "spread_ms": 0.0,
+        "workspace_bytes": 0,
+        "reason": "",
+        "created_at": "2026-01-01T00:00:00Z",
+    }
     return {**base, **changes}
 
 
@@ -173,10 +194,14 @@ POISON = {
     "time a string": (_record(time_ms="1"), "time_ms"),
     "failure without reason": (_record(time_ms=None, reason=""), "reason"),
     "reason 100k chars": (_record(time_ms=None, reason="r" * 100_000), "reason is"),
-    "plan from the future": ({"type": "plan", "key": "k", "plan": {}, "created_at": "9999-01-01T00:00:00Z"},
-                             "in the future"),
-    "plan key 10k chars": ({"type": "plan", "key": "k" * 10_000, "plan": {}, "created_at": "2026-01-01T00:00:00Z"},
-                           "plan key is"),
+    "plan from the future": (
+        {"type": "plan", "key": "k", "plan": {}, "created_at": "9999-01-01T00:00:00Z"},
+        "in the future",
+    ),
+    "plan key 10k chars": (
+        {"type": "plan", "key": "k" * 10_000, "plan": {}, "created_at": "2026-01-01T00:00:00Z"},
+        "plan key is",
+    ),
 }
 
 
@@ -194,10 +219,12 @@ def test_import_refuses_a_poisoned_record_whole(name: str, tmp_path: Path, capsy
     assert snapshot(db) == before
 
 
-def test_import_from_a_cache_holding_a_future_row_is_refused_whole(tmp_path: Path,
-                                                                   capsys: pytest.CaptureFixture) -> None:
+def test_import_from_a_cache_holding_a_future_row_is_refused_whole(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     source = cache_file(tmp_path / "source.db")
     import sqlite3
+
     with contextlib.closing(sqlite3.connect(source)) as conn, conn:
         conn.execute("UPDATE measurements SET created_at = '9999-12-31 00:00:00.000000'")
     db = cache_file(tmp_path / "c.db")
@@ -218,14 +245,18 @@ def test_an_export_imports_back_after_validation(tmp_path: Path, capsys: pytest.
 # ---- 3. sizes that cannot exist or be allocated -------------------------------------------------
 
 
-@pytest.mark.parametrize("argv, words", [
-    (["--layer", "n=1,c=64,h=1000000,w=1000000,k=64,r=3,s=3"], ["needs", "TiB", "available"]),
-    (["--layer", "n=1,c=99999999999999999999,h=8,w=8,k=64,r=3,s=3"], ["needs", "available"]),
-    (["--layer", SMALL, "--batch", "100000000"], ["needs", "batch 100000000", "available"]),
-    (["--layer", "n=1,c=8,h=8,w=8,k=99999999999999,r=1,s=1"], ["needs", "available"]),
-])
-def test_problems_too_big_for_the_machine_are_refused_first(argv: list[str], words: list[str], tmp_path: Path,
-                                                            capsys: pytest.CaptureFixture) -> None:
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--layer", "n=1,c=64,h=1000000,w=1000000,k=64,r=3,s=3"], ["needs", "TiB", "available"]),
+        (["--layer", "n=1,c=99999999999999999999,h=8,w=8,k=64,r=3,s=3"], ["needs", "available"]),
+        (["--layer", SMALL, "--batch", "100000000"], ["needs", "batch 100000000", "available"]),
+        (["--layer", "n=1,c=8,h=8,w=8,k=99999999999999,r=1,s=1"], ["needs", "available"]),
+    ],
+)
+def test_problems_too_big_for_the_machine_are_refused_first(
+    argv: list[str], words: list[str], tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     start = time.perf_counter()
     refused(run(capsys, "bench", *argv, *FAST, "--db", str(tmp_path / "c.db")), *words)
     assert time.perf_counter() - start < 30  # refused before benchmarking, not after minutes
@@ -244,33 +275,74 @@ def test_handle_and_convert_refuse_with_the_bytes_not_a_memory_error(monkeypatch
     monkeypatch.setattr(resources, "available_bytes", lambda backend: 64 * 2**10)
     torch = pytest.importorskip("torch", reason="convert() needs PyTorch")
     from ucudnn.torch import convert
-    model = convert(torch.nn.Sequential(torch.nn.Conv2d(8, 8, 3, padding=1)), backend="cpu",
-                    policy="undivided", reps=1, db="sqlite://")
+
+    model = convert(
+        torch.nn.Sequential(torch.nn.Conv2d(8, 8, 3, padding=1)),
+        backend="cpu",
+        policy="undivided",
+        reps=1,
+        db="sqlite://",
+    )
     with pytest.raises(NotEnoughMemory, match="64.0 KiB"):
         model(torch.randn(4, 8, 32, 32))
 
 
-@pytest.mark.parametrize("text, value", [("64MiB", 64 * 2**20), ("64MB", 64 * 10**6), ("64mb", 64 * 10**6),
-                                         ("1.5KiB", 1536), ("0.5KiB", 512), ("1000000", 10**6),
-                                         ("0", 0), (" 2 GiB ", 2 * 2**30), ("0.1GB", 10**8)])
+@pytest.mark.parametrize(
+    "text, value",
+    [
+        ("64MiB", 64 * 2**20),
+        ("64MB", 64 * 10**6),
+        ("64mb", 64 * 10**6),
+        ("1.5KiB", 1536),
+        ("0.5KiB", 512),
+        ("1000000", 10**6),
+        ("0", 0),
+        (" 2 GiB ", 2 * 2**30),
+        ("0.1GB", 10**8),
+    ],
+)
 def test_sizes_read_exactly(text: str, value: int) -> None:
     assert parse_size(text) == value
 
 
-@pytest.mark.parametrize("text, words", [
-    ("0.5", ["not a whole number"]), ("0.0003KB", ["not a whole number"]),
-    ("64m", ["ambiguous", "64MiB", "64MB"]), ("2g", ["ambiguous"]), ("1k", ["ambiguous"]),
-    ("99999999999TB", ["over the largest"]), ("-1", []), ("1e9", []), ("64 MiBs", []), ("", []), ("nan", []),
-])
-def test_sizes_that_cannot_be_are_refused(text: str, words: list[str], tmp_path: Path,
-                                          capsys: pytest.CaptureFixture) -> None:
-    refused(run(capsys, "bench", "--layer", SMALL, *FAST, "--workspace", text, "--db", str(tmp_path / "c.db")),
-            "--workspace", *words)
+@pytest.mark.parametrize(
+    "text, words",
+    [
+        ("0.5", ["not a whole number"]),
+        ("0.0003KB", ["not a whole number"]),
+        ("64m", ["ambiguous", "64MiB", "64MB"]),
+        ("2g", ["ambiguous"]),
+        ("1k", ["ambiguous"]),
+        ("99999999999TB", ["over the largest"]),
+        ("-1", []),
+        ("1e9", []),
+        ("64 MiBs", []),
+        ("", []),
+        ("nan", []),
+    ],
+)
+def test_sizes_that_cannot_be_are_refused(
+    text: str, words: list[str], tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    refused(
+        run(capsys, "bench", "--layer", SMALL, *FAST, "--workspace", text, "--db", str(tmp_path / "c.db")),
+        "--workspace",
+        *words,
+    )
     assert not (tmp_path / "c.db").exists()
 
 
-@pytest.mark.parametrize("nbytes, text", [(0, "0 B"), (1023, "1023 B"), (2**20, "1.0 MiB"), (2**40 * 3, "3.0 TiB"),
-                                          (2**63 - 1, "8.0 EiB"), (1023999999999999982820130816, "888178419.7 EiB")])
+@pytest.mark.parametrize(
+    "nbytes, text",
+    [
+        (0, "0 B"),
+        (1023, "1023 B"),
+        (2**20, "1.0 MiB"),
+        (2**40 * 3, "3.0 TiB"),
+        (2**63 - 1, "8.0 EiB"),
+        (1023999999999999982820130816, "888178419.7 EiB"),
+    ],
+)
 def test_huge_sizes_print_sanely(nbytes: int, text: str) -> None:
     assert format_size(nbytes) == text
 
@@ -278,24 +350,39 @@ def test_huge_sizes_print_sanely(nbytes: int, text: str) -> None:
 # ---- 4. unsupported is said as such (exit 2); exit 1 stays for a limit nothing fits ---------------
 
 
-@pytest.mark.parametrize("argv, words", [
-    (["--layer", SMALL + ",dtype=float16"], ["cannot run", "float16"]),
-    (["--layer", SMALL + ",dtype=bfloat16"], ["cannot run", "bfloat16"]),
-    (["--layer", SMALL + ",layout=NHWC"], ["cannot run", "NHWC"]),
-    (["--layer", SMALL + ",compute_type=float64"], ["cannot run", "compute_type"]),
-    (["--layer", "n=2,c=4,h=9,w=9,k=4,r=5,s=5", "--algos", "winograd"], ["cannot run", "winograd"]),
-    (["--layer", SMALL, "--policy", "64,128"], ["every size is larger than the batch 2"]),
-])
-def test_unsupported_requests_exit_2_with_the_reason(argv: list[str], words: list[str], tmp_path: Path,
-                                                     capsys: pytest.CaptureFixture) -> None:
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--layer", SMALL + ",dtype=float16"], ["cannot run", "float16"]),
+        (["--layer", SMALL + ",dtype=bfloat16"], ["cannot run", "bfloat16"]),
+        (["--layer", SMALL + ",layout=NHWC"], ["cannot run", "NHWC"]),
+        (["--layer", SMALL + ",compute_type=float64"], ["cannot run", "compute_type"]),
+        (["--layer", "n=2,c=4,h=9,w=9,k=4,r=5,s=5", "--algos", "winograd"], ["cannot run", "winograd"]),
+        (["--layer", SMALL, "--policy", "64,128"], ["every size is larger than the batch 2"]),
+    ],
+)
+def test_unsupported_requests_exit_2_with_the_reason(
+    argv: list[str], words: list[str], tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     args = [a for a in FAST if a not in ("--policy", "undivided")] if "--policy" in argv else FAST
     refused(run(capsys, "bench", *argv, *args, "--db", str(tmp_path / "c.db")), *words)
     assert "nothing fits" not in capsys.readouterr().err
 
 
 def test_a_limit_nothing_fits_still_exits_1(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    code, _, err = run(capsys, "bench", "--layer", SMALL, *FAST, "--algos", "im2col_gemm", "--workspace", "1",
-                       "--db", str(tmp_path / "c.db"))
+    code, _, err = run(
+        capsys,
+        "bench",
+        "--layer",
+        SMALL,
+        *FAST,
+        "--algos",
+        "im2col_gemm",
+        "--workspace",
+        "1",
+        "--db",
+        str(tmp_path / "c.db"),
+    )
     assert code == 1 and "Traceback" not in err and err.count("\n") == 1
 
 
@@ -309,16 +396,35 @@ def test_selftest_skips_what_the_backend_lacks(capsys: pytest.CaptureFixture) ->
 # ---- 5. late or unhandled failures --------------------------------------------------------------
 
 
-@pytest.mark.parametrize("plot, words", [
-    ("{tmp}/absent/wd.png", ["does not exist"]),
-    ("{tmp}", ["is a directory"]),
-    ("{tmp}/wd.nosuchformat", ["cannot write '.nosuchformat'"]),
-    ("/proc/wd.png", ["cannot be written"]),
-])
-def test_plot_path_is_checked_before_the_benchmark(plot: str, words: list[str], tmp_path: Path,
-                                                   capsys: pytest.CaptureFixture) -> None:
-    refused(run(capsys, "bench", "--layer", SMALL, *FAST, "--total-workspace", "1MiB",
-                "--plot", plot.format(tmp=tmp_path), "--db", str(tmp_path / "c.db")), "--plot", *words)
+@pytest.mark.parametrize(
+    "plot, words",
+    [
+        ("{tmp}/absent/wd.png", ["does not exist"]),
+        ("{tmp}", ["is a directory"]),
+        ("{tmp}/wd.nosuchformat", ["cannot write '.nosuchformat'"]),
+        ("/proc/wd.png", ["cannot be written"]),
+    ],
+)
+def test_plot_path_is_checked_before_the_benchmark(
+    plot: str, words: list[str], tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    refused(
+        run(
+            capsys,
+            "bench",
+            "--layer",
+            SMALL,
+            *FAST,
+            "--total-workspace",
+            "1MiB",
+            "--plot",
+            plot.format(tmp=tmp_path),
+            "--db",
+            str(tmp_path / "c.db"),
+        ),
+        "--plot",
+        *words,
+    )
     assert not (tmp_path / "c.db").exists()  # nothing was measured
 
 
@@ -347,11 +453,24 @@ def test_reps_are_bounded(reps: str, tmp_path: Path, capsys: pytest.CaptureFixtu
 
 
 @pytest.mark.parametrize("kinds, expected", [("fwd,fwd", ["fwd"]), ("fwd, fwd ,bwd_data,fwd", ["fwd", "bwd_data"])])
-def test_repeated_kinds_and_algos_count_once(kinds: str, expected: list[str], tmp_path: Path,
-                                             capsys: pytest.CaptureFixture) -> None:
+def test_repeated_kinds_and_algos_count_once(
+    kinds: str, expected: list[str], tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     argv = [a for a in FAST if a not in ("--kinds", "fwd")]
-    code, out, err = run(capsys, "bench", "--layer", SMALL, *argv, "--kinds", kinds, "--algos",
-                         "im2col_gemm,im2col_gemm", "--json", "--db", str(tmp_path / "c.db"))
+    code, out, err = run(
+        capsys,
+        "bench",
+        "--layer",
+        SMALL,
+        *argv,
+        "--kinds",
+        kinds,
+        "--algos",
+        "im2col_gemm,im2col_gemm",
+        "--json",
+        "--db",
+        str(tmp_path / "c.db"),
+    )
     assert code == 0, err
     report = json.loads(out)
     assert [k["kind"] for k in report["kernels"]] == expected
@@ -365,8 +484,9 @@ def test_repeated_kinds_and_algos_count_once(kinds: str, expected: list[str], tm
 @contextlib.contextmanager
 def read_only_mount(folder: Path):
     """`folder` bind-mounted read-only over itself (needs CAP_SYS_ADMIN); skips where impossible."""
-    result = subprocess.run(["mount", "--bind", "-o", "ro", str(folder), str(folder)], capture_output=True, text=True,
-                            check=False)
+    result = subprocess.run(
+        ["mount", "--bind", "-o", "ro", str(folder), str(folder)], capture_output=True, text=True, check=False
+    )
     if result.returncode != 0:
         pytest.skip(f"cannot make a read-only mount here ({result.stderr.strip() or 'mount failed'})")
     try:
@@ -441,9 +561,11 @@ def _wd_report(layers: int, baseline: bool = True):
 
     problem = ConvProblem.parse(SMALL)
     micro = MicroConfig("fft", 2, 1.0, 2**20)
-    kernels = tuple(KernelPlan(f"conv{i}", problem.with_kind(kind), micro if baseline and i else None,
-                               Configuration((micro,)))
-                    for i in range(layers) for kind in ("fwd", "bwd_data", "bwd_filter"))
+    kernels = tuple(
+        KernelPlan(f"conv{i}", problem.with_kind(kind), micro if baseline and i else None, Configuration((micro,)))
+        for i in range(layers)
+        for kind in ("fwd", "bwd_data", "bwd_filter")
+    )
     front = {p.key: [Configuration((micro,))] for p in (k.problem for k in kernels)}
     return Report("cpu", "cpu", "powerOfTwo", "WD", None, 2**30, 2, kernels, BenchStats(), front)
 

@@ -53,8 +53,9 @@ def test_prepared_sequence_equals_the_checked_run_every_time(kind, algo, scale):
     if BACKEND.unsupported_reason(problem, algo):
         pytest.skip(BACKEND.unsupported_reason(problem, algo))
     split = (2, 2, 1)
-    config = Configuration(tuple(MicroConfig(algo, b, 1.0, BACKEND.workspace_size(problem.with_batch(b), algo))
-                                 for b in split))
+    config = Configuration(
+        tuple(MicroConfig(algo, b, 1.0, BACKEND.workspace_size(problem.with_batch(b), algo)) for b in split)
+    )
     backend = CountingCpu()
     prepared = PreparedConfiguration(backend, problem, config)
     workspace = backend.empty_workspace(config.workspace)

@@ -21,19 +21,19 @@ ROOTS = ("ucudnn", "ucudnn.solver", "ucudnn.db", "ucudnn.cli")
 # module's layer (`ucudnn` alone is the package's front door: it re-exports from every layer).
 LAYERS = (
     ("ucudnn.errors", "ucudnn.sizes", "ucudnn.problem", "ucudnn.devices", "ucudnn.solver"),  # values, pure math
-    ("ucudnn.db",),                                                    # the measurement cache
-    ("ucudnn.reference", "ucudnn.backends"),                           # running one algorithm
-    ("ucudnn.kernel",),                                                # one kernel: measure, run, check
-    ("ucudnn.handle",),                                                # a layer's kernels: plan and launch
-    ("ucudnn.network", "ucudnn.memory"),                               # a whole network
+    ("ucudnn.db",),  # the measurement cache
+    ("ucudnn.reference", "ucudnn.backends"),  # running one algorithm
+    ("ucudnn.kernel",),  # one kernel: measure, run, check
+    ("ucudnn.handle",),  # a layer's kernels: plan and launch
+    ("ucudnn.network", "ucudnn.memory"),  # a whole network
     # PyTorch, room by room (its front door, `zoo` and `distributed` above them)
-    ("ucudnn.torch.converting",),                                      # drop-in convolutions
-    ("ucudnn.torch.capturing",),                                       # one training step recorded
-    ("ucudnn.torch.running",),                                         # a plan executed
-    ("ucudnn.torch.planning",),                                        # a plan made
-    ("ucudnn.torch.checking",),                                        # a plan checked
+    ("ucudnn.torch.converting",),  # drop-in convolutions
+    ("ucudnn.torch.capturing",),  # one training step recorded
+    ("ucudnn.torch.running",),  # a plan executed
+    ("ucudnn.torch.planning",),  # a plan made
+    ("ucudnn.torch.checking",),  # a plan checked
     ("ucudnn.torch",),
-    ("ucudnn.cli", "ucudnn"),                                          # entry points
+    ("ucudnn.cli", "ucudnn"),  # entry points
 )
 
 MAX_LINES = 600
@@ -43,20 +43,64 @@ LONG_MODULE_MARK = "One module because"
 # Names users import (the README, docs/ and the contracts in docs/design.md): each must keep importing
 # from here whatever moves behind it.
 PUBLIC = {
-    "ucudnn": ("BackendUnavailable", "Configuration", "ConvProblem", "Handle", "Infeasible", "InvalidInput",
-               "KernelChoice", "LateRegistrationWarning", "MicroConfig", "UcudnnError", "UnsupportedProblem",
-               "best_batch_size", "get_backend", "run_configuration"),
-    "ucudnn.torch": ("Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d",
-                     "ExecutionStats", "PlanCheck", "StepTracker", "announce", "capture", "check_plan",
-                     "convert", "execute_plan", "measure_profile", "plan_memory", "zoo"),
+    "ucudnn": (
+        "BackendUnavailable",
+        "Configuration",
+        "ConvProblem",
+        "Handle",
+        "Infeasible",
+        "InvalidInput",
+        "KernelChoice",
+        "LateRegistrationWarning",
+        "MicroConfig",
+        "UcudnnError",
+        "UnsupportedProblem",
+        "best_batch_size",
+        "get_backend",
+        "run_configuration",
+    ),
+    "ucudnn.torch": (
+        "Conv1d",
+        "Conv2d",
+        "Conv3d",
+        "ConvTranspose1d",
+        "ConvTranspose2d",
+        "ConvTranspose3d",
+        "ExecutionStats",
+        "PlanCheck",
+        "StepTracker",
+        "announce",
+        "capture",
+        "check_plan",
+        "convert",
+        "execute_plan",
+        "measure_profile",
+        "plan_memory",
+        "zoo",
+    ),
     "ucudnn.torch.distributed": ("UnevenBatchState", "UnevenSampler", "allreduce_gradients", "uneven_batch_hook"),
-    "ucudnn.memory": ("ACTIONS", "POLICIES", "ConvWorkspace", "MemoryPlan", "TensorAction", "available_policies",
-                      "make_plan"),
+    "ucudnn.memory": (
+        "ACTIONS",
+        "POLICIES",
+        "ConvWorkspace",
+        "MemoryPlan",
+        "TensorAction",
+        "available_policies",
+        "make_plan",
+    ),
     "ucudnn.memory.graph": ("Op", "Step", "Tensor", "TrainingGraph", "from_network"),
     "ucudnn.solver": ("Configuration", "Infeasible", "MicroConfig", "wr", "pareto", "wd", "cluster"),
     "ucudnn.solver.cluster": ("best_batch_sizes", "makespan"),
-    "ucudnn.db": ("MERGE_RULE", "SCHEMA_VERSION", "Cache", "MeasurementRecord", "MergeCounts", "MergeReport",
-                  "PlanRecord", "default_url"),
+    "ucudnn.db": (
+        "MERGE_RULE",
+        "SCHEMA_VERSION",
+        "Cache",
+        "MeasurementRecord",
+        "MergeCounts",
+        "MergeReport",
+        "PlanRecord",
+        "default_url",
+    ),
     "ucudnn.backends": ("BACKENDS", "Backend", "DeviceInfo", "get_backend"),
     "ucudnn.backends.cpu": ("CpuBackend",),
     "ucudnn.handle": ("Handle", "KernelChoice", "LateRegistrationWarning"),
@@ -89,7 +133,7 @@ def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
             base = node.module or ""
             if node.level:  # relative: `from .x` is in this package, each further dot one package up
                 parents = package.split(".")
-                base = ".".join(parents[:len(parents) - node.level + 1] + ([base] if base else []))
+                base = ".".join(parents[: len(parents) - node.level + 1] + ([base] if base else []))
             targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base for alias in node.names]
         else:
             continue
@@ -102,8 +146,12 @@ def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
 
 
 def _layer(name: str) -> int:
-    matches = [(len(prefix), index) for index, prefixes in enumerate(LAYERS) for prefix in prefixes
-               if name == prefix or name.startswith(prefix + ".")]
+    matches = [
+        (len(prefix), index)
+        for index, prefixes in enumerate(LAYERS)
+        for prefix in prefixes
+        if name == prefix or name.startswith(prefix + ".")
+    ]
     assert matches, f"{name} belongs to no layer: add it to LAYERS"
     return max(matches)[1]
 
@@ -114,8 +162,16 @@ IMPORTS = {name: _imports(name, path, MODULES) for name, path in MODULES.items()
 
 def test_the_walk_sees_the_whole_package():
     # A walk that found nothing would pass every check below.
-    assert {"ucudnn", "ucudnn.handle", "ucudnn.solver.wr", "ucudnn.db.cache", "ucudnn.cli.main",
-            "ucudnn.torch.converting.conv", "ucudnn.memory.graph", "ucudnn.backends.cpu"} <= set(MODULES)
+    assert {
+        "ucudnn",
+        "ucudnn.handle",
+        "ucudnn.solver.wr",
+        "ucudnn.db.cache",
+        "ucudnn.cli.main",
+        "ucudnn.torch.converting.conv",
+        "ucudnn.memory.graph",
+        "ucudnn.backends.cpu",
+    } <= set(MODULES)
     assert "ucudnn.reference" in IMPORTS["ucudnn.kernel.selftest"]
 
 
@@ -127,8 +183,12 @@ def test_no_module_imports_one_that_imports_it_back():
 
 
 def test_imports_point_down_the_layers():
-    upward = [f"{name} (layer {_layer(name)}) imports {target} (layer {_layer(target)})"
-              for name, targets in IMPORTS.items() for target in targets if _layer(target) > _layer(name)]
+    upward = [
+        f"{name} (layer {_layer(name)}) imports {target} (layer {_layer(target)})"
+        for name, targets in IMPORTS.items()
+        for target in targets
+        if _layer(target) > _layer(name)
+    ]
     assert not upward, "\n".join(upward)
 
 
@@ -158,6 +218,10 @@ def test_every_package_is_in_the_wheel():
     # setuptools ships only the packages pyproject lists: one left out imports here (editable) and not from a wheel.
     import tomllib
 
-    listed = set(tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    listed = set(
+        tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    )
     packages = {name for name, path in MODULES.items() if path.name == "__init__.py"}
-    assert packages == listed, f"not in pyproject: {sorted(packages - listed)}; no such package: {sorted(listed - packages)}"
+    assert packages == listed, (
+        f"not in pyproject: {sorted(packages - listed)}; no such package: {sorted(listed - packages)}"
+    )

@@ -19,7 +19,7 @@ GIB = 2**30
 def check_invariants(graph, plan: MemoryPlan) -> None:
     result = plan.simulation
     for d in result.devices:
-        assert d.missing == (), d.missing[:5]           # every read was resident when its step started
+        assert d.missing == (), d.missing[:5]  # every read was resident when its step started
     if plan.fits:
         for d in result.devices:
             assert max(b for _, b in d.memory) <= plan.memory_limit
@@ -44,8 +44,10 @@ def check_invariants(graph, plan: MemoryPlan) -> None:
 
 
 @pytest.mark.parametrize("policy", MINE)
-@pytest.mark.parametrize("network,batch,device,limit_gib", [("vgg16", 64, "k40", 4), ("resnet50", 32, "h100", 2),
-                                                           ("googlenet", 32, "k40", 1)])
+@pytest.mark.parametrize(
+    "network,batch,device,limit_gib",
+    [("vgg16", 64, "k40", 4), ("resnet50", 32, "h100", 2), ("googlenet", 32, "k40", 1)],
+)
 def test_policy_invariants(policy, network, batch, device, limit_gib):
     g = from_network(network, batch)
     plan = make_plan(g, device, int(limit_gib * GIB), policy)
@@ -91,8 +93,7 @@ def test_optimal_is_no_slower_than_vdnn_where_both_fit():
         assert found.plan.step_ms <= vdnn.step_ms * 1.001
     assert 0 <= found.mip_gap < 0.05
     # the budgets handed to the WD solver are options of each kernel's front
-    assert {(c.layer, c.kind) for c in found.plan.conv_workspace} == \
-        {(s.op, k) for s in g.steps for k in s.kernels}
+    assert {(c.layer, c.kind) for c in found.plan.conv_workspace} == {(s.op, k) for s in g.steps for k in s.kernels}
 
 
 def test_nothing_fits_says_so():

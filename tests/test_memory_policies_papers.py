@@ -9,9 +9,15 @@ from ucudnn.memory.graph import from_network
 
 
 @pytest.mark.parametrize("policy", ["swap-multi", "dymem", "checkpoint"])
-@pytest.mark.parametrize("network,batch,device,limit_gib,devices", [
-    ("vgg16", 64, "k40", 4, 1), ("resnet50", 32, "h100", 2, 1), ("googlenet", 32, "k40", 1, 1),
-    ("densenet40", 64, "gk210", 1.5, 2)])
+@pytest.mark.parametrize(
+    "network,batch,device,limit_gib,devices",
+    [
+        ("vgg16", 64, "k40", 4, 1),
+        ("resnet50", 32, "h100", 2, 1),
+        ("googlenet", 32, "k40", 1, 1),
+        ("densenet40", 64, "gk210", 1.5, 2),
+    ],
+)
 def test_policy_invariants(policy, network, batch, device, limit_gib, devices):
     graph = from_network(network, batch)
     plan = make_plan(graph, device, int(limit_gib * GIB), policy, devices=devices)

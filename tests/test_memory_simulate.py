@@ -11,34 +11,63 @@ from ucudnn.memory.simulate import StepCost, expand, simulate
 
 MB = 10**6  # a feature map of (1, 250000) float32 holds 1 MB
 # 1 GB/s each way: 1 MB copies in 1 ms
-DEVICE = DeviceProfile("toy", "toy", 10**9, h2d_gbps=1.0, d2h_gbps=1.0, duplex_gbps=2.0, devices_per_link=1,
-                       fp32_tflops=1.0, memory_gbps=1.0)
+DEVICE = DeviceProfile(
+    "toy",
+    "toy",
+    10**9,
+    h2d_gbps=1.0,
+    d2h_gbps=1.0,
+    duplex_gbps=2.0,
+    devices_per_link=1,
+    fp32_tflops=1.0,
+    memory_gbps=1.0,
+)
 W = 4  # each layer's weight: 4 bytes; weights and their gradients: 16 bytes resident throughout
 
 
 def chain() -> TrainingGraph:
     """x -> a -> b -> loss; a reads x, b reads a, the loss reads b (each saved for backward)."""
     shape = (1, 250_000)
-    return TrainingGraph("chain", 1, (
-        Op("x", "input", (), shape),
-        Op("a", "linear", ("x",), shape, saves=("x",), weight_bytes=W),
-        Op("b", "linear", ("a",), shape, saves=("a",), weight_bytes=W),
-        Op("loss", "loss", ("b",), (1,), saves=("b",)),
-    ))
+    return TrainingGraph(
+        "chain",
+        1,
+        (
+            Op("x", "input", (), shape),
+            Op("a", "linear", ("x",), shape, saves=("x",), weight_bytes=W),
+            Op("b", "linear", ("a",), shape, saves=("a",), weight_bytes=W),
+            Op("loss", "loss", ("b",), (1,), saves=("b",)),
+        ),
+    )
 
 
 # steps: fwd x, a, b, loss (0-3); bwd loss, b, a (4-6)
 COSTS = [StepCost(0), StepCost(2), StepCost(2), StepCost(0), StepCost(0), StepCost(4), StepCost(4)]
 # a copies out more slowly (0.5 GB/s: 2 ms) than b's forward, its last reader, runs (1 ms)
-SLOW_OUT = DeviceProfile("slow-out", "slow-out", 10**9, h2d_gbps=1.0, d2h_gbps=0.5, duplex_gbps=2.0,
-                         devices_per_link=1, fp32_tflops=1.0, memory_gbps=1.0)
+SLOW_OUT = DeviceProfile(
+    "slow-out",
+    "slow-out",
+    10**9,
+    h2d_gbps=1.0,
+    d2h_gbps=0.5,
+    duplex_gbps=2.0,
+    devices_per_link=1,
+    fp32_tflops=1.0,
+    memory_gbps=1.0,
+)
 SLOW_OUT_COSTS = [StepCost(0), StepCost(2), StepCost(1), StepCost(2), StepCost(0), StepCost(4), StepCost(4)]
 
 
 def test_steps_of_the_chain():
     g = chain()
-    assert [(s.op, s.phase) for s in g.steps] == [("x", "fwd"), ("a", "fwd"), ("b", "fwd"), ("loss", "fwd"),
-                                                  ("loss", "bwd"), ("b", "bwd"), ("a", "bwd")]
+    assert [(s.op, s.phase) for s in g.steps] == [
+        ("x", "fwd"),
+        ("a", "fwd"),
+        ("b", "fwd"),
+        ("loss", "fwd"),
+        ("loss", "bwd"),
+        ("b", "bwd"),
+        ("a", "bwd"),
+    ]
     assert g.steps[5].reads == ("a", "grad:b") and g.steps[5].writes == ("grad:a", "wgrad:b")
     assert g.steps[6].writes == ("wgrad:a",)  # the input needs no gradient
 
@@ -73,8 +102,10 @@ def test_the_step_after_the_last_reader_waits_for_the_copy_out():
     # waits for the copy (the compute stream waits on its event): 4->6. a comes back at the loss's
     # backward (6->7) and b's backward waits for it: 7->11, then a's backward 11->15. Stall 1 + 1 ms.
     r = simulate(chain(), SLOW_OUT, SLOW_OUT_COSTS, {"a": "offload"})
-    assert [(i.label, i.start_ms, i.end_ms) for i in r.timeline if i.stream == "compute"][2:4] == \
-        [("fwd b", 2.0, 3.0), ("fwd loss", 4.0, 6.0)]
+    assert [(i.label, i.start_ms, i.end_ms) for i in r.timeline if i.stream == "compute"][2:4] == [
+        ("fwd b", 2.0, 3.0),
+        ("fwd loss", 4.0, 6.0),
+    ]
     assert r.step_ms == pytest.approx(15.0) and r.stall_ms == pytest.approx(2.0)
 
 
@@ -82,8 +113,7 @@ def test_each_device_has_its_own_prefetch_triggers():
     # two devices, each alone on its link, both offload a (out 2->3 ms). Device 0 prefetches at b's
     # forward (step 2): back 3->4, no stall, 12 ms. Device 1 at the loss's backward (vDNN's trigger):
     # back 4->5, b's backward waits 1 ms, 13 ms: each as on one device (test_offload_one_feature_map).
-    r = simulate(chain(), DEVICE, COSTS, {"a": "offload"}, prefetch=[{"a": 2}, "layer"], devices=2,
-                 devices_per_link=1)
+    r = simulate(chain(), DEVICE, COSTS, {"a": "offload"}, prefetch=[{"a": 2}, "layer"], devices=2, devices_per_link=1)
     assert [d.stall_ms for d in r.devices] == pytest.approx([0.0, 1.0])
     assert [d.step_ms for d in r.devices] == pytest.approx([12.0, 13.0])
     h2d = sorted((i.device, round(i.start_ms, 9), round(i.end_ms, 9)) for i in r.timeline if i.stream == "h2d")
@@ -139,8 +169,17 @@ def test_two_devices_on_one_link_share_its_bandwidth():
 def test_both_directions_share_the_duplex_bandwidth():
     # duplex 1 GB/s: while x goes out (0->) a cannot... x out 0->1 alone; a out 2->3 alone. Prefetching x
     # at step 2 (while a copies out) runs both ways at once at 0.5 GB/s each.
-    slow = DeviceProfile("duplex", "duplex", 10**9, h2d_gbps=1.0, d2h_gbps=1.0, duplex_gbps=1.0,
-                         devices_per_link=1, fp32_tflops=1.0, memory_gbps=1.0)
+    slow = DeviceProfile(
+        "duplex",
+        "duplex",
+        10**9,
+        h2d_gbps=1.0,
+        d2h_gbps=1.0,
+        duplex_gbps=1.0,
+        devices_per_link=1,
+        fp32_tflops=1.0,
+        memory_gbps=1.0,
+    )
     r = simulate(chain(), slow, COSTS, {"x": "offload", "a": "offload"}, prefetch={"x": 2, "a": 4})
     d2h_a = next(i for i in r.timeline if i.stream == "d2h" and i.label == "a")
     h2d_x = next(i for i in r.timeline if i.stream == "h2d" and i.label == "x")

@@ -44,8 +44,9 @@ def test_an_unmeasured_problem_takes_the_roofline():
 def test_larger_batches_run_as_equal_micro_batches():
     small = kernel_front(PROFILES["h100"], layers("vgg16", 128)[2].problem)
     large = kernel_front(PROFILES["h100"], layers("vgg16", 512)[2].problem)  # nothing measured at 512
-    assert large and all(o.config.split("x")[0] in {"2", "4", "8", "16", "32", "64", "128", "256", "512"}
-                         for o in large)
+    assert large and all(
+        o.config.split("x")[0] in {"2", "4", "8", "16", "32", "64", "128", "256", "512"} for o in large
+    )
     assert min(o.time_ms for o in large) <= 4 * min(o.time_ms for o in small) * 1.0001
 
 
@@ -69,8 +70,13 @@ def test_a_measurement_cache_comes_first(tmp_path):
     problem = layers("alexnet", 16)[2].problem
     db = tmp_path / "m.db"
     cache = Cache(str(db))
-    cache.store(device="Tesla K40 (sm_35)", backend="cudnn", versions="x", problem_key=problem.key,
-                micros=[MicroConfig("slow_small", 16, 9.0, 0), MicroConfig("fast_big", 16, 1.0, 1 << 20)])
+    cache.store(
+        device="Tesla K40 (sm_35)",
+        backend="cudnn",
+        versions="x",
+        problem_key=problem.key,
+        micros=[MicroConfig("slow_small", 16, 9.0, 0), MicroConfig("fast_big", 16, 1.0, 1 << 20)],
+    )
     cache.close()
     fronts = conv_fronts(from_network("alexnet", 16), PROFILES["k40"], db=str(db))
     assert [(o.time_ms, o.workspace) for o in fronts[("conv3", "fwd")]] == [(9.0, 0), (1.0, 1 << 20)]
@@ -81,8 +87,14 @@ def test_an_op_measured_on_the_device_costs_what_was_measured_each_way():
     import dataclasses
 
     g = from_network("resnet18", 4)
-    ops = tuple(dataclasses.replace(op, measured_ms=1.5, measured_bwd_ms=0.25) if op.type == "batchnorm"
-                else dataclasses.replace(op, measured_ms=2.0) if op.type == "relu" else op for op in g.ops)
+    ops = tuple(
+        dataclasses.replace(op, measured_ms=1.5, measured_bwd_ms=0.25)
+        if op.type == "batchnorm"
+        else dataclasses.replace(op, measured_ms=2.0)
+        if op.type == "relu"
+        else op
+        for op in g.ops
+    )
     costs = step_costs(dataclasses.replace(g, ops=ops), PROFILES["h100"])
     seen = set()
     for step, cost in zip(g.steps, costs):

@@ -33,28 +33,44 @@ def _unet_2d():
 
 def _wav2vec2():
     config = transformers.Wav2Vec2Config(
-        hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, conv_dim=(16, 16, 16),
-        conv_kernel=(10, 3, 3), conv_stride=(5, 2, 2), num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=4,
-        mask_time_prob=0.0, layerdrop=0.0, num_labels=4)
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=64,
+        conv_dim=(16, 16, 16),
+        conv_kernel=(10, 3, 3),
+        conv_stride=(5, 2, 2),
+        num_conv_pos_embeddings=16,
+        num_conv_pos_embedding_groups=4,
+        mask_time_prob=0.0,
+        layerdrop=0.0,
+        num_labels=4,
+    )
     return transformers.Wav2Vec2ForSequenceClassification(config)
 
 
 def _efficientnet():
-    config = transformers.EfficientNetConfig(image_size=32, width_coefficient=0.25, depth_coefficient=0.5,
-                                             hidden_dim=320, num_labels=10)
+    config = transformers.EfficientNetConfig(
+        image_size=32, width_coefficient=0.25, depth_coefficient=0.5, hidden_dim=320, num_labels=10
+    )
     return transformers.EfficientNetForImageClassification(config)
 
 
 # name -> (model, input shape, classes, labels per sample (else per voxel))
-MODELS = {"monai-basic-unet-3d": (_basic_unet_3d, (2, 1, 32, 32, 32), 2, False),
-          "monai-unet-transposed": (_unet_2d, (2, 1, 32, 32), 2, False),
-          "hf-wav2vec2": (_wav2vec2, (2, 4000), 4, True),
-          "hf-efficientnet": (_efficientnet, (2, 3, 32, 32), 10, True)}
+MODELS = {
+    "monai-basic-unet-3d": (_basic_unet_3d, (2, 1, 32, 32, 32), 2, False),
+    "monai-unet-transposed": (_unet_2d, (2, 1, 32, 32), 2, False),
+    "hf-wav2vec2": (_wav2vec2, (2, 4000), 4, True),
+    "hf-efficientnet": (_efficientnet, (2, 3, 32, 32), 10, True),
+}
 
 # handle options: WR and WD where the limit does not bind, and ucudnn's NumPy kernels forced in one-sample
 # micro-batches (so that every converted kernel runs ucudnn's code rather than torch's)
-HANDLES = {"wr": {"workspace_limit": "64MiB"}, "wd": {"total_workspace": "1GiB"},
-           "numpy-micro": {"policy": (1,), "algos": ["im2col_gemm"], "call_overhead": 0}}
+HANDLES = {
+    "wr": {"workspace_limit": "64MiB"},
+    "wd": {"total_workspace": "1GiB"},
+    "numpy-micro": {"policy": (1,), "algos": ["im2col_gemm"], "call_overhead": 0},
+}
 
 
 def _batch(name: str, step: int):
@@ -82,7 +98,12 @@ def test_converted_and_trained_like_plain_pytorch(plain, name, handle):
     assert len(converted) == len(convs) and all(isinstance(m, ConvLayer) for m in converted)
     assert_trains_alike(train(model, lambda step: _batch(name, step)), reference, noise)
     if handle == "numpy-micro":
-        routed = {kind for m in converted for route in m._routes.values()
-                  for kind in ("fwd", "bwd_data", "bwd_filter") if getattr(route, kind) is not None}
+        routed = {
+            kind
+            for m in converted
+            for route in m._routes.values()
+            for kind in ("fwd", "bwd_data", "bwd_filter")
+            if getattr(route, kind) is not None
+        }
         assert routed == {"fwd", "bwd_data", "bwd_filter"}
         assert all(c.config.describe().endswith("x1:im2col_gemm") for c in converted[0].handle.choices())

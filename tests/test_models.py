@@ -20,26 +20,29 @@ from ucudnn.torch import convert, plan_memory
 
 
 def _hf_resnet():
-    config = transformers.ResNetConfig(depths=[1, 1, 1, 1], hidden_sizes=[32, 64, 128, 256], embedding_size=16,
-                                       layer_type="bottleneck", num_labels=10)
+    config = transformers.ResNetConfig(
+        depths=[1, 1, 1, 1], hidden_sizes=[32, 64, 128, 256], embedding_size=16, layer_type="bottleneck", num_labels=10
+    )
     return transformers.ResNetForImageClassification(config)
 
 
 def _hf_mobilenet_v2():
-    config = transformers.MobileNetV2Config(num_labels=10, depth_multiplier=0.35, image_size=32,
-                                            classifier_dropout_prob=0.2)
+    config = transformers.MobileNetV2Config(
+        num_labels=10, depth_multiplier=0.35, image_size=32, classifier_dropout_prob=0.2
+    )
     return transformers.MobileNetV2ForImageClassification(config)
 
 
 def _monai_unet():  # instance norm, PReLU, transposed convolutions, residual units
-    return UNet(spatial_dims=2, in_channels=1, out_channels=2, channels=(8, 16, 32), strides=(2, 2),
-                num_res_units=2)
+    return UNet(spatial_dims=2, in_channels=1, out_channels=2, channels=(8, 16, 32), strides=(2, 2), num_res_units=2)
 
 
 # name -> (model, input shape, classifies: labels per sample, else per pixel)
-MODELS = {"hf-resnet": (_hf_resnet, (4, 3, 32, 32), True),
-          "hf-mobilenet-v2": (_hf_mobilenet_v2, (4, 3, 32, 32), True),
-          "monai-unet": (_monai_unet, (2, 1, 32, 32), False)}
+MODELS = {
+    "hf-resnet": (_hf_resnet, (4, 3, 32, 32), True),
+    "hf-mobilenet-v2": (_hf_mobilenet_v2, (4, 3, 32, 32), True),
+    "monai-unet": (_monai_unet, (2, 1, 32, 32), False),
+}
 
 
 def _batch(name: str, step: int):
@@ -66,8 +69,16 @@ def test_planned_executed_and_trained_like_plain_pytorch_and_as_memtracker_count
         # on this machine's timings (reps=1, under whatever load), and so would the plan, its count and, through
         # another algorithm's rounding amplified over 11 steps, the trained parameters. A plan of NumPy kernels
         # is counted in the test below; converted models with NumPy kernels train like plain in test_model_convs.
-        model = convert(model, backend="cpu", workspace_limit=8 * 2**20, policy="undivided", reps=1, db=db,
-                        trial_runs=0, algos=["native"])
+        model = convert(
+            model,
+            backend="cpu",
+            workspace_limit=8 * 2**20,
+            policy="undivided",
+            reps=1,
+            db=db,
+            trial_runs=0,
+            algos=["native"],
+        )
     x, y = _batch(name, 0)
 
     def labelled_loss(out):
@@ -76,8 +87,9 @@ def test_planned_executed_and_trained_like_plain_pytorch_and_as_memtracker_count
     everything = plan_memory(model, x, memory_limit=2**40, policy=policy, loss=labelled_loss)
     smallest = plan_memory(model, x, memory_limit=1, policy=policy, loss=labelled_loss)
     assert smallest.peak_bytes < everything.peak_bytes
-    plan = plan_memory(model, x, memory_limit=(everything.peak_bytes + smallest.peak_bytes) // 2, policy=policy,
-                       loss=labelled_loss)
+    plan = plan_memory(
+        model, x, memory_limit=(everything.peak_bytes + smallest.peak_bytes) // 2, policy=policy, loss=labelled_loss
+    )
     assert plan.fits and any(t.action == "recompute" for t in plan.tensors)
     if converted:
         assert plan.conv_workspace
@@ -93,8 +105,16 @@ def test_a_plan_whose_kernels_all_hold_numpy_workspaces_is_what_memtracker_and_t
     handle takes it (`memtracker_peak`), and the plans' peaks, which hold them, come true: within 5% (MemTracker
     alone reads 0.96 and 0.93 of them), where one algorithm per kernel leaves nothing to the machine's timings."""
     base, _, _, db = plain("hf-mobilenet-v2")
-    model = convert(copy.deepcopy(base), backend="cpu", workspace_limit=8 * 2**20, policy="undivided", reps=1, db=db,
-                    trial_runs=0, algos=["im2col_gemm"])
+    model = convert(
+        copy.deepcopy(base),
+        backend="cpu",
+        workspace_limit=8 * 2**20,
+        policy="undivided",
+        reps=1,
+        db=db,
+        trial_runs=0,
+        algos=["im2col_gemm"],
+    )
     x, y = _batch("hf-mobilenet-v2", 0)
 
     def labelled_loss(out):
@@ -102,8 +122,13 @@ def test_a_plan_whose_kernels_all_hold_numpy_workspaces_is_what_memtracker_and_t
 
     everything = plan_memory(model, x, memory_limit=2**40, policy="checkpoint", loss=labelled_loss)
     smallest = plan_memory(model, x, memory_limit=1, policy="checkpoint", loss=labelled_loss)
-    plan = plan_memory(model, x, memory_limit=(everything.peak_bytes + smallest.peak_bytes) // 2, policy="checkpoint",
-                       loss=labelled_loss)
+    plan = plan_memory(
+        model,
+        x,
+        memory_limit=(everything.peak_bytes + smallest.peak_bytes) // 2,
+        policy="checkpoint",
+        loss=labelled_loss,
+    )
     assert all(c.bytes > 0 for c in plan.conv_workspace)
     for checked in (plan, smallest):
         assert 0.95 <= memtracker_peak(model, checked, x, y) / checked.peak_bytes <= 1.05
@@ -140,8 +165,10 @@ def test_a_plan_that_recomputes_runs_watched_counts_what_it_predicts_and_trains_
     ratio = memtracker_peak(model, plan, x.clone().requires_grad_(), y) / plan.peak_bytes
     assert 0.9 <= ratio <= 1.1, ratio
     seen.clear()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]), \
-            torch.autograd.set_detect_anomaly(True):
+    with (
+        torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]),
+        torch.autograd.set_detect_anomaly(True),
+    ):
         trained = train(model, lambda step: _batch(name, step), plan)
     assert_trains_alike(trained, reference, noise)
     assert seen and len(seen) % 2 == 0  # every conv's hook, once a step

@@ -38,8 +38,17 @@ def chw_out(p: ConvProblem) -> tuple[int, int, int]:
 # ---- the registry and the common contract ------------------------------------------------
 
 
-EXPECTED_COUNTS = {"alexnet": 5, "vgg16": 13, "resnet18": 20, "resnet50": 53, "resnet152": 155,
-                   "densenet40": 39, "googlenet": 57, "unet3d": 18, "deepbench": 94}
+EXPECTED_COUNTS = {
+    "alexnet": 5,
+    "vgg16": 13,
+    "resnet18": 20,
+    "resnet50": 53,
+    "resnet152": 155,
+    "densenet40": 39,
+    "googlenet": 57,
+    "unet3d": 18,
+    "deepbench": 94,
+}
 
 
 def test_registry_names_and_descriptions():
@@ -131,11 +140,19 @@ def test_alexnet_matches_caffe():
 
 # name: (c, h_in, k)
 VGG16 = {
-    "conv1_1": (3, 224, 64), "conv1_2": (64, 224, 64),
-    "conv2_1": (64, 112, 128), "conv2_2": (128, 112, 128),
-    "conv3_1": (128, 56, 256), "conv3_2": (256, 56, 256), "conv3_3": (256, 56, 256),
-    "conv4_1": (256, 28, 512), "conv4_2": (512, 28, 512), "conv4_3": (512, 28, 512),
-    "conv5_1": (512, 14, 512), "conv5_2": (512, 14, 512), "conv5_3": (512, 14, 512),
+    "conv1_1": (3, 224, 64),
+    "conv1_2": (64, 224, 64),
+    "conv2_1": (64, 112, 128),
+    "conv2_2": (128, 112, 128),
+    "conv3_1": (128, 56, 256),
+    "conv3_2": (256, 56, 256),
+    "conv3_3": (256, 56, 256),
+    "conv4_1": (256, 28, 512),
+    "conv4_2": (512, 28, 512),
+    "conv4_3": (512, 28, 512),
+    "conv5_1": (512, 14, 512),
+    "conv5_2": (512, 14, 512),
+    "conv5_3": (512, 14, 512),
 }
 
 
@@ -161,8 +178,12 @@ def test_vgg16_chains():
 # ---- ResNets (He et al. 2016, Table 1; stride on the first 1x1) -----------------------------
 
 # stage (layerS = the paper's conv{S+1}_x): output size, basic widths, bottleneck widths
-RESNET_TABLE = {1: (56, (64, 64), (64, 64, 256)), 2: (28, (128, 128), (128, 128, 512)),
-                3: (14, (256, 256), (256, 256, 1024)), 4: (7, (512, 512), (512, 512, 2048))}
+RESNET_TABLE = {
+    1: (56, (64, 64), (64, 64, 256)),
+    2: (28, (128, 128), (128, 128, 512)),
+    3: (14, (256, 256), (256, 256, 1024)),
+    4: (7, (512, 512), (512, 512, 2048)),
+}
 RESNET_BLOCKS = {"resnet18": (2, 2, 2, 2), "resnet50": (3, 4, 6, 3), "resnet152": (3, 8, 36, 3)}
 
 
@@ -256,8 +277,14 @@ def test_googlenet_inception_blocks_match_table_1():
         # the block's input is the previous concat, max-pooled 3x3/2 where the size halves
         assert depth_in == prev_out[0] and size in (prev_out[1], (prev_out[1] + 1) // 2)
         one, red3, three, red5, five, proj = (net[n] for n in names)
-        for p, reads, k, r in ((one, x, b1, 1), (red3, x, b3r, 1), (three, (b3r, size, size), b3, 3),
-                               (red5, x, b5r, 1), (five, (b5r, size, size), b5, 5), (proj, x, pp, 1)):
+        for p, reads, k, r in (
+            (one, x, b1, 1),
+            (red3, x, b3r, 1),
+            (three, (b3r, size, size), b3, 3),
+            (red5, x, b5r, 1),
+            (five, (b5r, size, size), b5, 5),
+            (proj, x, pp, 1),
+        ):
             assert chw_in(p) == reads
             assert chw_out(p) == (k, size, size)
             assert (p.r, p.s, p.stride_h, p.pad_h) == (r, r, 1, r // 2)
@@ -305,8 +332,9 @@ def test_deepbench_rows_and_field_order():
     assert first == ConvProblem(n=4, c=1, h=161, w=700, k=32, r=5, s=20, stride_h=2, stride_w=2)
     assert (first.out_h, first.out_w) == (79, 341)  # which is deepbench.4's input: 341 x 79
     assert (net[4].problem.h, net[4].problem.w, net[4].problem.c) == (79, 341, 32)
-    assert net[29].problem == ConvProblem(n=16, c=3, h=224, w=224, k=64, r=7, s=7, pad_h=3, pad_w=3,
-                                          stride_h=2, stride_w=2)
+    assert net[29].problem == ConvProblem(
+        n=16, c=3, h=224, w=224, k=64, r=7, s=7, pad_h=3, pad_w=3, stride_h=2, stride_w=2
+    )
     assert net[-1].problem == ConvProblem(n=16, c=2048, h=7, w=7, k=512, r=1, s=1)
     assert {layer.problem.n for layer in net} == {4, 8, 16, 32}
 
@@ -364,6 +392,7 @@ def test_unique_problems_groups_by_key():
 
 # ---- 3-D U-Net (Çiçek et al. 2016, Fig. 1) ------------------------------------------------------
 
+
 def test_unet3d_matches_the_paper():
     net = by_name("unet3d", 1)
     # a 132x132x116 tile (x, y, z) of 3 channels in; 44x44x28 voxels of 3 labels out
@@ -373,7 +402,11 @@ def test_unet3d_matches_the_paper():
     assert all((p.t, p.r, p.s, p.pad_d, p.pad_h, p.pad_w, p.transposed) == (3, 3, 3, 0, 0, 0, False) for p in convs)
     # analysis path: channels doubled before each max-pool
     assert [(net[f"down{i}.conv1"].k, net[f"down{i}.conv2"].k) for i in range(1, 5)] == [
-        (32, 64), (64, 128), (128, 256), (256, 512)]
+        (32, 64),
+        (64, 128),
+        (128, 256),
+        (256, 512),
+    ]
     for i in range(1, 4):  # a 2x2x2 max-pool of stride 2 halves each axis between levels
         assert net[f"down{i + 1}.conv1"].x_shape[2:] == tuple(s // 2 for s in net[f"down{i}.conv2"].y_shape[2:])
     assert net["down4.conv2"].y_shape == (1, 512, 7, 9, 9)
@@ -381,7 +414,9 @@ def test_unet3d_matches_the_paper():
     # analysis path's maps of the level (cropped)
     for level, channels, size in ((3, 512, (14, 18, 18)), (2, 256, (20, 28, 28)), (1, 128, (32, 48, 48))):
         up = net[f"up{level}.upconv"]
-        assert up.transposed and (up.t, up.r, up.s) == (2, 2, 2) and (up.stride_d, up.stride_h, up.stride_w) == (2, 2, 2)
+        assert (
+            up.transposed and (up.t, up.r, up.s) == (2, 2, 2) and (up.stride_d, up.stride_h, up.stride_w) == (2, 2, 2)
+        )
         assert up.c == up.k == channels and up.y_shape[2:] == size
         first = net[f"up{level}.conv1"]
         skip = net[f"down{level}.conv2"]
@@ -395,6 +430,7 @@ def test_unet3d_matches_the_paper():
 
 def run_cli(capsys, *args: str) -> tuple[int, str, str]:
     from ucudnn.cli.main import main
+
     code = main(["networks", *args])
     captured = capsys.readouterr()
     return code, captured.out, captured.err

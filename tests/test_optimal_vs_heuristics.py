@@ -20,18 +20,36 @@ H100 = PROFILES["h100"]
 # Fractions of the everything-resident plan's peak: from where only recomputation and offloading fit
 # to where nearly everything stays.
 FRACTIONS = (0.25, 0.4, 0.7, 0.95)
-NETWORKS = [("alexnet", 256), ("vgg16", 128), ("resnet50", 128), ("googlenet", 128), ("densenet40", 64),
-            ("resnet18", 128)]
+NETWORKS = [
+    ("alexnet", 256),
+    ("vgg16", 128),
+    ("resnet50", 128),
+    ("googlenet", 128),
+    ("densenet40", 64),
+    ("resnet18", 128),
+]
 
 
 def test_optimal_weighs_what_replaying_an_op_costs_the_host():
     """Where each replayed op also costs the host time (`TrainingGraph.replay_host_ms`, what PyTorch's executor
     spends per dropped map), the program recomputes fewer maps at the same limit, and its step counts that time."""
-    cpu = DeviceProfile("cpu", "a CPU", 2**40, h2d_gbps=10.0, d2h_gbps=10.0, duplex_gbps=10.0, devices_per_link=1,
-                        fp32_tflops=0.1, memory_gbps=20.0, shares_host_memory=True)  # only recomputation frees memory
+    cpu = DeviceProfile(
+        "cpu",
+        "a CPU",
+        2**40,
+        h2d_gbps=10.0,
+        d2h_gbps=10.0,
+        duplex_gbps=10.0,
+        devices_per_link=1,
+        fp32_tflops=0.1,
+        memory_gbps=20.0,
+        shares_host_memory=True,
+    )  # only recomputation frees memory
     graph = from_network("resnet18", 8)
     limit = (make_plan(graph, cpu, 2**40, "optimal").peak_bytes + make_plan(graph, cpu, 1, "optimal").peak_bytes) // 2
-    free, costly = (make_plan(dataclasses.replace(graph, replay_host_ms=ms), cpu, limit, "optimal") for ms in (0.0, 100.0))
+    free, costly = (
+        make_plan(dataclasses.replace(graph, replay_host_ms=ms), cpu, limit, "optimal") for ms in (0.0, 100.0)
+    )
 
     def recomputed(plan):
         return sum(t.action == "recompute" for t in plan.tensors)
@@ -58,8 +76,13 @@ def test_optimal_is_never_beaten_by_a_heuristic(network, batch):
             other = make_plan(graph, H100, limit, name)
             if other.fits:
                 assert optimal.fits, (network, fraction, name)
-                assert optimal.step_ms <= other.step_ms * (1 + 1e-9), (network, fraction, name, optimal.step_ms,
-                                                                       other.step_ms)
+                assert optimal.step_ms <= other.step_ms * (1 + 1e-9), (
+                    network,
+                    fraction,
+                    name,
+                    optimal.step_ms,
+                    other.step_ms,
+                )
 
 
 @pytest.mark.parametrize("network,batch", [("resnet50", 128), ("alexnet", 256)])
@@ -115,8 +138,9 @@ def test_the_cli_failure_message_names_two_distinct_sizes(capsys):
     needed = smallest_fitting_limit(graph, H100, "optimal")
     limit = needed - 2 * max(2**20, needed // 256)  # does not fit (the test above), within 1% of needed
     assert not make_plan(graph, H100, limit, "optimal").fits
-    code, _out, err = run(capsys, "plan", "--network", "alexnet", "--batch", "256", "--device", "h100",
-                         "--memory", str(limit))
+    code, _out, err = run(
+        capsys, "plan", "--network", "alexnet", "--batch", "256", "--device", "h100", "--memory", str(limit)
+    )
     assert code == 1
     match = re.search(r"nothing fits (\S+ \S+); the smallest limit that fits is (\S+ \S+) \((\d+) bytes", err)
     assert match, err
@@ -126,8 +150,9 @@ def test_the_cli_failure_message_names_two_distinct_sizes(capsys):
 
 def test_plan_check_runs_one_step_and_prints_json(capsys):
     pytest.importorskip("torch")
-    code, out, err = run(capsys, "plan", "--network", "resnet18", "--batch", "1", "--policy", "checkpoint",
-                         "--check", "--json")
+    code, out, err = run(
+        capsys, "plan", "--network", "resnet18", "--batch", "1", "--policy", "checkpoint", "--check", "--json"
+    )
     assert code == 0, err
     data = json.loads(out)
     assert data["network"] == "resnet18" and data["batch"] == 1 and data["policy"] == "checkpoint"

@@ -14,8 +14,9 @@ LAYERS = ["--layer", "n=4,c=4,h=10,w=10,k=4,r=3,s=3,pad=1", "--layer", "n=4,c=4,
 
 
 def bench(tmp_path, capsys, db, *extra):
-    code = main(["bench", *LAYERS, "--backend", "cpu", "--reps", "1", "--json", "--quiet",
-                 "--db", str(tmp_path / db), *extra])
+    code = main(
+        ["bench", *LAYERS, "--backend", "cpu", "--reps", "1", "--json", "--quiet", "--db", str(tmp_path / db), *extra]
+    )
     out, err = capsys.readouterr()
     assert code == 0, err
     return json.loads(out)
@@ -23,8 +24,11 @@ def bench(tmp_path, capsys, db, *extra):
 
 def rows(path):
     with sqlite3.connect(path) as con:
-        return sorted(con.execute("select p.key, m.algo, m.batch from measurements m "
-                                  "join problems p on p.id = m.problem_id").fetchall())
+        return sorted(
+            con.execute(
+                "select p.key, m.algo, m.batch from measurements m join problems p on p.id = m.problem_id"
+            ).fetchall()
+        )
 
 
 def test_workers_fill_the_cache_once_and_report_as_one_worker_would(tmp_path, capsys):
@@ -38,8 +42,9 @@ def test_workers_fill_the_cache_once_and_report_as_one_worker_would(tmp_path, ca
     # A single worker replaying the workers' cache measures nothing and gives the identical report.
     replay = bench(tmp_path, capsys, "w.db", "--exhaustive")
     assert replay["benchmark"]["measured"] == 0
-    assert {k: v for k, v in replay.items() if k != "benchmark"} == \
-        {k: v for k, v in parallel.items() if k != "benchmark"}
+    assert {k: v for k, v in replay.items() if k != "benchmark"} == {
+        k: v for k, v in parallel.items() if k != "benchmark"
+    }
     # Same structure as the single-worker run on its own measurements.
     assert [k["layer"] + k["kind"] for k in parallel["kernels"]] == [k["layer"] + k["kind"] for k in single["kernels"]]
 
@@ -71,7 +76,14 @@ def test_partition_deals_every_unit_once_balanced_by_flops():
 
 
 def test_a_worker_on_another_device_refuses(tmp_path):
-    spec = {"backend": "cpu", "db": str(tmp_path / "c.db"), "algos": None, "reps": 1, "workspace_limit": None,
-            "expect": {"device": "elsewhere", "backend": "cpu", "versions": "x"}, "units": []}
+    spec = {
+        "backend": "cpu",
+        "db": str(tmp_path / "c.db"),
+        "algos": None,
+        "reps": 1,
+        "workspace_limit": None,
+        "expect": {"device": "elsewhere", "backend": "cpu", "versions": "x"},
+        "units": [],
+    }
     with pytest.raises(UcudnnError, match="needs devices of one model"):
         _work(spec)

@@ -39,8 +39,12 @@ def _random_bench(rng: random.Random, batch: int, *, integer_times: bool) -> dic
 
 def _divisions(bench: dict[int, list[MicroConfig]], batch: int, limit: int | None) -> list[tuple[MicroConfig, ...]]:
     """Every multiset of usable micro-configs whose sizes sum to `batch` (order does not matter)."""
-    usable = [m for ms in bench.values() for m in ms
-              if m.usable and m.batch <= batch and (limit is None or m.workspace <= limit)]
+    usable = [
+        m
+        for ms in bench.values()
+        for m in ms
+        if m.usable and m.batch <= batch and (limit is None or m.workspace <= limit)
+    ]
     found: list[tuple[MicroConfig, ...]] = []
 
     def extend(start: int, left: int, chosen: list[MicroConfig]) -> None:
@@ -86,8 +90,9 @@ def test_front_matches_brute_force(integer_times: bool) -> None:
         batch = rng.randint(1, 8)
         bench = _random_bench(rng, batch, integer_times=integer_times)
         limit = rng.choice([None, 0, rng.randint(0, 40)])
-        points = _non_dominated([(sum(m.time for m in d), max(m.workspace for m in d))
-                                 for d in _divisions(bench, batch, limit)])
+        points = _non_dominated(
+            [(sum(m.time for m in d), max(m.workspace for m in d)) for d in _divisions(bench, batch, limit)]
+        )
         if not points:
             with pytest.raises(Infeasible):
                 pareto.front(bench, batch, limit)

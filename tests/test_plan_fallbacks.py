@@ -26,9 +26,16 @@ def _convbert():
     """A tiny ConvBERT. Its embeddings are as wide as its layers: at the default 768, their weights and gradients
     make the peak (at the end of the backward pass), which no recomputation lowers."""
     transformers = pytest.importorskip("transformers")
-    config = transformers.ConvBertConfig(vocab_size=VOCAB, hidden_size=32, embedding_size=32, num_hidden_layers=2,
-                                         num_attention_heads=2, intermediate_size=64, max_position_embeddings=32,
-                                         num_labels=LABELS)
+    config = transformers.ConvBertConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        embedding_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=32,
+        num_labels=LABELS,
+    )
     torch.manual_seed(0)
     return transformers.ConvBertForSequenceClassification(config)
 
@@ -91,8 +98,14 @@ def test_a_device_profile_checks_the_fake_capture_against_one_real_forward_pass(
     plan_memory(model, ids, memory_limit=1, policy="checkpoint", device="k40")
     assert len(follows) == 2  # followed once
 
-    net = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Dropout(0.2), nn.Flatten(),
-                        nn.Linear(8 * 8 * 8, 10))
+    net = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.Dropout(0.2),
+        nn.Flatten(),
+        nn.Linear(8 * 8 * 8, 10),
+    )
     before = _state(net)
     plan = plan_memory(net, torch.randn(2, 3, 8, 8), device="k40")
     assert plan.capture.fake is True and follows[2:] == [True]
@@ -129,8 +142,9 @@ def test_a_limit_below_every_plan_gives_each_policys_smallest_and_optimal_the_sm
         assert not least.fits and least.memory_limit == 1 and least.policy == policy
         for share in (0.25, 0.5, 0.75):
             limit = int(least.peak_bytes + share * (everything.peak_bytes - least.peak_bytes))
-            assert least.peak_bytes <= plan_memory(model, x, memory_limit=limit, policy=policy,
-                                                   device=profile).peak_bytes, (policy, share)
+            assert (
+                least.peak_bytes <= plan_memory(model, x, memory_limit=limit, policy=policy, device=profile).peak_bytes
+            ), (policy, share)
         smallest[policy] = least.peak_bytes
     assert smallest["optimal"] == min(smallest.values()), smallest
     heuristics = min(peak for policy, peak in smallest.items() if policy != "optimal")

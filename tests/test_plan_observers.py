@@ -51,17 +51,21 @@ def _recomputing(model: nn.Module, forced: str = "recompute") -> MemoryPlan:
 def _offloading(model: nn.Module) -> MemoryPlan:
     step = capture(model, _batch(0)[0])
     graph = step.graph
-    tensors = tuple(TensorAction(s, graph.bytes_of(s), "offload" if graph.op(s).type not in ("input", "loss") else
-                                 "keep") for s in graph.storages)
-    return MemoryPlan(graph.network, graph.batch, "host", 1, 2**30, "hand", True, 0, 0, 0, 1.0, 1.0, 0.0, 0,
-                      tensors, (), capture=step)
+    tensors = tuple(
+        TensorAction(s, graph.bytes_of(s), "offload" if graph.op(s).type not in ("input", "loss") else "keep")
+        for s in graph.storages
+    )
+    return MemoryPlan(
+        graph.network, graph.batch, "host", 1, 2**30, "hand", True, 0, 0, 0, 1.0, 1.0, 0.0, 0, tensors, (), capture=step
+    )
 
 
 PLANS = {"recompute": _recomputing, "offload": _offloading}
 
 
-def _train(model: nn.Module, plan: MemoryPlan | None, around=contextlib.nullcontext, step_fn=None,
-           threads: int = 1) -> torch.Tensor:
+def _train(
+    model: nn.Module, plan: MemoryPlan | None, around=contextlib.nullcontext, step_fn=None, threads: int = 1
+) -> torch.Tensor:
     """Every parameter after `STEPS` SGD steps, each step inside `around()` and (given a plan) `execute_plan`."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -153,6 +157,7 @@ def test_a_plan_made_beside_backward_hooks_runs_without_them(plain):
 @pytest.mark.parametrize("policy", PLANS)
 def test_an_input_that_requires_grad_gets_plain_pytorchs_gradient_under_memtracker(policy):
     """Adversarial training reads the input's gradient; MemTracker watching such an input added a node."""
+
     def grads(make_plan):
         model = _chain()
         plan = make_plan(model) if make_plan else None
@@ -201,7 +206,8 @@ def test_a_plan_made_outside_autocast_is_refused_inside_it_in_one_line_that_says
     x, y = _batch(0)
     with (
         pytest.raises(UnsupportedProblem, match="autocast") as err,
-        torch.autocast("cpu", dtype=torch.bfloat16), execute_plan(model, plan),
+        torch.autocast("cpu", dtype=torch.bfloat16),
+        execute_plan(model, plan),
     ):
         _loss(model(x), y).backward()
     assert "\n" not in str(err.value)

@@ -14,13 +14,25 @@ from ucudnn.problem import KINDS, ConvProblem
 from ucudnn.reference import reference, relative_error
 
 FORMS = {
-    "2-D strided, dilated, grouped": {"x_shape": (3, 4, 9, 8), "w_shape": (6, 2, 3, 3), "stride": 2, "padding": (1, 2),
-                                          "dilation": (2, 1), "groups": 2},
+    "2-D strided, dilated, grouped": {
+        "x_shape": (3, 4, 9, 8),
+        "w_shape": (6, 2, 3, 3),
+        "stride": 2,
+        "padding": (1, 2),
+        "dilation": (2, 1),
+        "groups": 2,
+    },
     "2-D 1x1": {"x_shape": (2, 5, 6, 6), "w_shape": (3, 5, 1, 1)},
     "1-D": {"x_shape": (2, 3, 11), "w_shape": (4, 3, 5), "padding": 2},
     "3-D": {"x_shape": (2, 2, 5, 4, 6), "w_shape": (3, 2, 3, 2, 3), "padding": 1, "stride": (1, 2, 1)},
-    "transposed": {"x_shape": (2, 4, 5, 5), "w_shape": (4, 3, 3, 3), "stride": 2, "padding": 1, "output_padding": 1,
-                       "transposed": True},
+    "transposed": {
+        "x_shape": (2, 4, 5, 5),
+        "w_shape": (4, 3, 3, 3),
+        "stride": 2,
+        "padding": 1,
+        "output_padding": 1,
+        "transposed": True,
+    },
     "padding beyond the filter": {"x_shape": (2, 3, 4, 4), "w_shape": (2, 3, 2, 2), "padding": 3},
 }
 ALGOS = ("im2col_gemm", "shift_gemm", "fft", "winograd")
@@ -46,13 +58,14 @@ def test_prepared_launches_match_the_reference_run_after_run(form, kind, threads
             continue
         need = backend.workspace_size(problem, algo)
         buffers = [np.empty(need + 1000, np.uint8) for _ in range(2)]
-        slices = [b[:need + 3] for b in buffers]  # a handle's run slice: the same object every run
+        slices = [b[: need + 3] for b in buffers]  # a handle's run slice: the same object every run
         launch = backend.prepare_run(problem, algo)
         for run, (alpha, beta) in enumerate([(1.0, 0.0), (1.0, 0.0), (0.5, 2.0), (1.0, 1.0), (1.0, 0.0)]):
             ops = _operands(problem, rng)
             out = rng.standard_normal(problem.out_shape).astype(np.float32)
-            expected = alpha * reference(problem, **{k: v.astype(np.float64) for k, v in ops.items()}) \
-                + beta * out.astype(np.float64)
+            expected = alpha * reference(
+                problem, **{k: v.astype(np.float64) for k, v in ops.items()}
+            ) + beta * out.astype(np.float64)
             workspace = slices[run // 3]  # the last two runs on another buffer
             buffers[run // 3].fill(0xFF)  # another kernel used the shared buffer since: NaN everywhere
             launch(ops.get("x"), ops.get("w"), ops.get("dy"), out, workspace, alpha, beta)

@@ -27,8 +27,10 @@ def test_output_shapes_follow_the_convolution_formula():
 
 
 # The key of a 2-D problem as the first release wrote it: caches hold rows under exactly this text.
-FIRST_RELEASE_KEY = ("kind=bwd_filter,c=16,h=9,w=9,k=4,r=3,s=3,pad_h=1,pad_w=0,stride_h=2,stride_w=2,"
-                     "dilation_h=1,dilation_w=3,groups=2,dtype=float32,compute_type=float32,layout=NCHW")
+FIRST_RELEASE_KEY = (
+    "kind=bwd_filter,c=16,h=9,w=9,k=4,r=3,s=3,pad_h=1,pad_w=0,stride_h=2,stride_w=2,"
+    "dilation_h=1,dilation_w=3,groups=2,dtype=float32,compute_type=float32,layout=NCHW"
+)
 
 
 def test_2d_keys_are_the_first_releases():
@@ -40,8 +42,15 @@ def test_key_holds_every_field_but_n():
     p = ConvProblem.parse("n=8,c=16,h=9,w=9,k=4,r=3,s=3")
     deep = ConvProblem.parse("n=8,c=16,d=5,h=9,w=9,k=4,t=3,r=3,s=3,stride=2")
     assert p.key == p.with_batch(64).key
-    changed = {"kind": "bwd_data", "dtype": "float16", "compute_type": "float64", "layout": "NHWC", "groups": 2,
-               "transposed": True, "d": 4}
+    changed = {
+        "kind": "bwd_data",
+        "dtype": "float16",
+        "compute_type": "float64",
+        "layout": "NHWC",
+        "groups": 2,
+        "transposed": True,
+        "d": 4,
+    }
     for field in dataclasses.fields(ConvProblem):
         if field.name in ("n",):
             continue
@@ -58,41 +67,46 @@ def test_key_holds_every_field_but_n():
 
 
 def test_spec_round_trips():
-    for spec in ("n=3,c=4,h=5,w=6,k=2,r=3,s=1,pad_h=1,pad_w=0,stride=2,groups=2",
-                 "n=1,c=2,h=7,w=7,k=2,r=3,s=3,dilation=2,dtype=float64,kind=bwd_filter",
-                 "n=4,c=8,d=16,h=16,w=16,k=16,t=3,r=3,s=3,pad=1",
-                 "n=2,c=4,d=5,h=6,w=7,k=6,t=1,r=3,s=2,pad_d=1,stride_h=2,dilation_w=2,groups=2,layout=NHWC",
-                 "n=2,c=4,h=5,w=6,k=6,r=3,s=3,transposed=1,stride=2,output_padding_w=1,kind=bwd_data",
-                 "n=2,c=4,d=3,h=5,w=6,k=8,t=2,r=2,s=2,transposed=1,stride=2,output_padding=1"):
+    for spec in (
+        "n=3,c=4,h=5,w=6,k=2,r=3,s=1,pad_h=1,pad_w=0,stride=2,groups=2",
+        "n=1,c=2,h=7,w=7,k=2,r=3,s=3,dilation=2,dtype=float64,kind=bwd_filter",
+        "n=4,c=8,d=16,h=16,w=16,k=16,t=3,r=3,s=3,pad=1",
+        "n=2,c=4,d=5,h=6,w=7,k=6,t=1,r=3,s=2,pad_d=1,stride_h=2,dilation_w=2,groups=2,layout=NHWC",
+        "n=2,c=4,h=5,w=6,k=6,r=3,s=3,transposed=1,stride=2,output_padding_w=1,kind=bwd_data",
+        "n=2,c=4,d=3,h=5,w=6,k=8,t=2,r=2,s=2,transposed=1,stride=2,output_padding=1",
+    ):
         p = ConvProblem.parse(spec)
         assert ConvProblem.parse(p.spec) == p
 
 
-@pytest.mark.parametrize("spec, words", [
-    ("", "empty"),
-    ("c=3,h=5,w=5,k=2,r=3", "missing s"),
-    ("c=3,h=5,w=5,k=2,r=3,s=3,q=1", "unknown key 'q'"),
-    ("c=3,h=5,w=5,k=2,r=3,s=x", "s must be an integer"),
-    ("c=3,h=5,w=5,k=2,r=3,s=3,pad", "key=value"),
-    ("c=0,h=5,w=5,k=2,r=3,s=3", "c must be positive, got 0"),
-    ("c=3,h=5,w=5,k=2,r=3,s=3,pad=-1", "pad must be non-negative, got -1"),
-    ("c=3,h=5,w=5,k=2,r=3,s=3,stride_w=0", "stride_w must be positive, got 0"),
-    ("c=3,h=2,w=5,k=2,r=3,s=3", "larger than the padded input"),
-    ("c=3,h=5,w=5,k=2,r=3,s=3,groups=2", "groups (2) must divide c (3)"),
-    ("c=3,h=5,w=5,k=2,r=3,s=3,dtype=int8", "dtype must be one of"),
-    ("c=3,h=5,w=5,k=2,r=3,s=3,layout=CHWN", "layout must be one of"),
-    ("c=3,h=5,w=5,k=2,r=3,s=3,kind=bwd", "kind must be one of"),
-    ("c=3,h=5,w=5,k=2,r=3,s=3,pad=1,pad_h=2", "given twice"),
-    ("c=3,h=5,w=5,k=2,r=3,s=3,t=3", "t (3) belongs to a depth axis"),
-    ("c=3,h=5,w=5,k=2,r=3,s=3,pad_d=1", "give d (the input depth)"),
-    ("c=3,d=0,h=5,w=5,k=2,r=3,s=3", "d must be positive"),
-    ("c=3,h=5,w=5,k=2,r=3,s=3,output_padding=1", "transposed convolutions only"),
-    ("c=3,h=5,w=5,k=2,r=3,s=3,transposed=1,stride=2,output_padding=2", "smaller than stride_h (2) or dilation_h"),
-    ("c=3,h=5,w=5,k=2,r=3,s=3,transposed=1,dilation=3,output_padding=1", "cannot express it"),
-    ("c=3,h=5,w=5,k=2,r=3,s=3,transposed=yes", "transposed must be 0 or 1"),
-    ("c=3,h=1,w=1,k=2,r=1,s=1,pad=1,transposed=1", "transposed output would be"),
-    ("c=3,d=2,h=5,w=5,k=2,t=3,r=3,s=3", "larger than the padded input (2x5x5)"),
-])
+@pytest.mark.parametrize(
+    "spec, words",
+    [
+        ("", "empty"),
+        ("c=3,h=5,w=5,k=2,r=3", "missing s"),
+        ("c=3,h=5,w=5,k=2,r=3,s=3,q=1", "unknown key 'q'"),
+        ("c=3,h=5,w=5,k=2,r=3,s=x", "s must be an integer"),
+        ("c=3,h=5,w=5,k=2,r=3,s=3,pad", "key=value"),
+        ("c=0,h=5,w=5,k=2,r=3,s=3", "c must be positive, got 0"),
+        ("c=3,h=5,w=5,k=2,r=3,s=3,pad=-1", "pad must be non-negative, got -1"),
+        ("c=3,h=5,w=5,k=2,r=3,s=3,stride_w=0", "stride_w must be positive, got 0"),
+        ("c=3,h=2,w=5,k=2,r=3,s=3", "larger than the padded input"),
+        ("c=3,h=5,w=5,k=2,r=3,s=3,groups=2", "groups (2) must divide c (3)"),
+        ("c=3,h=5,w=5,k=2,r=3,s=3,dtype=int8", "dtype must be one of"),
+        ("c=3,h=5,w=5,k=2,r=3,s=3,layout=CHWN", "layout must be one of"),
+        ("c=3,h=5,w=5,k=2,r=3,s=3,kind=bwd", "kind must be one of"),
+        ("c=3,h=5,w=5,k=2,r=3,s=3,pad=1,pad_h=2", "given twice"),
+        ("c=3,h=5,w=5,k=2,r=3,s=3,t=3", "t (3) belongs to a depth axis"),
+        ("c=3,h=5,w=5,k=2,r=3,s=3,pad_d=1", "give d (the input depth)"),
+        ("c=3,d=0,h=5,w=5,k=2,r=3,s=3", "d must be positive"),
+        ("c=3,h=5,w=5,k=2,r=3,s=3,output_padding=1", "transposed convolutions only"),
+        ("c=3,h=5,w=5,k=2,r=3,s=3,transposed=1,stride=2,output_padding=2", "smaller than stride_h (2) or dilation_h"),
+        ("c=3,h=5,w=5,k=2,r=3,s=3,transposed=1,dilation=3,output_padding=1", "cannot express it"),
+        ("c=3,h=5,w=5,k=2,r=3,s=3,transposed=yes", "transposed must be 0 or 1"),
+        ("c=3,h=1,w=1,k=2,r=1,s=1,pad=1,transposed=1", "transposed output would be"),
+        ("c=3,d=2,h=5,w=5,k=2,t=3,r=3,s=3", "larger than the padded input (2x5x5)"),
+    ],
+)
 def test_bad_specs_are_refused_with_the_field_named(spec, words):
     with pytest.raises(InvalidInput) as info:
         ConvProblem.parse(spec)
@@ -142,8 +156,12 @@ def test_shapes_agree_with_torch_for_every_form():
         axes = p.axes[1:] if is_1d(p) else p.axes
         if is_1d(p):
             x, w = x[:, :, 0], w[:, :, 0]
-        args = {"stride": [a.stride for a in axes], "padding": [a.pad for a in axes],
-                    "dilation": [a.dilation for a in axes], "groups": p.groups}
+        args = {
+            "stride": [a.stride for a in axes],
+            "padding": [a.pad for a in axes],
+            "dilation": [a.dilation for a in axes],
+            "groups": p.groups,
+        }
         if p.transposed:
             y = getattr(F, f"conv_transpose{len(axes)}d")(x, w, output_padding=[a.output_padding for a in axes], **args)
         else:
@@ -152,12 +170,15 @@ def test_shapes_agree_with_torch_for_every_form():
         assert shape == p.y_shape, name
 
 
-@pytest.mark.parametrize("spec", [
-    "n=3,c=4,h=9,w=8,k=6,r=3,s=2,pad_h=1,stride_h=2,groups=2",
-    "n=2,c=3,d=5,h=6,w=5,k=4,t=3,r=3,s=3,pad=1,stride_d=2",
-    "n=3,c=4,h=5,w=4,k=6,r=3,s=2,pad=1,stride=2,transposed=1,output_padding_h=1,groups=2",
-    "n=2,c=4,d=3,h=4,w=3,k=8,t=2,r=2,s=2,stride=2,transposed=1",
-])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "n=3,c=4,h=9,w=8,k=6,r=3,s=2,pad_h=1,stride_h=2,groups=2",
+        "n=2,c=3,d=5,h=6,w=5,k=4,t=3,r=3,s=3,pad=1,stride_d=2",
+        "n=3,c=4,h=5,w=4,k=6,r=3,s=2,pad=1,stride=2,transposed=1,output_padding_h=1,groups=2",
+        "n=2,c=4,d=3,h=4,w=3,k=8,t=2,r=2,s=2,stride=2,transposed=1",
+    ],
+)
 def test_flops_count_every_multiply_add(spec):
     p = ConvProblem.parse(spec)
     # Each weight element meets one input element per output position (plain) or one output
@@ -170,12 +191,15 @@ def test_flops_count_every_multiply_add(spec):
 def test_from_shapes_builds_every_pytorch_form():
     one = ConvProblem.from_shapes((2, 3, 10), (4, 3, 5), stride=2, padding=1, dilation=(2,))
     assert one == ConvProblem.parse("n=2,c=3,h=1,w=10,k=4,r=1,s=5,pad_w=1,stride_w=2,dilation_w=2")
-    three = ConvProblem.from_shapes((2, 4, 5, 6, 7), (6, 2, 3, 1, 3), stride=(1, 2, 1), padding=(1, 0, 1), groups=2,
-                                    kind="bwd_filter")
-    assert three == ConvProblem.parse("n=2,c=4,d=5,h=6,w=7,k=6,t=3,r=1,s=3,pad_d=1,pad_h=0,pad_w=1,stride_h=2,"
-                                      "groups=2,kind=bwd_filter")
-    up = ConvProblem.from_shapes((1, 8, 4, 4, 4), (8, 2, 2, 2, 2), stride=2, groups=2, transposed=True,
-                                 output_padding=(1, 0, 1))
+    three = ConvProblem.from_shapes(
+        (2, 4, 5, 6, 7), (6, 2, 3, 1, 3), stride=(1, 2, 1), padding=(1, 0, 1), groups=2, kind="bwd_filter"
+    )
+    assert three == ConvProblem.parse(
+        "n=2,c=4,d=5,h=6,w=7,k=6,t=3,r=1,s=3,pad_d=1,pad_h=0,pad_w=1,stride_h=2,groups=2,kind=bwd_filter"
+    )
+    up = ConvProblem.from_shapes(
+        (1, 8, 4, 4, 4), (8, 2, 2, 2, 2), stride=2, groups=2, transposed=True, output_padding=(1, 0, 1)
+    )
     assert up.k == 4 and up.w_shape == (8, 2, 2, 2, 2) and up.y_shape == (1, 4, 9, 8, 9)
     with pytest.raises(InvalidInput, match="does not take the 8 channels"):
         ConvProblem.from_shapes((1, 8, 4, 4), (8, 2, 2, 2), groups=2)  # a transposed weight, read as plain

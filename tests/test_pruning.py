@@ -38,8 +38,17 @@ class Scripted(CpuBackend):
 
 
 def table_of(backend, limit, sizes=(1, 2, 4, 8), front=False, cache=None, algos=ALGOS, workspace_limit=None):
-    return measure_table(backend, PROBLEM, list(sizes), algos=algos, reps=3, benchmark_limit=limit, front=front,
-                         cache=cache, workspace_limit=workspace_limit)
+    return measure_table(
+        backend,
+        PROBLEM,
+        list(sizes),
+        algos=algos,
+        reps=3,
+        benchmark_limit=limit,
+        front=front,
+        cache=cache,
+        workspace_limit=workspace_limit,
+    )
 
 
 def test_pruning_order_takes_the_largest_then_the_smallest_then_down():
@@ -161,8 +170,24 @@ def test_the_cli_prunes_by_default_and_exhaustive_times_everything(tmp_path, cap
     layer = "n=4,c=3,h=8,w=8,k=4,r=3,s=3,pad=1"
     reports = {}
     for flag in ([], ["--exhaustive"], ["--benchmark-limit", "1"]):
-        result = CliRunner().invoke(cli, ["bench", "--layer", layer, "--backend", "cpu", "--reps", "1", "--json",
-                                          "--kinds", "fwd", "--db", str(tmp_path / f"{len(flag)}.db"), *flag])
+        result = CliRunner().invoke(
+            cli,
+            [
+                "bench",
+                "--layer",
+                layer,
+                "--backend",
+                "cpu",
+                "--reps",
+                "1",
+                "--json",
+                "--kinds",
+                "fwd",
+                "--db",
+                str(tmp_path / f"{len(flag)}.db"),
+                *flag,
+            ],
+        )
         assert result.exit_code == 0, result.output
         reports[" ".join(flag)] = json.loads(result.stdout)["benchmark"]
     assert reports["--exhaustive"]["pruned"] == 0

@@ -114,7 +114,7 @@ def _main_job_runs() -> tuple[str, list[tuple[float, float]]]:
     lines = section.split("### The main job, run after run", 1)[1].splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("| run | load | cold s |"))
     runs = []
-    for row in itertools.takewhile(lambda line: line.startswith("|"), lines[start + 2:]):
+    for row in itertools.takewhile(lambda line: line.startswith("|"), lines[start + 2 :]):
         cells = [c.strip() for c in row.strip("|").split("|")]
         runs.append((float(cells[2]), float(cells[4].rstrip("x"))))
     return command, runs

@@ -47,5 +47,7 @@ def test_the_comparison_sees_a_small_error() -> None:
     # Guard the check above: a filter off by 0.1% is far outside its tolerance.
     problem = ConvProblem.parse(FORMS["t3d_padded_grouped"])
     inputs = operands(problem, 0)
-    assert relative_error(reference(problem, x=inputs["x"], w=inputs["w"] * 1.001),
-                          torch_reference(problem, **inputs)) > 1e-5
+    assert (
+        relative_error(reference(problem, x=inputs["x"], w=inputs["w"] * 1.001), torch_reference(problem, **inputs))
+        > 1e-5
+    )

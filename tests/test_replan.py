@@ -38,8 +38,11 @@ class ShiftGone(CpuBackend):
     """A later version: shift_gemm no longer builds."""
 
     def unsupported_reason(self, problem, algo):
-        return "shift_gemm was removed in this version" if algo == "shift_gemm" else super().unsupported_reason(
-            problem, algo)
+        return (
+            "shift_gemm was removed in this version"
+            if algo == "shift_gemm"
+            else super().unsupported_reason(problem, algo)
+        )
 
 
 class ShiftCrashes(CpuBackend):

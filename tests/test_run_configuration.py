@@ -48,8 +48,13 @@ def test_mixed_configuration_equals_undivided_run(algo: str, kind: str) -> None:
     run_configuration(BACKEND, problem, configuration, out=out, **inputs_of(ops))
 
     whole = np.full(problem.out_shape, np.nan, np.float32)
-    BACKEND.run(problem, algo, workspace=BACKEND.empty_workspace(BACKEND.workspace_size(problem, algo)),
-                out=whole, **inputs_of(ops))
+    BACKEND.run(
+        problem,
+        algo,
+        workspace=BACKEND.empty_workspace(BACKEND.workspace_size(problem, algo)),
+        out=whole,
+        **inputs_of(ops),
+    )
     expected = reference(problem, **inputs_of(ops))
     assert_close(whole, expected, "float32", f"undivided {algo} {kind}")
     assert_close(out, expected, "float32", f"{configuration.describe()} {kind}")
@@ -64,12 +69,14 @@ def test_alpha_beta_through_configuration(algo: str, kind: str) -> None:
     ops = BACKEND.random_operands(problem, seed=22)
     before = np.random.default_rng(23).standard_normal(problem.out_shape, dtype=np.float32)
     out = before.copy()
-    configuration = Configuration(tuple(
-        MicroConfig(algo, b, 1.0, BACKEND.workspace_size(problem.with_batch(b), algo)) for b in SPLIT))
+    configuration = Configuration(
+        tuple(MicroConfig(algo, b, 1.0, BACKEND.workspace_size(problem.with_batch(b), algo)) for b in SPLIT)
+    )
     workspace = BACKEND.empty_workspace(configuration.workspace)
     workspace.fill(0xFF)  # shared by every micro-batch; NaN garbage must never be read
-    run_configuration(BACKEND, problem, configuration, out=out, alpha=0.5, beta=2.0, workspace=workspace,
-                      **inputs_of(ops))
+    run_configuration(
+        BACKEND, problem, configuration, out=out, alpha=0.5, beta=2.0, workspace=workspace, **inputs_of(ops)
+    )
     expected = 0.5 * reference(problem, **inputs_of(ops)) + 2.0 * before
     assert_close(out, expected, "float32", f"{configuration.describe()} {kind} alpha=0.5 beta=2")
 

@@ -28,8 +28,11 @@ PROBLEMS = [ConvProblem.parse(spec) for spec in DEFAULT_PROBLEMS]
 
 def _operands(problem: ConvProblem, seed: int = 0) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
-    return {"x": rng.standard_normal(problem.x_shape), "w": rng.standard_normal(problem.w_shape),
-            "dy": rng.standard_normal(problem.y_shape)}
+    return {
+        "x": rng.standard_normal(problem.x_shape),
+        "w": rng.standard_normal(problem.w_shape),
+        "dy": rng.standard_normal(problem.y_shape),
+    }
 
 
 # ---- the reference ---------------------------------------------------------------------------
@@ -55,8 +58,12 @@ def test_reference_matches_torch(problem):
     ops = _operands(problem, seed=1)
     for kind, inputs in (("fwd", ("x", "w")), ("bwd_data", ("dy", "w")), ("bwd_filter", ("x", "dy"))):
         given = {name: ops[name] for name in inputs}
-        np.testing.assert_allclose(reference(problem.with_kind(kind), **given),
-                                   torch_reference(problem.with_kind(kind), **given), rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(
+            reference(problem.with_kind(kind), **given),
+            torch_reference(problem.with_kind(kind), **given),
+            rtol=1e-12,
+            atol=1e-12,
+        )
 
 
 def test_relative_error_and_helpers():
@@ -125,8 +132,12 @@ def test_a_correct_backend_passes_everything():
     assert report.count("pass") == len(DEFAULT_PROBLEMS) * len(KINDS) * 2
     for check in report.checks:
         assert check.micro_batches == micro_batches(ConvProblem.parse(check.problem).n)
-        assert None not in (check.error_reference, check.error_alpha_beta, check.error_micro_reference,
-                            check.error_micro_undivided)
+        assert None not in (
+            check.error_reference,
+            check.error_alpha_beta,
+            check.error_micro_reference,
+            check.error_micro_undivided,
+        )
         assert check.worst_error <= TOLERANCE["float64"]
     assert set(report.table()) == {"direct", "other"}
     assert {kind for row in report.table().values() for kind in row} == set(KINDS)

@@ -34,8 +34,8 @@ def test_device_actions_stagger_within_a_switch_group():
     staggered = swap_multi.device_actions(graph, 3, 4, 2)
     offloaded = [{s for s, a in acts.items() if a == "offload"} for acts in staggered]
     assert all(len(o) == 3 for o in offloaded)
-    assert offloaded[0] != offloaded[1]             # neighbours on one switch swap different layers
-    assert offloaded[0] == offloaded[2]             # GPU 2 is GPU 0's place on the second switch
+    assert offloaded[0] != offloaded[1]  # neighbours on one switch swap different layers
+    assert offloaded[0] == offloaded[2]  # GPU 2 is GPU 0's place on the second switch
     assert offloaded[0] == {layers[k] for k in swap_multi.staggered_layers(0, len(layers), 3)}
     same = swap_multi.device_actions(graph, 3, 4, 2, stagger=False)
     assert all(acts == same[0] for acts in same)
@@ -94,20 +94,22 @@ def test_plan_lists_every_gpus_actions_and_its_json_reads_back(vgg_case):
 def test_staggering_spreads_each_layer_over_fewer_gpus():
     graph = from_network("resnet50", 1)
     layers = swap_multi.swappable(graph)
-    b = len(layers) // 4   # x = 4: the four GPUs of a switch swap disjoint layers
+    b = len(layers) // 4  # x = 4: the four GPUs of a switch swap disjoint layers
     staggered = swap_multi.device_actions(graph, b, 4, 4)
     at_once = swap_multi.device_actions(graph, b, 4, 4, stagger=False)
     for s in layers:
         assert sum(acts[s] == "offload" for acts in staggered) <= 1
         assert sum(acts[s] == "offload" for acts in at_once) in (0, 4)
+
     # at once with each GPU's layer set in turn moves, over the four runs, what the staggered run moves
     # four times over: the comparison at equal swapped bytes
     def offloaded(acts):
         return sum(graph.bytes_of(s) for a in acts for s, act in a.items() if act == "offload")
+
     runs = [swap_multi.device_actions(graph, b, 4, 4, stagger=False, as_gpu=g) for g in range(4)]
     assert all(run[0] == run[3] == staggered[g] for g, run in enumerate(runs))
     assert sum(offloaded(run) for run in runs) == 4 * offloaded(staggered)
-    assert offloaded(runs[0]) != offloaded(staggered)   # GPU 0's layers alone are not equal bytes
+    assert offloaded(runs[0]) != offloaded(staggered)  # GPU 0's layers alone are not equal bytes
     # a larger b (x = 2): pairs of GPUs share their layers
     staggered = swap_multi.device_actions(graph, len(layers) // 2, 4, 4)
     assert max(sum(acts[s] == "offload" for acts in staggered) for s in layers) == 2
@@ -134,8 +136,7 @@ def test_each_gpu_sets_its_own_triggers_from_its_own_transfers():
     device = load_profile("p100")
     costs = baseline(graph, device).costs
     limit = int(simulate(graph, device, costs).peak_bytes * 0.8)
-    b = sum(t.action == "offload" for t in swap_multi.plan(graph, device, limit, devices=3,
-                                                               devices_per_link=2).tensors)
+    b = sum(t.action == "offload" for t in swap_multi.plan(graph, device, limit, devices=3, devices_per_link=2).tensors)
     actions = swap_multi.device_actions(graph, b, 3, 2)
     assert actions[2] == actions[0]
     triggers, result = swap_multi.adapt_triggers(graph, device, costs, actions, limit, 2)

@@ -66,8 +66,18 @@ class SmallResNet(nn.Module):
         return self.fc(x.mean((2, 3)))
 
 
-CONV_NAMES = ["conv1", "layer1.conv1", "layer1.conv2", "layer2.conv1", "layer2.conv2", "layer2.downsample.0",
-              "dilated", "grouped", "depthwise", "wide"]
+CONV_NAMES = [
+    "conv1",
+    "layer1.conv1",
+    "layer1.conv2",
+    "layer2.conv1",
+    "layer2.conv2",
+    "layer2.downsample.0",
+    "dilated",
+    "grouped",
+    "depthwise",
+    "wide",
+]
 
 
 def _models(**options):
@@ -238,9 +248,11 @@ def test_wr_small_limit_micro_batches_and_still_matches():
 
 def test_state_dict_round_trips_both_ways_and_repr_is_identical():
     torch.manual_seed(0)
-    for args, kwargs in [((3, 8, 3), {"stride": 2, "padding": 1, "bias": False}),
-                         ((4, 8, (1, 7)), {"padding": (0, 3), "groups": 2, "dilation": (1, 2)}),
-                         ((6, 6, 3), {"padding": "same", "padding_mode": "reflect", "groups": 6})]:
+    for args, kwargs in [
+        ((3, 8, 3), {"stride": 2, "padding": 1, "bias": False}),
+        ((4, 8, (1, 7)), {"padding": (0, 3), "groups": 2, "dilation": (1, 2)}),
+        ((6, 6, 3), {"padding": "same", "padding_mode": "reflect", "groups": 6}),
+    ]:
         plain = nn.Conv2d(*args, **kwargs)
         ours = Conv2d(*args, **kwargs, handle=ucudnn.Handle(**FAST))
         assert repr(ours) == repr(plain)
@@ -263,15 +275,19 @@ def test_same_initialisation_as_nn_conv2d():
     assert torch.equal(plain.weight, ours.weight) and torch.equal(plain.bias, ours.bias)
 
 
-@pytest.mark.parametrize("kwargs", [
-    {"kernel_size": 3, "padding": 1, "padding_mode": "reflect"},
-    {"kernel_size": 3, "padding": (1, 2), "padding_mode": "replicate"},
-    {"kernel_size": 3, "padding": 1, "padding_mode": "circular", "stride": 2},
-    {"kernel_size": 4, "padding": "same"},                          # asymmetric: padded first
-    {"kernel_size": (3, 5), "padding": "same", "dilation": 2},         # symmetric: padded in the kernel
-    {"kernel_size": (2, 3), "padding": "same", "padding_mode": "reflect"},
-    {"kernel_size": 3, "padding": "valid", "stride": 2},
-], ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()))
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"kernel_size": 3, "padding": 1, "padding_mode": "reflect"},
+        {"kernel_size": 3, "padding": (1, 2), "padding_mode": "replicate"},
+        {"kernel_size": 3, "padding": 1, "padding_mode": "circular", "stride": 2},
+        {"kernel_size": 4, "padding": "same"},  # asymmetric: padded first
+        {"kernel_size": (3, 5), "padding": "same", "dilation": 2},  # symmetric: padded in the kernel
+        {"kernel_size": (2, 3), "padding": "same", "padding_mode": "reflect"},
+        {"kernel_size": 3, "padding": "valid", "stride": 2},
+    ],
+    ids=lambda kw: "-".join(f"{k}={v}" for k, v in kw.items()),
+)
 def test_padding_modes_and_string_padding_match_torch(kwargs):
     torch.manual_seed(0)
     plain = nn.Conv2d(4, 6, **kwargs)
@@ -410,8 +426,9 @@ def test_planning_inside_cuda_graph_capture_is_refused_before_anything_is_measur
     # be recorded in the cache as unusable.
     ours = Conv2d(3, 4, 3, handle=ucudnn.Handle(**FAST))
     registered = []
-    ours.handle = SimpleNamespace(backend=SimpleNamespace(name="cudnn", device_id=0),
-                                  register=lambda *a, **k: registered.append(a))
+    ours.handle = SimpleNamespace(
+        backend=SimpleNamespace(name="cudnn", device_id=0), register=lambda *a, **k: registered.append(a)
+    )
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     x = SimpleNamespace(device=torch.device("cuda", 0), dtype=torch.float32, shape=(2, 3, 5, 5))
     with pytest.raises(UnsupportedProblem, match=r"inside CUDA graph capture.*warm-up"):

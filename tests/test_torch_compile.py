@@ -221,9 +221,18 @@ def test_a_map_of_both_formats_gets_the_strides_torchs_convolution_gives(name):
     out = torch.compile(ours, backend="aot_eager", fullgraph=True)(x)
     assert torch.autograd.grad(out, x, dy)[0].stride() == dx.stride()
     assert _routed_kinds(ours) >= {"fwd", "bwd_data"}
-    key, conv = ops.layer_key(ours), {"stride": list(plain.stride), "padding": list(plain.padding),
-                                          "dilation": list(plain.dilation), "transposed": False, "output_padding": [0, 0],
-                                          "groups": 1, "layout": "NCHW"}
+    key, conv = (
+        ops.layer_key(ours),
+        {
+            "stride": list(plain.stride),
+            "padding": list(plain.padding),
+            "dilation": list(plain.dilation),
+            "transposed": False,
+            "output_padding": [0, 0],
+            "groups": 1,
+            "layout": "NCHW",
+        },
+    )
     with FakeTensorMode() as mode:  # the fake implementations, against torch's meta convolution
         fx, fw = mode.from_tensor(x), mode.from_tensor(plain.weight)
         fy = torch.ops.ucudnn.convolution(fx, fw, key, **conv, need_dx=True, need_dw=True)
@@ -278,10 +287,10 @@ def _upernet():
     at this size, plain PyTorch's Inductor gives every parameter a zero gradient, torch 2.13.)"""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    backbone = transformers.ConvNextConfig(num_stages=2, hidden_sizes=[8, 16], depths=[1, 1],
-                                           out_features=["stage1", "stage2"])
-    config = transformers.UperNetConfig(backbone_config=backbone, hidden_size=8, num_labels=3,
-                                        use_auxiliary_head=False)
+    backbone = transformers.ConvNextConfig(
+        num_stages=2, hidden_sizes=[8, 16], depths=[1, 1], out_features=["stage1", "stage2"]
+    )
+    config = transformers.UperNetConfig(backbone_config=backbone, hidden_size=8, num_labels=3, use_auxiliary_head=False)
     return transformers.UperNetForSemanticSegmentation(config)
 
 
@@ -390,8 +399,9 @@ def test_one_dynamic_graph_plans_each_shape_when_it_runs():
     from torch._dynamo.testing import CompileCounterWithBackend
 
     torch.manual_seed(0)
-    plain = nn.Sequential(nn.Conv2d(3, 8, 3, stride=2, padding=1), nn.ReLU(),
-                          nn.Conv2d(8, 4, 3, padding="same", groups=4))
+    plain = nn.Sequential(
+        nn.Conv2d(3, 8, 3, stride=2, padding=1), nn.ReLU(), nn.Conv2d(8, 4, 3, padding="same", groups=4)
+    )
     ours = convert(copy.deepcopy(plain), **NUMPY)
     counter = CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(ours, backend=counter, dynamic=True, fullgraph=True)
@@ -452,8 +462,9 @@ def test_export_gives_ucudnn_operator_nodes_that_run_and_equal_eager():
     nodes = [n for n in program.graph.nodes if n.op == "call_function"]
     convs = sum(isinstance(m, Conv2d) for m in ours.modules())
     assert sum(n.target is torch.ops.ucudnn.convolution.default for n in nodes) == convs
-    assert not any(n.target is torch.ops.aten.conv2d.default or n.target is torch.ops.aten.convolution.default
-                   for n in nodes)
+    assert not any(
+        n.target is torch.ops.aten.conv2d.default or n.target is torch.ops.aten.convolution.default for n in nodes
+    )
     with torch.no_grad():
         for seed in (5, 6):  # fresh data, not the example the program was traced with
             x = _rand(2, 3, 32, 32, seed=seed)
@@ -464,7 +475,14 @@ def test_export_gives_ucudnn_operator_nodes_that_run_and_equal_eager():
 def test_fake_implementations_give_shapes_and_strides_without_planning():
     ours = convert(nn.Conv2d(6, 8, (3, 5), stride=(2, 1), padding=(1, 2), dilation=(1, 2), groups=2), **NUMPY)
     key = ops.layer_key(ours)
-    conv = {"stride": [2, 1], "padding": [1, 2], "dilation": [1, 2], "transposed": False, "output_padding": [0, 0], "groups": 2}
+    conv = {
+        "stride": [2, 1],
+        "padding": [1, 2],
+        "dilation": [1, 2],
+        "transposed": False,
+        "output_padding": [0, 0],
+        "groups": 2,
+    }
     with FakeTensorMode():
         x, w = torch.empty(5, 6, 11, 13), torch.empty(8, 3, 3, 5)
         y = torch.ops.ucudnn.convolution(x, w, key, **conv, layout="NCHW", need_dx=True, need_dw=True)
@@ -476,34 +494,50 @@ def test_fake_implementations_give_shapes_and_strides_without_planning():
         assert dw.shape == w.shape
         dx, dw = torch.ops.ucudnn.convolution_backward(y, x, w, key, **conv, layout="NCHW")
         assert dx.shape == x.shape and dx.is_contiguous() and dw.shape == w.shape
-        dx, _ = torch.ops.ucudnn.convolution_backward(y, x.to(memory_format=torch.channels_last), w, key, **conv,
-                                                      layout="NCHW")
+        dx, _ = torch.ops.ucudnn.convolution_backward(
+            y, x.to(memory_format=torch.channels_last), w, key, **conv, layout="NCHW"
+        )
         assert dx.is_contiguous(memory_format=torch.channels_last)  # as torch's convolution answers it
         nhwc = torch.ops.ucudnn.convolution(x, w, key, **conv, layout="NHWC", need_dx=False, need_dw=False)
         assert nhwc.shape == (5, 8, 6, 9) and nhwc.is_contiguous(memory_format=torch.channels_last)
         with pytest.raises(RuntimeError, match="channels"):
-            torch.ops.ucudnn.convolution(torch.empty(5, 4, 11, 13), w, key, **conv, layout="NCHW", need_dx=False,
-                                    need_dw=False)
+            torch.ops.ucudnn.convolution(
+                torch.empty(5, 4, 11, 13), w, key, **conv, layout="NCHW", need_dx=False, need_dw=False
+            )
         with pytest.raises(RuntimeError, match="smaller than the dilated filter"):
-            torch.ops.ucudnn.convolution(torch.empty(5, 6, 11, 1), w, key, **conv, layout="NCHW", need_dx=False,
-                                    need_dw=False)
+            torch.ops.ucudnn.convolution(
+                torch.empty(5, 6, 11, 1), w, key, **conv, layout="NCHW", need_dx=False, need_dw=False
+            )
     assert not ours._routes and not ours.handle.choices()  # nothing was planned or measured
 
 
 def _samples(layer: Conv2d, seed: int):
     x = _rand(2, 4, 7, 6, seed=seed, requires_grad=True)
     w = layer.weight.detach().clone().requires_grad_()
-    conv = {"stride": list(layer.stride), "padding": list(layer.padding), "dilation": list(layer.dilation),
-                "transposed": False, "output_padding": [0, 0], "groups": layer.groups, "layout": "NCHW"}
+    conv = {
+        "stride": list(layer.stride),
+        "padding": list(layer.padding),
+        "dilation": list(layer.dilation),
+        "transposed": False,
+        "output_padding": [0, 0],
+        "groups": layer.groups,
+        "layout": "NCHW",
+    }
     y_shape = nn.functional.conv2d(x, w, None, layer.stride, layer.padding, layer.dilation, layer.groups).shape
     dy = _rand(*y_shape, seed=seed + 1)
     key = ops.layer_key(layer)
     return [
         (torch.ops.ucudnn.convolution.default, (x, w, key), dict(**conv, need_dx=True, need_dw=True)),
-        (torch.ops.ucudnn.convolution_backward_data.default, (dy, w.detach(), key, list(x.shape)),
-         dict(**conv, need_dw=True)),
-        (torch.ops.ucudnn.convolution_backward_filter.default, (x.detach(), dy, w.detach(), key),
-         dict(**conv, need_dx=True)),
+        (
+            torch.ops.ucudnn.convolution_backward_data.default,
+            (dy, w.detach(), key, list(x.shape)),
+            dict(**conv, need_dw=True),
+        ),
+        (
+            torch.ops.ucudnn.convolution_backward_filter.default,
+            (x.detach(), dy, w.detach(), key),
+            dict(**conv, need_dx=True),
+        ),
         (torch.ops.ucudnn.convolution_backward.default, (dy, x.detach(), w.detach(), key), conv),
     ]
 
@@ -518,8 +552,9 @@ def test_opcheck_passes_on_the_operators(options):
 def test_the_real_implementations_equal_torch():
     """Each operator against torch's convolution and its autograd gradients, one kernel at a time."""
     layer = convert(nn.Conv2d(4, 6, 3, padding=1, groups=2, bias=False), **MICRO)
-    (fwd, args_f, kw_f), (bwd_data, args_d, kw_d), (bwd_filter, args_w, kw_w), (bwd, args_b, kw_b) = \
-        _samples(layer, seed=3)
+    (fwd, args_f, kw_f), (bwd_data, args_d, kw_d), (bwd_filter, args_w, kw_w), (bwd, args_b, kw_b) = _samples(
+        layer, seed=3
+    )
     x, w = args_f[0], args_f[1]
     y = nn.functional.conv2d(x, w, None, 1, 1, 1, 2)
     dy = args_d[0]
@@ -580,8 +615,10 @@ def test_through_the_operators_a_layer_torch_runs_is_torchs_own_convolution():
     # Python autograd and dispatch cost about 60 us more per layer on the CPU); a routed layer stays ucudnn's
     from ucudnn.torch.converting.layer import through_operators
 
-    for algos, op, node in ((["native"], torch.ops.aten.convolution.default, "ConvolutionBackward0"),
-                            (["im2col_gemm"], torch.ops.ucudnn.convolution.default, "_ConvolutionBackward")):
+    for algos, op, node in (
+        (["native"], torch.ops.aten.convolution.default, "ConvolutionBackward0"),
+        (["im2col_gemm"], torch.ops.ucudnn.convolution.default, "_ConvolutionBackward"),
+    ):
         torch.manual_seed(0)
         plain = nn.Conv2d(4, 6, 3, padding=1)
         ours = convert(copy.deepcopy(plain), **{**NUMPY, "algos": algos})
@@ -684,8 +721,20 @@ def test_copies_are_other_layers_to_the_operators():
 
     gc.collect()
     with pytest.raises(InvalidInput, match=f"no live converted convolution has key {key}"):
-        torch.ops.ucudnn.convolution(torch.randn(1, 3, 5, 5), torch.randn(4, 3, 3, 3), key, [1, 1], [0, 0], [1, 1],
-                                     False, [0, 0], 1, "NCHW", False, False)
+        torch.ops.ucudnn.convolution(
+            torch.randn(1, 3, 5, 5),
+            torch.randn(4, 3, 3, 3),
+            key,
+            [1, 1],
+            [0, 0],
+            [1, 1],
+            False,
+            [0, 0],
+            1,
+            "NCHW",
+            False,
+            False,
+        )
 
 
 @pytest.mark.gpu

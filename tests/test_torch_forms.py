@@ -42,30 +42,47 @@ FORMS = {
     "conv1d": (lambda: nn.Conv1d(4, 6, 3, stride=2, padding=1, dilation=2, groups=2), (3, 4, 13)),
     "conv2d": (lambda: nn.Conv2d(4, 6, (3, 2), stride=(1, 2), padding=(1, 0), dilation=(2, 1), groups=2), (3, 4, 9, 8)),
     "conv3d": (lambda: nn.Conv3d(3, 4, (3, 2, 3), stride=(1, 2, 1), padding=(1, 0, 1)), (3, 3, 5, 6, 7)),
-    "conv-transpose1d": (lambda: nn.ConvTranspose1d(4, 6, 4, stride=3, padding=1, output_padding=2, groups=2),
-                         (3, 4, 7)),
-    "conv-transpose2d": (lambda: nn.ConvTranspose2d(4, 3, 3, stride=(2, 1), padding=1, output_padding=(1, 0),
-                                                    dilation=(1, 2)), (3, 4, 5, 6)),
+    "conv-transpose1d": (
+        lambda: nn.ConvTranspose1d(4, 6, 4, stride=3, padding=1, output_padding=2, groups=2),
+        (3, 4, 7),
+    ),
+    "conv-transpose2d": (
+        lambda: nn.ConvTranspose2d(4, 3, 3, stride=(2, 1), padding=1, output_padding=(1, 0), dilation=(1, 2)),
+        (3, 4, 5, 6),
+    ),
     "conv-transpose3d": (lambda: nn.ConvTranspose3d(3, 4, 3, stride=2, padding=1, output_padding=1), (3, 3, 3, 4, 3)),
 }
 
 
 def _problem(conv: nn.Module, x: torch.Tensor, kind: str) -> ConvProblem:
-    return ConvProblem.from_shapes(x.shape, conv.weight.shape, stride=conv.stride, padding=conv.padding,
-                                   dilation=conv.dilation, groups=conv.groups, transposed=conv.transposed,
-                                   output_padding=conv.output_padding, kind=kind, dtype="float64")
+    return ConvProblem.from_shapes(
+        x.shape,
+        conv.weight.shape,
+        stride=conv.stride,
+        padding=conv.padding,
+        dilation=conv.dilation,
+        groups=conv.groups,
+        transposed=conv.transposed,
+        output_padding=conv.output_padding,
+        kind=kind,
+        dtype="float64",
+    )
 
 
 def _reference_step(conv: nn.Module, x: torch.Tensor, dy: torch.Tensor) -> dict[str, np.ndarray]:
     """y, dx, dw and db of `conv` in float64 by direct summation (a 1-D form as 2-D of height 1)."""
     fwd = _problem(conv, x, "fwd")
-    xs, ws, dys = (t.detach().numpy().reshape(shape) for t, shape in
-                   ((x, fwd.x_shape), (conv.weight, fwd.w_shape), (dy, fwd.y_shape)))
+    xs, ws, dys = (
+        t.detach().numpy().reshape(shape)
+        for t, shape in ((x, fwd.x_shape), (conv.weight, fwd.w_shape), (dy, fwd.y_shape))
+    )
     bias = conv.bias.detach().numpy().reshape(1, -1, *[1] * (dy.dim() - 2))
-    return {"y": reference(fwd, x=xs, w=ws).reshape(dy.shape) + bias,
-            "dx": reference(fwd.with_kind("bwd_data"), w=ws, dy=dys).reshape(x.shape),
-            "dw": reference(fwd.with_kind("bwd_filter"), x=xs, dy=dys).reshape(conv.weight.shape),
-            "db": dys.sum(axis=tuple(i for i in range(dys.ndim) if i != 1))}
+    return {
+        "y": reference(fwd, x=xs, w=ws).reshape(dy.shape) + bias,
+        "dx": reference(fwd.with_kind("bwd_data"), w=ws, dy=dys).reshape(x.shape),
+        "dw": reference(fwd.with_kind("bwd_filter"), x=xs, dy=dys).reshape(conv.weight.shape),
+        "db": dys.sum(axis=tuple(i for i in range(dys.ndim) if i != 1)),
+    }
 
 
 def _step(conv: nn.Module, x: torch.Tensor, dy: torch.Tensor) -> dict[str, np.ndarray]:
@@ -73,13 +90,18 @@ def _step(conv: nn.Module, x: torch.Tensor, dy: torch.Tensor) -> dict[str, np.nd
     x = x.detach().requires_grad_()
     y = conv(x)
     y.backward(dy)
-    return {"y": y.detach().numpy(), "dx": x.grad.numpy(), "dw": conv.weight.grad.numpy(),
-            "db": conv.bias.grad.numpy()}
+    return {"y": y.detach().numpy(), "dx": x.grad.numpy(), "dw": conv.weight.grad.numpy(), "db": conv.bias.grad.numpy()}
 
 
 def _routed_kinds(model: nn.Module) -> set[str]:
-    return {kind for m in model.modules() if isinstance(m, ConvLayer) for route in m._routes.values()
-            for kind in ("fwd", "bwd_data", "bwd_filter") if getattr(route, kind) is not None}
+    return {
+        kind
+        for m in model.modules()
+        if isinstance(m, ConvLayer)
+        for route in m._routes.values()
+        for kind in ("fwd", "bwd_data", "bwd_filter")
+        if getattr(route, kind) is not None
+    }
 
 
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float64, 1e-12), (torch.float32, 2e-5)])
@@ -105,8 +127,11 @@ def test_each_form_micro_batched_equals_the_float64_reference_and_torch(form, dt
 
 def test_unbatched_inputs_and_a_transposed_output_size_are_taken_as_torch_takes_them():
     torch.manual_seed(0)
-    for plain, x in ((nn.Conv1d(2, 3, 3), torch.randn(2, 9)), (nn.Conv3d(2, 3, 2), torch.randn(2, 4, 4, 4)),
-                     (nn.ConvTranspose2d(2, 3, 3, stride=2), torch.randn(2, 5, 5))):
+    for plain, x in (
+        (nn.Conv1d(2, 3, 3), torch.randn(2, 9)),
+        (nn.Conv3d(2, 3, 2), torch.randn(2, 4, 4, 4)),
+        (nn.ConvTranspose2d(2, 3, 3, stride=2), torch.randn(2, 5, 5)),
+    ):
         ours = convert(copy.deepcopy(plain), **MICRO)
         torch.testing.assert_close(ours(x), plain(x), rtol=1e-5, atol=1e-6)
     plain = nn.ConvTranspose2d(2, 3, 3, stride=2)
@@ -120,9 +145,11 @@ def test_unbatched_inputs_and_a_transposed_output_size_are_taken_as_torch_takes_
 
 def test_padding_modes_and_same_padding_in_1d_and_3d():
     torch.manual_seed(0)
-    for plain, shape in ((nn.Conv1d(2, 3, 4, padding="same", padding_mode="circular"), (2, 2, 9)),
-                         (nn.Conv3d(2, 3, (2, 3, 3), padding="same"), (2, 2, 5, 5, 5)),
-                         (nn.Conv3d(2, 3, 3, padding=1, padding_mode="replicate"), (2, 2, 4, 5, 6))):
+    for plain, shape in (
+        (nn.Conv1d(2, 3, 4, padding="same", padding_mode="circular"), (2, 2, 9)),
+        (nn.Conv3d(2, 3, (2, 3, 3), padding="same"), (2, 2, 5, 5, 5)),
+        (nn.Conv3d(2, 3, 3, padding=1, padding_mode="replicate"), (2, 2, 4, 5, 6)),
+    ):
         ours = convert(copy.deepcopy(plain), **MICRO)
         x = torch.randn(shape)
         torch.testing.assert_close(ours(x), plain(x), rtol=1e-5, atol=1e-6)
@@ -161,11 +188,21 @@ class OwnConvForward(nn.Conv1d):
 
 def test_convert_swaps_every_kind_keeps_parametrizations_and_names_what_it_leaves_in_one_warning():
     torch.manual_seed(0)
-    model = nn.ModuleDict({
-        "a": nn.Conv1d(2, 4, 3), "b": nn.Conv2d(2, 4, 3), "c": nn.Conv3d(2, 4, 3), "d": nn.ConvTranspose1d(2, 4, 3),
-        "e": nn.ConvTranspose2d(2, 4, 3), "f": nn.ConvTranspose3d(2, 4, 3), "depthwise": Depthwise(4),
-        "normed": weight_norm(nn.Conv1d(4, 4, 5, padding=2, groups=2), dim=2),
-        "doubled": Doubled(2, 4, 3), "own": OwnConvForward(2, 2, 3), "lazy": nn.LazyConv2d(4, 3)})
+    model = nn.ModuleDict(
+        {
+            "a": nn.Conv1d(2, 4, 3),
+            "b": nn.Conv2d(2, 4, 3),
+            "c": nn.Conv3d(2, 4, 3),
+            "d": nn.ConvTranspose1d(2, 4, 3),
+            "e": nn.ConvTranspose2d(2, 4, 3),
+            "f": nn.ConvTranspose3d(2, 4, 3),
+            "depthwise": Depthwise(4),
+            "normed": weight_norm(nn.Conv1d(4, 4, 5, padding=2, groups=2), dim=2),
+            "doubled": Doubled(2, 4, 3),
+            "own": OwnConvForward(2, 2, 3),
+            "lazy": nn.LazyConv2d(4, 3),
+        }
+    )
     params = {name: list(m.parameters()) for name, m in model.items()}
     with pytest.warns(UserWarning) as caught:
         convert(model, **MICRO)
@@ -173,9 +210,18 @@ def test_convert_swaps_every_kind_keeps_parametrizations_and_names_what_it_leave
     assert str(warning.message) == (
         "ucudnn.torch.convert left 3 convolution(s) to PyTorch: doubled (Doubled: overrides forward); own "
         "(OwnConvForward: overrides _conv_forward); lazy (LazyConv2d: a lazy module, not yet initialised (convert "
-        "after its first forward pass))")
-    kinds = {"a": Conv1d, "b": Conv2d, "c": Conv3d, "d": ConvTranspose1d, "e": ConvTranspose2d, "f": ConvTranspose3d,
-             "depthwise": Conv2d, "normed": Conv1d}
+        "after its first forward pass))"
+    )
+    kinds = {
+        "a": Conv1d,
+        "b": Conv2d,
+        "c": Conv3d,
+        "d": ConvTranspose1d,
+        "e": ConvTranspose2d,
+        "f": ConvTranspose3d,
+        "depthwise": Conv2d,
+        "normed": Conv1d,
+    }
     for name, cls in kinds.items():
         assert isinstance(model[name], cls) and model[name].layer == name, name
         assert list(model[name].parameters()) == params[name]  # the same Parameter objects
@@ -260,8 +306,13 @@ class _ChannelsLastNorm(nn.Module):
 
 def test_a_converted_conv_reading_a_permuted_tensor_plans_and_trains_like_torch():
     torch.manual_seed(0)
-    plain = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), _ChannelsLastNorm(8), nn.Conv2d(8, 8, 3, padding=1, groups=8),
-                          nn.ReLU(), nn.Conv2d(8, 4, 1))
+    plain = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1),
+        _ChannelsLastNorm(8),
+        nn.Conv2d(8, 8, 3, padding=1, groups=8),
+        nn.ReLU(),
+        nn.Conv2d(8, 4, 1),
+    )
     model = convert(copy.deepcopy(plain), **MICRO)
     x = torch.randn(2, 3, 12, 12)
     everything = plan_memory(model, x, memory_limit=2**40, policy="checkpoint")

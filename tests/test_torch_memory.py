@@ -98,10 +98,25 @@ def _hand_plan(model, x, actions, conv_workspace=(), loss=_loss):
         return actions(s, graph.op(s)) if callable(actions) else actions.get(s, "keep")
 
     tensors = tuple(TensorAction(s, graph.bytes_of(s), action(s)) for s in graph.storages)
-    return MemoryPlan(network=graph.network, batch=graph.batch, device="host", devices=1, memory_limit=2**30,
-                      policy="hand", fits=True, peak_bytes=0, average_bytes=0, baseline_peak_bytes=0, step_ms=1.0,
-                      baseline_step_ms=1.0, stall_ms=0.0, bytes_offloaded=0, tensors=tensors,
-                      conv_workspace=tuple(conv_workspace), capture=step)
+    return MemoryPlan(
+        network=graph.network,
+        batch=graph.batch,
+        device="host",
+        devices=1,
+        memory_limit=2**30,
+        policy="hand",
+        fits=True,
+        peak_bytes=0,
+        average_bytes=0,
+        baseline_peak_bytes=0,
+        step_ms=1.0,
+        baseline_step_ms=1.0,
+        stall_ms=0.0,
+        bytes_offloaded=0,
+        tensors=tensors,
+        conv_workspace=tuple(conv_workspace),
+        capture=step,
+    )
 
 
 def _train(model, plan=None, steps=STEPS, loss=nn.functional.cross_entropy, **options):
@@ -138,11 +153,19 @@ HAND_PLANS = {
     "release-all": lambda s, op: "release",
     "mixed": lambda s, op: MIXED.get(s, "keep"),
 }
-MIXED = {"conv1:conv": "offload", "bn1:native_batch_norm": "recompute", "pool:max_pool2d_with_indices": "offload",
-         "pool:max_pool2d_with_indices.1": "recompute", "layer1.0.conv1:conv": "recompute",
-         "layer1.0.bn1:native_batch_norm": "recompute", "layer1.0.conv2:conv": "release",
-         "layer1.0.bn2:native_batch_norm": "offload", "layer1.1.conv2:conv": "recompute", "relu#2": "offload",
-         "fc:addmm": "release"}
+MIXED = {
+    "conv1:conv": "offload",
+    "bn1:native_batch_norm": "recompute",
+    "pool:max_pool2d_with_indices": "offload",
+    "pool:max_pool2d_with_indices.1": "recompute",
+    "layer1.0.conv1:conv": "recompute",
+    "layer1.0.bn1:native_batch_norm": "recompute",
+    "layer1.0.conv2:conv": "release",
+    "layer1.0.bn2:native_batch_norm": "offload",
+    "layer1.1.conv2:conv": "recompute",
+    "relu#2": "offload",
+    "fc:addmm": "release",
+}
 
 
 @pytest.mark.parametrize("name", list(HAND_PLANS))
@@ -286,8 +309,15 @@ def test_offloaded_device_tensors_go_once_the_compute_stream_waits_for_their_cop
 def test_batch_norm_statistics_move_once_per_step_under_recomputation():
     ref_state, _ = _train(_model())
     model = _model()
-    plan = _hand_plan(model, _data()[0], {"conv1:conv": "recompute", "bn1:native_batch_norm": "recompute",
-                                          "layer1.0.bn1:native_batch_norm": "recompute"})
+    plan = _hand_plan(
+        model,
+        _data()[0],
+        {
+            "conv1:conv": "recompute",
+            "bn1:native_batch_norm": "recompute",
+            "layer1.0.bn1:native_batch_norm": "recompute",
+        },
+    )
     state, stats = _train(model, plan)
     assert stats.recomputed >= 1
     assert int(state["bn1.num_batches_tracked"]) == STEPS
@@ -300,8 +330,9 @@ def test_recompute_reruns_the_producers_of_what_the_plan_drops_and_nothing_else(
     model = nn.Sequential(*[m for _ in range(4) for m in (nn.Conv2d(4, 4, 3, padding=1), nn.ReLU())])
     reference = copy.deepcopy(model)
     x = torch.randn(2, 4, 8, 8)
-    plan = _hand_plan(model, x, lambda s, op: "recompute" if op.type == "relu" else "keep",
-                      loss=lambda out: out.square().mean())
+    plan = _hand_plan(
+        model, x, lambda s, op: "recompute" if op.type == "relu" else "keep", loss=lambda out: out.square().mean()
+    )
     assert sum(t.action == "recompute" for t in plan.tensors) == 4
     calls = []
     for name, m in model.named_children():
@@ -325,8 +356,9 @@ def test_recompute_replays_only_the_operations_that_made_each_dropped_storage(mo
     torch.manual_seed(0)
     model = nn.Sequential(*[m for _ in range(3) for m in (nn.Conv2d(4, 4, 3, padding=1), nn.ReLU())])
     x = torch.randn(2, 4, 8, 8)
-    plan = _hand_plan(model, x, lambda s, op: "recompute" if op.type == "relu" else "keep",
-                      loss=lambda out: out.square().mean())
+    plan = _hand_plan(
+        model, x, lambda s, op: "recompute" if op.type == "relu" else "keep", loss=lambda out: out.square().mean()
+    )
 
     class Count(TorchDispatchMode):
         ops: ClassVar[list] = []
@@ -361,7 +393,9 @@ def test_recomputed_dropouts_draw_the_masks_of_the_forward_pass():
     torch.manual_seed(0)
     model = DropoutNet()
     plan = _hand_plan(model, _data()[0], HAND_PLANS["recompute-all"])
-    assert {t.name for t in plan.tensors if t.action == "recompute"} >= {"empty_like", "bernoulli_", "mul"} - {"bernoulli_"}
+    assert {t.name for t in plan.tensors if t.action == "recompute"} >= {"empty_like", "bernoulli_", "mul"} - {
+        "bernoulli_"
+    }
     torch.manual_seed(1)
     ref_state, _ = _train(copy.deepcopy(model))
     torch.manual_seed(1)
@@ -450,8 +484,9 @@ def test_converted_convs_run_each_kernel_within_its_planned_budget(monkeypatch):
     """Budgets below what the fastest configurations need: each kernel runs the fastest one within its own
     budget. PyTorch's own convolution is left out, so that what ran is ucudnn's and is what is checked."""
     ref_state, _ = _train(_model())
-    model = convert(_model(), backend="cpu", policy="powerOfTwo", reps=1, db="sqlite://",
-                    algos=["im2col_gemm", "shift_gemm", "fft"])
+    model = convert(
+        _model(), backend="cpu", policy="powerOfTwo", reps=1, db="sqlite://", algos=["im2col_gemm", "shift_gemm", "fft"]
+    )
     own = model.conv1.handle
     x = _data()[0]
     graph = capture(model, x).graph
@@ -476,8 +511,9 @@ def test_converted_convs_run_each_kernel_within_its_planned_budget(monkeypatch):
         with execute_plan(model, plan):
             nn.functional.cross_entropy(model(xs), y).backward()
         opt.step()
-        routes.append({layer: [r for r in conv._routes.values() if r.budgets is not None]
-                       for layer, conv in convs.items()})
+        routes.append(
+            {layer: [r for r in conv._routes.values() if r.budgets is not None] for layer, conv in convs.items()}
+        )
     _assert_same_state(ref_state, model.state_dict())
     assert model.conv1.handle is own and model.conv1._budgets is None  # restored after each block
     # planned once: later steps run the routes the first step made
@@ -495,8 +531,9 @@ def test_a_planned_step_gives_back_the_workspace_its_handle_kept_from_unplanned_
     took). A plan's kernels run in workspaces of their own, held for one run, and its peak counts no other: the
     planned step gives that buffer back (else held all through it: HF MobileNetV2's smallest plan counted
     1.05x its predicted peak), and the next unplanned step takes it again."""
-    model = convert(_model(), backend="cpu", policy="powerOfTwo", reps=1, db="sqlite://",
-                    algos=["im2col_gemm", "shift_gemm", "fft"])  # ucudnn's kernels, which take workspace
+    model = convert(
+        _model(), backend="cpu", policy="powerOfTwo", reps=1, db="sqlite://", algos=["im2col_gemm", "shift_gemm", "fft"]
+    )  # ucudnn's kernels, which take workspace
     own = model.conv1.handle
     x, y = _data()
     nn.functional.cross_entropy(model(x), y).backward()
@@ -517,11 +554,13 @@ def test_a_recomputing_plan_s_count_is_its_prediction_where_converted_convs_run_
     allocated below StepTracker's dispatch. Counted from their kernel's start (the handle names the array each
     run writes), beside its workspace, as the simulator holds them, the count is the prediction (before: the
     result was missed while the workspace was held, 0.92x)."""
-    model = convert(_model(), backend="cpu", policy="powerOfTwo", reps=1, db="sqlite://",
-                    algos=["im2col_gemm", "shift_gemm", "fft"])  # ucudnn's kernels, which take workspace
+    model = convert(
+        _model(), backend="cpu", policy="powerOfTwo", reps=1, db="sqlite://", algos=["im2col_gemm", "shift_gemm", "fft"]
+    )  # ucudnn's kernels, which take workspace
     x, y = _data()
-    plan = plan_memory(model, x, memory_limit=1, policy="checkpoint",
-                       loss=lambda out: nn.functional.cross_entropy(out, y))
+    plan = plan_memory(
+        model, x, memory_limit=1, policy="checkpoint", loss=lambda out: nn.functional.cross_entropy(out, y)
+    )
     assert any(t.action == "recompute" for t in plan.tensors)
     checked = check_plan(model, plan, x, y, steps=1)
     assert checked.peak_bytes == plan.peak_bytes
@@ -529,8 +568,14 @@ def test_a_recomputing_plan_s_count_is_its_prediction_where_converted_convs_run_
 
 def _two_convs():
     torch.manual_seed(0)
-    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(),
-                         nn.Flatten(), nn.Linear(8 * 8 * 8, 10))
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(8, 8, 3, padding=1),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(8 * 8 * 8, 10),
+    )
 
 
 def test_a_layers_bias_gradient_is_made_before_its_kernels_run_as_the_plan_holds_it():
@@ -540,8 +585,9 @@ def test_a_layers_bias_gradient_is_made_before_its_kernels_run_as_the_plan_holds
     the peak is conv 2's filter gradient's workspace.)"""
     model = convert(_two_convs(), backend="cpu", policy="undivided", reps=1, db="sqlite://", algos=["im2col_gemm"])
     x, y = _data()
-    plan = plan_memory(model, x, memory_limit=2**30, policy="checkpoint",
-                       loss=lambda out: nn.functional.cross_entropy(out, y))
+    plan = plan_memory(
+        model, x, memory_limit=2**30, policy="checkpoint", loss=lambda out: nn.functional.cross_entropy(out, y)
+    )
     checked = check_plan(model, plan, x, y, steps=1)
     backward = {c.bytes for c in plan.conv_workspace if c.kind != "fwd"}
     assert checked.tracker.peak_by_category["workspace"] in backward  # the peak's moment
@@ -556,8 +602,14 @@ def test_a_layers_backward_makes_both_gradients_before_its_kernels_run(monkeypat
 
     from ucudnn.torch.converting import launch
 
-    layer = convert(nn.Conv2d(8, 8, 3, padding=1, bias=False), backend="cpu", policy="undivided", reps=1, db=False,
-                    algos=["im2col_gemm"])
+    layer = convert(
+        nn.Conv2d(8, 8, 3, padding=1, bias=False),
+        backend="cpu",
+        policy="undivided",
+        reps=1,
+        db=False,
+        algos=["im2col_gemm"],
+    )
     x = torch.randn(2, 8, 8, 8, requires_grad=True)
     out = layer(x)
     events = []
@@ -803,13 +855,22 @@ _RSS_CHILD = textwrap.dedent("""
 
 
 def _training_added_rss(variant: str) -> int:
-    out = subprocess.run([sys.executable, "-c", _RSS_CHILD, variant], capture_output=True, text=True, check=True,
-                         env={"OMP_NUM_THREADS": "1", "PATH": "",
-                              # the run's own folders (tests/conftest.py), not the user's
-                              "HOME": os.environ["HOME"], "XDG_CACHE_HOME": os.environ["XDG_CACHE_HOME"],
-                              # a fixed mmap threshold: freed feature maps go back to the system, so
-                              # that the peak RSS follows the live tensors
-                              "MALLOC_MMAP_THRESHOLD_": "65536"})
+    out = subprocess.run(
+        [sys.executable, "-c", _RSS_CHILD, variant],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={
+            "OMP_NUM_THREADS": "1",
+            "PATH": "",
+            # the run's own folders (tests/conftest.py), not the user's
+            "HOME": os.environ["HOME"],
+            "XDG_CACHE_HOME": os.environ["XDG_CACHE_HOME"],
+            # a fixed mmap threshold: freed feature maps go back to the system, so
+            # that the peak RSS follows the live tensors
+            "MALLOC_MMAP_THRESHOLD_": "65536",
+        },
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])["added"]
 
 
@@ -868,7 +929,7 @@ def test_prepared_runs_go_with_the_model_and_keep_the_latest_plans():
     for plan in plans:
         with execute_plan(model, plan):
             model(x)
-    assert list(prepared_plan._PREPARED[model]) == plans[-prepared_plan._PLANS_PER_MODEL:]
+    assert list(prepared_plan._PREPARED[model]) == plans[-prepared_plan._PLANS_PER_MODEL :]
     gone = weakref.ref(model)
     del model
     gc.collect()
@@ -889,8 +950,15 @@ class KeywordNet(nn.Module):
         return self.fc(torch.flatten(out, 1)) * scale
 
 
-@pytest.mark.parametrize("call", [lambda m, x: m(image=x), lambda m, x: m(x, scale=0.5),
-                                  lambda m, x: m(x, 0.25, scale=2.0), lambda m, x: m(scale=0.5, shift=1.0, image=x)])
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda m, x: m(image=x),
+        lambda m, x: m(x, scale=0.5),
+        lambda m, x: m(x, 0.25, scale=2.0),
+        lambda m, x: m(scale=0.5, shift=1.0, image=x),
+    ],
+)
 def test_keyword_inputs_train_like_plain_pytorch(call):
     def train(plan=None):
         model = KeywordNet()
@@ -915,9 +983,11 @@ def test_keyword_inputs_are_bound_as_python_binds_them():
     with execute_plan(model, plan):  # by position or by keyword: the same input
         model(x).sum().backward()
         model(image=x, scale=2.0).sum().backward()
-    bad = [(lambda: model(x, shade=1.0), "made for inputs image, the model was given 0"),
-           (lambda: model(image=torch.randn(2, 3, 8, 8)), "batch 4, the input has batch 2"),
-           (lambda: model(image=x.double()), "torch.float64")]
+    bad = [
+        (lambda: model(x, shade=1.0), "made for inputs image, the model was given 0"),
+        (lambda: model(image=torch.randn(2, 3, 8, 8)), "batch 4, the input has batch 2"),
+        (lambda: model(image=x.double()), "torch.float64"),
+    ]
     with execute_plan(model, plan):
         for call, message in bad:
             with pytest.raises(InvalidInput, match=re.escape(message)):
@@ -1001,8 +1071,12 @@ def test_gpu_peak_memory_follows_the_plan():  # pragma: no cover - needs a GPU
         pytest.skip("no CUDA device: torch.cuda.is_available() is False")
     dev = torch.device("cuda")
     torch.manual_seed(0)
-    model = nn.Sequential(*[m for _ in range(16) for m in (nn.Conv2d(64, 64, 3, padding=1), nn.ReLU())],
-                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, 10)).to(dev)
+    model = nn.Sequential(
+        *[m for _ in range(16) for m in (nn.Conv2d(64, 64, 3, padding=1), nn.ReLU())],
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(64, 10),
+    ).to(dev)
     x = torch.randn(64, 64, 56, 56, device=dev)
     y = torch.randint(0, 10, (64,), device=dev)
 
@@ -1019,8 +1093,13 @@ def test_gpu_peak_memory_follows_the_plan():  # pragma: no cover - needs a GPU
 
     plain = step()
     graph = capture(model, x).graph
-    plan = plan_memory(model, x, memory_limit=graph.feature_map_bytes // 3, policy="vdnn-all",
-                       loss=lambda out: nn.functional.cross_entropy(out, y))
+    plan = plan_memory(
+        model,
+        x,
+        memory_limit=graph.feature_map_bytes // 3,
+        policy="vdnn-all",
+        loss=lambda out: nn.functional.cross_entropy(out, y),
+    )
     achieved = step(plan)
     assert achieved < plain
     # the plan's peak counts feature maps, gradients and weights; allow 10% and the allocator's rounding
@@ -1049,16 +1128,19 @@ def test_gpu_offload_reuses_pinned_host_buffers():  # pragma: no cover - needs a
     ref, *_ = train()
     model, plan, stats, allocated = train(lambda m: _hand_plan(m, _data()[0].cuda(), HAND_PLANS["offload-all"]))
     # one assertion per fact, each failure with its numbers (a GPU run reports the message only)
-    seen = (f"late prefetches {stats.late_prefetches}, host buffers allocated per step {allocated}, "
-            f"offloaded per step {stats.offloaded}, prefetched {stats.prefetched}")
+    seen = (
+        f"late prefetches {stats.late_prefetches}, host buffers allocated per step {allocated}, "
+        f"offloaded per step {stats.offloaded}, prefetched {stats.prefetched}"
+    )
     assert stats.offloaded > 0, seen
     assert stats.late_prefetches == 0, seen
     assert allocated[0] == stats.offloaded, seen
     assert allocated[1:] == [0, 0], seen
     ((_, buffers),) = prepared_plan._PREPARED[model][plan].copies.values()
     free = [h for held in buffers.free.values() for h, _ in held]
-    assert buffers.pin and all(h.is_pinned() for h in free), \
+    assert buffers.pin and all(h.is_pinned() for h in free), (
         f"pin {buffers.pin}, {sum(h.is_pinned() for h in free)} of {len(free)} free host buffers pinned"
+    )
     # the same kernels on the same GPU; cuDNN may pick other algorithms from run to run
     for (name, p), q in zip(model.state_dict().items(), ref.state_dict().values()):
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name} after 3 steps: {m}")
@@ -1090,8 +1172,10 @@ def test_a_model_with_two_outputs_plans_and_trains_like_plain_pytorch(policy):
     torch.manual_seed(0)
     x = _data()[0]
     loss = lambda out: _both_heads_loss(out, _data()[1])
-    peaks = [plan_memory(TwoHeads(), x, memory_limit=limit, policy=policy, device="k40", loss=loss).peak_bytes
-             for limit in (2**40, 1)]
+    peaks = [
+        plan_memory(TwoHeads(), x, memory_limit=limit, policy=policy, device="k40", loss=loss).peak_bytes
+        for limit in (2**40, 1)
+    ]
     plan = plan_memory(TwoHeads(), x, memory_limit=sum(peaks) // 2, policy=policy, device="k40", loss=loss)
     assert plan.fits and any(t.action in ("offload", "recompute") for t in plan.tensors)
     states = []
@@ -1135,6 +1219,7 @@ def _step_costs(model, x, actions):
 
         def actions(s, op):
             return todo.pop(0) if op.type == "relu" and todo else "keep"
+
     plan = _hand_plan(model, x, actions, loss=lambda out: out.square().mean())
     with execute_plan(model, plan) as stats:
         model(x).square().mean().backward()
@@ -1159,7 +1244,10 @@ def test_the_python_a_planned_step_runs_grows_with_what_the_plan_acts_on_not_wit
         assert many.hook_calls - kept.hook_calls == k * (one.hook_calls - kept.hook_calls)
     longer = _step_costs(_chain(16), x, ["recompute"])  # twice the operations, the same plan
     assert (longer.hook_calls, longer.acting_calls, longer.followed_ops) == (
-        one.hook_calls, one.acting_calls, one.followed_ops)
+        one.hook_calls,
+        one.acting_calls,
+        one.followed_ops,
+    )
     offloading = _step_costs(_chain(8), x, ["offload"] * 3)
     assert offloading.offloaded == 3 and offloading.followed_ops == 0 and offloading.late_prefetches == 0
 
@@ -1199,14 +1287,14 @@ def test_a_tensor_saved_where_a_dropped_map_was_is_refused_not_rebuilt_as_that_m
     assert not model._forward_pre_hooks and not model.conv2._forward_pre_hooks and not model.a._forward_hooks
 
 
-def test_a_converted_model_under_an_acting_plan_runs_its_layers_eagerly_except_where_a_dropped_map_is_made(
-        monkeypatch):
+def test_a_converted_model_under_an_acting_plan_runs_its_layers_eagerly_except_where_a_dropped_map_is_made(monkeypatch):
     """The plan drops one converted conv's output: that layer's call is followed (its operation, and its rebuild
     in the backward pass, run as ucudnn's operator, as captured); the five other converted layers run their own
     eager routes (no operator, whose dispatch costs host time per call), and the training is plain PyTorch's."""
     ref_state, _ = _train(_model())
-    model = convert(_model(), backend="cpu", policy="powerOfTwo", reps=1, db="sqlite://",
-                    algos=["im2col_gemm", "shift_gemm", "fft"])  # not torch's own: ucudnn's kernels run
+    model = convert(
+        _model(), backend="cpu", policy="powerOfTwo", reps=1, db="sqlite://", algos=["im2col_gemm", "shift_gemm", "fft"]
+    )  # not torch's own: ucudnn's kernels run
     plan = _hand_plan(model, _data()[0], {"layer1.1.conv2:conv": "recompute"})
     through = []
     layer = tm_ops._layer
@@ -1222,12 +1310,17 @@ def test_a_converted_model_under_an_acting_plan_runs_its_layers_eagerly_except_w
 def test_converted_layers_keep_their_routes_between_planned_and_plain_steps(monkeypatch):
     """A training loop that runs some steps under a plan (its workspace budgets) and some without plans each
     layer's routes once per budget, not again at every switch."""
-    model = convert(_model(), backend="cpu", policy="powerOfTwo", reps=1, db="sqlite://",
-                    algos=["im2col_gemm", "shift_gemm", "fft"])
+    model = convert(
+        _model(), backend="cpu", policy="powerOfTwo", reps=1, db="sqlite://", algos=["im2col_gemm", "shift_gemm", "fft"]
+    )
     x = _data()[0]
     graph = capture(model, x).graph
-    plan = _hand_plan(model, x, {"layer1.1.conv2:conv": "recompute"},
-                      [ConvWorkspace(op.name, kind, 2**30) for op in graph.conv_ops for kind in ("fwd",)])
+    plan = _hand_plan(
+        model,
+        x,
+        {"layer1.1.conv2:conv": "recompute"},
+        [ConvWorkspace(op.name, kind, 2**30) for op in graph.conv_ops for kind in ("fwd",)],
+    )
     planned = []
     route = ConvLayer._route
     monkeypatch.setattr(ConvLayer, "_route", lambda self, *a: planned.append(self.layer_id) or route(self, *a))

@@ -106,10 +106,14 @@ def _train(models, steps, after_step=None):
             after_step(step)
 
 
-@pytest.mark.parametrize("options", [
-    {"algos": NUMPY_ALGOS, "policy": "undivided"},
-    {"algos": ["im2col_gemm"], "policy": (1, 2), "workspace_limit": 40_000},  # micro-batched kernels
-], ids=["numpy", "micro-batched"])
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"algos": NUMPY_ALGOS, "policy": "undivided"},
+        {"algos": ["im2col_gemm"], "policy": (1, 2), "workspace_limit": 40_000},  # micro-batched kernels
+    ],
+    ids=["numpy", "micro-batched"],
+)
 def test_steady_state_steps_plan_check_and_allocate_nothing(options, monkeypatch):
     torch.manual_seed(0)
     ref = Net()
@@ -123,8 +127,7 @@ def test_steady_state_steps_plan_check_and_allocate_nothing(options, monkeypatch
 
     def after_step(step):
         if step == 0:
-            seen.update(backend.counts, lookups=len(lookups), generation=handle.generation,
-                        buffer=id(handle._buffer))
+            seen.update(backend.counts, lookups=len(lookups), generation=handle.generation, buffer=id(handle._buffer))
             assert backend.counts["run"] > 0 and len(lookups) > 0
             return
         # after the first step: no measurement, no checked run, no launcher, no workspace, no lookup
@@ -266,6 +269,7 @@ def test_out_of_memory_in_torchs_allocator_reaches_the_handle_as_a_memory_error(
 
 # ---- GPU --------------------------------------------------------------------------------------
 
+
 def _cuda_handle(**options):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU (torch.cuda.is_available() is False)")
@@ -296,8 +300,10 @@ def test_cuda_workspaces_come_from_torch_and_no_cupy_pool_holds_memory():
     # the WD plan divides 64 MiB, no arena is held between runs
     assert handle.arena is None and handle.workspace_bytes == 0, (handle.arena, handle.workspace_bytes)
     assert handle.peak_workspace <= 64 * 2**20
-    assert torch.cuda.max_memory_allocated() >= handle.peak_workspace, (torch.cuda.max_memory_allocated(),
-                                                                        handle.peak_workspace)
+    assert torch.cuda.max_memory_allocated() >= handle.peak_workspace, (
+        torch.cuda.max_memory_allocated(),
+        handle.peak_workspace,
+    )
 
 
 @pytest.mark.gpu

@@ -26,18 +26,23 @@ def watched(monkeypatch):
     (`_RUNS`) and prepared launches (`_PREPARE`'s run)."""
     seen = []
     for algo, run in list(cpu._RUNS.items()):
+
         def watching(*args, _run=run, _algo=algo):
             seen.append((_algo, _blas_threads(), scipy.fft.get_workers()))
             return _run(*args)
+
         monkeypatch.setitem(cpu._RUNS, algo, watching)
     for algo, prepare in list(cpu._PREPARE.items()):
+
         def preparing(problem, _prepare=prepare, _algo=algo):
             views, run = _prepare(problem)
 
             def watching(*args):
                 seen.append((_algo, _blas_threads(), scipy.fft.get_workers()))
                 return run(*args)
+
             return views, watching
+
         monkeypatch.setitem(cpu._PREPARE, algo, preparing)
     return seen
 
@@ -72,7 +77,8 @@ def test_measurements_run_as_the_step_runs_and_are_keyed_apart(watched):
     one = cpu.CpuBackend(numpy_threads=1)
     with threadpool_limits(limits=2, user_api="blas"):
         Handle(backend=one, policy="undivided", algos=["im2col_gemm"], reps=1, db=False).conv_forward(
-            *(a.detach().numpy() for a in (torch.randn(2, 3, 8, 8), torch.randn(4, 3, 3, 3))), padding=1)
+            *(a.detach().numpy() for a in (torch.randn(2, 3, 8, 8), torch.randn(4, 3, 3, 3))), padding=1
+        )
         assert watched and _one_thread(watched)
         watched.clear()
         _run_im2col(cpu.CpuBackend())
@@ -89,9 +95,14 @@ def _run_im2col(backend) -> None:
 
     p = ConvProblem.parse("n=2,c=3,h=8,w=8,k=4,r=3,s=3,pad=1")
     rng = np.random.default_rng(0)
-    backend.run(p, "im2col_gemm", x=rng.standard_normal(p.x_shape, dtype=np.float32),
-                w=rng.standard_normal(p.w_shape, dtype=np.float32), out=np.zeros(p.out_shape, np.float32),
-                workspace=backend.empty_workspace(backend.workspace_size(p, "im2col_gemm")))
+    backend.run(
+        p,
+        "im2col_gemm",
+        x=rng.standard_normal(p.x_shape, dtype=np.float32),
+        w=rng.standard_normal(p.w_shape, dtype=np.float32),
+        out=np.zeros(p.out_shape, np.float32),
+        workspace=backend.empty_workspace(backend.workspace_size(p, "im2col_gemm")),
+    )
 
 
 def test_bad_thread_counts_are_refused():

@@ -36,14 +36,14 @@ def _values(report):
 
 def test_a_chain_of_known_sizes_with_an_in_place_op_and_a_view():
     with StepTracker() as tracker:
-        a = torch.ones(1000)           # 4000 bytes
-        b = a * 2                      # + 4000
-        v = b.view(10, 100)            # a view: the same storage
-        b.add_(1)                      # in place: nothing new
+        a = torch.ones(1000)  # 4000 bytes
+        b = a * 2  # + 4000
+        v = b.view(10, 100)  # a view: the same storage
+        b.add_(1)  # in place: nothing new
         b.relu_()
-        del a                          # - 4000
-        c = b + 1                      # + 4000
-        del b                          # the view keeps b's storage
+        del a  # - 4000
+        c = b + 1  # + 4000
+        del b  # the view keeps b's storage
     r = tracker.report()
     assert _values(r) == [0, 4000, 8000, 4000, 8000]
     assert r.peak_bytes == 8000 and r.end_by_category["tensor"] == 8000
@@ -71,8 +71,8 @@ def test_an_out_argument_resized_by_the_operation_is_counted():
     a = torch.ones(100)
     out = torch.empty(0)
     with StepTracker() as tracker:
-        tracker.track(out)            # alive before the block: 0 bytes
-        torch.add(a, 1, out=out)      # resized to 400 bytes; `a` counts from its first read
+        tracker.track(out)  # alive before the block: 0 bytes
+        torch.add(a, 1, out=out)  # resized to 400 bytes; `a` counts from its first read
     r = tracker.report()
     assert r.end_by_category["tensor"] == 400 + 400
 
@@ -81,9 +81,9 @@ def test_numpy_memory_wrapped_again_is_an_alias_and_new_numpy_memory_counts():
     # a converted conv hands micro-batches of its operands to PyTorch's kernel as torch.from_numpy of
     # NumPy views: new storages over memory a live tensor holds
     with StepTracker() as tracker:
-        a = torch.ones(8, 250)                            # 8000 bytes
-        half = torch.from_numpy(a.numpy()[4:])            # a view of a's memory: no bytes of its own
-        doubled = half * 2                                # 4000 new bytes
+        a = torch.ones(8, 250)  # 8000 bytes
+        half = torch.from_numpy(a.numpy()[4:])  # a view of a's memory: no bytes of its own
+        doubled = half * 2  # 4000 new bytes
         fresh = torch.from_numpy(doubled.numpy().copy())  # NumPy's own new memory: 4000 bytes
     r = tracker.report()
     assert r.peak_bytes == 8000 + 4000 + 4000
@@ -97,7 +97,7 @@ def test_a_training_step_of_a_small_mlp_by_hand():
     with StepTracker(model) as tracker:
         model(x).square().sum().backward()
     r = tracker.report()
-    w1, w2 = 64 * 32 * F32, 8 * 64 * F32          # 8192, 2048
+    w1, w2 = 64 * 32 * F32, 8 * 64 * F32  # 8192, 2048
     assert r.max_by_category["weight"] == w1 + w2
     assert r.end_by_category["weight_grad"] == w1 + w2
     # The peak, in the first Linear's backward (its weight gradient is being made): the weights, the
@@ -165,8 +165,9 @@ def test_check_plan_reports_every_field_and_leaves_the_model_as_it_was():
     model = SmallNet()
     x, y = _data(n=16)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    plan = plan_memory(model, x, memory_limit=2**30, policy="checkpoint",
-                       loss=lambda out: nn.functional.cross_entropy(out, y))
+    plan = plan_memory(
+        model, x, memory_limit=2**30, policy="checkpoint", loss=lambda out: nn.functional.cross_entropy(out, y)
+    )
     checked = check_plan(model, plan, x, y, steps=2)
     assert checked.policy == "checkpoint" and checked.device == "cpu"
     assert checked.predicted_peak_bytes == plan.peak_bytes and checked.predicted_step_ms == plan.step_ms
@@ -175,8 +176,17 @@ def test_check_plan_reports_every_field_and_leaves_the_model_as_it_was():
     assert checked.peak_ratio == checked.peak_bytes / plan.peak_bytes
     assert checked.bytes_moved == checked.predicted_bytes_moved == 0
     data = checked.to_json()
-    assert set(data) == {"policy", "device", "plan_device", "memory_limit", "fits", "predicted", "achieved",
-                         "peak_ratio", "step_ratio"}
+    assert set(data) == {
+        "policy",
+        "device",
+        "plan_device",
+        "memory_limit",
+        "fits",
+        "predicted",
+        "achieved",
+        "peak_ratio",
+        "step_ratio",
+    }
     assert data["memory_limit"] == 2**30 and data["fits"] is plan.fits and checked.plan is plan
     assert data["achieved"]["peak_bytes"] == checked.peak_bytes
     assert all(p.grad is None for p in model.parameters())

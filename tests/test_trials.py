@@ -48,21 +48,24 @@ class Staged(CpuBackend):
             launch(*args)
             self.ran.append(algo)
             spin_until(end)
+
         return slowed
 
 
 def _operands():
     rng = np.random.default_rng(0)
-    return (rng.standard_normal(PROBLEM.x_shape, dtype=np.float32),
-            rng.standard_normal(PROBLEM.w_shape, dtype=np.float32))
+    return (
+        rng.standard_normal(PROBLEM.x_shape, dtype=np.float32),
+        rng.standard_normal(PROBLEM.w_shape, dtype=np.float32),
+    )
 
 
-@pytest.mark.parametrize("runs, kept", [({"im2col_gemm": 30.0, NATIVE: 5.0}, NATIVE),
-                                        ({"im2col_gemm": 5.0, NATIVE: 30.0}, "im2col_gemm")])
+@pytest.mark.parametrize(
+    "runs, kept", [({"im2col_gemm": 30.0, NATIVE: 5.0}, NATIVE), ({"im2col_gemm": 5.0, NATIVE: 30.0}, "im2col_gemm")]
+)
 def test_a_trial_keeps_what_is_faster_where_it_runs(runs, kept):
     backend = Staged({"im2col_gemm": 1.0, NATIVE: 10.0}, runs)  # alone, im2col looks 10x faster
-    handle = Handle(backend=backend, policy="undivided", algos=["im2col_gemm", NATIVE], db=False, reps=1,
-                    trial_runs=2)
+    handle = Handle(backend=backend, policy="undivided", algos=["im2col_gemm", NATIVE], db=False, reps=1, trial_runs=2)
     x, w = _operands()
     kernel = handle.kernel("fwd", x.shape, w.shape, **CONV)
     assert kernel.config.micros[0].algo == "im2col_gemm"  # the measurements' choice
@@ -92,8 +95,15 @@ def test_the_plan_must_win_by_more_than_the_call_overhead(monkeypatch):
     # there too (wall time on a loaded machine adds whatever the scheduler makes a run wait)
     monkeypatch.setattr(measure, "run_clock", time.thread_time)
     backend = Staged({"im2col_gemm": 1.0, NATIVE: 40.0}, {"im2col_gemm": 15.0, NATIVE: 30.0})
-    handle = Handle(backend=backend, policy="undivided", algos=["im2col_gemm", NATIVE], db=False, reps=3,
-                    trial_runs=1, call_overhead=20.0)
+    handle = Handle(
+        backend=backend,
+        policy="undivided",
+        algos=["im2col_gemm", NATIVE],
+        db=False,
+        reps=3,
+        trial_runs=1,
+        call_overhead=20.0,
+    )
     x, w = _operands()
     kernel = handle.kernel("fwd", x.shape, w.shape, **CONV)
     assert kernel.config.micros[0].algo == "im2col_gemm"  # 39 ms ahead alone, charged 20: kept
@@ -103,15 +113,15 @@ def test_the_plan_must_win_by_more_than_the_call_overhead(monkeypatch):
     assert handle.kernel("fwd", x.shape, w.shape, **CONV).config.micros[0].algo == NATIVE
 
 
-@pytest.mark.parametrize("runs, tried_again", [({"im2col_gemm": 5.0, NATIVE: 30.0}, False),
-                                               ({"im2col_gemm": 30.0, NATIVE: 5.0}, True)])
+@pytest.mark.parametrize(
+    "runs, tried_again", [({"im2col_gemm": 5.0, NATIVE: 30.0}, False), ({"im2col_gemm": 30.0, NATIVE: 5.0}, True)]
+)
 def test_a_configuration_that_won_its_trial_is_not_tried_again_within_a_budget(runs, tried_again):
     # a memory plan asks for a layer's kernels again within its budgets: the configuration that already won
     # its trial runs without another (each trial runs torch's kernel on every other call of the step); one
     # that lost is tried again where it is asked for (native may not fit the budget: then it runs as planned)
     backend = Staged({"im2col_gemm": 1.0, NATIVE: 10.0}, runs)
-    handle = Handle(backend=backend, policy="undivided", algos=["im2col_gemm", NATIVE], db=False, reps=1,
-                    trial_runs=2)
+    handle = Handle(backend=backend, policy="undivided", algos=["im2col_gemm", NATIVE], db=False, reps=1, trial_runs=2)
     x, w = _operands()
     kernel = handle.kernel("fwd", x.shape, w.shape, **CONV)
     for _ in range(2 * (2 + 1)):
@@ -142,7 +152,6 @@ def test_bad_trial_runs_are_refused():
             Handle(backend="cpu", trial_runs=bad, db=False)
 
 
-
 def _trained_layer(backend, steps):
     """A converted 3x3 layer on `backend` (every kernel planned as im2col_gemm, each kernel's trial keeping
     it) trained `steps` steps beside torch's own layer on the same weights: the layer, and the largest
@@ -151,8 +160,7 @@ def _trained_layer(backend, steps):
 
     from ucudnn.torch import Conv2d
 
-    handle = Handle(backend=backend, policy="undivided", algos=["im2col_gemm", NATIVE], db=False, reps=1,
-                    trial_runs=2)
+    handle = Handle(backend=backend, policy="undivided", algos=["im2col_gemm", NATIVE], db=False, reps=1, trial_runs=2)
     torch.manual_seed(0)
     reference = torch.nn.Conv2d(3, 4, 3, padding=1)
     layer = Conv2d.from_conv(reference, handle=handle, layer="conv")
@@ -244,8 +252,10 @@ def test_under_a_plans_budgets_a_layer_keeps_what_its_trials_settled():
     assert backend.ran == ["im2col_gemm"]  # the forward kernel, once: no trial, torch's backward pass
     route = next(r for r in layer._routes.values() if r.budgets is not None)
     assert route.bwd_data is None and route.bwd_filter is None and route.trial is None
-    assert not route.fwd.against_native and route.fwd.config == next(
-        r for r in layer._routes.values() if r.budgets is None).fwd.config
+    assert (
+        not route.fwd.against_native
+        and route.fwd.config == next(r for r in layer._routes.values() if r.budgets is None).fwd.config
+    )
     ref = F.conv2d(x, layer.weight, layer.bias, padding=1)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
     for ours, theirs in zip((dx, dw), torch.autograd.grad(ref.square().sum(), (x, layer.weight))):

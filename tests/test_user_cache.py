@@ -51,9 +51,27 @@ def test_writer_bench_cli_without_db(run_folders):
     path = _check_default_cache_is_the_runs(run_folders)
     script = Path(sys.executable).with_name("ucudnn")
     command = [str(script)] if script.exists() else [sys.executable, "-m", "ucudnn.cli.main"]
-    result = subprocess.run([*command, "bench", "--layer", BENCH_LAYER, "--backend", "cpu", "--kinds", "fwd",
-                             "--policy", "undivided", "--reps", "1", "--quiet"],
-                            capture_output=True, text=True, timeout=300, check=False)
+    result = subprocess.run(
+        [
+            *command,
+            "bench",
+            "--layer",
+            BENCH_LAYER,
+            "--backend",
+            "cpu",
+            "--kinds",
+            "fwd",
+            "--policy",
+            "undivided",
+            "--reps",
+            "1",
+            "--quiet",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert result.returncode == 0, result.stderr
     assert ConvProblem.parse(BENCH_LAYER).key in _problem_keys(path)
 
@@ -82,9 +100,11 @@ def test_writer_convert_without_db(run_folders):
 
 def _snapshot(folder: Path) -> dict[str, tuple[str, int, int]]:
     """Every file under `folder`: (sha256, size, mtime in ns), by relative path."""
-    return {str(p.relative_to(folder)): (hashlib.sha256(p.read_bytes()).hexdigest(), p.stat().st_size,
-                                         p.stat().st_mtime_ns)
-            for p in sorted(folder.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(folder)): (hashlib.sha256(p.read_bytes()).hexdigest(), p.stat().st_size, p.stat().st_mtime_ns)
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
 
 
 def test_a_test_run_leaves_the_users_cache_and_home_byte_for_byte(tmp_path):
@@ -96,8 +116,13 @@ def test_a_test_run_leaves_the_users_cache_and_home_byte_for_byte(tmp_path):
     backend = CpuBackend()
     problem = ConvProblem.parse(BENCH_LAYER)
     with Cache(user_cache) as cache:
-        cache.store(device="user's CPU", backend="cpu", versions="numpy=1", problem_key=problem.key,
-                    micros=backend.measure(problem, ["shift_gemm"], 1))
+        cache.store(
+            device="user's CPU",
+            backend="cpu",
+            versions="numpy=1",
+            problem_key=problem.key,
+            micros=backend.measure(problem, ["shift_gemm"], 1),
+        )
     (home / ".bashrc").write_text("# the user's\n")
     os.utime(user_cache, ns=(1_000_000_000, 1_000_000_000))  # an old file: any write changes its time
     before = _snapshot(home)
@@ -105,9 +130,15 @@ def test_a_test_run_leaves_the_users_cache_and_home_byte_for_byte(tmp_path):
 
     env = {name: value for name, value in os.environ.items() if name not in ("XDG_CACHE_HOME", "UCUDNN_DB")}
     env["HOME"] = str(home)
-    result = subprocess.run([sys.executable, "-m", "pytest", str(Path(__file__)), "-k", "writer", "-q",
-                             "-p", "no:cacheprovider"],
-                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False)
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", str(Path(__file__)), "-k", "writer", "-q", "-p", "no:cacheprovider"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
     summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert re.search(r"\b[23] passed\b", summary), summary  # convert's writer skips without torch

@@ -12,14 +12,13 @@ from ucudnn.memory.timing import KernelOption, conv_fronts, step_costs
 
 DEVICE = load_profile("k40")
 GRAPH = from_network("resnet18", 8)
-LATE = ("layer4.1.conv2", "fwd")    # runs when vDNN_conv still holds every conv output of the forward pass
-EARLY = ("layer1.0.conv1", "fwd")   # runs when little is held
+LATE = ("layer4.1.conv2", "fwd")  # runs when vDNN_conv still holds every conv output of the forward pass
+EARLY = ("layer1.0.conv1", "fwd")  # runs when little is held
 
 
 def peak(mode: str, workspace, fronts=None, limit=None):
     costs = step_costs(GRAPH, DEVICE, workspace=workspace, fronts=fronts)
-    return simulate(GRAPH, DEVICE, costs, vdnn.actions_for(GRAPH, mode), memory_limit=limit,
-                    timeline=False)
+    return simulate(GRAPH, DEVICE, costs, vdnn.actions_for(GRAPH, mode), memory_limit=limit, timeline=False)
 
 
 def workspaces(plan):
@@ -32,7 +31,7 @@ def test_the_passes_without_the_greedy_one():
     smallest = {k: o[0].workspace for k, o in fronts.items()}
     roomy = vdnn.plan(GRAPH, DEVICE, 2**40)
     assert roomy.search == "none" and roomy.fits and roomy.overhead == pytest.approx(0.0, abs=1e-9)
-    assert workspaces(roomy) == {k: o[-1].workspace for k, o in fronts.items()}   # the fastest options
+    assert workspaces(roomy) == {k: o[-1].workspace for k, o in fronts.items()}  # the fastest options
     expected = {"conv": peak("conv", None).peak_bytes, "all": peak("all", None).peak_bytes}
     assert expected["all"] < expected["conv"] < roomy.peak_bytes
     for mode, limit in expected.items():
@@ -56,8 +55,7 @@ def synthetic():
     zero = {k: 0 for k in fronts}
     p_all, p_conv = peak("all", zero, fronts).peak_bytes, peak("conv", zero, fronts).peak_bytes
     w1 = (p_conv - p_all) // 4
-    fronts[LATE] = (KernelOption(4.0, 0), KernelOption(3.0, w1 // 2), KernelOption(2.0, w1),
-                    KernelOption(1.0, p_conv))
+    fronts[LATE] = (KernelOption(4.0, 0), KernelOption(3.0, w1 // 2), KernelOption(2.0, w1), KernelOption(1.0, p_conv))
     fronts[EARLY] = (KernelOption(2.0, 0), KernelOption(1.0, w1))
     return fronts, p_all, p_conv, w1
 
@@ -67,7 +65,7 @@ def test_greedy_with_vdnn_all_downgrades_only_the_overflowing_layer_one_option_a
     limit = (p_all + p_conv) // 2
     fast = {k: o[-1].workspace for k, o in fronts.items()}
     for mode in ("none", "conv", "all"):
-        assert not peak(mode, fast, fronts, limit).fits      # pass (2) fails at this limit
+        assert not peak(mode, fast, fronts, limit).fits  # pass (2) fails at this limit
     got = vdnn.plan(GRAPH, DEVICE, limit, fronts=fronts)
     assert got.search == "greedy-all" and got.fits and got.peak_bytes <= limit
     ws = workspaces(got)
@@ -101,14 +99,14 @@ def test_when_both_greedy_passes_fail_pass_one_is_the_answer(synthetic, monkeypa
     limit = (p_all + p_conv) // 2
     failed = []
 
-    def stuck(graph, fronts_, fast, run):   # a greedy pass that cannot fit
+    def stuck(graph, fronts_, fast, run):  # a greedy pass that cannot fit
         _, result = run(fast)
         failed.append(result.fits)
         return fast, result
 
     monkeypatch.setattr(vdnn, "_greedy", stuck)
     got = vdnn.plan(GRAPH, DEVICE, limit, fronts=fronts)
-    assert failed == [False, False]       # tried with vDNN_conv, then vDNN_all
+    assert failed == [False, False]  # tried with vDNN_conv, then vDNN_all
     assert got.search == "all-memory-optimal" and got.fits
     assert workspaces(got) == {k: o[0].workspace for k, o in fronts.items()}
 

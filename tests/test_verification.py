@@ -39,8 +39,14 @@ class WrongFast(CpuBackend):
         if algo not in (SCALED, STALE):
             return super().run(problem, algo, workspace=workspace, alpha=alpha, beta=beta, **operands)
         out = operands["out"]
-        super().run(problem, "im2col_gemm", alpha=alpha, beta=beta, **operands,
-                    workspace=np.zeros(super().workspace_size(problem, "im2col_gemm"), np.uint8))
+        super().run(
+            problem,
+            "im2col_gemm",
+            alpha=alpha,
+            beta=beta,
+            **operands,
+            workspace=np.zeros(super().workspace_size(problem, "im2col_gemm"), np.uint8),
+        )
         if algo == SCALED:
             out *= 1.5
         else:  # adds 0 * (what the workspace held): right on zeros, NaN on 0xFF
@@ -61,8 +67,11 @@ def test_wrong_algorithms_are_unusable_with_their_reason(kind):
     assert float(results[SCALED].reason.split()[-1].rstrip(")")) == pytest.approx(0.5, rel=1e-3)
     assert results[STALE].reason == "wrong result (rel. error inf)"
     # every real algorithm passes verification
-    assert all(m.usable for a, m in results.items() if a not in (SCALED, STALE) and
-               backend.unsupported_reason(problem, a) is None)
+    assert all(
+        m.usable
+        for a, m in results.items()
+        if a not in (SCALED, STALE) and backend.unsupported_reason(problem, a) is None
+    )
 
 
 def test_a_wrong_algorithm_is_never_chosen_and_stays_recorded(tmp_path):
@@ -79,8 +88,12 @@ def test_a_wrong_algorithm_is_never_chosen_and_stays_recorded(tmp_path):
     # The verdict is in the cache: a later run reads it instead of measuring again.
     table, stats = measure_table(backend, PROBLEM, [1, 2, 4], cache=cache, reps=1)
     assert stats.measured == 0
-    assert all(not m.usable and m.reason.startswith("wrong result") for row in table.values() for m in row
-               if m.algo in (SCALED, STALE))
+    assert all(
+        not m.usable and m.reason.startswith("wrong result")
+        for row in table.values()
+        for m in row
+        if m.algo in (SCALED, STALE)
+    )
     assert SCALED not in {m.algo for m in wr.solve(table, PROBLEM.n, None).micros}
     cache.close()
 
@@ -121,5 +134,11 @@ def test_bwd_filter_micro_batches_are_timed_as_they_run():
 
     for kind in ("bwd_filter", "fwd"):
         measure_table(Spy(), PROBLEM.with_kind(kind), [1, 2, 4], algos=["im2col_gemm"], reps=1)
-    assert seen == [("bwd_filter", 1, 1.0), ("bwd_filter", 2, 1.0), ("bwd_filter", 4, 0.0),
-                    ("fwd", 1, 0.0), ("fwd", 2, 0.0), ("fwd", 4, 0.0)]
+    assert seen == [
+        ("bwd_filter", 1, 1.0),
+        ("bwd_filter", 2, 1.0),
+        ("bwd_filter", 4, 0.0),
+        ("fwd", 1, 0.0),
+        ("fwd", 2, 0.0),
+        ("fwd", 4, 0.0),
+    ]

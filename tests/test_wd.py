@@ -53,8 +53,9 @@ def _check_answer(fronts: dict, total: int, chosen: dict) -> None:
 def test_matches_brute_force(method: str) -> None:
     rng = random.Random(11)
     for trial in range(120):
-        fronts = {f"k{i}": _random_front(rng, rng.randint(2, 5), integer=trial % 2 == 0)
-                  for i in range(rng.randint(3, 5))}
+        fronts = {
+            f"k{i}": _random_front(rng, rng.randint(2, 5), integer=trial % 2 == 0) for i in range(rng.randint(3, 5))
+        }
         smallest = sum(f[0].workspace for f in fronts.values())
         largest = sum(f[-1].workspace for f in fronts.values())
         total = rng.randint(smallest, largest + 10)
@@ -148,18 +149,21 @@ def test_infeasible_says_needed_and_given() -> None:
         wd.solve({"a": [_config(math.inf, 0)]}, 10)
 
 
-@pytest.mark.parametrize(("fronts", "total", "method", "match"), [
-    ({}, 10, "auto", "fronts"),
-    ({"a": []}, 10, "auto", r"fronts\['a'\]"),
-    ({"a": "xyz"}, 10, "auto", r"fronts\['a'\]"),
-    ({"a": [object()]}, 10, "auto", r"fronts\['a'\]\[0\]"),
-    ({"a": [_config(float("nan"), 0)]}, 10, "auto", r"fronts\['a'\]\[0\]"),
-    ({"a": [_config(1.0, 0)]}, -1, "auto", "total_workspace"),
-    ({"a": [_config(1.0, 0)]}, float("nan"), "auto", "total_workspace"),
-    ({"a": [_config(1.0, 0)]}, True, "auto", "total_workspace"),
-    ({"a": [_config(1.0, 0)]}, "1GiB", "auto", "total_workspace"),
-    ({"a": [_config(1.0, 0)]}, 10, "glpk", "method"),
-])
+@pytest.mark.parametrize(
+    ("fronts", "total", "method", "match"),
+    [
+        ({}, 10, "auto", "fronts"),
+        ({"a": []}, 10, "auto", r"fronts\['a'\]"),
+        ({"a": "xyz"}, 10, "auto", r"fronts\['a'\]"),
+        ({"a": [object()]}, 10, "auto", r"fronts\['a'\]\[0\]"),
+        ({"a": [_config(float("nan"), 0)]}, 10, "auto", r"fronts\['a'\]\[0\]"),
+        ({"a": [_config(1.0, 0)]}, -1, "auto", "total_workspace"),
+        ({"a": [_config(1.0, 0)]}, float("nan"), "auto", "total_workspace"),
+        ({"a": [_config(1.0, 0)]}, True, "auto", "total_workspace"),
+        ({"a": [_config(1.0, 0)]}, "1GiB", "auto", "total_workspace"),
+        ({"a": [_config(1.0, 0)]}, 10, "glpk", "method"),
+    ],
+)
 def test_rejects_bad_arguments(fronts, total, method, match) -> None:
     with pytest.raises(InvalidInput, match=match):
         wd.solve(fronts, total, method=method)
@@ -174,5 +178,3 @@ def test_does_not_mutate_inputs() -> None:
     for method in ("auto", *EXACT_METHODS):
         wd.solve(fronts, smallest + 500, method=method)
     assert (copy.copy(fronts), {k: list(v) for k, v in fronts.items()}) == before
-
-

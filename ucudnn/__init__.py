@@ -12,6 +12,19 @@ from ucudnn.network.cluster import best_batch_size
 from ucudnn.problem import ConvProblem
 from ucudnn.solver.types import Configuration, Infeasible, MicroConfig
 
-__all__ = ["BackendUnavailable", "Configuration", "ConvProblem", "Handle", "Infeasible", "InvalidInput",
-           "KernelChoice", "LateRegistrationWarning", "MicroConfig", "UcudnnError", "UnsupportedProblem",
-           "best_batch_size", "get_backend", "run_configuration"]
+__all__ = [
+    "BackendUnavailable",
+    "Configuration",
+    "ConvProblem",
+    "Handle",
+    "Infeasible",
+    "InvalidInput",
+    "KernelChoice",
+    "LateRegistrationWarning",
+    "MicroConfig",
+    "UcudnnError",
+    "UnsupportedProblem",
+    "best_batch_size",
+    "get_backend",
+    "run_configuration",
+]

@@ -33,15 +33,15 @@ _GIB = 2**30
 class DeviceProfile:
     """One device model. Bandwidths in GB/s (10^9 bytes per second), throughput in TFLOP/s."""
 
-    name: str                 # short key: k40, h100, ...
-    model: str                # the full model name
-    memory_bytes: int         # device memory capacity
-    h2d_gbps: float           # host-to-device copy bandwidth, one direction alone
-    d2h_gbps: float           # device-to-host copy bandwidth, one direction alone
-    duplex_gbps: float        # both directions at once, the two summed
-    devices_per_link: int     # devices that share one host link (a PCIe switch), whose copies share it
-    fp32_tflops: float        # peak FP32 arithmetic throughput
-    memory_gbps: float        # device memory bandwidth
+    name: str  # short key: k40, h100, ...
+    model: str  # the full model name
+    memory_bytes: int  # device memory capacity
+    h2d_gbps: float  # host-to-device copy bandwidth, one direction alone
+    d2h_gbps: float  # device-to-host copy bandwidth, one direction alone
+    duplex_gbps: float  # both directions at once, the two summed
+    devices_per_link: int  # devices that share one host link (a PCIe switch), whose copies share it
+    fp32_tflops: float  # peak FP32 arithmetic throughput
+    memory_gbps: float  # device memory bandwidth
     source: str = "specification"
     # The device's memory is the host's (a CPU): a map offloaded "to the host" stays in the same
     # memory, so the planner never offloads there.
@@ -60,10 +60,10 @@ class DeviceProfile:
                 if not isinstance(value, bool):
                     raise InvalidInput(f"device profile {self.name!r}: {f.name} must be true or false, got {value!r}")
                 continue
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 \
-                    or value == float("inf"):
-                raise InvalidInput(f"device profile {self.name!r}: {f.name} must be a positive finite number, "
-                                   f"got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or value == float("inf"):
+                raise InvalidInput(
+                    f"device profile {self.name!r}: {f.name} must be a positive finite number, got {value!r}"
+                )
         if not isinstance(self.memory_bytes, int) or not isinstance(self.devices_per_link, int):
             raise InvalidInput(f"device profile {self.name!r}: memory_bytes and devices_per_link must be integers")
 
@@ -90,8 +90,12 @@ class DeviceProfile:
         names = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - names)
         if unknown:
-            raise InvalidInput(f"device profile: unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(names))}")
-        missing = sorted(f.name for f in fields(cls) if f.name not in data and f.name not in ("source", "shares_host_memory"))
+            raise InvalidInput(
+                f"device profile: unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(names))}"
+            )
+        missing = sorted(
+            f.name for f in fields(cls) if f.name not in data and f.name not in ("source", "shares_host_memory")
+        )
         if missing:
             raise InvalidInput(f"device profile {data.get('name', '?')!r}: missing field(s) {', '.join(missing)}")
         return cls(**data)
@@ -102,24 +106,48 @@ _PCIE3 = {"h2d_gbps": 12.0, "d2h_gbps": 12.0, "duplex_gbps": 20.0}
 # PCIe 2.0 x16: about 6 GB/s each way (8 GB/s raw).
 _PCIE2 = {"h2d_gbps": 6.0, "d2h_gbps": 6.0, "duplex_gbps": 10.0}
 
-PROFILES: dict[str, DeviceProfile] = {p.name: p for p in (
-    # vDNN's machine (Rhu et al.): 12 GB, 288 GB/s, PCIe 3.
-    DeviceProfile("k40", "Tesla K40", 12 * _GIB, devices_per_link=1, fp32_tflops=4.29, memory_gbps=288.0, **_PCIE3),
-    DeviceProfile("p100", "Tesla P100 PCIe 16GB", 16 * _GIB, devices_per_link=1, fp32_tflops=9.3,
-                  memory_gbps=732.0, **_PCIE3),
-    DeviceProfile("v100", "Tesla V100 SXM2 16GB", 16 * _GIB, devices_per_link=1, fp32_tflops=15.7,
-                  memory_gbps=900.0, **_PCIE3),
-    DeviceProfile("h100", "NVIDIA H100 80GB HBM3", 80 * _GIB, h2d_gbps=54.9, d2h_gbps=55.0, duplex_gbps=91.0,
-                  devices_per_link=1, fp32_tflops=67.0, memory_gbps=3350.0,
-                  source="host link measured on an H100 (PCIe 5 x16), pinned memory; the rest specification"),
-    DeviceProfile("t4", "Tesla T4", 16 * _GIB, devices_per_link=1, fp32_tflops=8.1, memory_gbps=320.0, **_PCIE3),
-    # The mu-cuDNN paper's cluster: a K80 is two GK210 chips behind one on-board PCIe switch.
-    DeviceProfile("gk210", "Tesla K80 (one GK210)", 12 * _GIB, devices_per_link=2, fp32_tflops=4.37,
-                  memory_gbps=240.0, **_PCIE3),
-    DeviceProfile("k20xm", "Tesla K20Xm", 6 * _GIB, devices_per_link=1, fp32_tflops=3.95, memory_gbps=250.0, **_PCIE2),
-    DeviceProfile("gtx750ti", "GeForce GTX 750 Ti", 2 * _GIB, devices_per_link=1, fp32_tflops=1.31,
-                  memory_gbps=86.4, **_PCIE3),
-)}
+PROFILES: dict[str, DeviceProfile] = {
+    p.name: p
+    for p in (
+        # vDNN's machine (Rhu et al.): 12 GB, 288 GB/s, PCIe 3.
+        DeviceProfile("k40", "Tesla K40", 12 * _GIB, devices_per_link=1, fp32_tflops=4.29, memory_gbps=288.0, **_PCIE3),
+        DeviceProfile(
+            "p100", "Tesla P100 PCIe 16GB", 16 * _GIB, devices_per_link=1, fp32_tflops=9.3, memory_gbps=732.0, **_PCIE3
+        ),
+        DeviceProfile(
+            "v100", "Tesla V100 SXM2 16GB", 16 * _GIB, devices_per_link=1, fp32_tflops=15.7, memory_gbps=900.0, **_PCIE3
+        ),
+        DeviceProfile(
+            "h100",
+            "NVIDIA H100 80GB HBM3",
+            80 * _GIB,
+            h2d_gbps=54.9,
+            d2h_gbps=55.0,
+            duplex_gbps=91.0,
+            devices_per_link=1,
+            fp32_tflops=67.0,
+            memory_gbps=3350.0,
+            source="host link measured on an H100 (PCIe 5 x16), pinned memory; the rest specification",
+        ),
+        DeviceProfile("t4", "Tesla T4", 16 * _GIB, devices_per_link=1, fp32_tflops=8.1, memory_gbps=320.0, **_PCIE3),
+        # The mu-cuDNN paper's cluster: a K80 is two GK210 chips behind one on-board PCIe switch.
+        DeviceProfile(
+            "gk210",
+            "Tesla K80 (one GK210)",
+            12 * _GIB,
+            devices_per_link=2,
+            fp32_tflops=4.37,
+            memory_gbps=240.0,
+            **_PCIE3,
+        ),
+        DeviceProfile(
+            "k20xm", "Tesla K20Xm", 6 * _GIB, devices_per_link=1, fp32_tflops=3.95, memory_gbps=250.0, **_PCIE2
+        ),
+        DeviceProfile(
+            "gtx750ti", "GeForce GTX 750 Ti", 2 * _GIB, devices_per_link=1, fp32_tflops=1.31, memory_gbps=86.4, **_PCIE3
+        ),
+    )
+}
 
 
 def profile_names() -> list[str]:

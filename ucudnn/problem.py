@@ -40,14 +40,37 @@ LAYOUTS = ("NCHW", "NHWC")
 LOWERED_KIND = {"fwd": "bwd_data", "bwd_data": "fwd", "bwd_filter": "bwd_filter"}
 
 # Per spatial axis: the fields of its input size, filter size, padding, stride, dilation, output padding.
-_AXIS_FIELDS = {"d": ("d", "t", "pad_d", "stride_d", "dilation_d", "output_padding_d"),
-                "h": ("h", "r", "pad_h", "stride_h", "dilation_h", "output_padding_h"),
-                "w": ("w", "s", "pad_w", "stride_w", "dilation_w", "output_padding_w")}
+_AXIS_FIELDS = {
+    "d": ("d", "t", "pad_d", "stride_d", "dilation_d", "output_padding_d"),
+    "h": ("h", "r", "pad_h", "stride_h", "dilation_h", "output_padding_h"),
+    "w": ("w", "s", "pad_w", "stride_w", "dilation_w", "output_padding_w"),
+}
 # Spec keys that set every axis the problem has (d, h, w in 3-D; h, w in 2-D).
 _ALL_AXES = {"pad": "pad", "stride": "stride", "dilation": "dilation", "output_padding": "output_padding"}
-_INT_FIELDS = ("n", "c", "h", "w", "k", "r", "s", "pad_h", "pad_w", "stride_h", "stride_w",
-               "dilation_h", "dilation_w", "groups", "d", "t", "pad_d", "stride_d", "dilation_d",
-               "output_padding_h", "output_padding_w", "output_padding_d")
+_INT_FIELDS = (
+    "n",
+    "c",
+    "h",
+    "w",
+    "k",
+    "r",
+    "s",
+    "pad_h",
+    "pad_w",
+    "stride_h",
+    "stride_w",
+    "dilation_h",
+    "dilation_w",
+    "groups",
+    "d",
+    "t",
+    "pad_d",
+    "stride_d",
+    "dilation_d",
+    "output_padding_h",
+    "output_padding_w",
+    "output_padding_d",
+)
 _NON_NEGATIVE = ("pad_h", "pad_w", "pad_d", "d", "output_padding_h", "output_padding_w", "output_padding_d")
 # What only a 3-D problem may set (a 2-D one keeps them at their defaults).
 _DEPTH_FIELDS = ("t", "pad_d", "stride_d", "dilation_d", "output_padding_d")
@@ -58,10 +81,39 @@ _REQUIRED = ("c", "h", "w", "k", "r", "s")
 _LATER_FIELDS = ("d", "t", "pad_d", "stride_d", "dilation_d", "transposed", *_OUTPUT_PADDING)
 # Every key `ConvProblem.parse` reads, in the order a person writes them: the 2-D keys first, as
 # the first release listed them, then those of the depth axis, transposed convolutions and the rest.
-SPEC_KEYS = ("n", "c", "h", "w", "k", "r", "s", "pad", "pad_h", "pad_w", "stride", "stride_h", "stride_w",
-             "dilation", "dilation_h", "dilation_w", "groups", "d", "t", "pad_d", "stride_d", "dilation_d",
-             "transposed", "output_padding", "output_padding_h", "output_padding_w", "output_padding_d",
-             "dtype", "compute_type", "layout", "kind")
+SPEC_KEYS = (
+    "n",
+    "c",
+    "h",
+    "w",
+    "k",
+    "r",
+    "s",
+    "pad",
+    "pad_h",
+    "pad_w",
+    "stride",
+    "stride_h",
+    "stride_w",
+    "dilation",
+    "dilation_h",
+    "dilation_w",
+    "groups",
+    "d",
+    "t",
+    "pad_d",
+    "stride_d",
+    "dilation_d",
+    "transposed",
+    "output_padding",
+    "output_padding_h",
+    "output_padding_w",
+    "output_padding_d",
+    "dtype",
+    "compute_type",
+    "layout",
+    "kind",
+)
 
 
 _FIELD_WORDS = re.compile(r"ConvProblem field '(\w+)'")
@@ -72,7 +124,8 @@ def _in_spec_words(message: str, written: Mapping[str, str]) -> str:
     `ConvProblem field 'pad_h' must be ...` when the spec wrote `pad=-1`."""
     message = _FIELD_WORDS.sub(lambda m: written.get(m.group(1), m.group(1)), message)
     return message.replace("ConvProblem transposed output", "the transposed output").replace(
-        "ConvProblem output", "the output")
+        "ConvProblem output", "the output"
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,8 +147,9 @@ class Axis:
         return (self.filter - 1) * self.dilation + 1
 
 
-def _out_size(size: int, filter_: int, pad: int, stride: int, dilation: int, output_padding: int,
-              transposed: bool) -> int:
+def _out_size(
+    size: int, filter_: int, pad: int, stride: int, dilation: int, output_padding: int, transposed: bool
+) -> int:
     dilated = (filter_ - 1) * dilation + 1
     if transposed:
         return (size - 1) * stride - 2 * pad + dilated + output_padding
@@ -155,14 +209,17 @@ class ConvProblem:
             raise InvalidInput(f"ConvProblem field 'dtype' must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.compute_type and self.compute_type not in DTYPES:
             raise InvalidInput(
-                f"ConvProblem field 'compute_type' must be one of {', '.join(DTYPES)}, got {self.compute_type!r}")
+                f"ConvProblem field 'compute_type' must be one of {', '.join(DTYPES)}, got {self.compute_type!r}"
+            )
         if self.layout not in LAYOUTS:
             raise InvalidInput(f"ConvProblem field 'layout' must be one of {', '.join(LAYOUTS)}, got {self.layout!r}")
         if not self.d:
             for name in _DEPTH_FIELDS:
                 if getattr(self, name) != _DEFAULTS[name]:
-                    raise InvalidInput(f"ConvProblem field {name!r} ({getattr(self, name)}) belongs to a depth axis, "
-                                       f"which a 2-D problem lacks; give d (the input depth) for a 3-D problem")
+                    raise InvalidInput(
+                        f"ConvProblem field {name!r} ({getattr(self, name)}) belongs to a depth axis, "
+                        f"which a 2-D problem lacks; give d (the input depth) for a 3-D problem"
+                    )
         if self.c % self.groups or self.k % self.groups:
             raise InvalidInput(f"ConvProblem field 'groups' ({self.groups}) must divide c ({self.c}) and k ({self.k})")
         self._check_output_padding()
@@ -173,11 +230,13 @@ class ConvProblem:
                 raise InvalidInput(
                     f"ConvProblem transposed output would be {outs}: (size - 1) * stride - 2 * pad + dilated filter "
                     f"+ output_padding is below 1 on axis {next(a.name for a in axes if a.out < 1)}; "
-                    f"use less padding")
+                    f"use less padding"
+                )
             raise InvalidInput(
                 f"ConvProblem output would be {outs}: the dilated filter "
                 f"({'x'.join(str(a.dilated) for a in axes)}) is larger than the padded input "
-                f"({'x'.join(str(a.size + 2 * a.pad) for a in axes)})")
+                f"({'x'.join(str(a.size + 2 * a.pad) for a in axes)})"
+            )
 
     def _check_output_padding(self) -> None:
         for _, _, _, stride, dilation, padding in _AXIS_FIELDS.values():
@@ -185,16 +244,22 @@ class ConvProblem:
             if not value:
                 continue
             if not self.transposed:
-                raise InvalidInput(f"ConvProblem field {padding!r} ({value}) applies to transposed convolutions "
-                                   f"only; set transposed (transposed=1 in a spec) or leave it out")
+                raise InvalidInput(
+                    f"ConvProblem field {padding!r} ({value}) applies to transposed convolutions "
+                    f"only; set transposed (transposed=1 in a spec) or leave it out"
+                )
             st, dil = getattr(self, stride), getattr(self, dilation)
             if value >= max(st, dil):
-                raise InvalidInput(f"ConvProblem field {padding!r} ({value}) must be smaller than {stride} ({st}) "
-                                   f"or {dilation} ({dil}), as PyTorch requires")
+                raise InvalidInput(
+                    f"ConvProblem field {padding!r} ({value}) must be smaller than {stride} ({st}) "
+                    f"or {dilation} ({dil}), as PyTorch requires"
+                )
             if value >= st:
-                raise InvalidInput(f"ConvProblem field {padding!r} ({value}) is not below {stride} ({st}): ucudnn "
-                                   f"runs a transposed convolution as a convolution's kernels, which cannot "
-                                   f"express it; use an output padding below the stride")
+                raise InvalidInput(
+                    f"ConvProblem field {padding!r} ({value}) is not below {stride} ({st}): ucudnn "
+                    f"runs a transposed convolution as a convolution's kernels, which cannot "
+                    f"express it; use an output padding below the stride"
+                )
 
     # ---- derived sizes ------------------------------------------------------------------
     @property
@@ -206,16 +271,33 @@ class ConvProblem:
     def axes(self) -> tuple[Axis, ...]:
         """The spatial axes, outermost first: (d, h, w) in 3-D, (h, w) in 2-D."""
         transposed = self.transposed
-        h = Axis("h", self.h, self.r, self.pad_h, self.stride_h, self.dilation_h, self.output_padding_h,
-                 _out_size(self.h, self.r, self.pad_h, self.stride_h, self.dilation_h, self.output_padding_h,
-                           transposed))
-        w = Axis("w", self.w, self.s, self.pad_w, self.stride_w, self.dilation_w, self.output_padding_w,
-                 _out_size(self.w, self.s, self.pad_w, self.stride_w, self.dilation_w, self.output_padding_w,
-                           transposed))
+        h = Axis(
+            "h",
+            self.h,
+            self.r,
+            self.pad_h,
+            self.stride_h,
+            self.dilation_h,
+            self.output_padding_h,
+            _out_size(self.h, self.r, self.pad_h, self.stride_h, self.dilation_h, self.output_padding_h, transposed),
+        )
+        w = Axis(
+            "w",
+            self.w,
+            self.s,
+            self.pad_w,
+            self.stride_w,
+            self.dilation_w,
+            self.output_padding_w,
+            _out_size(self.w, self.s, self.pad_w, self.stride_w, self.dilation_w, self.output_padding_w, transposed),
+        )
         if not self.d:
             return (h, w)
-        return (Axis("d", self.d, self.t, self.pad_d, self.stride_d, self.dilation_d, self.output_padding_d,
-                     self.out_d), h, w)
+        return (
+            Axis("d", self.d, self.t, self.pad_d, self.stride_d, self.dilation_d, self.output_padding_d, self.out_d),
+            h,
+            w,
+        )
 
     @property
     def dilated_r(self) -> int:
@@ -231,21 +313,24 @@ class ConvProblem:
 
     @property
     def out_h(self) -> int:
-        return _out_size(self.h, self.r, self.pad_h, self.stride_h, self.dilation_h, self.output_padding_h,
-                         self.transposed)
+        return _out_size(
+            self.h, self.r, self.pad_h, self.stride_h, self.dilation_h, self.output_padding_h, self.transposed
+        )
 
     @property
     def out_w(self) -> int:
-        return _out_size(self.w, self.s, self.pad_w, self.stride_w, self.dilation_w, self.output_padding_w,
-                         self.transposed)
+        return _out_size(
+            self.w, self.s, self.pad_w, self.stride_w, self.dilation_w, self.output_padding_w, self.transposed
+        )
 
     @property
     def out_d(self) -> int:
         """y's depth; 0 for a 2-D problem (as its d)."""
         if not self.d:
             return 0
-        return _out_size(self.d, self.t, self.pad_d, self.stride_d, self.dilation_d, self.output_padding_d,
-                         self.transposed)
+        return _out_size(
+            self.d, self.t, self.pad_d, self.stride_d, self.dilation_d, self.output_padding_d, self.transposed
+        )
 
     @property
     def x_shape(self) -> tuple[int, ...]:
@@ -300,9 +385,19 @@ class ConvProblem:
         if not self.transposed:
             return self
         outs = {a.name: a.out for a in self.axes}
-        return dataclasses.replace(self, kind=LOWERED_KIND[self.kind], c=self.k, k=self.c, h=outs["h"], w=outs["w"],
-                                   d=outs.get("d", 0), transposed=False, output_padding_h=0, output_padding_w=0,
-                                   output_padding_d=0)
+        return dataclasses.replace(
+            self,
+            kind=LOWERED_KIND[self.kind],
+            c=self.k,
+            k=self.c,
+            h=outs["h"],
+            w=outs["w"],
+            d=outs.get("d", 0),
+            transposed=False,
+            output_padding_h=0,
+            output_padding_w=0,
+            output_padding_d=0,
+        )
 
     # ---- text forms ---------------------------------------------------------------------
     @property
@@ -329,8 +424,13 @@ class ConvProblem:
     def spec(self) -> str:
         """Short human form that `parse` reads back (defaults left out)."""
         axes = [a.name for a in self.axes]
-        parts = [f"n={self.n}", f"c={self.c}", *(f"{a}={getattr(self, a)}" for a in axes), f"k={self.k}",
-                 *(f"{_AXIS_FIELDS[a][1]}={getattr(self, _AXIS_FIELDS[a][1])}" for a in axes)]
+        parts = [
+            f"n={self.n}",
+            f"c={self.c}",
+            *(f"{a}={getattr(self, a)}" for a in axes),
+            f"k={self.k}",
+            *(f"{_AXIS_FIELDS[a][1]}={getattr(self, _AXIS_FIELDS[a][1])}" for a in axes),
+        ]
         if self.transposed:
             parts.append("transposed=1")
         for position, both in enumerate(_ALL_AXES, start=2):
@@ -371,8 +471,9 @@ class ConvProblem:
             if not eq or not raw:
                 raise InvalidInput(f"layer spec {spec!r}: {item!r} is not of the form key=value")
             if key in unused:
-                raise InvalidInput(f"layer spec {spec!r}: the key {key!r} is not used here ({unused[key]}); "
-                                   f"keys taken: {taken}")
+                raise InvalidInput(
+                    f"layer spec {spec!r}: the key {key!r} is not used here ({unused[key]}); keys taken: {taken}"
+                )
             if key not in SPEC_KEYS:
                 raise InvalidInput(f"layer spec {spec!r}: unknown key {key!r}; keys taken: {taken}")
             items.append((key, raw))
@@ -403,15 +504,30 @@ class ConvProblem:
         try:
             return cls(**values)  # type: ignore[arg-type]
         except InvalidInput as exc:  # in the spec's words: the key as written (pad, not pad_h)
-            written = {target: key for key, _ in items
-                       for target in (tuple(f"{key}_{a}" for a in axes) if key in _ALL_AXES else (key,))}
+            written = {
+                target: key
+                for key, _ in items
+                for target in (tuple(f"{key}_{a}" for a in axes) if key in _ALL_AXES else (key,))
+            }
             raise InvalidInput(f"layer spec {spec!r}: {_in_spec_words(str(exc), written)}") from None
 
     @classmethod
-    def from_shapes(cls, x_shape: Sequence[int], w_shape: Sequence[int], *, stride: int | Sequence[int] = 1,
-                    padding: int | Sequence[int] = 0, dilation: int | Sequence[int] = 1, groups: int = 1,
-                    transposed: bool = False, output_padding: int | Sequence[int] = 0, kind: str = "fwd",
-                    dtype: str = "float32", compute_type: str = "", layout: str = "NCHW") -> ConvProblem:
+    def from_shapes(
+        cls,
+        x_shape: Sequence[int],
+        w_shape: Sequence[int],
+        *,
+        stride: int | Sequence[int] = 1,
+        padding: int | Sequence[int] = 0,
+        dilation: int | Sequence[int] = 1,
+        groups: int = 1,
+        transposed: bool = False,
+        output_padding: int | Sequence[int] = 0,
+        kind: str = "fwd",
+        dtype: str = "float32",
+        compute_type: str = "",
+        layout: str = "NCHW",
+    ) -> ConvProblem:
         """The problem of a PyTorch convolution, from its input's and weight's shapes and arguments.
 
         x (n, c, l), (n, c, h, w) or (n, c, d, h, w) for Conv1d/2d/3d and ConvTranspose1d/2d/3d; the
@@ -422,8 +538,10 @@ class ConvProblem:
         x_shape, w_shape = tuple(x_shape), tuple(w_shape)
         dims = len(x_shape) - 2
         if dims not in (1, 2, 3) or len(w_shape) != len(x_shape):
-            raise InvalidInput(f"x {x_shape} and w {w_shape} must both have 3, 4 or 5 dimensions "
-                               f"(batch, channels, then 1 to 3 spatial axes)")
+            raise InvalidInput(
+                f"x {x_shape} and w {w_shape} must both have 3, 4 or 5 dimensions "
+                f"(batch, channels, then 1 to 3 spatial axes)"
+            )
 
         def per_axis(name: str, value: int | Sequence[int]) -> tuple[int, ...]:
             values = (value,) * dims if isinstance(value, int) else tuple(value)
@@ -431,26 +549,52 @@ class ConvProblem:
                 raise InvalidInput(f"{name} {value!r} must be an int or {dims} values, one per spatial axis")
             return values
 
-        st, pad, dil, opad = (per_axis(name, value) for name, value in
-                              (("stride", stride), ("padding", padding), ("dilation", dilation),
-                               ("output_padding", output_padding)))
+        st, pad, dil, opad = (
+            per_axis(name, value)
+            for name, value in (
+                ("stride", stride),
+                ("padding", padding),
+                ("dilation", dilation),
+                ("output_padding", output_padding),
+            )
+        )
         sizes, filters = x_shape[2:], w_shape[2:]
         if dims == 1:  # a 2-D problem of height 1
-            sizes, filters, st, pad, dil, opad = ((1, *sizes), (1, *filters), (1, *st), (0, *pad), (1, *dil),
-                                                  (0, *opad))
+            sizes, filters, st, pad, dil, opad = (
+                (1, *sizes),
+                (1, *filters),
+                (1, *st),
+                (0, *pad),
+                (1, *dil),
+                (0, *opad),
+            )
         weight_in = w_shape[0] if transposed else w_shape[1] * groups
         if weight_in != x_shape[1]:
             held = "(in, out/groups, ...)" if transposed else "(out, in/groups, ...)"
-            raise InvalidInput(f"w {w_shape} does not take the {x_shape[1]} channels of x {x_shape} with "
-                               f"groups={groups}; a {'transposed ' if transposed else ''}convolution's weight is "
-                               f"{held}")
+            raise InvalidInput(
+                f"w {w_shape} does not take the {x_shape[1]} channels of x {x_shape} with "
+                f"groups={groups}; a {'transposed ' if transposed else ''}convolution's weight is "
+                f"{held}"
+            )
         out_channels = w_shape[1] * groups if transposed else w_shape[0]
         fields: dict[str, int] = {}
-        for axis, size, filter_, s, p, dl, op in zip(("d", "h", "w")[-len(sizes):], sizes, filters, st, pad, dil, opad):
+        for axis, size, filter_, s, p, dl, op in zip(
+            ("d", "h", "w")[-len(sizes) :], sizes, filters, st, pad, dil, opad
+        ):
             names = _AXIS_FIELDS[axis]
             fields.update({names[0]: size, names[1]: filter_, names[2]: p, names[3]: s, names[4]: dl, names[5]: op})
-        return cls(kind=kind, n=x_shape[0], c=x_shape[1], k=out_channels, groups=groups, transposed=transposed,
-                   dtype=dtype, compute_type=compute_type, layout=layout, **fields)
+        return cls(
+            kind=kind,
+            n=x_shape[0],
+            c=x_shape[1],
+            k=out_channels,
+            groups=groups,
+            transposed=transposed,
+            dtype=dtype,
+            compute_type=compute_type,
+            layout=layout,
+            **fields,
+        )
 
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(ConvProblem)}

@@ -40,14 +40,22 @@ def reference(problem: ConvProblem, *, x: Any = None, w: Any = None, dy: Any = N
     axes = p.axes
     groups, cg, kg = p.groups, p.c // p.groups, p.k // p.groups
     pads = ((0, 0), (0, 0), *((a.pad, a.pad) for a in axes))
-    spatial = "dhw"[-len(axes):]
+    spatial = "dhw"[-len(axes) :]
 
     def taps():
         """Every filter tap m and the strided window of the padded input it reads."""
         for tap in itertools.product(*(range(a.filter) for a in axes)):
-            yield tap, (slice(None), slice(None),
-                        *(slice(m * a.dilation, m * a.dilation + a.stride * (a.out - 1) + 1, a.stride)
-                          for m, a in zip(tap, axes)))
+            yield (
+                tap,
+                (
+                    slice(None),
+                    slice(None),
+                    *(
+                        slice(m * a.dilation, m * a.dilation + a.stride * (a.out - 1) + 1, a.stride)
+                        for m, a in zip(tap, axes)
+                    ),
+                ),
+            )
 
     def group(g: int) -> tuple[slice, slice]:
         return slice(g * cg, (g + 1) * cg), slice(g * kg, (g + 1) * kg)
@@ -60,8 +68,9 @@ def reference(problem: ConvProblem, *, x: Any = None, w: Any = None, dy: Any = N
             patch = x_pad[window]
             for g in range(groups):
                 cs, ks = group(g)
-                y[:, ks] += xp.einsum(f"nc{spatial},kc->nk{spatial}", patch[:, cs], w64[(ks, slice(None), *tap)],
-                                      optimize=True)
+                y[:, ks] += xp.einsum(
+                    f"nc{spatial},kc->nk{spatial}", patch[:, cs], w64[(ks, slice(None), *tap)], optimize=True
+                )
         return y
     if p.kind == "bwd_data":
         dy64, w64 = xp.asarray(dy, dtype=xp.float64), xp.asarray(w, dtype=xp.float64)
@@ -70,8 +79,9 @@ def reference(problem: ConvProblem, *, x: Any = None, w: Any = None, dy: Any = N
             view = dx_pad[window]  # a strided view: the += lands in dx_pad
             for g in range(groups):
                 cs, ks = group(g)
-                view[:, cs] += xp.einsum(f"nk{spatial},kc->nc{spatial}", dy64[:, ks], w64[(ks, slice(None), *tap)],
-                                         optimize=True)
+                view[:, cs] += xp.einsum(
+                    f"nk{spatial},kc->nc{spatial}", dy64[:, ks], w64[(ks, slice(None), *tap)], optimize=True
+                )
         return dx_pad[(slice(None), slice(None), *(slice(a.pad, a.pad + a.size) for a in axes))]
     x_pad = xp.pad(xp.asarray(x, dtype=xp.float64), pads)
     dy64 = xp.asarray(dy, dtype=xp.float64)

@@ -16,8 +16,18 @@ from decimal import ROUND_FLOOR, Decimal
 from ucudnn.errors import InvalidInput
 
 MAX_BYTES = 2**63 - 1
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 _AMBIGUOUS = {"k": "KiB", "m": "MiB", "g": "GiB", "t": "TiB"}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 _SHOWN = ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB")
@@ -36,9 +46,11 @@ def parse_size(text: str | int, *, round_down: bool = False) -> int:
     match = _SIZE.match(str(text))
     unit = match.group(2).lower() if match else ""
     if match and unit in _AMBIGUOUS:
-        raise InvalidInput(f"size {text!r}: the unit {match.group(2)!r} is ambiguous; write "
-                           f"{match.group(1)}{_AMBIGUOUS[unit]} (powers of 1024) or "
-                           f"{match.group(1)}{_AMBIGUOUS[unit][0].upper()}B (powers of 1000)")
+        raise InvalidInput(
+            f"size {text!r}: the unit {match.group(2)!r} is ambiguous; write "
+            f"{match.group(1)}{_AMBIGUOUS[unit]} (powers of 1024) or "
+            f"{match.group(1)}{_AMBIGUOUS[unit][0].upper()}B (powers of 1000)"
+        )
     if not match or unit not in _UNITS:
         raise InvalidInput(f"cannot read size {text!r}; write e.g. 64MiB, 1GiB, 100MB or a number of bytes")
     value = Decimal(match.group(1)) * _UNITS[unit]  # exact: 0.1GiB is not rounded through a float
@@ -47,8 +59,9 @@ def parse_size(text: str | int, *, round_down: bool = False) -> int:
             raise InvalidInput(f"size {text!r} is {value} bytes, not a whole number of bytes")
         value = value.to_integral_value(rounding=ROUND_FLOOR)
     if value > MAX_BYTES:
-        raise InvalidInput(f"size {text!r} is {format_size(int(value))}, over the largest possible "
-                           f"{format_size(MAX_BYTES)}")
+        raise InvalidInput(
+            f"size {text!r} is {format_size(int(value))}, over the largest possible {format_size(MAX_BYTES)}"
+        )
     return int(value)
 
 

@@ -16,9 +16,11 @@ def get_backend(name: str = "auto") -> Backend:
     """`cpu`, `cudnn`, or `auto` (cudnn when a GPU and libcudnn can be used, else cpu)."""
     if name == "cpu":
         from ucudnn.backends.cpu import CpuBackend
+
         return CpuBackend()
     if name == "cudnn":
         from ucudnn.backends.cudnn import CudnnBackend
+
         return CudnnBackend()
     if name == "auto":
         try:
@@ -27,8 +29,11 @@ def get_backend(name: str = "auto") -> Backend:
             log.info("backend auto: chose cpu because cudnn is unavailable: %s", exc)
             return get_backend("cpu")
         versions = dict(backend.device.versions)
-        log.info("backend auto: chose cudnn because CuPy sees %s and libcudnn %s loads",
-                 backend.device.model, versions.get("cudnn", "(version unknown)"))
+        log.info(
+            "backend auto: chose cudnn because CuPy sees %s and libcudnn %s loads",
+            backend.device.model,
+            versions.get("cudnn", "(version unknown)"),
+        )
         return backend
     raise InvalidInput(f"unknown backend {name!r}; choose one of {', '.join(BACKENDS)}")
 

@@ -26,8 +26,7 @@ NOISY_SPREAD_FRACTION = 0.25
 UNWRITTEN_WORKSPACE_BYTE = 0xFF
 # Unit roundoff of the formats a result passes through: storage (inputs and output are rounded to
 # it) and accumulation. TF32 is float32 with a 10-bit mantissa, what tensor cores use for float32.
-UNIT_ROUNDOFF = {"float64": 2.0**-53, "float32": 2.0**-24, "tf32": 2.0**-11, "float16": 2.0**-11,
-                 "bfloat16": 2.0**-8}
+UNIT_ROUNDOFF = {"float64": 2.0**-53, "float32": 2.0**-24, "tf32": 2.0**-11, "float16": 2.0**-11, "bfloat16": 2.0**-8}
 # Headroom over the rounding estimate: correct cuDNN engines reached 5.7e-3 under TF32 summing over
 # 16x224x224 (estimate 5.4e-4, tolerance 3.5e-2), a wrong one 1.54. The cap keeps low-precision
 # accumulation over long sums from accepting anything.
@@ -130,8 +129,19 @@ class Backend(abc.ABC):
         """Bytes of workspace `run` needs for this problem (at its batch size `problem.n`)."""
 
     @abc.abstractmethod
-    def run(self, problem: ConvProblem, algo: str, *, x: Any = None, w: Any = None, dy: Any = None,
-            out: Any, workspace: Any, alpha: float = 1.0, beta: float = 0.0) -> None:
+    def run(
+        self,
+        problem: ConvProblem,
+        algo: str,
+        *,
+        x: Any = None,
+        w: Any = None,
+        dy: Any = None,
+        out: Any,
+        workspace: Any,
+        alpha: float = 1.0,
+        beta: float = 0.0,
+    ) -> None:
         """One kernel: out = alpha * result + beta * out, temporaries taken from `workspace`."""
 
     def prepare_run(self, problem: ConvProblem, algo: str):
@@ -162,8 +172,9 @@ class Backend(abc.ABC):
         """Fresh inputs and an output buffer for `run`: keys among x, w, dy, and out."""
 
     @abc.abstractmethod
-    def time_run_ms(self, problem: ConvProblem, algo: str, operands: dict[str, Any], workspace: Any,
-                    reps: int, beta: float = 0.0) -> list[float]:
+    def time_run_ms(
+        self, problem: ConvProblem, algo: str, operands: dict[str, Any], workspace: Any, reps: int, beta: float = 0.0
+    ) -> list[float]:
         """`reps` timing samples (ms) of `run` with this `beta`, after the caller's warm-up."""
 
     def trusted_result(self, problem: ConvProblem, inputs: dict[str, Any]) -> Any:
@@ -194,8 +205,9 @@ class Backend(abc.ABC):
         """Exceptions that mean one candidate failed to build or run, besides running out of memory."""
         return ()
 
-    def measure(self, problem: ConvProblem, algos: Sequence[str], reps: int = 3, *,
-                accumulate: bool = False) -> list[MicroConfig]:
+    def measure(
+        self, problem: ConvProblem, algos: Sequence[str], reps: int = 3, *, accumulate: bool = False
+    ) -> list[MicroConfig]:
         """Verify, then time each algorithm at `problem.n`: warm-up runs, then the median of `reps` runs.
 
         The first warm-up run is the verified one: its workspace holds UNWRITTEN_WORKSPACE_BYTE, its
@@ -237,8 +249,9 @@ class Backend(abc.ABC):
                 if wrong is None and accumulate:
                     self.run(problem, algo, workspace=workspace, beta=1.0, **operands)
                     self.synchronize()
-                    wrong = self._wrong_result(problem, operands["out"], 2 * trusted, tolerance,
-                                               "accumulating with beta = 1, ")
+                    wrong = self._wrong_result(
+                        problem, operands["out"], 2 * trusted, tolerance, "accumulating with beta = 1, "
+                    )
                 if wrong is not None:
                     results.append(MicroConfig(algo, problem.n, float("inf"), nbytes, reason=wrong))
                     log.debug("%s on %s (%s): %s over %.3g", algo, problem.spec, problem.kind, wrong, tolerance)
@@ -247,19 +260,20 @@ class Backend(abc.ABC):
                     self.run(problem, algo, workspace=workspace, beta=beta, **operands)
                 samples = self.time_run_ms(problem, algo, operands, workspace, reps, beta=beta)
             except MemoryError as exc:  # cupy's OutOfMemoryError is one too
-                results.append(MicroConfig(algo, problem.n, float("inf"), nbytes,
-                                           reason=f"out of memory: {one_line(exc)}"))
+                results.append(
+                    MicroConfig(algo, problem.n, float("inf"), nbytes, reason=f"out of memory: {one_line(exc)}")
+                )
                 continue
             except self.candidate_failures() as exc:
-                results.append(MicroConfig(algo, problem.n, float("inf"), nbytes,
-                                           reason=f"failed to run: {one_line(exc)}"))
+                results.append(
+                    MicroConfig(algo, problem.n, float("inf"), nbytes, reason=f"failed to run: {one_line(exc)}")
+                )
                 continue
             median, spread = summarize_samples(samples)
             if is_noisy(median, spread):
                 log.debug("noisy timing: %s on %s: median %.3f ms, IQR %.3f ms", algo, problem.spec, median, spread)
             results.append(MicroConfig(algo, problem.n, median, nbytes, spread=spread))
         return results
-
 
     def _wrong_result(self, problem: ConvProblem, out: Any, trusted: Any, tolerance: float, how: str) -> str | None:
         error = self.result_error(problem, out, trusted)

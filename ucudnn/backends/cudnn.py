@@ -86,15 +86,37 @@ FRONTEND_MODULES = ("ucudnn.backends.cudnn_graph", "ucudnn.backends.cudnn_engine
 # (tests/test_cudnn_api.py fails on an unlisted use and on an unused entry) and checked against the
 # installed `cudnn` module, `cudnn.pygraph` and `cudnn.Tensor`.
 CUDNN_API_USED: dict[str, tuple[str, ...]] = {
-    "cudnn": ("__version__", "backend_version", "backend_version_string", "create_handle",
-              "cudnnGraphNotSupportedError", "data_type", "destroy_handle", "heur_mode", "knob_type",
-              "pygraph", "set_stream"),
+    "cudnn": (
+        "__version__",
+        "backend_version",
+        "backend_version_string",
+        "create_handle",
+        "cudnnGraphNotSupportedError",
+        "data_type",
+        "destroy_handle",
+        "heur_mode",
+        "knob_type",
+        "pygraph",
+        "set_stream",
+    ),
     "cudnn.data_type": ("BFLOAT16", "DOUBLE", "FLOAT", "HALF"),
     "cudnn.heur_mode": ("A", "FALLBACK"),
-    "graph": ("build_operation_graph", "build_plan_at_index", "check_support", "conv_dgrad",
-              "conv_fprop", "conv_wgrad", "create_execution_plan", "create_execution_plans",
-              "execute_plan_at_index", "get_engine_and_knobs_at_index", "get_execution_plan_count",
-              "get_workspace_size_plan_at_index", "tensor", "validate"),
+    "graph": (
+        "build_operation_graph",
+        "build_plan_at_index",
+        "check_support",
+        "conv_dgrad",
+        "conv_fprop",
+        "conv_wgrad",
+        "create_execution_plan",
+        "create_execution_plans",
+        "execute_plan_at_index",
+        "get_engine_and_knobs_at_index",
+        "get_execution_plan_count",
+        "get_workspace_size_plan_at_index",
+        "tensor",
+        "validate",
+    ),
     "tensor": ("set_data_type", "set_dim", "set_output", "set_stride", "uid"),
 }
 
@@ -128,8 +150,10 @@ def _probe() -> tuple[Any, Any, int]:
     try:
         import cupy
     except ImportError as exc:
-        raise BackendUnavailable(f"cupy is not installed or does not import ({one_line(exc)}); "
-                                 f"install cupy-cuda12x (cupy-cuda13x on CUDA 13)") from None
+        raise BackendUnavailable(
+            f"cupy is not installed or does not import ({one_line(exc)}); "
+            f"install cupy-cuda12x (cupy-cuda13x on CUDA 13)"
+        ) from None
     try:
         count = cupy.cuda.runtime.getDeviceCount()
     except Exception as exc:  # noqa: BLE001 - CUDARuntimeError without a driver; anything else CuPy raises is the same answer
@@ -139,14 +163,17 @@ def _probe() -> tuple[Any, Any, int]:
     try:
         import cudnn
     except ImportError as exc:
-        raise BackendUnavailable(f"the cuDNN frontend is not installed ({one_line(exc)}); "
-                                 f"install nvidia-cudnn-frontend") from None
+        raise BackendUnavailable(
+            f"the cuDNN frontend is not installed ({one_line(exc)}); install nvidia-cudnn-frontend"
+        ) from None
     try:
         cudnn.backend_version()
     except Exception as exc:  # noqa: BLE001 - the binding raises RuntimeError("Unable to find symbol cudnnGetVersion")
-        raise BackendUnavailable(f"libcudnn is not loadable ({one_line(exc)}); install nvidia-cudnn-cu12 "
-                                 f"(nvidia-cudnn-cu13 on CUDA 13) "
-                                 f"or put libcudnn.so.9 on LD_LIBRARY_PATH") from None
+        raise BackendUnavailable(
+            f"libcudnn is not loadable ({one_line(exc)}); install nvidia-cudnn-cu12 "
+            f"(nvidia-cudnn-cu13 on CUDA 13) "
+            f"or put libcudnn.so.9 on LD_LIBRARY_PATH"
+        ) from None
     return cupy, cudnn, int(cupy.cuda.runtime.getDevice())
 
 
@@ -178,8 +205,9 @@ class CudnnBackend(Backend):
             try:
                 self._handle = cudnn.create_handle()
             except RuntimeError as exc:
-                raise BackendUnavailable(f"cuDNN could not create a handle on CUDA device {device_id} "
-                                         f"({one_line(exc)})") from None
+                raise BackendUnavailable(
+                    f"cuDNN could not create a handle on CUDA device {device_id} ({one_line(exc)})"
+                ) from None
         self._device = self._describe_device(cupy, cudnn, device_id)
         # kHz, for the spin kernel of back-to-back timing. CUDA 13 dropped clockRate from the
         # properties; 2 GHz, above current parts' boost clocks, then errs on a longer hold.
@@ -194,11 +222,19 @@ class CudnnBackend(Backend):
         name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
         runtime = cupy.cuda.runtime.runtimeGetVersion()
         driver = cupy.cuda.runtime.driverGetVersion()
-        versions = {"cudnn": cudnn.backend_version_string(), "cudnn-frontend": cudnn.__version__,
-                    "cupy": cupy.__version__, "cuda-runtime": f"{runtime // 1000}.{runtime % 1000 // 10}",
-                    "cuda-driver": f"{driver // 1000}.{driver % 1000 // 10}", "ucudnn-verification": VERIFICATION}
-        return DeviceInfo(model=f"{name} (sm_{props['major']}{props['minor']})",
-                          memory_bytes=int(props["totalGlobalMem"]), versions=tuple(sorted(versions.items())))
+        versions = {
+            "cudnn": cudnn.backend_version_string(),
+            "cudnn-frontend": cudnn.__version__,
+            "cupy": cupy.__version__,
+            "cuda-runtime": f"{runtime // 1000}.{runtime % 1000 // 10}",
+            "cuda-driver": f"{driver // 1000}.{driver % 1000 // 10}",
+            "ucudnn-verification": VERIFICATION,
+        }
+        return DeviceInfo(
+            model=f"{name} (sm_{props['major']}{props['minor']})",
+            memory_bytes=int(props["totalGlobalMem"]),
+            versions=tuple(sorted(versions.items())),
+        )
 
     @property
     def device(self) -> DeviceInfo:
@@ -292,20 +328,27 @@ class CudnnBackend(Backend):
         if not isinstance(array, cupy.ndarray):
             raise InvalidInput(f"cudnn backend: operand {name!r} must be a CuPy array, got {type(array).__name__}")
         if tuple(array.shape) != tuple(shape):
-            raise InvalidInput(f"cudnn backend: operand {name!r} has shape {tuple(array.shape)}, the problem needs "
-                               f"{tuple(shape)} ({problem.spec}, {problem.kind})")
+            raise InvalidInput(
+                f"cudnn backend: operand {name!r} has shape {tuple(array.shape)}, the problem needs "
+                f"{tuple(shape)} ({problem.spec}, {problem.kind})"
+            )
         storage = cupy.dtype(_storage_dtype(cupy, problem.dtype))
         if array.dtype != storage:
-            raise InvalidInput(f"cudnn backend: operand {name!r} has dtype {array.dtype}, a {problem.dtype} problem "
-                               f"needs {storage}")
+            raise InvalidInput(
+                f"cudnn backend: operand {name!r} has dtype {array.dtype}, a {problem.dtype} problem needs {storage}"
+            )
         expected = layout_strides(shape, problem.layout)
         actual = tuple(s // array.itemsize for s in array.strides)
         if any(extent > 1 and a != e for extent, a, e in zip(shape, actual, expected)):
-            raise InvalidInput(f"cudnn backend: operand {name!r} has element strides {actual}; a {problem.layout} "
-                               f"problem needs {expected}")
+            raise InvalidInput(
+                f"cudnn backend: operand {name!r} has element strides {actual}; a {problem.layout} "
+                f"problem needs {expected}"
+            )
         if array.device.id != self._device_id:
-            raise InvalidInput(f"cudnn backend: operand {name!r} is on CUDA device {array.device.id}, the backend "
-                               f"runs on device {self._device_id}")
+            raise InvalidInput(
+                f"cudnn backend: operand {name!r} is on CUDA device {array.device.id}, the backend "
+                f"runs on device {self._device_id}"
+            )
 
     def _operands(self, problem: ConvProblem, plan: Plan, given: Mapping[str, Any], out: Any) -> list[Any]:
         """The caller's operands checked against `problem`, in the order the lowered graph reads them."""
@@ -318,8 +361,16 @@ class CudnnBackend(Backend):
         return [given[_caller_name(problem, name)] for name, _ in plan.declared.inputs]
 
     # ---- running ------------------------------------------------------------------------
-    def _launch(self, problem: ConvProblem, plan: Plan, inputs: Sequence[Any], out: Any, workspace: Any,
-                alpha: float, beta: float) -> None:
+    def _launch(
+        self,
+        problem: ConvProblem,
+        plan: Plan,
+        inputs: Sequence[Any],
+        out: Any,
+        workspace: Any,
+        alpha: float,
+        beta: float,
+    ) -> None:
         import cudnn
         import cupy
 
@@ -335,13 +386,25 @@ class CudnnBackend(Backend):
         graph = plan.declared.graph
         with cupy.cuda.Device(self._device_id):
             cudnn.set_stream(self._handle, cupy.cuda.get_current_stream().ptr)
-            graph.execute_plan_at_index(pack, workspace.data.ptr if plan.workspace_bytes else 0,
-                                        index=plan.index, handle=self._handle)
+            graph.execute_plan_at_index(
+                pack, workspace.data.ptr if plan.workspace_bytes else 0, index=plan.index, handle=self._handle
+            )
             if not direct:
                 blend(cupy, problem.dtype, target, out, alpha, beta)
 
-    def run(self, problem: ConvProblem, algo: str, *, x: Any = None, w: Any = None, dy: Any = None,
-            out: Any, workspace: Any, alpha: float = 1.0, beta: float = 0.0) -> None:
+    def run(
+        self,
+        problem: ConvProblem,
+        algo: str,
+        *,
+        x: Any = None,
+        w: Any = None,
+        dy: Any = None,
+        out: Any,
+        workspace: Any,
+        alpha: float = 1.0,
+        beta: float = 0.0,
+    ) -> None:
         plan = self._require_plan(problem, algo)
         inputs = self._operands(problem, plan, {"x": x, "w": w, "dy": dy}, out)
         self._launch(problem, plan, inputs, out, workspace, alpha, beta)
@@ -373,19 +436,28 @@ class CudnnBackend(Backend):
         def launch(x, w, dy, out, workspace, alpha, beta):
             operands = (x, w, dy)
             inputs = (operands[a], operands[b])
-            if alpha != 1.0 or beta != 0.0 or (inputs[0].data.ptr | inputs[1].data.ptr | out.data.ptr) % ALIGNMENT_BYTES:
+            if (
+                alpha != 1.0
+                or beta != 0.0
+                or (inputs[0].data.ptr | inputs[1].data.ptr | out.data.ptr) % ALIGNMENT_BYTES
+            ):
                 self._launch(problem, plan, inputs, out, workspace, alpha, beta)
                 return
             with device:
                 cudnn.set_stream(handle, cupy.cuda.get_current_stream().ptr)
-                graph.execute_plan_at_index((inputs[0].data.ptr, inputs[1].data.ptr, out.data.ptr),
-                                            workspace.data.ptr if with_workspace else 0, index=index, handle=handle,
-                                            tensor_uids=uids)
+                graph.execute_plan_at_index(
+                    (inputs[0].data.ptr, inputs[1].data.ptr, out.data.ptr),
+                    workspace.data.ptr if with_workspace else 0,
+                    index=index,
+                    handle=handle,
+                    tensor_uids=uids,
+                )
 
         return launch
 
-    def time_run_ms(self, problem: ConvProblem, algo: str, operands: dict[str, Any], workspace: Any,
-                    reps: int, beta: float = 0.0) -> list[float]:
+    def time_run_ms(
+        self, problem: ConvProblem, algo: str, operands: dict[str, Any], workspace: Any, reps: int, beta: float = 0.0
+    ) -> list[float]:
         """Per-launch kernel time (ms) of `reps` samples, each several launches back to back.
 
         One launch timed alone sizes the sample (about SAMPLE_TARGET_MS of kernel time); each

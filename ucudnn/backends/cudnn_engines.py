@@ -42,8 +42,10 @@ PROMOTED_SUFFIX = "+fp32acc"
 PLACEHOLDER_KNOB = "NOT_SET"
 HALF_DTYPES = ("float16", "bfloat16")
 
-_ALGO_NAME = re.compile(r"^eng(?P<engine>\d+)(?::(?P<knobs>[A-Za-z0-9_]+=-?\d+(?:,[A-Za-z0-9_]+=-?\d+)*))?"
-                        r"(?P<promoted>\+fp32acc)?$")
+_ALGO_NAME = re.compile(
+    r"^eng(?P<engine>\d+)(?::(?P<knobs>[A-Za-z0-9_]+=-?\d+(?:,[A-Za-z0-9_]+=-?\d+)*))?"
+    r"(?P<promoted>\+fp32acc)?$"
+)
 # What the frontend raises when a graph, an engine config or a plan cannot be used. RuntimeError is
 # how the binding reports a rejected descriptor or a failed build; ValueError and IndexError are
 # how the Python graph reports a plan it refuses to address.
@@ -68,8 +70,9 @@ class EngineConfig:
         """Read a name written by `name`; raises InvalidInput on anything else."""
         match = _ALGO_NAME.match(name) if isinstance(name, str) else None
         if match is None:
-            raise InvalidInput(f"{name!r} is not a cudnn algorithm name; expected e.g. 'eng3:SPLIT_K_BUF=2,TILEK=0' "
-                               f"or 'eng0+fp32acc'")
+            raise InvalidInput(
+                f"{name!r} is not a cudnn algorithm name; expected e.g. 'eng3:SPLIT_K_BUF=2,TILEK=0' or 'eng0+fp32acc'"
+            )
         knobs = []
         if match["knobs"]:
             for item in match["knobs"].split(","):
@@ -94,8 +97,9 @@ class EngineConfig:
         try:
             return {cudnn.knob_type[knob]: value for knob, value in self.knobs if knob != PLACEHOLDER_KNOB}
         except KeyError as exc:
-            raise UnsupportedProblem(f"{self.name}: knob {exc.args[0]} is unknown to cudnn-frontend "
-                                     f"{cudnn.__version__}") from None
+            raise UnsupportedProblem(
+                f"{self.name}: knob {exc.args[0]} is unknown to cudnn-frontend {cudnn.__version__}"
+            ) from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,15 +189,18 @@ def static_reason(problem: ConvProblem, algo: str) -> tuple[EngineConfig | None,
     except InvalidInput as exc:
         return None, str(exc)
     if config.promoted and True not in promotions(problem):
-        return None, (f"{algo}: {PROMOTED_SUFFIX} promotes half-precision io to float32 compute; this problem "
-                      f"has dtype {problem.dtype} and compute type {problem.effective_compute_type}")
+        return None, (
+            f"{algo}: {PROMOTED_SUFFIX} promotes half-precision io to float32 compute; this problem "
+            f"has dtype {problem.dtype} and compute type {problem.effective_compute_type}"
+        )
     if config.engine_id >= BACKEND_ENGINE_ID_LIMIT:
         return None, f"{algo}: engine ids from {BACKEND_ENGINE_ID_LIMIT} on are not cuDNN backend engines"
     return config, None
 
 
-def build_plan(cudnn: Any, problem: ConvProblem, algo: str, config: EngineConfig,
-               enumeration: Enumeration | None, handle: Any) -> Plan | str:
+def build_plan(
+    cudnn: Any, problem: ConvProblem, algo: str, config: EngineConfig, enumeration: Enumeration | None, handle: Any
+) -> Plan | str:
     """The built plan of engine config `algo` at `problem.n`, or why it does not build.
 
     From the enumeration that offered it when there is one; otherwise (a name recorded earlier, in

@@ -27,8 +27,12 @@ from ucudnn.problem import ConvProblem
 
 
 def _data_type(cudnn: Any, dtype: str) -> Any:
-    return {"float32": cudnn.data_type.FLOAT, "float16": cudnn.data_type.HALF,
-            "bfloat16": cudnn.data_type.BFLOAT16, "float64": cudnn.data_type.DOUBLE}[dtype]
+    return {
+        "float32": cudnn.data_type.FLOAT,
+        "float16": cudnn.data_type.HALF,
+        "bfloat16": cudnn.data_type.BFLOAT16,
+        "float64": cudnn.data_type.DOUBLE,
+    }[dtype]
 
 
 def layout_strides(shape: Sequence[int], layout: str) -> tuple[int, ...]:
@@ -36,8 +40,8 @@ def layout_strides(shape: Sequence[int], layout: str) -> tuple[int, ...]:
     or channels last (NHWC, NDHWC)."""
     _n, c, *spatial = shape
     if layout == "NCHW":
-        return tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
-    return (math.prod(spatial) * c, 1, *(math.prod(spatial[i + 1:]) * c for i in range(len(spatial))))
+        return tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
+    return (math.prod(spatial) * c, 1, *(math.prod(spatial[i + 1 :]) * c for i in range(len(spatial))))
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,11 +64,20 @@ def declare_graph(cudnn: Any, problem: ConvProblem, *, promoted: bool = False, h
     io = _data_type(cudnn, problem.dtype)
     compute = _data_type(cudnn, "float32" if promoted else problem.effective_compute_type)
     wide = cudnn.data_type.DOUBLE if problem.dtype == "float64" else cudnn.data_type.FLOAT
-    graph = cudnn.pygraph(name=f"ucudnn_{problem.kind}", io_data_type=io, intermediate_data_type=wide,
-                          compute_data_type=compute, handle=handle)
+    graph = cudnn.pygraph(
+        name=f"ucudnn_{problem.kind}",
+        io_data_type=io,
+        intermediate_data_type=wide,
+        compute_data_type=compute,
+        handle=handle,
+    )
     axes = problem.axes
-    conv = {"padding": [a.pad for a in axes], "stride": [a.stride for a in axes],
-            "dilation": [a.dilation for a in axes], "compute_data_type": compute}
+    conv = {
+        "padding": [a.pad for a in axes],
+        "stride": [a.stride for a in axes],
+        "dilation": [a.dilation for a in axes],
+        "compute_data_type": compute,
+    }
     x_stride = layout_strides(problem.x_shape, problem.layout)
     w_stride = layout_strides(problem.w_shape, problem.layout)
     y_stride = layout_strides(problem.y_shape, problem.layout)

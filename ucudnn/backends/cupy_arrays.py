@@ -11,8 +11,7 @@ from typing import Any
 def _storage_dtype(cupy: Any, dtype: str) -> Any:
     # CuPy 14 has no bfloat16: such tensors live in uint16 arrays holding the bits, which is all
     # the frontend reads (it takes raw pointers and the graph's declared type).
-    return {"float32": cupy.float32, "float16": cupy.float16, "float64": cupy.float64,
-            "bfloat16": cupy.uint16}[dtype]
+    return {"float32": cupy.float32, "float16": cupy.float16, "float64": cupy.float64, "bfloat16": cupy.uint16}[dtype]
 
 
 def _widen(cupy: Any, array: Any, dtype: str) -> Any:
@@ -42,9 +41,14 @@ def blend_kernel_sources(dtype: str) -> dict[str, tuple[str, str, str]]:
     type of the data (float32, float64 for float64), and only the arrays use `T`.
     """
     wide, ctype = _ARITHMETIC[dtype]
-    return {"scale": (f"T tmp, {wide} alpha", "T out", f"out = (T)(alpha * ({ctype})tmp)"),
-            "blend": (f"T tmp, {wide} alpha, {wide} beta", "T out",
-                      f"out = (T)(alpha * ({ctype})tmp + beta * ({ctype})out)")}
+    return {
+        "scale": (f"T tmp, {wide} alpha", "T out", f"out = (T)(alpha * ({ctype})tmp)"),
+        "blend": (
+            f"T tmp, {wide} alpha, {wide} beta",
+            "T out",
+            f"out = (T)(alpha * ({ctype})tmp + beta * ({ctype})out)",
+        ),
+    }
 
 
 @functools.cache

@@ -62,5 +62,5 @@ class _Workspaces:
         views = self._slices[1]
         view = views.get((start, need))
         if view is None:
-            view = views[start, need] = base[start:start + need]
+            view = views[start, need] = base[start : start + need]
         return view

@@ -34,8 +34,11 @@ def _pair(name: str, value: _Pair, minimum: int) -> tuple[int, int]:
 def _shape4(name: str, array_or_shape: Any) -> tuple[int, int, int, int]:
     """The shape of a 4-D array, or a 4-entry shape itself, as a tuple of ints."""
     shape = getattr(array_or_shape, "shape", array_or_shape)
-    if type(shape) is tuple and len(shape) == 4 and type(shape[0]) is type(shape[1]) is type(shape[2]) \
-            is type(shape[3]) is int:  # the hot path: an array's own shape
+    if (
+        type(shape) is tuple
+        and len(shape) == 4
+        and type(shape[0]) is type(shape[1]) is type(shape[2]) is type(shape[3]) is int
+    ):  # the hot path: an array's own shape
         return shape
     try:
         shape = tuple(operator.index(v) for v in shape if not isinstance(v, bool))
@@ -43,8 +46,10 @@ def _shape4(name: str, array_or_shape: Any) -> tuple[int, int, int, int]:
             return shape  # type: ignore[return-value]
     except TypeError:
         pass
-    raise InvalidInput(f"{name} must be a 4-D NCHW array or a shape of 4 integers, got "
-                       f"{getattr(array_or_shape, 'shape', array_or_shape)!r}")
+    raise InvalidInput(
+        f"{name} must be a 4-D NCHW array or a shape of 4 integers, got "
+        f"{getattr(array_or_shape, 'shape', array_or_shape)!r}"
+    )
 
 
 def _shape_nd(name: str, array_or_shape: Any) -> tuple[int, ...]:
@@ -56,8 +61,10 @@ def _shape_nd(name: str, array_or_shape: Any) -> tuple[int, ...]:
             return shape
     except TypeError:
         pass
-    raise InvalidInput(f"{name} must be a 3-D, 4-D or 5-D array or shape (batch, channels, 1 to 3 spatial axes), "
-                       f"got {getattr(array_or_shape, 'shape', array_or_shape)!r}")
+    raise InvalidInput(
+        f"{name} must be a 3-D, 4-D or 5-D array or shape (batch, channels, 1 to 3 spatial axes), "
+        f"got {getattr(array_or_shape, 'shape', array_or_shape)!r}"
+    )
 
 
 def _per_axis(value: Any, axes: int) -> Any:
@@ -93,8 +100,9 @@ def _check_no_overlap(out: Any, **inputs: Any) -> None:
     module = _array_module(out)
     for name, array in inputs.items():
         if module.may_share_memory(out, array):
-            raise InvalidInput(f"out overlaps {name}: a kernel cannot write its result over an operand it "
-                               f"reads; give a separate out")
+            raise InvalidInput(
+                f"out overlaps {name}: a kernel cannot write its result over an operand it reads; give a separate out"
+            )
 
 
 def _geometry(stride: _Pair, padding: _Pair, dilation: _Pair) -> tuple[tuple[int, int], ...]:
@@ -110,8 +118,9 @@ def _positive_groups(groups: Any) -> None:
 def _check_groups(groups: Any, c: int, w_shape: Sequence[int]) -> None:
     _positive_groups(groups)
     if w_shape[1] * groups != c:
-        raise InvalidInput(f"the filter's input channels ({w_shape[1]}) times groups ({groups}) must equal "
-                           f"the input's channels ({c})")
+        raise InvalidInput(
+            f"the filter's input channels ({w_shape[1]}) times groups ({groups}) must equal the input's channels ({c})"
+        )
     if w_shape[0] % groups:
         raise InvalidInput(f"groups ({groups}) must divide the filter's output channels ({w_shape[0]})")
 
@@ -122,8 +131,9 @@ def _infer_x_shape(dy_shape, w_shape, stride, padding, dilation, groups) -> tupl
     _positive_groups(groups)
     if stride != (1, 1):
         # out = (h + 2p - d(r-1) - 1) // stride + 1 fixes h only when the stride is 1
-        raise InvalidInput("conv_backward_data cannot tell the input size from dy when the stride is above 1; "
-                           "give x_shape or out")
+        raise InvalidInput(
+            "conv_backward_data cannot tell the input size from dy when the stride is above 1; give x_shape or out"
+        )
     sizes = [dy_shape[2 + a] - 1 - 2 * padding[a] + dilation[a] * (w_shape[2 + a] - 1) + 1 for a in (0, 1)]
     return (dy_shape[0], w_shape[1] * groups, *sizes)
 
@@ -133,14 +143,18 @@ def _infer_w_shape(x_shape, dy_shape, stride, padding, dilation, groups) -> tupl
     stride, padding, dilation = _geometry(stride, padding, dilation)
     _positive_groups(groups)
     if stride != (1, 1):
-        raise InvalidInput("conv_backward_filter cannot tell the filter size from x and dy when the stride is "
-                           "above 1; give w_shape or out")
+        raise InvalidInput(
+            "conv_backward_filter cannot tell the filter size from x and dy when the stride is "
+            "above 1; give w_shape or out"
+        )
     sizes = []
     for a in (0, 1):
         span = x_shape[2 + a] + 2 * padding[a] - dy_shape[2 + a]  # = dilation * (r - 1)
         if span < 0 or span % dilation[a]:
-            raise InvalidInput(f"no filter size maps an input of {x_shape[2 + a]} to an output of {dy_shape[2 + a]} "
-                               f"with padding {padding[a]} and dilation {dilation[a]}")
+            raise InvalidInput(
+                f"no filter size maps an input of {x_shape[2 + a]} to an output of {dy_shape[2 + a]} "
+                f"with padding {padding[a]} and dilation {dilation[a]}"
+            )
         sizes.append(span // dilation[a] + 1)
     return (dy_shape[1], x_shape[1] // groups, *sizes)
 
@@ -151,6 +165,7 @@ def _array_module(array: Any):
     if cupy is not None and isinstance(array, cupy.ndarray):
         return cupy
     import numpy
+
     return numpy
 
 

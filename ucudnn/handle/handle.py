@@ -138,15 +138,32 @@ class Handle(_Planning, _Trials, _Recovery, _Workspaces, _Launching):
         (`ucudnn.kernel.measure.measure_table`). 0 or None: every candidate at every size.
     """
 
-    def __init__(self, *, backend: str | Backend = "auto", policy: Policy = "powerOfTwo",
-                 workspace_limit: int | str | None = None, total_workspace: int | str | None = None,
-                 db: str | bool | None = None, reps: int = 3, algos: Sequence[str] | None = None,
-                 call_overhead: float = 0.0, trial_runs: int = 0,
-                 benchmark_limit: int | None = DEFAULT_BENCHMARK_LIMIT) -> None:
-        self._options = {"backend": backend, "policy": policy, "workspace_limit": workspace_limit,
-                         "total_workspace": total_workspace, "db": db, "reps": reps,
-                         "algos": tuple(algos) if algos is not None else None, "call_overhead": call_overhead,
-                         "trial_runs": trial_runs, "benchmark_limit": benchmark_limit}
+    def __init__(
+        self,
+        *,
+        backend: str | Backend = "auto",
+        policy: Policy = "powerOfTwo",
+        workspace_limit: int | str | None = None,
+        total_workspace: int | str | None = None,
+        db: str | bool | None = None,
+        reps: int = 3,
+        algos: Sequence[str] | None = None,
+        call_overhead: float = 0.0,
+        trial_runs: int = 0,
+        benchmark_limit: int | None = DEFAULT_BENCHMARK_LIMIT,
+    ) -> None:
+        self._options = {
+            "backend": backend,
+            "policy": policy,
+            "workspace_limit": workspace_limit,
+            "total_workspace": total_workspace,
+            "db": db,
+            "reps": reps,
+            "algos": tuple(algos) if algos is not None else None,
+            "call_overhead": call_overhead,
+            "trial_runs": trial_runs,
+            "benchmark_limit": benchmark_limit,
+        }
         if workspace_limit is not None and total_workspace is not None:
             raise InvalidInput("give workspace_limit (WR, per kernel) or total_workspace (WD, per network), not both")
         self._workspace_limit = None if workspace_limit is None else parse_size(workspace_limit)
@@ -160,16 +177,21 @@ class Handle(_Planning, _Trials, _Recovery, _Workspaces, _Launching):
         if not isinstance(reps, int) or isinstance(reps, bool) or reps < 1:
             raise InvalidInput(f"reps must be a positive integer, got {reps!r}")
         self._reps = reps
-        if (isinstance(call_overhead, bool) or not isinstance(call_overhead, (int, float))
-                or not math.isfinite(call_overhead) or call_overhead < 0):
+        if (
+            isinstance(call_overhead, bool)
+            or not isinstance(call_overhead, (int, float))
+            or not math.isfinite(call_overhead)
+            or call_overhead < 0
+        ):
             raise InvalidInput(f"call_overhead must be a finite number of milliseconds >= 0, got {call_overhead!r}")
         self._call_overhead = float(call_overhead)
         if isinstance(trial_runs, bool) or not isinstance(trial_runs, int) or trial_runs < 0:
             raise InvalidInput(f"trial_runs must be a non-negative integer, got {trial_runs!r}")
         self._trial_runs = trial_runs
         self._trials_kept: set = set()  # (problem key, batch, configuration) that won its in-step trial
-        if benchmark_limit is not None and (isinstance(benchmark_limit, bool) or not isinstance(benchmark_limit, int)
-                                            or benchmark_limit < 0):
+        if benchmark_limit is not None and (
+            isinstance(benchmark_limit, bool) or not isinstance(benchmark_limit, int) or benchmark_limit < 0
+        ):
             raise InvalidInput(f"benchmark_limit must be a non-negative integer or None, got {benchmark_limit!r}")
         self._benchmark_limit = benchmark_limit or 0
         if db is True or not (db is None or db is False or isinstance(db, str) or hasattr(db, "__fspath__")):
@@ -185,7 +207,7 @@ class Handle(_Planning, _Trials, _Recovery, _Workspaces, _Launching):
         if self._algos is not None and not self._algos:
             raise InvalidInput("algos must name at least one algorithm (or be None for all)")
 
-        self._cache: Any = None           # opened on first use
+        self._cache: Any = None  # opened on first use
         self._cache_open = False
         self._stats = BenchStats()
         # call signature -> what to run; WD re-solves clear it
@@ -221,7 +243,7 @@ class Handle(_Planning, _Trials, _Recovery, _Workspaces, _Launching):
 
     @property
     def mode(self) -> str:
-        """"WD" with a total workspace, else "WR"."""
+        """ "WD" with a total workspace, else "WR"."""
         return "WD" if self._total_workspace is not None else "WR"
 
     @property
@@ -259,8 +281,9 @@ class Handle(_Planning, _Trials, _Recovery, _Workspaces, _Launching):
     @property
     def workspace_bytes(self) -> int:
         """Workspace bytes the handle holds now (its WR buffer and its WD arena), for memory accounting."""
-        return (self._buffer_bytes if self._buffer is not None else 0) + \
-            (int(self._arena.nbytes) if self._arena is not None else 0)
+        return (self._buffer_bytes if self._buffer is not None else 0) + (
+            int(self._arena.nbytes) if self._arena is not None else 0
+        )
 
     @property
     def arena(self) -> Any:
@@ -302,10 +325,14 @@ class Handle(_Planning, _Trials, _Recovery, _Workspaces, _Launching):
         return out
 
     def __repr__(self) -> str:
-        limit = (f"workspace_limit={self._workspace_limit}" if self.mode == "WR"
-                 else f"total_workspace={self._total_workspace}")
-        return (f"Handle(backend={self._backend.name!r}, mode={self.mode}, {limit}, "
-                f"policy={policy_name(self._policy)!r})")
+        limit = (
+            f"workspace_limit={self._workspace_limit}"
+            if self.mode == "WR"
+            else f"total_workspace={self._total_workspace}"
+        )
+        return (
+            f"Handle(backend={self._backend.name!r}, mode={self.mode}, {limit}, policy={policy_name(self._policy)!r})"
+        )
 
     # ---- lifetime -----------------------------------------------------------------------
     def close(self) -> None:
@@ -372,19 +399,33 @@ class Handle(_Planning, _Trials, _Recovery, _Workspaces, _Launching):
             what = f"layer {layer!r}"
         self._layers[layer] = (template, kinds)
         if self._wd_solved:
-            warnings.warn(LateRegistrationWarning(
-                f"ucudnn WD: {what} was announced after the workspace division was solved; the network "
-                f"({len(self._layers)} layers) is solved again. Announce every layer before the first "
-                "convolution (Handle.register, or ucudnn.torch.announce)."), stacklevel=stacklevel)
+            warnings.warn(
+                LateRegistrationWarning(
+                    f"ucudnn WD: {what} was announced after the workspace division was solved; the network "
+                    f"({len(self._layers)} layers) is solved again. Announce every layer before the first "
+                    "convolution (Handle.register, or ucudnn.torch.announce)."
+                ),
+                stacklevel=stacklevel,
+            )
             self._wd_plans.clear()
             self._prepared.clear()
             self._generation += 1
 
-
     # ---- the three kernels --------------------------------------------------------------
-    def conv_forward(self, x: Any, w: Any, *, stride: _Pair = 1, padding: _Pair = 0, dilation: _Pair = 1,
-                     groups: int = 1, alpha: float = 1.0, beta: float = 0.0, out: Any = None,
-                     layer: str | None = None) -> Any:
+    def conv_forward(
+        self,
+        x: Any,
+        w: Any,
+        *,
+        stride: _Pair = 1,
+        padding: _Pair = 0,
+        dilation: _Pair = 1,
+        groups: int = 1,
+        alpha: float = 1.0,
+        beta: float = 0.0,
+        out: Any = None,
+        layer: str | None = None,
+    ) -> Any:
         """y = alpha * conv2d(x, w) + beta * out, for x (n, c, h, w) and w (k, c/groups, r, s).
 
         Without `out`, a new y is allocated and returned (`beta` must then be 0). With `out` (a
@@ -399,9 +440,21 @@ class Handle(_Planning, _Trials, _Recovery, _Workspaces, _Launching):
         self._run(prep, x=_contiguous(x), w=_contiguous(w), out=out, alpha=alpha, beta=beta)
         return out
 
-    def conv_backward_data(self, dy: Any, w: Any, *, x_shape: Sequence[int] | None = None, stride: _Pair = 1,
-                           padding: _Pair = 0, dilation: _Pair = 1, groups: int = 1, alpha: float = 1.0,
-                           beta: float = 0.0, out: Any = None, layer: str | None = None) -> Any:
+    def conv_backward_data(
+        self,
+        dy: Any,
+        w: Any,
+        *,
+        x_shape: Sequence[int] | None = None,
+        stride: _Pair = 1,
+        padding: _Pair = 0,
+        dilation: _Pair = 1,
+        groups: int = 1,
+        alpha: float = 1.0,
+        beta: float = 0.0,
+        out: Any = None,
+        layer: str | None = None,
+    ) -> Any:
         """dx = alpha * (gradient of conv2d w.r.t. its input, given dy) + beta * out.
 
         The input shape comes from `x_shape`, or from `out`'s shape; without either it is inferred
@@ -411,18 +464,33 @@ class Handle(_Planning, _Trials, _Recovery, _Workspaces, _Launching):
         _same_dtype(dy, w)
         if x_shape is None:
             x_shape = out.shape if out is not None else _infer_x_shape(dys, ws, stride, padding, dilation, groups)
-        prep = self._lookup("bwd_data", layer, _shape4("x_shape", x_shape), ws, stride, padding, dilation, groups,
-                            _dtype_name(dy.dtype))
+        prep = self._lookup(
+            "bwd_data", layer, _shape4("x_shape", x_shape), ws, stride, padding, dilation, groups, _dtype_name(dy.dtype)
+        )
         if dys != prep.problem.y_shape:
-            raise InvalidInput(f"dy has shape {dys}, but the convolution of an input {prep.problem.x_shape} with "
-                               f"w {ws} writes {prep.problem.y_shape}")
+            raise InvalidInput(
+                f"dy has shape {dys}, but the convolution of an input {prep.problem.x_shape} with "
+                f"w {ws} writes {prep.problem.y_shape}"
+            )
         out = _output(out, prep, beta, dy, dy=dy, w=w)
         self._run(prep, dy=_contiguous(dy), w=_contiguous(w), out=out, alpha=alpha, beta=beta)
         return out
 
-    def conv_backward_filter(self, x: Any, dy: Any, *, w_shape: Sequence[int] | None = None, stride: _Pair = 1,
-                             padding: _Pair = 0, dilation: _Pair = 1, groups: int = 1, alpha: float = 1.0,
-                             beta: float = 0.0, out: Any = None, layer: str | None = None) -> Any:
+    def conv_backward_filter(
+        self,
+        x: Any,
+        dy: Any,
+        *,
+        w_shape: Sequence[int] | None = None,
+        stride: _Pair = 1,
+        padding: _Pair = 0,
+        dilation: _Pair = 1,
+        groups: int = 1,
+        alpha: float = 1.0,
+        beta: float = 0.0,
+        out: Any = None,
+        layer: str | None = None,
+    ) -> Any:
         """dw = alpha * (gradient of conv2d w.r.t. its filter, given x and dy) + beta * out.
 
         The filter shape comes from `w_shape`, or from `out`'s shape; without either it is inferred
@@ -433,18 +501,41 @@ class Handle(_Planning, _Trials, _Recovery, _Workspaces, _Launching):
         _same_dtype(x, dy)
         if w_shape is None:
             w_shape = out.shape if out is not None else _infer_w_shape(xs, dys, stride, padding, dilation, groups)
-        prep = self._lookup("bwd_filter", layer, xs, _shape4("w_shape", w_shape), stride, padding, dilation, groups,
-                            _dtype_name(x.dtype))
+        prep = self._lookup(
+            "bwd_filter",
+            layer,
+            xs,
+            _shape4("w_shape", w_shape),
+            stride,
+            padding,
+            dilation,
+            groups,
+            _dtype_name(x.dtype),
+        )
         if dys != prep.problem.y_shape:
-            raise InvalidInput(f"dy has shape {dys}, but the convolution of x {xs} with a filter "
-                               f"{prep.problem.w_shape} writes {prep.problem.y_shape}")
+            raise InvalidInput(
+                f"dy has shape {dys}, but the convolution of x {xs} with a filter "
+                f"{prep.problem.w_shape} writes {prep.problem.y_shape}"
+            )
         out = _output(out, prep, beta, x, x=x, dy=dy)
         self._run(prep, x=_contiguous(x), dy=_contiguous(dy), out=out, alpha=alpha, beta=beta)
         return out
 
-    def prepare(self, kind: str, x_shape: Sequence[int], w_shape: Sequence[int], *, stride: _Pair = 1,
-                padding: _Pair = 0, dilation: _Pair = 1, groups: int = 1, dtype: str = "float32",
-                layer: str | None = None, transposed: bool = False, output_padding: _Pair = 0) -> Configuration:
+    def prepare(
+        self,
+        kind: str,
+        x_shape: Sequence[int],
+        w_shape: Sequence[int],
+        *,
+        stride: _Pair = 1,
+        padding: _Pair = 0,
+        dilation: _Pair = 1,
+        groups: int = 1,
+        dtype: str = "float32",
+        layer: str | None = None,
+        transposed: bool = False,
+        output_padding: _Pair = 0,
+    ) -> Configuration:
         """Plan a kernel now (measuring and solving if needed) and return the configuration it runs.
 
         The arguments describe the convolution as the kernel calls do: `x_shape` (n, c, h, w) and
@@ -456,14 +547,37 @@ class Handle(_Planning, _Trials, _Recovery, _Workspaces, _Launching):
         """
         if kind not in KINDS:
             raise InvalidInput(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
-        return self._lookup(kind, layer, _shape_nd("x_shape", x_shape), _shape_nd("w_shape", w_shape), stride,
-                            padding, dilation, groups, str(dtype), transposed=transposed,
-                            output_padding=output_padding).config
+        return self._lookup(
+            kind,
+            layer,
+            _shape_nd("x_shape", x_shape),
+            _shape_nd("w_shape", w_shape),
+            stride,
+            padding,
+            dilation,
+            groups,
+            str(dtype),
+            transposed=transposed,
+            output_padding=output_padding,
+        ).config
 
-    def kernel(self, kind: str, x_shape: Sequence[int], w_shape: Sequence[int], *, stride: _Pair = 1,
-               padding: _Pair = 0, dilation: _Pair = 1, groups: int = 1, dtype: str = "float32",
-               layout: str = "NCHW", layer: str | None = None, budget: int | None = None,
-               transposed: bool = False, output_padding: _Pair = 0) -> Kernel:
+    def kernel(
+        self,
+        kind: str,
+        x_shape: Sequence[int],
+        w_shape: Sequence[int],
+        *,
+        stride: _Pair = 1,
+        padding: _Pair = 0,
+        dilation: _Pair = 1,
+        groups: int = 1,
+        dtype: str = "float32",
+        layout: str = "NCHW",
+        layer: str | None = None,
+        budget: int | None = None,
+        transposed: bool = False,
+        output_padding: _Pair = 0,
+    ) -> Kernel:
         """`prepare`, returning the planned kernel itself, ready to run without a lookup.
 
         For frameworks that call one layer's kernels many times (``ucudnn.torch`` holds one per
@@ -486,9 +600,21 @@ class Handle(_Planning, _Trials, _Recovery, _Workspaces, _Launching):
             raise InvalidInput(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 0):
             raise InvalidInput(f"budget must be a non-negative number of bytes or None, got {budget!r}")
-        prep = self._lookup(kind, layer, _shape_nd("x_shape", x_shape), _shape_nd("w_shape", w_shape), stride,
-                            padding, dilation, groups, str(dtype), layout, budget, transposed=transposed,
-                            output_padding=output_padding)
+        prep = self._lookup(
+            kind,
+            layer,
+            _shape_nd("x_shape", x_shape),
+            _shape_nd("w_shape", w_shape),
+            stride,
+            padding,
+            dilation,
+            groups,
+            str(dtype),
+            layout,
+            budget,
+            transposed=transposed,
+            output_padding=output_padding,
+        )
         return Kernel(self, prep, self._generation)
 
     def front(self, problem: ConvProblem) -> list[Configuration]:
@@ -527,9 +653,23 @@ class Handle(_Planning, _Trials, _Recovery, _Workspaces, _Launching):
         micro = next((m for m in table.get(problem.n, ()) if m.algo == NATIVE and m.usable), None)
         return None if micro is None else Configuration((micro,))
 
-    def _lookup(self, kind: str, layer: str | None, x_shape: tuple[int, ...], w_shape: tuple[int, ...], stride: _Pair,
-                padding: _Pair, dilation: _Pair, groups: int, dtype: str, layout: str = "NCHW",
-                budget: int | None = None, *, transposed: bool = False, output_padding: _Pair = 0) -> _Prepared:
+    def _lookup(
+        self,
+        kind: str,
+        layer: str | None,
+        x_shape: tuple[int, ...],
+        w_shape: tuple[int, ...],
+        stride: _Pair,
+        padding: _Pair,
+        dilation: _Pair,
+        groups: int,
+        dtype: str,
+        layout: str = "NCHW",
+        budget: int | None = None,
+        *,
+        transposed: bool = False,
+        output_padding: _Pair = 0,
+    ) -> _Prepared:
         """What to run for this call: a dict hit on repeated calls, else the problem is built and planned."""
         signature = (kind, layer, x_shape, w_shape, stride, padding, dilation, groups, dtype, layout, budget)
         if transposed or output_padding != 0:  # the eager 2-D calls keep their signature (the hot path)
@@ -544,23 +684,62 @@ class Handle(_Planning, _Trials, _Recovery, _Workspaces, _Launching):
             stride, padding, dilation = _geometry(stride, padding, dilation)
             _check_groups(groups, x_shape[1], w_shape)
             n, c, h, w = x_shape
-            problem = ConvProblem(kind=kind, n=n, c=c, h=h, w=w, k=w_shape[0], r=w_shape[2], s=w_shape[3],
-                                  pad_h=padding[0], pad_w=padding[1], stride_h=stride[0], stride_w=stride[1],
-                                  dilation_h=dilation[0], dilation_w=dilation[1], groups=groups, dtype=dtype,
-                                  layout=layout)
+            problem = ConvProblem(
+                kind=kind,
+                n=n,
+                c=c,
+                h=h,
+                w=w,
+                k=w_shape[0],
+                r=w_shape[2],
+                s=w_shape[3],
+                pad_h=padding[0],
+                pad_w=padding[1],
+                stride_h=stride[0],
+                stride_w=stride[1],
+                dilation_h=dilation[0],
+                dilation_w=dilation[1],
+                groups=groups,
+                dtype=dtype,
+                layout=layout,
+            )
             normalised = (kind, layer, x_shape, w_shape, stride, padding, dilation, groups, dtype, layout, budget)
         else:  # 1-D, 3-D or transposed: the problem checks every value and names what is wrong
             _positive_groups(groups)
             if not isinstance(transposed, bool):
                 raise InvalidInput(f"transposed must be True or False, got {transposed!r}")
             axes = len(x_shape) - 2
-            stride, padding, dilation, output_padding = (_per_axis(v, axes)
-                                                         for v in (stride, padding, dilation, output_padding))
-            problem = ConvProblem.from_shapes(x_shape, w_shape, stride=stride, padding=padding, dilation=dilation,
-                                              groups=groups, transposed=transposed, output_padding=output_padding,
-                                              kind=kind, dtype=dtype, layout=layout)
-            normalised = (kind, layer, x_shape, w_shape, stride, padding, dilation, groups, dtype, layout, budget,
-                          transposed, output_padding)
+            stride, padding, dilation, output_padding = (
+                _per_axis(v, axes) for v in (stride, padding, dilation, output_padding)
+            )
+            problem = ConvProblem.from_shapes(
+                x_shape,
+                w_shape,
+                stride=stride,
+                padding=padding,
+                dilation=dilation,
+                groups=groups,
+                transposed=transposed,
+                output_padding=output_padding,
+                kind=kind,
+                dtype=dtype,
+                layout=layout,
+            )
+            normalised = (
+                kind,
+                layer,
+                x_shape,
+                w_shape,
+                stride,
+                padding,
+                dilation,
+                groups,
+                dtype,
+                layout,
+                budget,
+                transposed,
+                output_padding,
+            )
         prep = self._prepare(layer, problem, budget)
         try:
             self._prepared[signature] = prep
@@ -570,7 +749,6 @@ class Handle(_Planning, _Trials, _Recovery, _Workspaces, _Launching):
         self._prepared[normalised] = prep
         return prep
 
-
     # ---- planning -----------------------------------------------------------------------
     def _prepare(self, layer: str | None, problem: ConvProblem, budget: int | None = None) -> _Prepared:
         if layer is not None and (not isinstance(layer, str) or not layer):
@@ -578,8 +756,11 @@ class Handle(_Planning, _Trials, _Recovery, _Workspaces, _Launching):
         name = layer if layer is not None else problem.with_kind("fwd").key
         if budget is not None:
             limit = self._wr_limit(budget)
-            config = (self._kept_within(problem, limit) or self._front_within(problem, limit)
-                      or self._plan_wr(problem, budget=budget).config)
+            config = (
+                self._kept_within(problem, limit)
+                or self._front_within(problem, limit)
+                or self._plan_wr(problem, budget=budget).config
+            )
             prep = _prepared(self._backend, problem, config, None, budget)
             return self._with_trial(prep, limit)
         if self.mode == "WR":

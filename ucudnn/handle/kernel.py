@@ -37,7 +37,7 @@ class Turns:
     run timed in this thread's CPU time (`ucudnn.handle.trials` says why), each side's first run untimed;
     open until both have `runs` timed runs. A kernel's trial and a converted layer's backward trial take them."""
 
-    runs: int                       # timed runs of each
+    runs: int  # timed runs of each
     calls: int = 0
     first_ms: list[float] = dataclasses.field(default_factory=list)
     second_ms: list[float] = dataclasses.field(default_factory=list)
@@ -69,7 +69,7 @@ class _Trial:
 
     planned: _Prepared
     native: _Prepared
-    turns: Turns                    # first the plan, second native
+    turns: Turns  # first the plan, second native
 
     @property
     def open(self) -> bool:
@@ -81,10 +81,12 @@ def native_only(config: Configuration) -> bool:
     return len(config.micros) == 1 and config.micros[0].algo == NATIVE
 
 
-def _prepared(backend: Backend, problem: ConvProblem, config: Configuration, offset: int | None,
-              budget: int | None = None) -> _Prepared:
-    return _Prepared(problem, config, offset, PreparedConfiguration(backend, problem, config), problem.out_shape,
-                     budget)
+def _prepared(
+    backend: Backend, problem: ConvProblem, config: Configuration, offset: int | None, budget: int | None = None
+) -> _Prepared:
+    return _Prepared(
+        problem, config, offset, PreparedConfiguration(backend, problem, config), problem.out_shape, budget
+    )
 
 
 class Kernel:
@@ -120,8 +122,9 @@ class Kernel:
         trial = self._prep.trial
         return trial is not None and trial.open
 
-    def run(self, *, x: Any = None, w: Any = None, dy: Any = None, out: Any, alpha: float = 1.0,
-            beta: float = 0.0) -> None:
+    def run(
+        self, *, x: Any = None, w: Any = None, dy: Any = None, out: Any, alpha: float = 1.0, beta: float = 0.0
+    ) -> None:
         """out = alpha * kernel(...) + beta * out, with the handle's workspace."""
         self._handle._run(self._prep, x=x, w=w, dy=dy, out=out, alpha=alpha, beta=beta)
 
@@ -139,16 +142,20 @@ class _Launching:
         # backend; torch's own convolution takes none from us: `_workspace`), the array the run writes and those
         # it reads (an operator's result, and its operands' copies into the kernel's layout, are allocated where
         # the tracker's dispatch does not see them)
-        held = prep.config.workspace if (prep.budget is not None or self._backend.workspace_per_run) \
-            and not native_only(prep.config) else 0
+        held = (
+            prep.config.workspace
+            if (prep.budget is not None or self._backend.workspace_per_run) and not native_only(prep.config)
+            else 0
+        )
         listener(held, operands["out"], tuple(operands[k] for k in ("x", "w", "dy") if operands.get(k) is not None))
         try:
             prep.kernels.run(workspace=workspace, **operands)
         finally:
             listener(-held, None)
 
-    def _run(self, prep: _Prepared, *, x: Any = None, w: Any = None, dy: Any = None, out: Any,
-             alpha: float, beta: float) -> None:
+    def _run(
+        self, prep: _Prepared, *, x: Any = None, w: Any = None, dy: Any = None, out: Any, alpha: float, beta: float
+    ) -> None:
         trial = prep.trial
         if trial is not None and trial.open:
             self._run_trial(prep, trial, x=x, w=w, dy=dy, out=out, alpha=alpha, beta=beta)

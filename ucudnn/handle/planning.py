@@ -38,8 +38,7 @@ def _config_from_dict(items: Iterable[dict]) -> Configuration:
 
 def _pruned(table: dict[int, list[MicroConfig]]) -> list[list]:
     """What the benchmark limit kept from being timed, `[algo, micro-batch size, reason]`, for the stored plan."""
-    return [[m.algo, m.batch, m.reason] for row in table.values() for m in row
-            if m.reason.startswith(PRUNED)]
+    return [[m.algo, m.batch, m.reason] for row in table.values() for m in row if m.reason.startswith(PRUNED)]
 
 
 class _Planning:
@@ -51,8 +50,10 @@ class _Planning:
         known = self._backend.algorithms(problem)
         unknown = [a for a in self._algos if a not in known]
         if unknown:
-            raise InvalidInput(f"unknown algorithm(s) {', '.join(unknown)} for backend {self._backend.name} "
-                               f"({problem.kind}); known: {', '.join(known)}")
+            raise InvalidInput(
+                f"unknown algorithm(s) {', '.join(unknown)} for backend {self._backend.name} "
+                f"({problem.kind}); known: {', '.join(known)}"
+            )
         return list(self._algos)
 
     def _open_cache(self):
@@ -60,6 +61,7 @@ class _Planning:
             self._cache_open = True
             if self._db is not False:
                 from ucudnn.db import Cache
+
                 url = self._db
                 if isinstance(url, str) and url in _IN_MEMORY_DB:
                     url = "sqlite://"
@@ -79,15 +81,32 @@ class _Planning:
         check_can_run(self._backend, problem, algos=candidates, workspace_limit=limit)
         sizes = batch_sizes(self._policy, problem.n)
         # shown on a terminal only, and only once measuring has taken a while (most kernels come from the cache)
-        with tqdm(total=len(sizes) * len(candidates), desc=f"ucudnn: measuring {problem.kind} {problem.spec}",
-                  unit="candidate", file=sys.stderr, disable=None, delay=PROGRESS_DELAY_S, leave=False) as progress:
-            table, stats = measure_table(self._backend, problem, sizes, cache=self._open_cache(), algos=candidates,
-                                         reps=self._reps, workspace_limit=limit, progress=progress,
-                                         benchmark_limit=self._benchmark_limit, front=front)
+        with tqdm(
+            total=len(sizes) * len(candidates),
+            desc=f"ucudnn: measuring {problem.kind} {problem.spec}",
+            unit="candidate",
+            file=sys.stderr,
+            disable=None,
+            delay=PROGRESS_DELAY_S,
+            leave=False,
+        ) as progress:
+            table, stats = measure_table(
+                self._backend,
+                problem,
+                sizes,
+                cache=self._open_cache(),
+                algos=candidates,
+                reps=self._reps,
+                workspace_limit=limit,
+                progress=progress,
+                benchmark_limit=self._benchmark_limit,
+                front=front,
+            )
         self._stats += stats
         if self._failed:  # algorithms that failed in a plan this session, also without a cache
-            table = {size: [self._failed.get((problem.key, m.algo, size), m) for m in row]
-                     for size, row in table.items()}
+            table = {
+                size: [self._failed.get((problem.key, m.algo, size), m) for m in row] for size, row in table.items()
+            }
         return table
 
     def _plan_key(self, **parts) -> str:
@@ -126,8 +145,10 @@ class _Planning:
         cache = self._open_cache()
         stored = cache.get_plan(key) if cache is not None and not fresh else None
         if stored is not None:
-            plan = _Plan(_config_from_dict(stored["config"]),
-                         micro_from_json(stored["baseline"]) if stored.get("baseline") else None)
+            plan = _Plan(
+                _config_from_dict(stored["config"]),
+                micro_from_json(stored["baseline"]) if stored.get("baseline") else None,
+            )
         else:
             table = self._measure(problem, limit)
             try:
@@ -139,14 +160,22 @@ class _Planning:
             if native is None or native.micros != (baseline,):
                 config = confirm_faster(self._backend, problem, config, baseline, self._reps)
             if native is not None:  # the caller runs native undivided itself: others must win by the charge
-                config = confirm_faster(self._backend, problem, config, native.micros[0], self._reps,
-                                        charge_ms=self._call_overhead)
+                config = confirm_faster(
+                    self._backend, problem, config, native.micros[0], self._reps, charge_ms=self._call_overhead
+                )
             plan = _Plan(config, baseline)
             if cache is not None:
-                cache.put_plan(key, {"mode": "WR", "problem": problem.key, "batch": problem.n,
-                                     "config": [micro_to_json(m) for m in config.micros],
-                                     "baseline": micro_to_json(baseline) if baseline else None,
-                                     "pruned": _pruned(table)})
+                cache.put_plan(
+                    key,
+                    {
+                        "mode": "WR",
+                        "problem": problem.key,
+                        "batch": problem.n,
+                        "config": [micro_to_json(m) for m in config.micros],
+                        "baseline": micro_to_json(baseline) if baseline else None,
+                        "pruned": _pruned(table),
+                    },
+                )
         self._wr_plans[memo] = plan
         return plan
 
@@ -155,9 +184,14 @@ class _Planning:
         total = self._total_workspace
         assert total is not None
         # A canonical kernel order, so that networks with the same multiset of kernels share a plan.
-        kernels = sorted(((layer, kind, template.with_batch(batch).with_kind(kind))
-                          for layer, (template, kinds) in self._layers.items() for kind in kinds),
-                         key=lambda t: (t[2].key, t[0]))
+        kernels = sorted(
+            (
+                (layer, kind, template.with_batch(batch).with_kind(kind))
+                for layer, (template, kinds) in self._layers.items()
+                for kind in kinds
+            ),
+            key=lambda t: (t[2].key, t[0]),
+        )
         problem_keys = [p.key for _, _, p in kernels]
         key = self._plan_key(mode="WD", total_workspace=total, batch=batch, kernels=problem_keys)
         cache = self._open_cache()
@@ -169,17 +203,32 @@ class _Planning:
         else:
             configs, baselines, offsets, end, tables = self._solve_wd_fresh([p for _, _, p in kernels], total)
             if cache is not None:
-                cache.put_plan(key, {"mode": "WD", "total_workspace": total, "batch": batch, "kernels": [
-                    {"problem": p, "config": [micro_to_json(m) for m in c.micros],
-                     "baseline": micro_to_json(b) if b else None, "pruned": _pruned(tables[p])}
-                    for p, c, b in zip(problem_keys, configs, baselines, strict=True)]})
+                cache.put_plan(
+                    key,
+                    {
+                        "mode": "WD",
+                        "total_workspace": total,
+                        "batch": batch,
+                        "kernels": [
+                            {
+                                "problem": p,
+                                "config": [micro_to_json(m) for m in c.micros],
+                                "baseline": micro_to_json(b) if b else None,
+                                "pruned": _pruned(tables[p]),
+                            }
+                            for p, c, b in zip(problem_keys, configs, baselines, strict=True)
+                        ],
+                    },
+                )
         if end > total:  # only a corrupt stored plan gets here; a fresh solve places within the total
             raise Infeasible(f"the stored WD plan needs {end} B of arena, over the total {total} B")
         if self._arena is None and not self._backend.workspace_per_run:
             self._arena = self._backend.empty_workspace(total)
         self._peak_bytes = max(self._peak_bytes, end)
-        plans = {(layer, kind): (p, _Plan(c, b, o))
-                 for (layer, kind, p), c, b, o in zip(kernels, configs, baselines, offsets, strict=True)}
+        plans = {
+            (layer, kind): (p, _Plan(c, b, o))
+            for (layer, kind, p), c, b, o in zip(kernels, configs, baselines, offsets, strict=True)
+        }
         self._wd_plans[batch] = plans
         self._wd_solved = True
         return plans

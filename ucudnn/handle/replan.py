@@ -37,9 +37,11 @@ class _Recovery:
         running, `out` is restored from a copy taken first when beta != 0 reads it.
         """
         for _ in range(_MAX_REPLANS):
-            failures = [MicroConfig(m.algo, m.batch, float("inf"), 0, reason=reason)
-                        for m in dict.fromkeys(prep.config.micros)
-                        if (reason := self._backend.unsupported_reason(prep.problem.with_batch(m.batch), m.algo))]
+            failures = [
+                MicroConfig(m.algo, m.batch, float("inf"), 0, reason=reason)
+                for m in dict.fromkeys(prep.config.micros)
+                if (reason := self._backend.unsupported_reason(prep.problem.with_batch(m.batch), m.algo))
+            ]
             if failures:
                 prep = self._replan(prep, UnsupportedProblem(failures[0].reason), failures)
                 continue
@@ -52,20 +54,27 @@ class _Recovery:
                 prep = self._replan(prep, exc)
                 continue
             return
-        raise UnsupportedProblem(f"{prep.problem.spec} ({prep.problem.kind}): no runnable configuration after "
-                                 f"{_MAX_REPLANS} re-plans")
+        raise UnsupportedProblem(
+            f"{prep.problem.spec} ({prep.problem.kind}): no runnable configuration after {_MAX_REPLANS} re-plans"
+        )
 
     def _replan(self, prep: _Prepared, exc: BaseException, failures: Sequence[MicroConfig] = ()) -> _Prepared:
         """Record the failed algorithms as unusable (cache and this session), solve again, warn once."""
         problem = prep.problem
         sizes = batch_sizes(self._policy, problem.n)
         if failures:  # did not build: so at every other size where it does not build either
-            failures = [MicroConfig(algo, size, float("inf"), 0, reason=reason)
-                        for algo in dict.fromkeys(m.algo for m in failures) for size in sizes
-                        if (reason := self._backend.unsupported_reason(problem.with_batch(size), algo))]
+            failures = [
+                MicroConfig(algo, size, float("inf"), 0, reason=reason)
+                for algo in dict.fromkeys(m.algo for m in failures)
+                for size in sizes
+                if (reason := self._backend.unsupported_reason(problem.with_batch(size), algo))
+            ]
         else:  # failed while running: the plan's algorithms are suspect at every size
-            failures = [MicroConfig(algo, size, float("inf"), 0, reason=f"failed to run: {one_line(exc)}")
-                        for algo in dict.fromkeys(m.algo for m in prep.config.micros) for size in sizes]
+            failures = [
+                MicroConfig(algo, size, float("inf"), 0, reason=f"failed to run: {one_line(exc)}")
+                for algo in dict.fromkeys(m.algo for m in prep.config.micros)
+                for size in sizes
+            ]
         for m in failures:
             self._failed[problem.key, m.algo, m.batch] = m
         cache = self._open_cache()
@@ -73,16 +82,20 @@ class _Recovery:
             cache.store(problem_key=problem.key, micros=failures, replace=True, **device_key(self._backend))
         if not self._warned_failure:
             self._warned_failure = True
-            warnings.warn(PlanFailureWarning(
-                f"{', '.join(m.algo for m in failures)} could not run {problem.spec} ({problem.kind}): "
-                f"{failures[0].reason}; recorded as unusable and re-planned (later failures are not warned)"),
-                stacklevel=5)
+            warnings.warn(
+                PlanFailureWarning(
+                    f"{', '.join(m.algo for m in failures)} could not run {problem.spec} ({problem.kind}): "
+                    f"{failures[0].reason}; recorded as unusable and re-planned (later failures are not warned)"
+                ),
+                stacklevel=5,
+            )
         self._prepared.clear()
         self._generation += 1  # Kernel objects holding the failed plan are stale
         if prep.budget is not None or self.mode == "WR":
             self._wr_plans.pop((problem.key, problem.n, self._wr_limit(prep.budget)), None)
-            return _prepared(self._backend, problem, self._plan_wr(problem, fresh=True, budget=prep.budget).config,
-                             None, prep.budget)
+            return _prepared(
+                self._backend, problem, self._plan_wr(problem, fresh=True, budget=prep.budget).config, None, prep.budget
+            )
         self._wd_plans.pop(problem.n, None)
         plans = self._solve_wd(problem.n, fresh=True)
         plan = next(plan for p, plan in plans.values() if p == problem)

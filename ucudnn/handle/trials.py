@@ -25,23 +25,31 @@ class _Trials:
         """`prep` with a trial against native undivided, where trials are asked for and native can
         run this problem within `limit` (the trial runs it)."""
         problem = prep.problem
-        if (not self._trial_runs or native_only(prep.config) or NATIVE not in self._candidates(problem)
-                or self._backend.unsupported_reason(problem, NATIVE) is not None
-                or (problem.key, problem.n, prep.config) in self._trials_kept):  # (a memory plan's budget asks
-            return prep                                                          # for it again: won already)
+        if (
+            not self._trial_runs
+            or native_only(prep.config)
+            or NATIVE not in self._candidates(problem)
+            or self._backend.unsupported_reason(problem, NATIVE) is not None
+            or (problem.key, problem.n, prep.config) in self._trials_kept
+        ):  # (a memory plan's budget asks
+            return prep  # for it again: won already)
         workspace = self._backend.workspace_size(problem, NATIVE)
         if limit is not None and workspace > limit:
             return prep
-        native = _prepared(self._backend, problem, Configuration((MicroConfig(NATIVE, problem.n, 0.0, workspace),)),
-                           None, prep.budget)
+        native = _prepared(
+            self._backend, problem, Configuration((MicroConfig(NATIVE, problem.n, 0.0, workspace),)), None, prep.budget
+        )
         return dataclasses.replace(prep, trial=_Trial(prep, native, Turns(self._trial_runs)))
 
     def _kept_within(self, problem, limit: int | None) -> Configuration | None:
         """The fastest configuration of `problem` that won its in-step trial and fits `limit`: a memory plan's
         budget that holds it runs it (solved again from measurements alone, the budget could pick another, even
         native, which lost that trial, and hold less than the plan charged)."""
-        kept = [config for key, n, config in self._trials_kept
-                if key == problem.key and n == problem.n and (limit is None or config.workspace <= limit)]
+        kept = [
+            config
+            for key, n, config in self._trials_kept
+            if key == problem.key and n == problem.n and (limit is None or config.workspace <= limit)
+        ]
         return min(kept, key=lambda config: config.time, default=None)
 
     def _run_trial(self, prep: _Prepared, trial: _Trial, **call: Any) -> None:

@@ -39,9 +39,13 @@ def _charged(config: Configuration, overhead_ms: float) -> Configuration:
     return Configuration((replace(first, time=first.time + overhead_ms), *config.micros[1:]))
 
 
-def charged_fronts(fronts: Mapping[str, Sequence[Configuration]], tables: Mapping[str, Table], batch: int,
-                   limit: int | None, overhead_ms: float
-                   ) -> tuple[dict[str, list[Configuration]], dict[int, Configuration]]:
+def charged_fronts(
+    fronts: Mapping[str, Sequence[Configuration]],
+    tables: Mapping[str, Table],
+    batch: int,
+    limit: int | None,
+    overhead_ms: float,
+) -> tuple[dict[str, list[Configuration]], dict[int, Configuration]]:
     """WD: each front as its caller pays for it, with native undivided added uncharged (it may have
     been dominated before the charge), and the charged configurations' originals by ``id``.
     `wd.solve` returns the objects it was given and ignores dominated ones, so the caller maps its

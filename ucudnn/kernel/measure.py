@@ -25,8 +25,9 @@ def parse_policy(text: str) -> Policy:
     try:
         sizes = tuple(sorted({int(part) for part in text.split(",")}))
     except ValueError:
-        raise InvalidInput(f"unknown policy {text!r}; choose one of {', '.join(POLICIES)} "
-                           "or give micro-batch sizes such as 1,2,8,32") from None
+        raise InvalidInput(
+            f"unknown policy {text!r}; choose one of {', '.join(POLICIES)} or give micro-batch sizes such as 1,2,8,32"
+        ) from None
     if not sizes or sizes[0] < 1:
         raise InvalidInput(f"policy sizes must be positive integers, got {text!r}")
     return sizes
@@ -69,8 +70,13 @@ class BenchStats:
         return self.measured + self.cached + self.over_limit + self.pruned
 
     def __add__(self, other: BenchStats) -> BenchStats:
-        return BenchStats(self.measured + other.measured, self.cached + other.cached, self.seconds + other.seconds,
-                          self.over_limit + other.over_limit, self.pruned + other.pruned)
+        return BenchStats(
+            self.measured + other.measured,
+            self.cached + other.cached,
+            self.seconds + other.seconds,
+            self.over_limit + other.over_limit,
+            self.pruned + other.pruned,
+        )
 
 
 # PyTorch's `torch.backends.cudnn.benchmark_limit`: at most this many candidates are timed per kernel and
@@ -83,6 +89,7 @@ DEFAULT_BENCHMARK_LIMIT = 10
 LOSS_MARGIN = 1.5
 PRUNED = "pruned: "  # the reason of every candidate pruned before it was timed starts so
 
+
 def device_key(backend: Backend, algo: str | None = None) -> dict[str, str]:
     """The cache fields that identify where a measurement was taken: for one algorithm, the
     versions of the libraries it runs on (`Backend.versions_for`); without one, all of them."""
@@ -90,11 +97,20 @@ def device_key(backend: Backend, algo: str | None = None) -> dict[str, str]:
     return {"device": backend.device.model, "backend": backend.name, "versions": versions}
 
 
-def measure_table(backend: Backend, problem: ConvProblem, sizes: Sequence[int], *, cache=None,
-                  algos: Sequence[str] | None = None, reps: int = 3, workspace_limit: int | None = None,
-                  progress=None, fresh: set[tuple[str, int]] | None = None,
-                  benchmark_limit: int | None = None, front: bool = False,
-                  ) -> tuple[dict[int, list[MicroConfig]], BenchStats]:
+def measure_table(
+    backend: Backend,
+    problem: ConvProblem,
+    sizes: Sequence[int],
+    *,
+    cache=None,
+    algos: Sequence[str] | None = None,
+    reps: int = 3,
+    workspace_limit: int | None = None,
+    progress=None,
+    fresh: set[tuple[str, int]] | None = None,
+    benchmark_limit: int | None = None,
+    front: bool = False,
+) -> tuple[dict[int, list[MicroConfig]], BenchStats]:
     """Every candidate algorithm at every size: `{size: [MicroConfig, ...]}`.
 
     Cached measurements are reused; the rest are measured (each verified against a trusted result,
@@ -114,8 +130,9 @@ def measure_table(backend: Backend, problem: ConvProblem, sizes: Sequence[int], 
     cached. Which candidates are timed depends only on the timings of those timed before, so a second
     run finds them all in the cache.
     """
-    if benchmark_limit is not None and (isinstance(benchmark_limit, bool) or not isinstance(benchmark_limit, int)
-                                        or benchmark_limit < 0):
+    if benchmark_limit is not None and (
+        isinstance(benchmark_limit, bool) or not isinstance(benchmark_limit, int) or benchmark_limit < 0
+    ):
         raise InvalidInput(f"benchmark_limit must be a non-negative integer or None, got {benchmark_limit!r}")
     start = time.perf_counter()
     candidates = list(algos) if algos is not None else backend.algorithms(problem)
@@ -126,8 +143,9 @@ def measure_table(backend: Backend, problem: ConvProblem, sizes: Sequence[int], 
         by_versions.setdefault(backend.versions_for(algo), []).append(algo)
     if cache is not None:
         for group in by_versions.values():
-            found.update(cache.lookup(problem_key=problem.key, batches=sizes, algos=group,
-                                      **device_key(backend, group[0])))
+            found.update(
+                cache.lookup(problem_key=problem.key, batches=sizes, algos=group, **device_key(backend, group[0]))
+            )
     order = backend.ranked(problem, candidates) if pruning else candidates
     # size -> algo -> {winner: why}: who beat whom, clearly and on a steady timing, at each size timed
     losses: dict[int, dict[str, dict[str, str]]] = {}
@@ -148,8 +166,13 @@ def measure_table(backend: Backend, problem: ConvProblem, sizes: Sequence[int], 
                         row[algo] = found[algo, size]
                         cached += 1
                     else:
-                        row[algo] = MicroConfig(algo, size, float("inf"), need, reason=f"needs {need} B of "
-                                                f"workspace, over the limit {workspace_limit} B")
+                        row[algo] = MicroConfig(
+                            algo,
+                            size,
+                            float("inf"),
+                            need,
+                            reason=f"needs {need} B of workspace, over the limit {workspace_limit} B",
+                        )
                         over_limit += 1
                     continue
             if reason is None:
@@ -162,18 +185,29 @@ def measure_table(backend: Backend, problem: ConvProblem, sizes: Sequence[int], 
         # The largest and the smallest sizes are timed first; a size between them drops a candidate that
         # lost at both the next larger size and the smallest (one stray timing prunes nothing).
         larger = ascending[ascending.index(size) + 1] if pruning and size < ascending[-1] else None
-        lost_both = {} if larger is None or size == ascending[0] else {
-            algo: why for algo, why in losses[larger].items() if algo in losses[ascending[0]]}
+        lost_both = (
+            {}
+            if larger is None or size == ascending[0]
+            else {algo: why for algo, why in losses[larger].items() if algo in losses[ascending[0]]}
+        )
         timed, kept_losses = [], {}
         for algo in runnable:
-            winners = [f"{why} and at micro-batch {ascending[0]}"
-                       for winner, why in lost_both.get(algo, {}).items() if winner in runnable]
+            winners = [
+                f"{why} and at micro-batch {ascending[0]}"
+                for winner, why in lost_both.get(algo, {}).items()
+                if winner in runnable
+            ]
             if winners:
                 row[algo] = MicroConfig(algo, size, float("inf"), 0, reason=PRUNED + winners[0])
                 kept_losses[algo] = lost_both[algo]  # still lost, for the next smaller size
             elif pruning and len(timed) >= benchmark_limit:
-                row[algo] = MicroConfig(algo, size, float("inf"), 0,
-                                        reason=f"{PRUNED}beyond the benchmark limit of {benchmark_limit} candidates")
+                row[algo] = MicroConfig(
+                    algo,
+                    size,
+                    float("inf"),
+                    0,
+                    reason=f"{PRUNED}beyond the benchmark limit of {benchmark_limit} candidates",
+                )
             else:
                 timed.append(algo)
                 if (algo, size) in found:
@@ -190,8 +224,11 @@ def measure_table(backend: Backend, problem: ConvProblem, sizes: Sequence[int], 
             new = backend.measure(part, to_measure, reps, accumulate=accumulate)
             if cache is not None:
                 for group in by_versions.values():
-                    cache.store(problem_key=problem.key, micros=[m for m in new if m.algo in group],
-                                **device_key(backend, group[0]))
+                    cache.store(
+                        problem_key=problem.key,
+                        micros=[m for m in new if m.algo in group],
+                        **device_key(backend, group[0]),
+                    )
             row.update((m.algo, m) for m in new)
             measured += len(new)
             if fresh is not None:
@@ -209,7 +246,7 @@ def _pruning_order(sizes: Sequence[int]) -> list[int]:
     """The order a pruned benchmark takes the sizes in: the largest (the undivided baseline), the
     smallest, then the rest from the larger down, each after its larger neighbour."""
     ascending = sorted(sizes)
-    return ascending[-1:] + ascending[:1][:len(ascending) - 1] + ascending[-2:0:-1]
+    return ascending[-1:] + ascending[:1][: len(ascending) - 1] + ascending[-2:0:-1]
 
 
 def _losses(row: Mapping[str, MicroConfig], timed: Sequence[str], size: int, front: bool) -> dict[str, dict[str, str]]:
@@ -220,9 +257,12 @@ def _losses(row: Mapping[str, MicroConfig], timed: Sequence[str], size: int, fro
     for m in usable:
         if is_noisy(m.time, m.spread):
             continue
-        why = {b.algo: f"over {LOSS_MARGIN}x slower than {b.algo} at micro-batch {size} "
-                       f"({m.time:.3g} ms against {b.time:.3g} ms)"
-               for b in usable if b.time * LOSS_MARGIN < m.time and (not front or b.workspace <= m.workspace)}
+        why = {
+            b.algo: f"over {LOSS_MARGIN}x slower than {b.algo} at micro-batch {size} "
+            f"({m.time:.3g} ms against {b.time:.3g} ms)"
+            for b in usable
+            if b.time * LOSS_MARGIN < m.time and (not front or b.workspace <= m.workspace)
+        }
         if why:
             losses[m.algo] = why
     return losses
@@ -249,8 +289,15 @@ def remeasure(backend: Backend, problem: ConvProblem, micro: MicroConfig, *, rep
 run_clock: Callable[[], float] = time.perf_counter
 
 
-def confirm_faster(backend: Backend, problem: ConvProblem, chosen: Configuration, baseline: MicroConfig | None,
-                   reps: int = 3, *, charge_ms: float = 0.0) -> Configuration:
+def confirm_faster(
+    backend: Backend,
+    problem: ConvProblem,
+    chosen: Configuration,
+    baseline: MicroConfig | None,
+    reps: int = 3,
+    *,
+    charge_ms: float = 0.0,
+) -> Configuration:
     """`chosen` if it really runs faster than the undivided `baseline`, else the baseline.
 
     The solver adds up micro-batch times measured one size at a time; run back to back, the
@@ -269,14 +316,16 @@ def confirm_faster(backend: Backend, problem: ConvProblem, chosen: Configuration
         def run() -> None:
             run_configuration(backend, problem, config, workspace=workspace, **operands)
             backend.synchronize()
+
         return run
 
     times = interleaved_medians_ms({"chosen": runner(chosen), "undivided": runner(undivided)}, reps, clock=run_clock)
     return chosen if times["chosen"] + charge_ms < times["undivided"] else undivided
 
 
-def interleaved_samples_ms(fns: Mapping[str, Callable[[], object]], reps: int, warmup: int = 1,
-                           clock: Callable[[], float] = time.perf_counter) -> dict[str, list[float]]:
+def interleaved_samples_ms(
+    fns: Mapping[str, Callable[[], object]], reps: int, warmup: int = 1, clock: Callable[[], float] = time.perf_counter
+) -> dict[str, list[float]]:
     """Times (ms, by `clock`: wall time by default) of each function, run in turn rep after rep, the order
     reversed every rep. ``clock=time.process_time`` counts this process's CPU time instead: on a loaded
     machine a one-thread run is charged only what it ran, not what it waited for the cores.
@@ -291,14 +340,15 @@ def interleaved_samples_ms(fns: Mapping[str, Callable[[], object]], reps: int, w
             fn()
     samples: dict[str, list[float]] = {name: [] for name in names}
     for rep in range(reps):
-        for name in (names if rep % 2 == 0 else names[::-1]):
+        for name in names if rep % 2 == 0 else names[::-1]:
             start = clock()
             fns[name]()
             samples[name].append((clock() - start) * 1e3)
     return samples
 
 
-def interleaved_medians_ms(fns: Mapping[str, Callable[[], object]], reps: int, warmup: int = 1,
-                           clock: Callable[[], float] = time.perf_counter) -> dict[str, float]:
+def interleaved_medians_ms(
+    fns: Mapping[str, Callable[[], object]], reps: int, warmup: int = 1, clock: Callable[[], float] = time.perf_counter
+) -> dict[str, float]:
     """Median time (ms) of each function, timed as `interleaved_samples_ms` does."""
     return {name: statistics.median(s) for name, s in interleaved_samples_ms(fns, reps, warmup, clock).items()}

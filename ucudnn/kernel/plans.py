@@ -36,7 +36,9 @@ def undivided_baseline(table: Mapping[int, Sequence[MicroConfig]], batch: int, l
     return wr.fastest_within({batch: table.get(batch, [])}, limit).get(batch)
 
 
-def pareto_fronts(problems: Sequence[ConvProblem], tables, batch: int, total_workspace: int) -> dict[str, list[Configuration]]:
+def pareto_fronts(
+    problems: Sequence[ConvProblem], tables, batch: int, total_workspace: int
+) -> dict[str, list[Configuration]]:
     """One front per distinct problem (by key): kernels of the same shape share it."""
     from ucudnn.solver import pareto
 

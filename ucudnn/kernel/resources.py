@@ -18,8 +18,11 @@ from ucudnn.problem import ConvProblem
 from ucudnn.sizes import format_size
 
 _ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}
-_OPERANDS = {"fwd": ("x_shape", "w_shape", "y_shape"), "bwd_data": ("y_shape", "w_shape", "x_shape"),
-             "bwd_filter": ("x_shape", "y_shape", "w_shape")}
+_OPERANDS = {
+    "fwd": ("x_shape", "w_shape", "y_shape"),
+    "bwd_data": ("y_shape", "w_shape", "x_shape"),
+    "bwd_filter": ("x_shape", "y_shape", "w_shape"),
+}
 
 
 class NotEnoughMemory(InvalidInput):
@@ -45,8 +48,7 @@ def available_bytes(backend: Backend) -> int:
     return backend.device.memory_bytes
 
 
-def _smallest_workspace(backend: Backend, problem: ConvProblem, algos: Iterable[str],
-                        limit: int | None) -> int | None:
+def _smallest_workspace(backend: Backend, problem: ConvProblem, algos: Iterable[str], limit: int | None) -> int | None:
     """The least workspace any runnable candidate needs (None: none can be sized or runs)."""
     sizes = []
     for algo in algos:
@@ -61,8 +63,14 @@ def _smallest_workspace(backend: Backend, problem: ConvProblem, algos: Iterable[
     return min(sizes) if sizes else None
 
 
-def check_fits(backend: Backend, problem: ConvProblem, *, sizes: Sequence[int] = (),
-               algos: Sequence[str] | None = None, workspace_limit: int | None = None) -> None:
+def check_fits(
+    backend: Backend,
+    problem: ConvProblem,
+    *,
+    sizes: Sequence[int] = (),
+    algos: Sequence[str] | None = None,
+    workspace_limit: int | None = None,
+) -> None:
     """NotEnoughMemory unless `problem`'s operands at its largest micro-batch size, plus the
     smallest workspace of a runnable candidate there, fit in `available_bytes(backend)`.
 
@@ -74,18 +82,19 @@ def check_fits(backend: Backend, problem: ConvProblem, *, sizes: Sequence[int] =
     # operands take more than half the memory; below that, a candidate whose workspace does not
     # fit is recorded by the benchmark as out of memory, and the others still run.
     if have // 2 < need <= have:
-        workspace = _smallest_workspace(backend, largest, algos or backend.algorithms(largest),
-                                        workspace_limit)
+        workspace = _smallest_workspace(backend, largest, algos or backend.algorithms(largest), workspace_limit)
         need += workspace or 0
     if have and need > have:
         raise NotEnoughMemory(
             f"{largest.spec} ({largest.kind}) needs {format_size(need)} ({need} bytes: operands and "
             f"the smallest workspace at batch {largest.n}), but {backend.name} on {backend.device.model} "
-            f"has {format_size(have)} ({have} bytes) available; use a smaller batch or layer")
+            f"has {format_size(have)} ({have} bytes) available; use a smaller batch or layer"
+        )
 
 
-def check_runnable(backend: Backend, problem: ConvProblem, sizes: Sequence[int],
-                   algos: Sequence[str] | None = None) -> None:
+def check_runnable(
+    backend: Backend, problem: ConvProblem, sizes: Sequence[int], algos: Sequence[str] | None = None
+) -> None:
     """UnsupportedProblem when no candidate algorithm can run `problem` at any of `sizes`.
 
     That is a request the backend cannot serve (a dtype, layout or algorithm it lacks), not a
@@ -100,12 +109,19 @@ def check_runnable(backend: Backend, problem: ConvProblem, sizes: Sequence[int],
             reasons.setdefault(algo, reason)
     distinct = set(reasons.values())
     why = distinct.pop() if len(distinct) == 1 else "; ".join(f"{a}: {r}" for a, r in reasons.items())
-    raise UnsupportedProblem(f"backend {backend.name} cannot run {problem.spec} ({problem.kind}) with "
-                             f"{', '.join(reasons)}: {why}")
+    raise UnsupportedProblem(
+        f"backend {backend.name} cannot run {problem.spec} ({problem.kind}) with {', '.join(reasons)}: {why}"
+    )
 
 
-def check_can_run(backend: Backend, problem: ConvProblem, *, sizes: Sequence[int] = (),
-                  algos: Sequence[str] | None = None, workspace_limit: int | None = None) -> None:
+def check_can_run(
+    backend: Backend,
+    problem: ConvProblem,
+    *,
+    sizes: Sequence[int] = (),
+    algos: Sequence[str] | None = None,
+    workspace_limit: int | None = None,
+) -> None:
     """Both checks, before a problem is measured: some candidate supports it (`check_runnable`),
     and its benchmark fits in memory (`check_fits`). Bench and Handle call this one function."""
     check_runnable(backend, problem, sizes, algos)

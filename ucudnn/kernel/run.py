@@ -48,8 +48,17 @@ class PreparedConfiguration:
         """Whether a first, checked run has completed (later runs only launch)."""
         return self._checked
 
-    def run(self, *, x: Any = None, w: Any = None, dy: Any = None, out: Any, alpha: float = 1.0,
-            beta: float = 0.0, workspace: Any = None) -> None:
+    def run(
+        self,
+        *,
+        x: Any = None,
+        w: Any = None,
+        dy: Any = None,
+        out: Any,
+        alpha: float = 1.0,
+        beta: float = 0.0,
+        workspace: Any = None,
+    ) -> None:
         """out = alpha * conv(...) + beta * out, micro-batch by micro-batch.
 
         fwd and bwd_data write disjoint slices of `out`. bwd_filter sums the micro-batch gradients
@@ -68,8 +77,16 @@ class PreparedConfiguration:
                 elif kind == "bwd_data":
                     run(part, algo, dy=dy[rows], w=w, out=out[rows], workspace=workspace, alpha=alpha, beta=beta)
                 else:
-                    run(part, algo, x=x[rows], dy=dy[rows], out=out, workspace=workspace, alpha=alpha,
-                        beta=beta if i == 0 else 1.0)
+                    run(
+                        part,
+                        algo,
+                        x=x[rows],
+                        dy=dy[rows],
+                        out=out,
+                        workspace=workspace,
+                        alpha=alpha,
+                        beta=beta if i == 0 else 1.0,
+                    )
             self._launches = tuple(self.backend.prepare_run(part, algo) for part, algo, _ in self._steps)
             self._checked = True
             return
@@ -86,10 +103,21 @@ class PreparedConfiguration:
                 launch(x[rows], None, dy[rows], out, workspace, alpha, beta if i == 0 else 1.0)
 
 
-def run_configuration(backend: Backend, problem: ConvProblem, configuration: Configuration, *,
-                      x: Any = None, w: Any = None, dy: Any = None, out: Any,
-                      alpha: float = 1.0, beta: float = 0.0, workspace: Any = None) -> None:
+def run_configuration(
+    backend: Backend,
+    problem: ConvProblem,
+    configuration: Configuration,
+    *,
+    x: Any = None,
+    w: Any = None,
+    dy: Any = None,
+    out: Any,
+    alpha: float = 1.0,
+    beta: float = 0.0,
+    workspace: Any = None,
+) -> None:
     """out = alpha * conv(...) + beta * out, computed micro-batch by micro-batch, every operand
     checked (see `PreparedConfiguration.run`)."""
-    PreparedConfiguration(backend, problem, configuration).run(x=x, w=w, dy=dy, out=out, alpha=alpha, beta=beta,
-                                                               workspace=workspace)
+    PreparedConfiguration(backend, problem, configuration).run(
+        x=x, w=w, dy=dy, out=out, alpha=alpha, beta=beta, workspace=workspace
+    )

@@ -40,15 +40,15 @@ from ucudnn.solver.types import Configuration, MicroConfig
 # slices then start at addresses that are not 16-byte aligned, and spatial sizes are not multiples
 # of any tile). Each exercises one feature besides 3x3 padding-1 convolution.
 DEFAULT_PROBLEMS: tuple[str, ...] = (
-    "n=3,c=4,h=7,w=7,k=6,r=3,s=3,pad=1",                                     # padding
-    "n=3,c=4,h=9,w=8,k=4,r=3,s=3,pad=1,stride=2",                            # stride, uneven output
-    "n=2,c=3,h=9,w=9,k=4,r=3,s=3,pad=2,dilation=2",                          # dilation
-    "n=3,c=6,h=6,w=6,k=4,r=3,s=3,pad=1,groups=2",                            # groups
-    "n=2,c=4,h=8,w=7,k=5,r=5,s=3,pad_h=2,pad_w=0,stride_h=1,stride_w=2",     # non-square filter, per-axis pad/stride
-    "n=3,c=4,h=1,w=13,k=6,r=1,s=5,pad_w=2,stride_w=2",                       # 1-D: a 2-D layer of height 1
-    "n=2,c=4,d=5,h=6,w=5,k=4,t=3,r=3,s=3,pad=1,stride_d=2",                  # 3-D
+    "n=3,c=4,h=7,w=7,k=6,r=3,s=3,pad=1",  # padding
+    "n=3,c=4,h=9,w=8,k=4,r=3,s=3,pad=1,stride=2",  # stride, uneven output
+    "n=2,c=3,h=9,w=9,k=4,r=3,s=3,pad=2,dilation=2",  # dilation
+    "n=3,c=6,h=6,w=6,k=4,r=3,s=3,pad=1,groups=2",  # groups
+    "n=2,c=4,h=8,w=7,k=5,r=5,s=3,pad_h=2,pad_w=0,stride_h=1,stride_w=2",  # non-square filter, per-axis pad/stride
+    "n=3,c=4,h=1,w=13,k=6,r=1,s=5,pad_w=2,stride_w=2",  # 1-D: a 2-D layer of height 1
+    "n=2,c=4,d=5,h=6,w=5,k=4,t=3,r=3,s=3,pad=1,stride_d=2",  # 3-D
     "n=3,c=4,h=5,w=4,k=6,r=3,s=3,pad=1,stride=2,transposed=1,output_padding=1,groups=2",  # transposed
-    "n=2,c=4,d=3,h=4,w=3,k=4,t=2,r=2,s=2,stride=2,transposed=1",             # transposed 3-D (U-Net up-conv)
+    "n=2,c=4,d=3,h=4,w=3,k=4,t=2,r=2,s=2,stride=2,transposed=1",  # transposed 3-D (U-Net up-conv)
 )
 
 # Normwise relative error allowed per io dtype. float32 allows for TF32 tensor cores and
@@ -81,16 +81,24 @@ class Check:
     status: str  # "pass", "fail", "skip" or "excluded" (wrong, and rejected by the measurement)
     tolerance: float
     micro_batches: tuple[int, ...] = ()
-    error_reference: float | None = None        # undivided vs float64 reference
-    error_alpha_beta: float | None = None       # alpha/beta blend vs its float64 expectation
+    error_reference: float | None = None  # undivided vs float64 reference
+    error_alpha_beta: float | None = None  # alpha/beta blend vs its float64 expectation
     error_micro_reference: float | None = None  # micro-batched vs float64 reference
     error_micro_undivided: float | None = None  # micro-batched vs undivided
     reason: str = ""
 
     @property
     def errors(self) -> tuple[float, ...]:
-        return tuple(e for e in (self.error_reference, self.error_alpha_beta, self.error_micro_reference,
-                                 self.error_micro_undivided) if e is not None)
+        return tuple(
+            e
+            for e in (
+                self.error_reference,
+                self.error_alpha_beta,
+                self.error_micro_reference,
+                self.error_micro_undivided,
+            )
+            if e is not None
+        )
 
     @property
     def worst_error(self) -> float | None:
@@ -137,8 +145,12 @@ class SelftestReport:
         kinds = [k for k in KINDS if any(c.kind == k for c in self.checks)]
         problems = list(dict.fromkeys(c.problem for c in self.checks))
         tolerance = TOLERANCE[self.dtype]
-        lines = [(f"ucudnn selftest: backend {self.backend} on {self.device}, dtype {self.dtype}, "
-                 f"{len(problems)} problems, tolerance {tolerance:.0e} (max |out - expected| / max |expected|)")]
+        lines = [
+            (
+                f"ucudnn selftest: backend {self.backend} on {self.device}, dtype {self.dtype}, "
+                f"{len(problems)} problems, tolerance {tolerance:.0e} (max |out - expected| / max |expected|)"
+            )
+        ]
         table = self.table()
         width = max([len("algorithm"), *(len(a) for a in table)])
         lines.append((f"{'algorithm':<{width}}  " + "  ".join(f"{k:<15}" for k in kinds)).rstrip())
@@ -152,9 +164,11 @@ class SelftestReport:
                 text = status if worst is None else f"{status} {worst:.1e}"
                 cells.append(f"{text:<15}")
             lines.append(f"{algo:<{width}}  " + "  ".join(cells).rstrip())
-        lines.append(f"checks: {self.count('pass')} passed, {self.count('fail')} failed, "
-                     f"{self.count('excluded')} excluded (wrong results ucudnn never chooses), "
-                     f"{self.count('skip')} skipped (unsupported) in {self.seconds:.1f} s")
+        lines.append(
+            f"checks: {self.count('pass')} passed, {self.count('fail')} failed, "
+            f"{self.count('excluded')} excluded (wrong results ucudnn never chooses), "
+            f"{self.count('skip')} skipped (unsupported) in {self.seconds:.1f} s"
+        )
         for c in self.checks:
             if c.status == "fail":
                 errors = ", ".join(f"{e:.2e}" for e in c.errors)
@@ -169,21 +183,41 @@ class SelftestReport:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "backend": self.backend, "device": self.device, "dtype": self.dtype,
-            "tolerance": TOLERANCE[self.dtype], "passed": self.passed,
-            "summary": {"passed": self.count("pass"), "failed": self.count("fail"), "skipped": self.count("skip"),
-                        "excluded": self.count("excluded"),
-                        "seconds": self.seconds},
-            "table": {algo: {kind: {"status": status, "max_rel_error": _json_number(worst)}
-                             for kind, (status, worst) in row.items()}
-                      for algo, row in self.table().items()},
-            "checks": [{"problem": c.problem, "kind": c.kind, "algo": c.algo, "status": c.status,
-                        "tolerance": c.tolerance, "micro_batches": list(c.micro_batches),
-                        "error_reference": _json_number(c.error_reference),
-                        "error_alpha_beta": _json_number(c.error_alpha_beta),
-                        "error_micro_reference": _json_number(c.error_micro_reference),
-                        "error_micro_undivided": _json_number(c.error_micro_undivided),
-                        "reason": c.reason} for c in self.checks],
+            "backend": self.backend,
+            "device": self.device,
+            "dtype": self.dtype,
+            "tolerance": TOLERANCE[self.dtype],
+            "passed": self.passed,
+            "summary": {
+                "passed": self.count("pass"),
+                "failed": self.count("fail"),
+                "skipped": self.count("skip"),
+                "excluded": self.count("excluded"),
+                "seconds": self.seconds,
+            },
+            "table": {
+                algo: {
+                    kind: {"status": status, "max_rel_error": _json_number(worst)}
+                    for kind, (status, worst) in row.items()
+                }
+                for algo, row in self.table().items()
+            },
+            "checks": [
+                {
+                    "problem": c.problem,
+                    "kind": c.kind,
+                    "algo": c.algo,
+                    "status": c.status,
+                    "tolerance": c.tolerance,
+                    "micro_batches": list(c.micro_batches),
+                    "error_reference": _json_number(c.error_reference),
+                    "error_alpha_beta": _json_number(c.error_alpha_beta),
+                    "error_micro_reference": _json_number(c.error_micro_reference),
+                    "error_micro_undivided": _json_number(c.error_micro_undivided),
+                    "reason": c.reason,
+                }
+                for c in self.checks
+            ],
         }
 
 
@@ -228,8 +262,7 @@ def _check(backend: Backend, problem: ConvProblem, algo: str, seed: int) -> Chec
             errors["error_micro_undivided"] = relative_error(micro, undivided)
     except Exception as exc:  # noqa: BLE001 -- an offered algorithm that cannot run is a failed check, reported
         message = " ".join(str(exc).split())
-        return Check(status="fail", micro_batches=sizes, reason=f"{type(exc).__name__}: {message}",
-                     **base, **errors)
+        return Check(status="fail", micro_batches=sizes, reason=f"{type(exc).__name__}: {message}", **base, **errors)
     status = "pass" if all(e <= tolerance for e in errors.values()) else "fail"
     return Check(status=status, micro_batches=sizes, reason="; ".join(notes), **base, **errors)
 
@@ -251,8 +284,12 @@ def _exclude_rejected(backend: Backend, problem: ConvProblem, checks: list[Check
         for m in backend.measure(part, [a for a in failed if a not in verdicts], reps=1, accumulate=accumulate):
             if m.reason.startswith("wrong result"):
                 verdicts[m.algo] = m.reason if size == problem.n else f"{m.reason} at micro-batch {size}"
-    return [dataclasses.replace(c, status="excluded", reason=f"{verdicts[c.algo]}; measurement rejects it")
-            if c.status == "fail" and c.algo in verdicts else c for c in checks]
+    return [
+        dataclasses.replace(c, status="excluded", reason=f"{verdicts[c.algo]}; measurement rejects it")
+        if c.status == "fail" and c.algo in verdicts
+        else c
+        for c in checks
+    ]
 
 
 def _problem_text(problem: ConvProblem) -> str:
@@ -260,8 +297,14 @@ def _problem_text(problem: ConvProblem) -> str:
     return dataclasses.replace(problem, kind="fwd").spec
 
 
-def run_selftest(backend: Backend, *, problems: Sequence[str | ConvProblem] = DEFAULT_PROBLEMS,
-                 dtype: str = "float32", kinds: Sequence[str] = KINDS, seed: int = 0) -> SelftestReport:
+def run_selftest(
+    backend: Backend,
+    *,
+    problems: Sequence[str | ConvProblem] = DEFAULT_PROBLEMS,
+    dtype: str = "float32",
+    kinds: Sequence[str] = KINDS,
+    seed: int = 0,
+) -> SelftestReport:
     """Check every algorithm of every kind of every problem (at `dtype`) on `backend`."""
     if dtype not in TOLERANCE:
         raise ValueError(f"dtype must be one of {', '.join(TOLERANCE)}, got {dtype!r}")
@@ -273,7 +316,8 @@ def run_selftest(backend: Backend, *, problems: Sequence[str | ConvProblem] = DE
             part = dataclasses.replace(problem, kind=kind, dtype=dtype)
             # Every algorithm skipped (unsupported) is a skip, reported with each reason: what a
             # backend does not offer is not a failure. The command says when nothing ran at all.
-            found = _exclude_rejected(backend, part, [_check(backend, part, algo, seed)
-                                                       for algo in backend.algorithms(part)])
+            found = _exclude_rejected(
+                backend, part, [_check(backend, part, algo, seed) for algo in backend.algorithms(part)]
+            )
             checks.extend(found)
     return SelftestReport(backend.name, backend.device.model, dtype, tuple(checks), time.perf_counter() - start)

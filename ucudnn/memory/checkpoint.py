@@ -61,7 +61,7 @@ def articulation_storages(graph: TrainingGraph) -> tuple[str, ...]:
     out = []
     for s in storages:
         cut = last_write[s]
-        crossing = [t for t in storages[:order[s]] if last_read.get(t, -1) > cut and t not in kept]
+        crossing = [t for t in storages[: order[s]] if last_read.get(t, -1) > cut and t not in kept]
         if not crossing and graph.op(s).type not in ("input", "loss"):
             out.append(s)
     return tuple(out)
@@ -92,9 +92,11 @@ def actions_for(graph: TrainingGraph, kept: Sequence[str]) -> dict[str, str]:
     # the inputs, what the loss reads (the backward pass starts there at once) and what the program holds
     keep = set(kept) | {op.name for op in graph.ops if op.type == "input"} | graph.must_keep
     storages = graph.storages
-    last = max((k for k, s in enumerate(storages)
-                if s in kept and s not in graph.must_keep and graph.op(s).type != "loss"), default=0)
-    keep |= set(storages[last + 1:])
+    last = max(
+        (k for k, s in enumerate(storages) if s in kept and s not in graph.must_keep and graph.op(s).type != "loss"),
+        default=0,
+    )
+    keep |= set(storages[last + 1 :])
     recompute = {s for s in graph.storages if s in backward and s not in keep}
     # walk back from what is recomputed: the storages its producers read must be rebuilt too
     pending = list(recompute)
@@ -109,8 +111,9 @@ def actions_for(graph: TrainingGraph, kept: Sequence[str]) -> dict[str, str]:
     return {s: "keep" if s in keep else "recompute" if s in recompute else "release" for s in graph.storages}
 
 
-def _segmentations(sizes: list[int], kept_sizes: list[int], forward_costs: list[float], candidates: list[int],
-                   search: str) -> dict[str, chain.Segmentation]:
+def _segmentations(
+    sizes: list[int], kept_sizes: list[int], forward_costs: list[float], candidates: list[int], search: str
+) -> dict[str, chain.Segmentation]:
     out = {}
     if search in ("sqrt", "auto"):
         picks = chain.sqrt_n(len(candidates)) if candidates else ()
@@ -122,8 +125,16 @@ def _segmentations(sizes: list[int], kept_sizes: list[int], forward_costs: list[
     return out
 
 
-def plan(graph: TrainingGraph, device: DeviceProfile, memory_limit: int, *, devices: int = 1, db=None,
-         fronts=None, search: str = "auto") -> MemoryPlan:
+def plan(
+    graph: TrainingGraph,
+    device: DeviceProfile,
+    memory_limit: int,
+    *,
+    devices: int = 1,
+    db=None,
+    fronts=None,
+    search: str = "auto",
+) -> MemoryPlan:
     """Chen et al.'s checkpointing plan for `graph` within `memory_limit`; see the module docstring."""
     if search not in SEARCHES:
         raise InvalidInput(f"checkpoint search must be one of {', '.join(SEARCHES)}, got {search!r}")
@@ -142,8 +153,9 @@ def plan(graph: TrainingGraph, device: DeviceProfile, memory_limit: int, *, devi
         keep_all = actions_for(graph, storages)
         tried.append((keep_all, run(keep_all)))
         if tried[0][1].fits:
-            return to_plan(graph, device, memory_limit, "checkpoint", keep_all, workspace, tried[0][1],
-                           devices=devices, base=base)
+            return to_plan(
+                graph, device, memory_limit, "checkpoint", keep_all, workspace, tried[0][1], devices=devices, base=base
+            )
 
     def attempt(seg: chain.Segmentation) -> bool:
         """Simulate keeping `seg`'s checkpoints; whether that fits."""
@@ -164,8 +176,7 @@ def plan(graph: TrainingGraph, device: DeviceProfile, memory_limit: int, *, devi
             if attempt(seg):
                 break  # the least recompute that fits: the others differ from it by more recompute only
     fitting = [t for t in tried if t[1].fits]
-    actions, result = (min(fitting, key=lambda t: t[1].step_ms) if fitting
-                       else min(tried, key=lambda t: t[1].peak_bytes))
+    actions, result = min(fitting, key=lambda t: t[1].step_ms) if fitting else min(tried, key=lambda t: t[1].peak_bytes)
     return to_plan(graph, device, memory_limit, "checkpoint", actions, workspace, result, devices=devices, base=base)
 
 

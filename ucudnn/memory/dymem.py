@@ -60,8 +60,9 @@ def dfs_graph(graph: TrainingGraph) -> TrainingGraph:
     return dataclasses.replace(graph, ops=tuple(graph.op(name) for name in order))
 
 
-def prefetch_schedule(graph: TrainingGraph, actions: Mapping[str, str], *,
-                      conv_lookahead: int = dymem_order.CONV_LOOKAHEAD) -> dict[str, int]:
+def prefetch_schedule(
+    graph: TrainingGraph, actions: Mapping[str, str], *, conv_lookahead: int = dymem_order.CONV_LOOKAHEAD
+) -> dict[str, int]:
     """Algorithm 2's prefetch trigger of each offloaded storage, as a step index of the simulator's
     schedule (no recomputation: the graph's own steps)."""
     nf = graph.forward_steps
@@ -71,8 +72,16 @@ def prefetch_schedule(graph: TrainingGraph, actions: Mapping[str, str], *,
     return {s: nf + k for s, k in starts.items()}
 
 
-def plan(graph: TrainingGraph, device: DeviceProfile, memory_limit: int, *, devices: int = 1, db=None,
-         fronts=None, conv_lookahead: int = dymem_order.CONV_LOOKAHEAD) -> MemoryPlan:
+def plan(
+    graph: TrainingGraph,
+    device: DeviceProfile,
+    memory_limit: int,
+    *,
+    devices: int = 1,
+    db=None,
+    fronts=None,
+    conv_lookahead: int = dymem_order.CONV_LOOKAHEAD,
+) -> MemoryPlan:
     """Dymem's plan for `graph` within `memory_limit`; see the module docstring."""
     graph = dfs_graph(graph)
     fronts = conv_fronts(graph, device, db=db, given=fronts)
@@ -86,21 +95,27 @@ def plan(graph: TrainingGraph, device: DeviceProfile, memory_limit: int, *, devi
             actions = actions_for(graph, mode)
             for lookahead in sorted({conv_lookahead, 1}, reverse=True):
                 prefetch = prefetch_schedule(graph, actions, conv_lookahead=lookahead)
-                result = simulate(graph, device, costs, actions, memory_limit=memory_limit, prefetch=prefetch,
-                                  devices=devices)
+                result = simulate(
+                    graph, device, costs, actions, memory_limit=memory_limit, prefetch=prefetch, devices=devices
+                )
                 tried.append((actions, workspace, result))
                 if mode == "none":
                     break  # nothing offloaded: the look-ahead changes nothing
         if any(r.fits for _, _, r in tried):
             break  # the memory-optimal algorithms are only for when the fastest cannot fit
     fitting = [t for t in tried if t[2].fits]
-    actions, workspace, result = (min(fitting, key=lambda t: t[2].step_ms) if fitting
-                                  else min(tried, key=lambda t: t[2].peak_bytes))
+    actions, workspace, result = (
+        min(fitting, key=lambda t: t[2].step_ms) if fitting else min(tried, key=lambda t: t[2].peak_bytes)
+    )
     return to_plan(graph, device, memory_limit, "dymem", actions, workspace, result, devices=devices, base=base)
 
 
-def allocation_trace(graph: TrainingGraph, actions: Mapping[str, str], costs: tuple[StepCost, ...],
-                     prefetch: Mapping[str, int] | None = None) -> list[Event]:
+def allocation_trace(
+    graph: TrainingGraph,
+    actions: Mapping[str, str],
+    costs: tuple[StepCost, ...],
+    prefetch: Mapping[str, int] | None = None,
+) -> list[Event]:
     """The allocator's requests over one step of `graph` under `actions` (keep, offload, release),
     in step order: what a step writes is allocated at its start, with its workspace; a tensor is
     freed after its last reader (an offloaded map after its last forward reader, as if its copy
@@ -121,9 +136,9 @@ def allocation_trace(graph: TrainingGraph, actions: Mapping[str, str], costs: tu
     if any(a == "recompute" for a in acts.values()):
         raise InvalidInput("allocation_trace: actions must be keep, offload or release (no recompute)")
     prefetch = dict(prefetch or {})
-    lives: list[tuple[str, int, int, int]] = []   # (name, bytes, alloc step, free-after step)
+    lives: list[tuple[str, int, int, int]] = []  # (name, bytes, alloc step, free-after step)
     first_write: dict[str, int] = {}
-    last_write: dict[str, int] = {}   # the last of the first write and the in-place writes after it
+    last_write: dict[str, int] = {}  # the last of the first write and the in-place writes after it
     last_use: dict[str, int] = {}
     last_fwd_use: dict[str, int] = {}
     first_bwd_use: dict[str, int] = {}

@@ -57,8 +57,9 @@ def dfs_order(successors: Mapping[str, Sequence[str]]) -> list[str]:
     return order
 
 
-def prefetch_starts(steps: Sequence[tuple[str, Sequence[str]]], offloaded: set[str], *,
-                    conv_lookahead: int = CONV_LOOKAHEAD) -> dict[str, int]:
+def prefetch_starts(
+    steps: Sequence[tuple[str, Sequence[str]]], offloaded: set[str], *, conv_lookahead: int = CONV_LOOKAHEAD
+) -> dict[str, int]:
     """Algorithm 2: for each offloaded tensor, the backward step at whose start its prefetch begins.
 
     `steps` is the backward pass in execution order, each step as (kind, tensors it reads). At

@@ -45,12 +45,12 @@ def gradient_lives(graph: TrainingGraph, steps: Sequence) -> list[tuple[str, int
         if s.phase == "bwd":
             for r in s.reads:
                 last_read[r] = k
-    value: dict[str, str] = {}        # gradient -> the buffer holding it now
-    sliced: set[str] = set()          # gradients that are a concatenation's slice of a larger buffer
-    refs: dict[str, int] = {}         # buffer -> the gradients (and this step's parts) holding it
+    value: dict[str, str] = {}  # gradient -> the buffer holding it now
+    sliced: set[str] = set()  # gradients that are a concatenation's slice of a larger buffer
+    refs: dict[str, int] = {}  # buffer -> the gradients (and this step's parts) holding it
     born: dict[str, tuple[int, int]] = {}
     lives: list[tuple[str, int, int, int]] = []
-    made: dict[str, int] = {}         # buffers made for each gradient so far (labels: grad:x, grad:x#2, ...)
+    made: dict[str, int] = {}  # buffers made for each gradient so far (labels: grad:x, grad:x#2, ...)
 
     def new_buffer(name: str, k: int) -> str:
         made[name] = made.get(name, 0) + 1
@@ -77,18 +77,18 @@ def gradient_lives(graph: TrainingGraph, steps: Sequence) -> list[tuple[str, int
             else:
                 part = new_buffer(name, k)
             old = value.get(name)
-            if old is None or name in s.reads:           # a first gradient, or an in-place op's new one
+            if old is None or name in s.reads:  # a first gradient, or an in-place op's new one
                 value[name] = part
                 if old is not None:
                     ended.append(old)
                 (sliced.add if slices else sliced.discard)(name)
             elif refs[old] == 1 and old != part and name not in sliced:
-                ended.append(part)                       # summed into the old buffer
-            elif passed is None:                         # summed into the new part
+                ended.append(part)  # summed into the old buffer
+            elif passed is None:  # summed into the new part
                 value[name] = part
                 ended.append(old)
                 sliced.discard(name)
-            else:                                        # both shared: the sum is a new buffer
+            else:  # both shared: the sum is a new buffer
                 value[name] = new_buffer(name, k)
                 ended += [old, part]
                 sliced.discard(name)
@@ -99,7 +99,7 @@ def gradient_lives(graph: TrainingGraph, steps: Sequence) -> list[tuple[str, int
             refs[label] -= 1
             if refs[label] == 0:
                 lives.append((label, *born.pop(label), k))
-    wgrad_at: dict[str, int] = {}         # weight gradient -> its first write, where made in the backward pass
+    wgrad_at: dict[str, int] = {}  # weight gradient -> its first write, where made in the backward pass
     if graph.weight_grads == "backward":
         for k, s in enumerate(steps):
             for name in s.writes:

@@ -42,8 +42,19 @@ from ucudnn.errors import InvalidInput
 from ucudnn.memory.ops import DTYPE_BYTES, OP_TYPES, Op, OpBuilder
 from ucudnn.network.zoo import canonical_name, layers
 
-__all__ = ["DTYPE_BYTES", "OP_TYPES", "TENSOR_KINDS", "WEIGHT_GRADS", "Captured", "Life", "Op", "Step", "Tensor",
-           "TrainingGraph", "from_network"]
+__all__ = [
+    "DTYPE_BYTES",
+    "OP_TYPES",
+    "TENSOR_KINDS",
+    "WEIGHT_GRADS",
+    "Captured",
+    "Life",
+    "Op",
+    "Step",
+    "Tensor",
+    "TrainingGraph",
+    "from_network",
+]
 
 TENSOR_KINDS = ("feature", "gradient", "weight", "weight_grad")
 WEIGHT_GRADS = ("step", "backward")  # when weight gradients exist (`TrainingGraph.weight_grads`)
@@ -54,10 +65,10 @@ class Tensor:
     """One tensor: its bytes, the op that produces it, and the storage whose memory it uses."""
 
     name: str
-    kind: str                     # one of TENSOR_KINDS
+    kind: str  # one of TENSOR_KINDS
     bytes: int
-    producer: str | None          # the op that writes it (forward for features, backward for gradients)
-    storage: str                  # the feature map owning its memory (itself unless written in place)
+    producer: str | None  # the op that writes it (forward for features, backward for gradients)
+    storage: str  # the feature map owning its memory (itself unless written in place)
     shape: tuple[int, ...] = ()
 
 
@@ -67,11 +78,11 @@ class Step:
 
     index: int
     op: str
-    phase: str                    # "fwd" or "bwd"
-    reads: tuple[str, ...]        # storages and gradients that must be resident
-    writes: tuple[str, ...]       # storages and gradients it produces (allocated at its start)
+    phase: str  # "fwd" or "bwd"
+    reads: tuple[str, ...]  # storages and gradients that must be resident
+    writes: tuple[str, ...]  # storages and gradients it produces (allocated at its start)
     kernels: tuple[str, ...] = ()  # conv kernels it runs: "fwd", or "bwd_data" and "bwd_filter"
-    part: int = 0                 # a captured backward step's later part (see `Captured`): no time of its own
+    part: int = 0  # a captured backward step's later part (see `Captured`): no time of its own
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,11 +211,13 @@ class TrainingGraph:
             storage = self._storage[op.name]
             out[op.name] = Tensor(op.name, "feature", op.bytes, op.name, storage, op.shape)
             if op.weight_bytes:
-                out[f"weight:{op.name}"] = Tensor(f"weight:{op.name}", "weight", op.weight_bytes, None,
-                                                  f"weight:{op.name}")
+                out[f"weight:{op.name}"] = Tensor(
+                    f"weight:{op.name}", "weight", op.weight_bytes, None, f"weight:{op.name}"
+                )
             if op.weight_bytes and self.captured is None and self._has_backward(op):
-                out[f"wgrad:{op.name}"] = Tensor(f"wgrad:{op.name}", "weight_grad", op.weight_bytes, op.name,
-                                                 f"wgrad:{op.name}")
+                out[f"wgrad:{op.name}"] = Tensor(
+                    f"wgrad:{op.name}", "weight_grad", op.weight_bytes, op.name, f"wgrad:{op.name}"
+                )
         if self.captured is not None:
             for life in self.captured.lives:
                 kind = "weight_grad" if life.weight_grad else "gradient"
@@ -213,8 +226,9 @@ class TrainingGraph:
         for s in self.storages:
             if self._needs_grad[s]:
                 name = f"grad:{s}"
-                out[name] = Tensor(name, "gradient", self._by_name[s].bytes, self._grad_producer[s], name,
-                                   self._by_name[s].shape)
+                out[name] = Tensor(
+                    name, "gradient", self._by_name[s].bytes, self._grad_producer[s], name, self._by_name[s].shape
+                )
         return out
 
     def bytes_of(self, name: str) -> int:
@@ -306,8 +320,11 @@ class TrainingGraph:
         steps: list[Step] = []
         for op in self.ops:
             reads = tuple(dict.fromkeys([*(self._storage[i] for i in op.inputs), *held.get(len(steps), ())]))
-            steps.append(Step(len(steps), op.name, "fwd", reads, (self._storage[op.name],),
-                              ("fwd",) if op.type == "conv" else ()))
+            steps.append(
+                Step(
+                    len(steps), op.name, "fwd", reads, (self._storage[op.name],), ("fwd",) if op.type == "conv" else ()
+                )
+            )
         if self.captured is not None:
             return tuple(steps) + self._captured_backward(len(steps), held)
         needs = self._needs_grad
@@ -325,8 +342,9 @@ class TrainingGraph:
             if op.type == "conv":
                 takes_dx = needs[self._storage[op.inputs[0]]]
                 kernels = ("bwd_data", "bwd_filter") if takes_dx else ("bwd_filter",)
-            steps.append(Step(len(steps), op.name, "bwd", tuple(dict.fromkeys(reads)),
-                              tuple(dict.fromkeys(writes)), kernels))
+            steps.append(
+                Step(len(steps), op.name, "bwd", tuple(dict.fromkeys(reads)), tuple(dict.fromkeys(writes)), kernels)
+            )
         return tuple(steps)
 
     def _captured_backward(self, first: int, held: dict[int, list[str]]) -> tuple[Step, ...]:
@@ -339,8 +357,17 @@ class TrainingGraph:
         steps, part = [], 0
         for k, name in enumerate(cap.order):
             part = part + 1 if k and cap.order[k - 1] == name else 0
-            steps.append(Step(first + k, name, "bwd", tuple(dict.fromkeys([*cap.reads[k], *held.get(first + k, ())])),
-                              tuple(born.get(k, ())), cap.kernels[k], part))
+            steps.append(
+                Step(
+                    first + k,
+                    name,
+                    "bwd",
+                    tuple(dict.fromkeys([*cap.reads[k], *held.get(first + k, ())])),
+                    tuple(born.get(k, ())),
+                    cap.kernels[k],
+                    part,
+                )
+            )
         return tuple(steps)
 
     @cached_property
@@ -360,6 +387,7 @@ class TrainingGraph:
     def producers(self, storage: str) -> tuple[Op, ...]:
         """The ops whose forward steps write `storage`: its owner, then in-place writers, in order."""
         return tuple(op for op in self.ops if self._storage[op.name] == storage)
+
 
 # ---- the zoo's networks with their layers between convolutions --------------------------------------
 def _alexnet(b: OpBuilder) -> None:
@@ -438,10 +466,12 @@ def _googlenet(b: OpBuilder) -> None:
             return b.relu(f"{name}.relu", b.conv(name, src))
 
         # the fork: four branches read the block input; the join: their concatenation
-        branches = [cr(f"{p}.1x1", x),
-                    cr(f"{p}.3x3", cr(f"{p}.3x3_reduce", x)),
-                    cr(f"{p}.5x5", cr(f"{p}.5x5_reduce", x)),
-                    cr(f"{p}.pool_proj", b.pooled(f"{p}.pool", x, 3, 1, 1))]
+        branches = [
+            cr(f"{p}.1x1", x),
+            cr(f"{p}.3x3", cr(f"{p}.3x3_reduce", x)),
+            cr(f"{p}.5x5", cr(f"{p}.5x5_reduce", x)),
+            cr(f"{p}.pool_proj", b.pooled(f"{p}.pool", x, 3, 1, 1)),
+        ]
         x = b.concat(f"{p}.output", branches)
     x = b.flatten("flatten", b.global_pool("avgpool", x))
     b.loss(b.linear("fc", x, 1000))
@@ -478,4 +508,3 @@ def from_network(name: str, batch: int) -> TrainingGraph:
     if missing:  # the graph must run every zoo convolution
         raise AssertionError(f"{canonical}: the graph leaves out convolutions {missing}")
     return TrainingGraph(canonical, batch, tuple(builder.ops), "step", in_place_backward=True)
-

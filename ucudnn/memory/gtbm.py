@@ -28,8 +28,19 @@ from dataclasses import dataclass
 
 from ucudnn.errors import InvalidInput
 
-__all__ = ["MOBILITIES", "Alloc", "BestFitPool", "Comparison", "Free", "GTBMPool", "PoolReport", "compare", "minimal_capacity",
-           "replay", "unusable_free"]
+__all__ = [
+    "MOBILITIES",
+    "Alloc",
+    "BestFitPool",
+    "Comparison",
+    "Free",
+    "GTBMPool",
+    "PoolReport",
+    "compare",
+    "minimal_capacity",
+    "replay",
+    "unusable_free",
+]
 
 MOBILITIES = ("movable", "temporary", "reclaimed")
 
@@ -46,8 +57,9 @@ class Alloc:
         if isinstance(self.bytes, bool) or not isinstance(self.bytes, int) or self.bytes <= 0:
             raise InvalidInput(f"allocation {self.name!r}: bytes must be a positive integer, got {self.bytes!r}")
         if self.mobility not in MOBILITIES:
-            raise InvalidInput(f"allocation {self.name!r}: mobility must be one of {', '.join(MOBILITIES)}, "
-                               f"got {self.mobility!r}")
+            raise InvalidInput(
+                f"allocation {self.name!r}: mobility must be one of {', '.join(MOBILITIES)}, got {self.mobility!r}"
+            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,7 +105,7 @@ class _Arena:
     def release(self, address: int, size: int) -> None:
         start, end = address, address + size
         i = bisect.bisect_left(self.holes, (start, end))
-        if i > 0 and self.holes[i - 1][1] == start:   # merge with the hole below
+        if i > 0 and self.holes[i - 1][1] == start:  # merge with the hole below
             start = self.holes.pop(i - 1)[0]
             i -= 1
         if i < len(self.holes) and self.holes[i][0] == end:  # and the one above
@@ -156,11 +168,11 @@ class PoolReport:
     """One replay: whether every request was served, and U_f at each main-space request."""
 
     pool: str
-    capacity: int                 # main space bytes
+    capacity: int  # main space bytes
     fits: bool
-    failed: int                   # requests no hole could serve
-    incremental_peak_bytes: int   # reclaimed tensors' peak (GTBM only; 0 for best-fit)
-    mean_unusable: float          # mean U_f over the main-space requests, measured before placing each
+    failed: int  # requests no hole could serve
+    incremental_peak_bytes: int  # reclaimed tensors' peak (GTBM only; 0 for best-fit)
+    mean_unusable: float  # mean U_f over the main-space requests, measured before placing each
     max_unusable: float
 
 
@@ -208,8 +220,15 @@ def replay(trace: Sequence[Event], pool: BestFitPool | GTBMPool) -> PoolReport:
             incremental += event.bytes
             incremental_peak = max(incremental_peak, incremental)
     capacity = sum(pool.main.hole_sizes()) + sum(size for arena, _, size in where.values() if arena == "main")
-    return PoolReport(pool.name, capacity, failed == 0, failed, incremental_peak,
-                      sum(unusable) / len(unusable) if unusable else 0.0, max(unusable, default=0.0))
+    return PoolReport(
+        pool.name,
+        capacity,
+        failed == 0,
+        failed,
+        incremental_peak,
+        sum(unusable) / len(unusable) if unusable else 0.0,
+        max(unusable, default=0.0),
+    )
 
 
 def _peak_live(trace: Sequence[Event], main_only: bool = False) -> int:
@@ -241,7 +260,7 @@ def minimal_capacity(trace: Sequence[Event], pool_type: type[BestFitPool | GTBMP
         return 0
     if replay(trace, pool_type(lo)).fits:
         return lo
-    while hi - lo > 1:   # invariant: lo fails, hi fits
+    while hi - lo > 1:  # invariant: lo fails, hi fits
         mid = (lo + hi) // 2
         if replay(trace, pool_type(mid)).fits:
             hi = mid
@@ -255,9 +274,9 @@ class Comparison:
     """Best-fit and GTBM on one trace: each one's smallest pool, and U_f at a capacity both fit in."""
 
     peak_live_bytes: int
-    best_fit_bytes: int    # smallest best-fit pool
-    gtbm_bytes: int        # smallest GTBM main space + its incremental space's peak
-    capacity: int          # the main-space size both replays below ran with
+    best_fit_bytes: int  # smallest best-fit pool
+    gtbm_bytes: int  # smallest GTBM main space + its incremental space's peak
+    capacity: int  # the main-space size both replays below ran with
     best_fit: PoolReport
     gtbm: PoolReport
 
@@ -268,5 +287,11 @@ def compare(trace: Sequence[Event]) -> Comparison:
     gtbm_min = minimal_capacity(trace, GTBMPool)
     capacity = max(best_fit_min, gtbm_min)
     gtbm = replay(trace, GTBMPool(capacity))
-    return Comparison(_peak_live(trace), best_fit_min, gtbm_min + gtbm.incremental_peak_bytes, capacity,
-                      replay(trace, BestFitPool(capacity)), gtbm)
+    return Comparison(
+        _peak_live(trace),
+        best_fit_min,
+        gtbm_min + gtbm.incremental_peak_bytes,
+        capacity,
+        replay(trace, BestFitPool(capacity)),
+        gtbm,
+    )

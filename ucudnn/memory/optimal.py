@@ -47,25 +47,25 @@ __all__ = ["OptimalResult", "plan", "search"]
 
 log = logging.getLogger("ucudnn.memory.optimal")
 
-QUEUE_FACTOR = 1.2       # copies back queue on their stream: one is assumed to take this times its time alone
-QUEUE_BLOCKS = 24        # the copy-out queue is modelled per block of forward steps (see memplan)
-MAX_OPTIONS = 4          # options kept per kernel front: the program stays small, the extremes stay in
-MIP_REL_GAP = 0.005      # HiGHS stops within 0.5% of its bound: the time model is not finer than that
-PEAK_REL_GAP = 1e-4      # ... and within 0.01% of it where it minimises the peak (nothing fits the limit)
-ROUNDS = 6               # solve-simulate rounds at most
-STALL_TOLERANCE = 0.01   # a plan stalling more than this share of its step is solved again with fewer copies
-_PREFER_KEEP_MS = 1e-6   # per MB offloaded: among equally fast plans, copy less
+QUEUE_FACTOR = 1.2  # copies back queue on their stream: one is assumed to take this times its time alone
+QUEUE_BLOCKS = 24  # the copy-out queue is modelled per block of forward steps (see memplan)
+MAX_OPTIONS = 4  # options kept per kernel front: the program stays small, the extremes stay in
+MIP_REL_GAP = 0.005  # HiGHS stops within 0.5% of its bound: the time model is not finer than that
+PEAK_REL_GAP = 1e-4  # ... and within 0.01% of it where it minimises the peak (nothing fits the limit)
+ROUNDS = 6  # solve-simulate rounds at most
+STALL_TOLERANCE = 0.01  # a plan stalling more than this share of its step is solved again with fewer copies
+_PREFER_KEEP_MS = 1e-6  # per MB offloaded: among equally fast plans, copy less
 
 
 @dataclass(frozen=True, slots=True)
 class OptimalResult:
     plan: MemoryPlan
-    objective_ms: float           # the program's model of the step time for its answer
-    mip_gap: float                # HiGHS: relative distance between its answer and its proved bound
-    model_gap: float              # simulated step / objective - 1: what the program's time model missed
+    objective_ms: float  # the program's model of the step time for its answer
+    mip_gap: float  # HiGHS: relative distance between its answer and its proved bound
+    model_gap: float  # simulated step / objective - 1: what the program's time model missed
     solve_time_s: float
     rounds: int
-    chosen: str = "program"       # program; vdnn when a static vDNN plan simulated faster; or a heuristic's name
+    chosen: str = "program"  # program; vdnn when a static vDNN plan simulated faster; or a heuristic's name
 
 
 def _thin(options: tuple[KernelOption, ...]) -> tuple[KernelOption, ...]:
@@ -106,7 +106,7 @@ def _tables(graph: TrainingGraph, device: DeviceProfile, costs, fronts):
         p, f = first_write[s], last_fwd[s]
         uses = bwd_uses.get(s)
         if not uses:
-            add_fixed(p, f, b)          # released after its last forward use
+            add_fixed(p, f, b)  # released after its last forward use
             continue
         u, e = uses[0], uses[-1]
         if s in graph.must_keep:  # kept whatever the plan
@@ -127,11 +127,12 @@ def _tables(graph: TrainingGraph, device: DeviceProfile, costs, fronts):
             rows["offload"] = tuple(sorted(set(range(p, f + 1)) | set(range(q, e + 1))))
             # the step after its last forward reader waits for the copy out: what the compute from
             # the copy's start to that reader does not hide (the copy alone on its stream)
-            hidden_ms = sum(ms[last_write + 1:f + 1])
+            hidden_ms = sum(ms[last_write + 1 : f + 1])
             cost["offload"] = max(0.0, device.copy_ms(b, "d2h") - hidden_ms) + _PREFER_KEEP_MS * b / 1e6
         producers = graph.producers(s)
-        sources = tuple(dict.fromkeys(graph.storage_of(i) for op in producers for i in op.inputs
-                                      if graph.storage_of(i) != s))
+        sources = tuple(
+            dict.fromkeys(graph.storage_of(i) for op in producers for i in op.inputs if graph.storage_of(i) != s)
+        )
         # rebuilt from resident sources only: a released source would have to be rebuilt too
         if producers[0].type != "input" and all(src in bwd_uses for src in sources):
             rows["recompute"] = tuple(sorted(set(range(p, f + 1)) | set(range(u, e + 1))))
@@ -143,8 +144,9 @@ def _tables(graph: TrainingGraph, device: DeviceProfile, costs, fronts):
         opts = _thin(options)
         thinned[(layer, kind)] = opts
         row = next(st.index for st in steps if st.op == layer and kind in st.kernels)
-        kernels.append(memplan.Kernel(f"{layer}\t{kind}", row, tuple(o.time_ms for o in opts),
-                                      tuple(o.memory for o in opts)))
+        kernels.append(
+            memplan.Kernel(f"{layer}\t{kind}", row, tuple(o.time_ms for o in opts), tuple(o.memory for o in opts))
+        )
     fwd_ms = sum(ms[:nf])
     bwd_ms = sum(ms[nf:])
     budget = min(fwd_ms * device.d2h_gbps, bwd_ms * device.h2d_gbps) * 1e6  # bytes (GB/s x ms = MB)
@@ -176,12 +178,22 @@ def _triggers(graph: TrainingGraph, actions: dict[str, str], prefetch_at: dict[s
     return {s: min(row, first_read.get(s, row)) for s, row in rows.items()}
 
 
-def search(graph: TrainingGraph, device: DeviceProfile, memory_limit: int, *, devices: int = 1, db=None,
-           fronts=None, time_limit_s: float = 4.0) -> OptimalResult:
+def search(
+    graph: TrainingGraph,
+    device: DeviceProfile,
+    memory_limit: int,
+    *,
+    devices: int = 1,
+    db=None,
+    fronts=None,
+    time_limit_s: float = 4.0,
+) -> OptimalResult:
     """The optimal policy's plan and the program's figures (see the module docstring)."""
     fronts = conv_fronts(graph, device, db=db, given=fronts)
     base = baseline(graph, device, fronts)
-    tensors, kernels, fixed, thinned, budget, constant_ms, prefetch_at, drain = _tables(graph, device, base.costs, fronts)
+    tensors, kernels, fixed, thinned, budget, constant_ms, prefetch_at, drain = _tables(
+        graph, device, base.costs, fronts
+    )
     target = memory_limit
     best = None
     last = None
@@ -190,9 +202,17 @@ def search(graph: TrainingGraph, device: DeviceProfile, memory_limit: int, *, de
     least = None  # where no choice fits the limit: the program's choices of least peak
     for rounds in range(1, ROUNDS + 1):
         try:
-            sol = memplan.solve(tensors, kernels, fixed, target, copy_budget_bytes=budget, drain_bytes=drain[0],
-                                queue_block=drain[1],
-                                time_limit_s=max(1.0, time_limit_s - solve_s), mip_rel_gap=MIP_REL_GAP)
+            sol = memplan.solve(
+                tensors,
+                kernels,
+                fixed,
+                target,
+                copy_budget_bytes=budget,
+                drain_bytes=drain[0],
+                queue_block=drain[1],
+                time_limit_s=max(1.0, time_limit_s - solve_s),
+                mip_rel_gap=MIP_REL_GAP,
+            )
         except Infeasible as exc:  # proved infeasible, or HiGHS found no answer in its time
             log.info("optimal: round %d: %s", rounds, exc)
             if rounds > 1 or least is not None:
@@ -200,19 +220,35 @@ def search(graph: TrainingGraph, device: DeviceProfile, memory_limit: int, *, de
             # nothing fits: the least peak the program allows, then the fastest choices within it (a hair above:
             # HiGHS meets its rows to a tolerance); the smallest plan there is, where the limit is below it
             try:
-                least = memplan.solve(tensors, kernels, fixed, 2**62, copy_budget_bytes=budget,
-                                      drain_bytes=drain[0], queue_block=drain[1],
-                                      time_limit_s=max(1.0, time_limit_s - solve_s), mip_rel_gap=PEAK_REL_GAP,
-                                      minimise_peak=True)
+                least = memplan.solve(
+                    tensors,
+                    kernels,
+                    fixed,
+                    2**62,
+                    copy_budget_bytes=budget,
+                    drain_bytes=drain[0],
+                    queue_block=drain[1],
+                    time_limit_s=max(1.0, time_limit_s - solve_s),
+                    mip_rel_gap=PEAK_REL_GAP,
+                    minimise_peak=True,
+                )
             except Infeasible as exc:
                 log.info("optimal: the least peak: %s", exc)
                 break
             solve_s += least.solve_time_s
             target = math.ceil(least.peak_bytes * (1 + PEAK_REL_GAP / 10)) + 1
             try:
-                sol = memplan.solve(tensors, kernels, fixed, target, copy_budget_bytes=budget,
-                                    drain_bytes=drain[0], queue_block=drain[1],
-                                    time_limit_s=max(1.0, time_limit_s - solve_s), mip_rel_gap=MIP_REL_GAP)
+                sol = memplan.solve(
+                    tensors,
+                    kernels,
+                    fixed,
+                    target,
+                    copy_budget_bytes=budget,
+                    drain_bytes=drain[0],
+                    queue_block=drain[1],
+                    time_limit_s=max(1.0, time_limit_s - solve_s),
+                    mip_rel_gap=MIP_REL_GAP,
+                )
             except Infeasible as exc:
                 log.info("optimal: the fastest at the least peak: %s", exc)
                 sol = least
@@ -223,13 +259,29 @@ def search(graph: TrainingGraph, device: DeviceProfile, memory_limit: int, *, de
             layer, kind = k.name.split("\t")
             workspace[(layer, kind)] = thinned[(layer, kind)][sol.options[k.name]].workspace
         costs = step_costs(graph, device, workspace=workspace, fronts=fronts)
-        result = simulate(graph, device, costs, sol.actions, memory_limit=memory_limit,
-                          prefetch=_triggers(graph, sol.actions, prefetch_at), devices=devices)
-        sol = memplan.Solution(sol.actions, sol.options, sol.objective_ms + constant_ms, sol.mip_gap,
-                               sol.solve_time_s, sol.status)
+        result = simulate(
+            graph,
+            device,
+            costs,
+            sol.actions,
+            memory_limit=memory_limit,
+            prefetch=_triggers(graph, sol.actions, prefetch_at),
+            devices=devices,
+        )
+        sol = memplan.Solution(
+            sol.actions, sol.options, sol.objective_ms + constant_ms, sol.mip_gap, sol.solve_time_s, sol.status
+        )
         last = (sol, workspace, result)
-        log.info("optimal: round %d at %d bytes: peak %d, step %.1f ms (model %.1f), stall %.1f, fits %s",
-                 rounds, target, result.peak_bytes, result.step_ms, sol.objective_ms, result.stall_ms, result.fits)
+        log.info(
+            "optimal: round %d at %d bytes: peak %d, step %.1f ms (model %.1f), stall %.1f, fits %s",
+            rounds,
+            target,
+            result.peak_bytes,
+            result.step_ms,
+            sol.objective_ms,
+            result.stall_ms,
+            result.fits,
+        )
         if _better(result, best[2] if best else None):
             best = last
         overflow = result.peak_bytes - memory_limit
@@ -257,21 +309,30 @@ def search(graph: TrainingGraph, device: DeviceProfile, memory_limit: int, *, de
         actions = actions_for(graph, mode)
         if costs is None:
             costs = step_costs(graph, device, workspace=workspace, fronts=fronts)
-        result = simulate(graph, device, costs, actions, memory_limit=memory_limit, prefetch="adaptive",
-                          devices=devices)
+        result = simulate(
+            graph, device, costs, actions, memory_limit=memory_limit, prefetch="adaptive", devices=devices
+        )
         if static is None or _better(result, static[2]):
             static = (actions, workspace, result)
     if best is None or _better(static[2], best[2]):
         actions, workspace, result = static
         p = to_plan(graph, device, memory_limit, "optimal", actions, workspace, result, devices=devices, base=base)
         objective = last[0].objective_ms if last else float("nan")
-        found = OptimalResult(p, objective, last[0].mip_gap if last else float("nan"),
-                              result.step_ms / objective - 1 if last else float("nan"), solve_s, rounds, "vdnn")
+        found = OptimalResult(
+            p,
+            objective,
+            last[0].mip_gap if last else float("nan"),
+            result.step_ms / objective - 1 if last else float("nan"),
+            solve_s,
+            rounds,
+            "vdnn",
+        )
     else:
         sol, workspace, result = best
         p = to_plan(graph, device, memory_limit, "optimal", sol.actions, workspace, result, devices=devices, base=base)
-        found = OptimalResult(p, sol.objective_ms, sol.mip_gap, result.step_ms / sol.objective_ms - 1, solve_s, rounds,
-                              "program")
+        found = OptimalResult(
+            p, sol.objective_ms, sol.mip_gap, result.step_ms / sol.objective_ms - 1, solve_s, rounds, "program"
+        )
     return _against_heuristics(found, graph, device, memory_limit, devices=devices, fronts=fronts)
 
 
@@ -287,8 +348,9 @@ def _better(result, other) -> bool:
     return (result.peak_bytes, result.step_ms) < (other.peak_bytes, other.step_ms)
 
 
-def _against_heuristics(found: OptimalResult, graph: TrainingGraph, device: DeviceProfile, memory_limit: int, *,
-                        devices: int, fronts) -> OptimalResult:
+def _against_heuristics(
+    found: OptimalResult, graph: TrainingGraph, device: DeviceProfile, memory_limit: int, *, devices: int, fronts
+) -> OptimalResult:
     """`found`, or the fastest fitting plan of a heuristic policy when that one is faster (or `found` does
     not fit): the program's time and copy-queue models are conservative, so a heuristic's simulated plan
     can beat it, and `optimal` must never be beaten by a policy on the same graph, profile and limit.
@@ -309,7 +371,16 @@ def _against_heuristics(found: OptimalResult, graph: TrainingGraph, device: Devi
     plan = dataclasses.replace(best, policy="optimal", search=f"{best.policy}'s plan, {why} the program's")
     return dataclasses.replace(found, plan=plan, model_gap=plan.step_ms / found.objective_ms - 1, chosen=best.policy)
 
-def plan(graph: TrainingGraph, device: DeviceProfile, memory_limit: int, *, devices: int = 1, db=None,
-         fronts=None, time_limit_s: float = 4.0) -> MemoryPlan:
+
+def plan(
+    graph: TrainingGraph,
+    device: DeviceProfile,
+    memory_limit: int,
+    *,
+    devices: int = 1,
+    db=None,
+    fronts=None,
+    time_limit_s: float = 4.0,
+) -> MemoryPlan:
     """The `optimal` policy (see the module docstring)."""
     return search(graph, device, memory_limit, devices=devices, db=db, fronts=fronts, time_limit_s=time_limit_s).plan

@@ -84,12 +84,14 @@ class MemoryPlan:
 
     def __post_init__(self) -> None:
         if self.device_tensors and len(self.device_tensors) != self.devices:
-            raise InvalidInput(f"device_tensors: {len(self.device_tensors)} lists for {self.devices} devices "
-                               "(one per device, or none when every device does what tensors says)")
+            raise InvalidInput(
+                f"device_tensors: {len(self.device_tensors)} lists for {self.devices} devices "
+                "(one per device, or none when every device does what tensors says)"
+            )
         if self.device_tensors and self.device_tensors[0] != self.tensors:
             raise InvalidInput("device_tensors: the first list must be tensors (device 0's actions)")
         if all(ts == self.tensors for ts in self.device_tensors):
-            object.__setattr__(self, "device_tensors", ())   # one form for "every device the same"
+            object.__setattr__(self, "device_tensors", ())  # one form for "every device the same"
 
     @property
     def overhead(self) -> float:
@@ -114,8 +116,10 @@ class MemoryPlan:
         data["overhead"] = self.overhead
         data["tensors"] = _tensors_json(self.tensors)
         data["device_tensors"] = [_tensors_json(ts) for ts in self.device_actions()]
-        data["conv_workspace"] = [{"layer": c.layer, "kind": c.kind, "bytes": c.bytes, **({"torch_own": True}
-                                   if c.torch_own else {})} for c in self.conv_workspace]
+        data["conv_workspace"] = [
+            {"layer": c.layer, "kind": c.kind, "bytes": c.bytes, **({"torch_own": True} if c.torch_own else {})}
+            for c in self.conv_workspace
+        ]
         return data
 
     @classmethod
@@ -124,8 +128,9 @@ class MemoryPlan:
             values = {k: v for k, v in data.items() if k not in ("overhead", "simulation", "capture")}
             values["tensors"] = tuple(TensorAction(**t) for t in data["tensors"])
             # absent in plans written before it existed
-            values["device_tensors"] = tuple(tuple(TensorAction(**t) for t in ts)
-                                             for ts in data.get("device_tensors", ()))
+            values["device_tensors"] = tuple(
+                tuple(TensorAction(**t) for t in ts) for ts in data.get("device_tensors", ())
+            )
             values["conv_workspace"] = tuple(ConvWorkspace(**c) for c in data["conv_workspace"])
             return cls(**values)
         except (KeyError, TypeError, AttributeError) as exc:

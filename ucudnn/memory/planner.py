@@ -18,8 +18,18 @@ from ucudnn.memory.graph import TrainingGraph
 from ucudnn.memory.plan import ConvWorkspace, MemoryPlan, TensorAction
 from ucudnn.memory.simulate import SimResult, StepCost, network_wide_bytes, simulate
 
-__all__ = ["OFFLOADING", "POLICIES", "Baseline", "as_executed", "available_policies", "baseline", "make_executed_plan",
-           "make_plan", "smallest_fitting_limit", "to_plan"]
+__all__ = [
+    "OFFLOADING",
+    "POLICIES",
+    "Baseline",
+    "as_executed",
+    "available_policies",
+    "baseline",
+    "make_executed_plan",
+    "make_plan",
+    "smallest_fitting_limit",
+    "to_plan",
+]
 
 # name -> (module, function, keyword options)
 POLICIES: dict[str, tuple[str, str, dict]] = {
@@ -60,8 +70,16 @@ def _check_limit(memory_limit: int) -> None:
         raise InvalidInput(f"memory_limit must be a positive number of bytes, got {memory_limit!r}")
 
 
-def make_plan(graph: TrainingGraph, device: DeviceProfile | str, memory_limit: int, policy: str, *,
-              devices: int = 1, db=None, fronts=None) -> MemoryPlan:
+def make_plan(
+    graph: TrainingGraph,
+    device: DeviceProfile | str,
+    memory_limit: int,
+    policy: str,
+    *,
+    devices: int = 1,
+    db=None,
+    fronts=None,
+) -> MemoryPlan:
     """The plan `policy` makes for `graph` on `devices` copies of `device` within `memory_limit` bytes each.
 
     Policies: vdnn-all, vdnn-conv, vdnn-dyn, swap-multi, dymem, checkpoint, optimal; an unknown or
@@ -106,7 +124,7 @@ def _torch_own_marked(plan: MemoryPlan, fronts) -> MemoryPlan:
 class Baseline:
     """Everything resident, the fastest algorithms, unlimited memory."""
 
-    peak_bytes: int               # network-wide allocation, as vDNN's baseline
+    peak_bytes: int  # network-wide allocation, as vDNN's baseline
     step_ms: float
     costs: tuple[StepCost, ...]
 
@@ -121,10 +139,20 @@ def baseline(graph: TrainingGraph, device: DeviceProfile, fronts=None) -> Baseli
     return Baseline(network_wide_bytes(graph, max(c.workspace for c in costs)), result.step_ms, costs)
 
 
-def to_plan(graph: TrainingGraph, device: DeviceProfile, memory_limit: int, policy: str,
-            actions: Mapping[str, str], workspace: Mapping[tuple[str, str], int], result: SimResult, *,
-            devices: int = 1, base: Baseline | None = None, search: str = "",
-            device_actions: Sequence[Mapping[str, str]] = ()) -> MemoryPlan:
+def to_plan(
+    graph: TrainingGraph,
+    device: DeviceProfile,
+    memory_limit: int,
+    policy: str,
+    actions: Mapping[str, str],
+    workspace: Mapping[tuple[str, str], int],
+    result: SimResult,
+    *,
+    devices: int = 1,
+    base: Baseline | None = None,
+    search: str = "",
+    device_actions: Sequence[Mapping[str, str]] = (),
+) -> MemoryPlan:
     """The `MemoryPlan` of one simulated decision: `actions` per storage (keep where absent) and each
     conv kernel's workspace in bytes (what `result`'s costs used); `search`: how the policy found it;
     `device_actions`, one mapping per device with `actions` first, when the devices act differently."""
@@ -133,18 +161,34 @@ def to_plan(graph: TrainingGraph, device: DeviceProfile, memory_limit: int, poli
     backward = {r for st in graph.steps if st.phase == "bwd" for r in st.reads}
 
     def tensors_of(acts: Mapping[str, str]) -> tuple[TensorAction, ...]:
-        return tuple(TensorAction(s, graph.bytes_of(s), acts.get(s, "keep" if s in backward else "release"))
-                     for s in graph.storages)
+        return tuple(
+            TensorAction(s, graph.bytes_of(s), acts.get(s, "keep" if s in backward else "release"))
+            for s in graph.storages
+        )
 
     tensors = tensors_of(actions)
     conv_ws = tuple(ConvWorkspace(layer, kind, int(b)) for (layer, kind), b in workspace.items())
-    return MemoryPlan(network=graph.network, batch=graph.batch, device=device.name, devices=devices,
-                      memory_limit=memory_limit, policy=policy, fits=result.fits and result.peak_bytes <= memory_limit,
-                      peak_bytes=result.peak_bytes, average_bytes=result.average_bytes,
-                      baseline_peak_bytes=base.peak_bytes, step_ms=result.step_ms, baseline_step_ms=base.step_ms,
-                      stall_ms=result.stall_ms, bytes_offloaded=result.bytes_offloaded, tensors=tensors,
-                      conv_workspace=conv_ws, search=search,
-                      device_tensors=tuple(tensors_of(acts) for acts in device_actions), simulation=result)
+    return MemoryPlan(
+        network=graph.network,
+        batch=graph.batch,
+        device=device.name,
+        devices=devices,
+        memory_limit=memory_limit,
+        policy=policy,
+        fits=result.fits and result.peak_bytes <= memory_limit,
+        peak_bytes=result.peak_bytes,
+        average_bytes=result.average_bytes,
+        baseline_peak_bytes=base.peak_bytes,
+        step_ms=result.step_ms,
+        baseline_step_ms=base.step_ms,
+        stall_ms=result.stall_ms,
+        bytes_offloaded=result.bytes_offloaded,
+        tensors=tensors,
+        conv_workspace=conv_ws,
+        search=search,
+        device_tensors=tuple(tensors_of(acts) for acts in device_actions),
+        simulation=result,
+    )
 
 
 def as_executed(plan: MemoryPlan, graph: TrainingGraph, device: DeviceProfile) -> MemoryPlan:
@@ -158,13 +202,28 @@ def as_executed(plan: MemoryPlan, graph: TrainingGraph, device: DeviceProfile) -
     if sim is None or not sim.costs or not any("offload" in a.values() for a in acts):
         return plan
     result = simulate(graph, device, sim.costs, acts, prefetch="ahead", devices=plan.devices)
-    return dataclasses.replace(plan, fits=result.peak_bytes <= plan.memory_limit, peak_bytes=result.peak_bytes,
-                               average_bytes=result.average_bytes, step_ms=result.step_ms,
-                               stall_ms=result.stall_ms, bytes_offloaded=result.bytes_offloaded, simulation=result)
+    return dataclasses.replace(
+        plan,
+        fits=result.peak_bytes <= plan.memory_limit,
+        peak_bytes=result.peak_bytes,
+        average_bytes=result.average_bytes,
+        step_ms=result.step_ms,
+        stall_ms=result.stall_ms,
+        bytes_offloaded=result.bytes_offloaded,
+        simulation=result,
+    )
 
 
-def make_executed_plan(graph: TrainingGraph, device: DeviceProfile | str, memory_limit: int, policy: str, *,
-                       devices: int = 1, db=None, fronts=None) -> MemoryPlan:
+def make_executed_plan(
+    graph: TrainingGraph,
+    device: DeviceProfile | str,
+    memory_limit: int,
+    policy: str,
+    *,
+    devices: int = 1,
+    db=None,
+    fronts=None,
+) -> MemoryPlan:
     """`make_plan` with the figures of its step as `ucudnn.torch.execute_plan` runs it (`as_executed`). Where
     the policy's plan fits by its own timing of the copies back but not as executed, the policy plans again
     within the limit lowered by the overflow (`EXECUTED_ROUNDS` times at most); the first plan that fits as
@@ -204,8 +263,9 @@ def _closest(plan: MemoryPlan) -> tuple:
     return (0, plan.step_ms, 0) if plan.fits else (1, plan.peak_bytes, plan.step_ms)
 
 
-def smallest_fitting_limit(graph: TrainingGraph, device: DeviceProfile, policy: str, *, devices: int = 1,
-                           above: int = 0) -> int:
+def smallest_fitting_limit(
+    graph: TrainingGraph, device: DeviceProfile, policy: str, *, devices: int = 1, above: int = 0
+) -> int:
     """The smallest memory limit at which `policy`'s plan fits, to within 1/256 of it (at least 1 MiB).
 
     Bisection between `above` (known not to fit) and the peak of the policy's plan without a limit

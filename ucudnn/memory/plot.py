@@ -25,13 +25,18 @@ def plot_plan(plan, path: str) -> None:
     top.stairs(used, times, color="tab:blue", fill=True, alpha=0.4, label="in use")
     top.axhline(plan.memory_limit / _GIB, color="tab:red", linestyle="--", label="limit")
     top.axhline(plan.baseline_peak_bytes / _GIB, color="0.5", linestyle=":", label="everything resident")
-    top.set(ylabel="device memory (GiB)",
-            title=f"{plan.network} b{plan.batch} on {plan.device}, {plan.policy}: peak "
-                  f"{plan.peak_bytes / _GIB:.2f} GiB, step {plan.step_ms:.1f} ms (+{100 * plan.overhead:.1f}%)")
+    top.set(
+        ylabel="device memory (GiB)",
+        title=f"{plan.network} b{plan.batch} on {plan.device}, {plan.policy}: peak "
+        f"{plan.peak_bytes / _GIB:.2f} GiB, step {plan.step_ms:.1f} ms (+{100 * plan.overhead:.1f}%)",
+    )
     top.legend(loc="upper right")
     for row, stream in enumerate(_STREAMS):
-        spans = [(i.start_ms, i.end_ms - i.start_ms) for i in result.timeline
-                 if i.device == 0 and i.stream == stream and i.end_ms > i.start_ms]
+        spans = [
+            (i.start_ms, i.end_ms - i.start_ms)
+            for i in result.timeline
+            if i.device == 0 and i.stream == stream and i.end_ms > i.start_ms
+        ]
         bottom.broken_barh(spans, (row - 0.4, 0.8), color=_COLOURS[stream])
     bottom.set(yticks=range(len(_STREAMS)), yticklabels=_STREAMS, xlabel="time in the step (ms)")
     fig.tight_layout()

@@ -13,8 +13,9 @@ from ucudnn.memory.graph import TrainingGraph
 __all__ = ["ahead", "trigger"]
 
 
-def trigger(sched: Sequence, ms: Sequence[float], use: int, name: str, nbytes: int,
-            device: DeviceProfile, prefetch) -> int:
+def trigger(
+    sched: Sequence, ms: Sequence[float], use: int, name: str, nbytes: int, device: DeviceProfile, prefetch
+) -> int:
     """The step at which the copy back of storage `name` (`nbytes`, first used at step `use`) starts: see
     `ucudnn.memory.simulate` for the values of `prefetch`."""
     if prefetch == "ahead":
@@ -39,7 +40,9 @@ def trigger(sched: Sequence, ms: Sequence[float], use: int, name: str, nbytes: i
             if left >= need or sched[k].phase == "fwd":
                 return k
         return 0
-    raise InvalidInput(f"prefetch must be 'layer', 'adaptive', 'ahead' or a mapping of storage to step, got {prefetch!r}")
+    raise InvalidInput(
+        f"prefetch must be 'layer', 'adaptive', 'ahead' or a mapping of storage to step, got {prefetch!r}"
+    )
 
 
 def ahead(graph: TrainingGraph, sched: Sequence, uses: Mapping[str, int]) -> dict[str, int]:
@@ -49,7 +52,7 @@ def ahead(graph: TrainingGraph, sched: Sequence, uses: Mapping[str, int]) -> dic
     then and the next one. `uses`: each offloaded map's first use after the forward pass."""
     nf = graph.forward_steps
     late = set(uses) | {w for s in sched if s.phase == "recompute" for w in s.writes}
-    points = []   # (the step at whose start the executor looks, the backward step it looks for)
+    points = []  # (the step at whose start the executor looks, the backward step it looks for)
     model_started = False
     for k in range(nf, len(sched)):
         s = sched[k]

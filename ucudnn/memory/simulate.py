@@ -60,8 +60,7 @@ from ucudnn.memory.graph import TrainingGraph
 from ucudnn.memory.plan import ACTIONS
 from ucudnn.memory.prefetch import ahead, trigger
 
-__all__ = ["DeviceResult", "Interval", "SimResult", "SimStep", "StepCost", "expand", "network_wide_bytes",
-           "simulate"]
+__all__ = ["DeviceResult", "Interval", "SimResult", "SimStep", "StepCost", "expand", "network_wide_bytes", "simulate"]
 
 _GB = 1e9
 _EPS_MS = 1e-9
@@ -79,9 +78,9 @@ class StepCost:
 class SimStep:
     """One step of the expanded schedule: a graph step, or the forward step of an op run again."""
 
-    step: int                     # index into TrainingGraph.steps (its cost)
+    step: int  # index into TrainingGraph.steps (its cost)
     op: str
-    phase: str                    # "fwd", "bwd" or "recompute"
+    phase: str  # "fwd", "bwd" or "recompute"
     reads: tuple[str, ...]
     writes: tuple[str, ...]
 
@@ -106,8 +105,8 @@ class DeviceResult:
     bytes_offloaded: int
     bytes_prefetched: int
     recompute_ms: float
-    overflow: bool                # an allocation went past the memory limit
-    missing: tuple[str, ...]      # "step op: tensor" for every read of a tensor not resident (a bad plan)
+    overflow: bool  # an allocation went past the memory limit
+    missing: tuple[str, ...]  # "step op: tensor" for every read of a tensor not resident (a bad plan)
     memory: tuple[tuple[float, int], ...]  # (time, bytes in use) at every change
     # the allocation trace: (time, tensor, +bytes allocated or -bytes freed), in order; conv
     # workspaces are named "workspace:<op>"; weights (and weight gradients held the whole step) are not in it
@@ -122,7 +121,7 @@ class SimResult:
     timeline: tuple[Interval, ...]
     devices: tuple[DeviceResult, ...]
     schedule: tuple[tuple[SimStep, ...], ...]  # each device's expanded schedule
-    costs: tuple[StepCost, ...] = ()           # what each graph step cost (to simulate the same step again)
+    costs: tuple[StepCost, ...] = ()  # what each graph step cost (to simulate the same step again)
 
     def _max(self, name: str):
         return max(getattr(d, name) for d in self.devices)
@@ -161,8 +160,9 @@ def _check_actions(graph: TrainingGraph, actions: Mapping[str, str] | None) -> d
         if action == "recompute" and graph.op(name).type == "input":
             raise InvalidInput(f"{name!r} is the input: it cannot be recomputed (keep or offload it)")
         if action in ("offload", "recompute") and graph.captured is not None and name in graph.captured.pinned:
-            raise InvalidInput(f"{name!r} is kept by every plan (the program holds it, or only its operation makes "
-                               "it): keep it")
+            raise InvalidInput(
+                f"{name!r} is kept by every plan (the program holds it, or only its operation makes it): keep it"
+            )
     return out
 
 
@@ -211,19 +211,20 @@ class _Plan:
     sched: tuple[SimStep, ...]
     ms: list[float]
     workspace: list[int]
-    alloc_at: dict[int, list[tuple[str, int]]]   # step -> tensors allocated at its start
-    free_after: dict[int, list[str]]             # step -> tensors freed at its end
-    offload_after: dict[int, list[str]]          # step -> storages whose copy out starts at its end
-    offload_free_after: dict[str, int]           # offloaded storage -> its last forward reader
-    prefetches: list[tuple[int, int, str]]       # (trigger step, first use step, storage)
-    waits_for: dict[int, list[str]]              # step -> prefetched storages it needs
+    alloc_at: dict[int, list[tuple[str, int]]]  # step -> tensors allocated at its start
+    free_after: dict[int, list[str]]  # step -> tensors freed at its end
+    offload_after: dict[int, list[str]]  # step -> storages whose copy out starts at its end
+    offload_free_after: dict[str, int]  # offloaded storage -> its last forward reader
+    prefetches: list[tuple[int, int, str]]  # (trigger step, first use step, storage)
+    waits_for: dict[int, list[str]]  # step -> prefetched storages it needs
     nbytes: dict[str, int]
     persistent: int
-    allocate_at_issue: bool                      # a copy back holds its memory from its trigger (else: its start)
+    allocate_at_issue: bool  # a copy back holds its memory from its trigger (else: its start)
 
 
-def _prepare(graph: TrainingGraph, costs: Sequence[StepCost], actions: Mapping[str, str] | None,
-             device: DeviceProfile, prefetch) -> _Plan:
+def _prepare(
+    graph: TrainingGraph, costs: Sequence[StepCost], actions: Mapping[str, str] | None, device: DeviceProfile, prefetch
+) -> _Plan:
     acts = _check_actions(graph, actions)
     sched = expand(graph, acts)
     nbytes = {name: t.bytes for name, t in graph.tensors.items() if t.kind in ("feature", "gradient")}
@@ -232,7 +233,7 @@ def _prepare(graph: TrainingGraph, costs: Sequence[StepCost], actions: Mapping[s
     last_use: dict[str, int] = {}
     last_fwd_use: dict[str, int] = {}
     last_fwd_write: dict[str, int] = {}
-    first_late_use: dict[str, int] = {}   # first use after the forward pass (recompute or backward)
+    first_late_use: dict[str, int] = {}  # first use after the forward pass (recompute or backward)
     rebuilt_at: dict[str, int] = {}
     for k, s in enumerate(sched):
         for name in s.writes:
@@ -287,17 +288,29 @@ def _prepare(graph: TrainingGraph, costs: Sequence[StepCost], actions: Mapping[s
     prefetches.sort()
     persistent = graph.persistent_bytes
     workspace = [costs[s.step].workspace for s in sched]
-    return _Plan(sched, ms, workspace, alloc_at, free_after, offload_after, offload_free_after, prefetches,
-                 waits_for, nbytes, persistent, prefetch == "ahead")
+    return _Plan(
+        sched,
+        ms,
+        workspace,
+        alloc_at,
+        free_after,
+        offload_after,
+        offload_free_after,
+        prefetches,
+        waits_for,
+        nbytes,
+        persistent,
+        prefetch == "ahead",
+    )
 
 
 # ---- the event loop ----------------------------------------------------------------------------------------
 @dataclass(slots=True)
 class _Copy:
     device: int
-    direction: str                # "h2d" or "d2h"
+    direction: str  # "h2d" or "d2h"
     name: str
-    remaining: float              # bytes
+    remaining: float  # bytes
     total: int
     start_ms: float
 
@@ -309,8 +322,8 @@ class _Device:
         self.index = index
         self.p = plan
         self.limit = limit
-        self.next = 0                     # next step of the compute stream
-        self.running: int | None = None   # step running, and when it ends
+        self.next = 0  # next step of the compute stream
+        self.running: int | None = None  # step running, and when it ends
         self.ends_at = 0.0
         self.idle_since = 0.0
         self.stall = 0.0
@@ -320,14 +333,14 @@ class _Device:
         self.overflow = False
         self.memory: list[tuple[float, int]] = [(0.0, self.used)]
         self.resident: dict[str, int] = {}
-        self.pending_free: set[str] = set()       # offloaded, freed when their copy out ends
-        self.offloaded: set[str] = set()          # copy out finished (a host copy exists)
+        self.pending_free: set[str] = set()  # offloaded, freed when their copy out ends
+        self.offloaded: set[str] = set()  # copy out finished (a host copy exists)
         self.d2h_queue: list[str] = []
-        self.h2d_queue: list[str] = []            # issued prefetches, FIFO
+        self.h2d_queue: list[str] = []  # issued prefetches, FIFO
         self.h2d_done: set[str] = set()
         self.d2h: _Copy | None = None
         self.h2d: _Copy | None = None
-        self.trigger_pos = 0                      # next prefetch (plan.prefetches) to issue
+        self.trigger_pos = 0  # next prefetch (plan.prefetches) to issue
         self.bytes_offloaded = 0
         self.bytes_prefetched = 0
         self.done_at = 0.0
@@ -358,10 +371,18 @@ class _Device:
         return new + p.workspace[k]
 
 
-def simulate(graph: TrainingGraph, device: DeviceProfile, costs: Sequence[StepCost],
-             actions: Mapping[str, str] | Sequence[Mapping[str, str]] | None = None, *,
-             memory_limit: int | None = None, prefetch="layer", devices: int = 1,
-             devices_per_link: int | None = None, timeline: bool = True) -> SimResult:
+def simulate(
+    graph: TrainingGraph,
+    device: DeviceProfile,
+    costs: Sequence[StepCost],
+    actions: Mapping[str, str] | Sequence[Mapping[str, str]] | None = None,
+    *,
+    memory_limit: int | None = None,
+    prefetch="layer",
+    devices: int = 1,
+    devices_per_link: int | None = None,
+    timeline: bool = True,
+) -> SimResult:
     """Simulate one training step of `graph` on `devices` copies of `device` (data parallel: the same
     steps; `actions` is one mapping for all, or one per device, and so is `prefetch`). See the module docstring."""
     if not isinstance(devices, int) or isinstance(devices, bool) or devices < 1:
@@ -370,12 +391,16 @@ def simulate(graph: TrainingGraph, device: DeviceProfile, costs: Sequence[StepCo
         raise InvalidInput(f"costs: {len(costs)} entries for {len(graph.steps)} steps of {graph.network!r}")
     if memory_limit is not None and (not isinstance(memory_limit, int) or memory_limit <= 0):
         raise InvalidInput(f"memory_limit must be a positive number of bytes, got {memory_limit!r}")
-    per_device = list(actions) if isinstance(actions, Sequence) and not isinstance(actions, (str, Mapping)) \
+    per_device = (
+        list(actions)
+        if isinstance(actions, Sequence) and not isinstance(actions, (str, Mapping))
         else [actions] * devices
+    )
     if len(per_device) != devices:
         raise InvalidInput(f"actions: {len(per_device)} mappings for {devices} devices")
-    per_prefetch = list(prefetch) if isinstance(prefetch, Sequence) and not isinstance(prefetch, str) \
-        else [prefetch] * devices
+    per_prefetch = (
+        list(prefetch) if isinstance(prefetch, Sequence) and not isinstance(prefetch, str) else [prefetch] * devices
+    )
     if len(per_prefetch) != devices:
         raise InvalidInput(f"prefetch: {len(per_prefetch)} entries for {devices} devices")
     share = devices_per_link if devices_per_link is not None else device.devices_per_link
@@ -384,7 +409,7 @@ def simulate(graph: TrainingGraph, device: DeviceProfile, costs: Sequence[StepCo
     plans = {}
     devs = []
     for d, (acts, trig) in enumerate(zip(per_device, per_prefetch)):
-        key = (id(acts), id(trig))   # devices given the same objects share one preparation
+        key = (id(acts), id(trig))  # devices given the same objects share one preparation
         if key not in plans:
             plans[key] = _prepare(graph, costs, acts, device, trig)
         devs.append(_Device(d, plans[key], memory_limit))
@@ -424,8 +449,11 @@ def simulate(graph: TrainingGraph, device: DeviceProfile, costs: Sequence[StepCo
             dv.set_used(t, p.workspace[k], f"workspace:{p.sched[k].op}")
         # the invariant every plan must keep: what a step reads is on the device when it starts
         s = p.sched[k]
-        dv.missing += [f"{k} {s.phase} {s.op}: {name}" for name in s.reads
-                       if name not in dv.resident and not name.startswith("grad:")]  # gradients: by construction
+        dv.missing += [
+            f"{k} {s.phase} {s.op}: {name}"
+            for name in s.reads
+            if name not in dv.resident and not name.startswith("grad:")
+        ]  # gradients: by construction
         dv.running = k
         dv.ends_at = t + p.ms[k]
         return True
@@ -517,8 +545,10 @@ def simulate(graph: TrainingGraph, device: DeviceProfile, costs: Sequence[StepCo
             for dv in devs:  # the compute stream allocates first: a prefetch must not starve it
                 progress |= try_start_compute(dv)
                 progress |= try_start_copies(dv)
-        if all(dv.next >= len(dv.p.sched) and dv.running is None and dv.d2h is None and dv.h2d is None
-               and not dv.d2h_queue for dv in devs):
+        if all(
+            dv.next >= len(dv.p.sched) and dv.running is None and dv.d2h is None and dv.h2d is None and not dv.d2h_queue
+            for dv in devs
+        ):
             break
         active = [c for dv in devs for c in (dv.d2h, dv.h2d) if c is not None]
         running = [dv for dv in devs if dv.running is not None]
@@ -556,9 +586,21 @@ def simulate(graph: TrainingGraph, device: DeviceProfile, costs: Sequence[StepCo
         area = sum((mem[i + 1][0] - mem[i][0]) * mem[i][1] for i in range(len(mem) - 1))
         area += (end - mem_end) * mem[-1][1]
         average = int(area / end) if end > 0 else dv.used
-        results.append(DeviceResult(dv.peak, average, end, dv.stall, dv.bytes_offloaded, dv.bytes_prefetched,
-                                    dv.recompute_ms, dv.overflow, tuple(dv.missing), tuple(mem),
-                                    tuple(dv.events)))
+        results.append(
+            DeviceResult(
+                dv.peak,
+                average,
+                end,
+                dv.stall,
+                dv.bytes_offloaded,
+                dv.bytes_prefetched,
+                dv.recompute_ms,
+                dv.overflow,
+                tuple(dv.missing),
+                tuple(mem),
+                tuple(dv.events),
+            )
+        )
     return SimResult(
         memory_limit=memory_limit,
         timeline=tuple(sorted(intervals, key=lambda i: (i.device, i.start_ms))),
@@ -566,4 +608,3 @@ def simulate(graph: TrainingGraph, device: DeviceProfile, costs: Sequence[StepCo
         schedule=tuple(dv.p.sched for dv in devs),
         costs=tuple(costs),
     )
-

@@ -54,7 +54,7 @@ def staggered_layers(gpu: int, layers: int, swapped: int) -> tuple[int, ...]:
         raise InvalidInput(f"swapped ({swapped}) cannot exceed layers ({layers})")
     if swapped == 0:
         return ()
-    x = layers // swapped   # the interval x = a / b (floor: the b layers stay inside 0..a-1)
+    x = layers // swapped  # the interval x = a / b (floor: the b layers stay inside 0..a-1)
     return tuple(gpu % x + j * x for j in range(swapped))
 
 
@@ -63,8 +63,9 @@ def swappable(graph: TrainingGraph) -> tuple[str, ...]:
     return tuple(s for s, a in actions_for(graph, "all").items() if a == "offload")
 
 
-def device_actions(graph: TrainingGraph, swapped: int, devices: int, devices_per_link: int, *,
-                   stagger: bool = True, as_gpu: int = 0) -> list[dict[str, str]]:
+def device_actions(
+    graph: TrainingGraph, swapped: int, devices: int, devices_per_link: int, *, stagger: bool = True, as_gpu: int = 0
+) -> list[dict[str, str]]:
     """Each GPU's actions when each swaps `swapped` layers: staggered within its switch group, or
     (`stagger=False`) every GPU the layers GPU `as_gpu` of a group swaps when staggered."""
     layers = swappable(graph)
@@ -76,11 +77,14 @@ def device_actions(graph: TrainingGraph, swapped: int, devices: int, devices_per
     return out
 
 
-def _late_prefetches(graph: TrainingGraph, actions: Sequence[Mapping[str, str]], result: SimResult,
-                     ) -> list[dict[str, tuple[float, int]]]:
+def _late_prefetches(
+    graph: TrainingGraph,
+    actions: Sequence[Mapping[str, str]],
+    result: SimResult,
+) -> list[dict[str, tuple[float, int]]]:
     """Per device, its prefetches that ended after the step before their use: storage -> (the
     transfer's measured time in ms, its use step)."""
-    compute: dict[tuple[int, str], float] = {}   # (device, "phase op") -> end
+    compute: dict[tuple[int, str], float] = {}  # (device, "phase op") -> end
     h2d: dict[tuple[int, str], tuple[float, float]] = {}
     for i in result.timeline:
         if i.stream == "compute":
@@ -102,9 +106,14 @@ def _late_prefetches(graph: TrainingGraph, actions: Sequence[Mapping[str, str]],
     return out
 
 
-def adapt_triggers(graph: TrainingGraph, device: DeviceProfile, costs: Sequence[StepCost],
-                   actions: Sequence[Mapping[str, str]], memory_limit: int, devices_per_link: int,
-                   ) -> tuple[list[dict[str, int]] | str, SimResult]:
+def adapt_triggers(
+    graph: TrainingGraph,
+    device: DeviceProfile,
+    costs: Sequence[StepCost],
+    actions: Sequence[Mapping[str, str]],
+    memory_limit: int,
+    devices_per_link: int,
+) -> tuple[list[dict[str, int]] | str, SimResult]:
     """Section III.C: prefetch triggers from measured compute and transfer times, within the limit.
 
     Each GPU sets its own triggers from its own measured transfers (a GPU alone on its switch is not
@@ -112,12 +121,19 @@ def adapt_triggers(graph: TrainingGraph, device: DeviceProfile, costs: Sequence[
     ``"layer"`` when vDNN's one-layer trigger was not beaten) and their simulation: the fastest that
     fits of those tried."""
     # Step 1: right before use
-    triggers = [{s: graph.consumers(s, "bwd")[0] - 1 for s, a in acts.items() if a == "offload"}
-                for acts in actions]
+    triggers = [{s: graph.consumers(s, "bwd")[0] - 1 for s, a in acts.items() if a == "offload"} for acts in actions]
 
     def run(trig):
-        return simulate(graph, device, costs, list(actions), memory_limit=memory_limit, prefetch=trig,
-                        devices=len(actions), devices_per_link=devices_per_link)
+        return simulate(
+            graph,
+            device,
+            costs,
+            list(actions),
+            memory_limit=memory_limit,
+            prefetch=trig,
+            devices=len(actions),
+            devices_per_link=devices_per_link,
+        )
 
     result = run(triggers)
     best: tuple[list[dict[str, int]] | str, SimResult] = ("layer", run("layer"))  # vDNN's trigger, to beat
@@ -148,8 +164,17 @@ def adapt_triggers(graph: TrainingGraph, device: DeviceProfile, costs: Sequence[
     return best
 
 
-def plan(graph: TrainingGraph, device: DeviceProfile, memory_limit: int, *, devices: int = 1, db=None,
-         fronts=None, devices_per_link: int | None = None, stagger: bool = True) -> MemoryPlan:
+def plan(
+    graph: TrainingGraph,
+    device: DeviceProfile,
+    memory_limit: int,
+    *,
+    devices: int = 1,
+    db=None,
+    fronts=None,
+    devices_per_link: int | None = None,
+    stagger: bool = True,
+) -> MemoryPlan:
     """Kim et al.'s plan for `devices` GPUs of `device`, `devices_per_link` to a switch; see the module docstring."""
     per_link = device.devices_per_link if devices_per_link is None else devices_per_link
     if isinstance(per_link, bool) or not isinstance(per_link, int) or per_link < 1:
@@ -162,8 +187,17 @@ def plan(graph: TrainingGraph, device: DeviceProfile, memory_limit: int, *, devi
 
     def attempt(b: int):
         actions = device_actions(graph, b, devices, per_link, stagger=stagger)
-        return actions, simulate(graph, device, costs, actions, memory_limit=memory_limit, prefetch="layer",
-                                 devices=devices, devices_per_link=per_link, timeline=False)
+        return actions, simulate(
+            graph,
+            device,
+            costs,
+            actions,
+            memory_limit=memory_limit,
+            prefetch="layer",
+            devices=devices,
+            devices_per_link=per_link,
+            timeline=False,
+        )
 
     # the smallest b that fits, by bisection on b (0 swaps nothing; b = a is vDNN_all everywhere)
     lo, hi = 0, layers
@@ -179,5 +213,15 @@ def plan(graph: TrainingGraph, device: DeviceProfile, memory_limit: int, *, devi
             lo = mid
     actions, _ = attempt(hi)
     _, result = adapt_triggers(graph, device, costs, actions, memory_limit, per_link)
-    return to_plan(graph, device, memory_limit, "swap-multi", actions[0], workspace, result, devices=devices,
-                   base=base, device_actions=actions)
+    return to_plan(
+        graph,
+        device,
+        memory_limit,
+        "swap-multi",
+        actions[0],
+        workspace,
+        result,
+        devices=devices,
+        base=base,
+        device_actions=actions,
+    )

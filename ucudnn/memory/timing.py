@@ -57,8 +57,20 @@ from ucudnn.memory.simulate import StepCost
 from ucudnn.problem import ConvProblem
 from ucudnn.solver.types import MicroConfig
 
-__all__ = ["CALIBRATIONS", "Calibration", "KernelOption", "calibration", "conv_fronts", "fastest", "front_of",
-           "kernel_front", "measured_devices", "measurements_from_db", "other_ms", "step_costs"]
+__all__ = [
+    "CALIBRATIONS",
+    "Calibration",
+    "KernelOption",
+    "calibration",
+    "conv_fronts",
+    "fastest",
+    "front_of",
+    "kernel_front",
+    "measured_devices",
+    "measurements_from_db",
+    "other_ms",
+    "step_costs",
+]
 
 _DATA_FILES = {"h100": "h100_convs.json"}
 
@@ -67,15 +79,18 @@ _DATA_FILES = {"h100": "h100_convs.json"}
 class Calibration:
     """How a built-in profile's predictions are corrected to match steps measured on the device."""
 
-    conv_scale: float             # times the device's own shipped conv measurements
-    other_efficiency: float       # roofline efficiency of the other operations (instead of ROOFLINE_EFFICIENCY)
+    conv_scale: float  # times the device's own shipped conv measurements
+    other_efficiency: float  # roofline efficiency of the other operations (instead of ROOFLINE_EFFICIENCY)
     source: str
 
 
 # Fitted to ResNet-50 and VGG-16 at batch 128 (two factors, two steps; see the module docstring).
 CALIBRATIONS: dict[str, Calibration] = {
-    "h100": Calibration(conv_scale=0.653, other_efficiency=0.70,
-                        source="PyTorch training steps on an H100 (2026-11-22), ucudnn/memory/data/h100_steps.json"),
+    "h100": Calibration(
+        conv_scale=0.653,
+        other_efficiency=0.70,
+        source="PyTorch training steps on an H100 (2026-11-22), ucudnn/memory/data/h100_steps.json",
+    ),
 }
 
 
@@ -84,8 +99,11 @@ def calibration(device: DeviceProfile) -> Calibration | None:
     unchanged: a profile edited with another link still computes as the measured device did)."""
     ref = PROFILES.get(device.name)
     cal = CALIBRATIONS.get(device.name)
-    if cal is None or ref is None or (device.model, device.fp32_tflops, device.memory_gbps) != \
-            (ref.model, ref.fp32_tflops, ref.memory_gbps):
+    if (
+        cal is None
+        or ref is None
+        or (device.model, device.fp32_tflops, device.memory_gbps) != (ref.model, ref.fp32_tflops, ref.memory_gbps)
+    ):
         return None
     return cal
 
@@ -102,11 +120,11 @@ class KernelOption:
     """One configuration of one conv kernel: its time and workspace, and what it runs."""
 
     time_ms: float
-    workspace: int                # the budget it needs: what a plan gives the kernel
-    config: str = ""              # `Configuration.describe()` where measured
-    source: str = "roofline"      # measured, scaled or roofline
-    held: int | None = None       # bytes the step holds for it, where not its workspace (torch's own
-                                  # convolution run by torch: its temporaries are torch's, never ours)
+    workspace: int  # the budget it needs: what a plan gives the kernel
+    config: str = ""  # `Configuration.describe()` where measured
+    source: str = "roofline"  # measured, scaled or roofline
+    held: int | None = None  # bytes the step holds for it, where not its workspace (torch's own
+    # convolution run by torch: its temporaries are torch's, never ours)
 
     @property
     def memory(self) -> int:
@@ -147,8 +165,12 @@ def _equal_micro_front(bench: dict[int, tuple[MicroConfig, ...]] | None, batch: 
     ResNet-152 at batch 256 took seconds."""
     if not bench:
         return ()
-    return front_of(KernelOption(m.time * (batch // size), m.workspace, f"{batch // size}x{size}:{m.algo}", "measured")
-                    for size, micros in bench.items() if size <= batch and batch % size == 0 for m in micros)
+    return front_of(
+        KernelOption(m.time * (batch // size), m.workspace, f"{batch // size}x{size}:{m.algo}", "measured")
+        for size, micros in bench.items()
+        if size <= batch and batch % size == 0
+        for m in micros
+    )
 
 
 def front_of(options: Iterable[KernelOption]) -> tuple[KernelOption, ...]:
@@ -181,7 +203,8 @@ def measurements_from_db(db, device: DeviceProfile) -> Measurements:
                 continue
             kind, key = r.problem_key.split(",", 1)
             found.setdefault((key, kind.removeprefix("kind=")), {}).setdefault(r.batch, []).append(
-                MicroConfig(r.algo, r.batch, r.time_ms, r.workspace_bytes))
+                MicroConfig(r.algo, r.batch, r.time_ms, r.workspace_bytes)
+            )
     finally:
         cache.close()
     return {k: {b: tuple(v) for b, v in bench.items()} for k, bench in found.items()}
@@ -192,8 +215,9 @@ def _roofline(device: DeviceProfile, problem: ConvProblem) -> float:
     return device.roofline_ms(problem.flops, traffic)
 
 
-def kernel_front(device: DeviceProfile, problem: ConvProblem,
-                 measured: Measurements | None = None) -> tuple[KernelOption, ...]:
+def kernel_front(
+    device: DeviceProfile, problem: ConvProblem, measured: Measurements | None = None
+) -> tuple[KernelOption, ...]:
     """The options of one conv kernel (`problem.kind`) on `device`; see the module docstring.
     `measured` (from `measurements_from_db`) comes first."""
     key = _problem_key(problem)
@@ -216,9 +240,13 @@ def kernel_front(device: DeviceProfile, problem: ConvProblem,
     return (KernelOption(_roofline(device, problem), 0, "", "roofline"),)
 
 
-def conv_fronts(graph: TrainingGraph, device: DeviceProfile, *, db=None,
-                given: Mapping[tuple[str, str], tuple[KernelOption, ...]] | None = None,
-                ) -> dict[tuple[str, str], tuple[KernelOption, ...]]:
+def conv_fronts(
+    graph: TrainingGraph,
+    device: DeviceProfile,
+    *,
+    db=None,
+    given: Mapping[tuple[str, str], tuple[KernelOption, ...]] | None = None,
+) -> dict[tuple[str, str], tuple[KernelOption, ...]]:
     """Every conv kernel of `graph` that a step runs: (layer, kind) -> its options. `given` fronts
     come first (a converted model's own handle measured them: `ucudnn.torch.plan_memory`); then,
     with `db` (a measurement cache), its measurements of this device; then the shipped ones."""
@@ -231,8 +259,9 @@ def conv_fronts(graph: TrainingGraph, device: DeviceProfile, *, db=None,
             problem = graph.op(step.op).conv
             assert problem is not None
             for kind in step.kernels:
-                out[(step.op, kind)] = given.get((step.op, kind)) or kernel_front(device, problem.with_kind(kind),
-                                                                                  measured)
+                out[(step.op, kind)] = given.get((step.op, kind)) or kernel_front(
+                    device, problem.with_kind(kind), measured
+                )
     return out
 
 
@@ -245,9 +274,13 @@ def fastest(options: tuple[KernelOption, ...], budget: int | None = None) -> Ker
     return best
 
 
-def step_costs(graph: TrainingGraph, device: DeviceProfile, *,
-               workspace: Mapping[tuple[str, str], int] | int | None = None,
-               fronts: Mapping[tuple[str, str], tuple[KernelOption, ...]] | None = None) -> tuple[StepCost, ...]:
+def step_costs(
+    graph: TrainingGraph,
+    device: DeviceProfile,
+    *,
+    workspace: Mapping[tuple[str, str], int] | int | None = None,
+    fronts: Mapping[tuple[str, str], tuple[KernelOption, ...]] | None = None,
+) -> tuple[StepCost, ...]:
     """Each step's time and workspace when conv kernel (layer, kind) may use `workspace[(layer, kind)]`
     bytes (one number: every kernel; None: unlimited, the fastest option)."""
     if fronts is None:

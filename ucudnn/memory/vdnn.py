@@ -59,8 +59,17 @@ def actions_for(graph: TrainingGraph, mode: str) -> dict[str, str]:
     return actions
 
 
-def plan(graph: TrainingGraph, device: DeviceProfile, memory_limit: int, *, devices: int = 1, db=None,
-         fronts=None, mode: str = "dyn", algorithms: str = "fastest") -> MemoryPlan:
+def plan(
+    graph: TrainingGraph,
+    device: DeviceProfile,
+    memory_limit: int,
+    *,
+    devices: int = 1,
+    db=None,
+    fronts=None,
+    mode: str = "dyn",
+    algorithms: str = "fastest",
+) -> MemoryPlan:
     """vDNN's plan in `mode` (all, conv, dyn); see the module docstring."""
     if mode not in MODES:
         raise InvalidInput(f"vDNN mode must be one of {', '.join(MODES)}, got {mode!r}")
@@ -77,8 +86,9 @@ def plan(graph: TrainingGraph, device: DeviceProfile, memory_limit: int, *, devi
         return costs, simulate(graph, device, costs, actions, memory_limit=memory_limit, devices=devices)
 
     def done(actions, workspace, result, search: str = "") -> MemoryPlan:
-        return to_plan(graph, device, memory_limit, policy, actions, workspace, result, devices=devices, base=base,
-                       search=search)
+        return to_plan(
+            graph, device, memory_limit, policy, actions, workspace, result, devices=devices, base=base, search=search
+        )
 
     if device.shares_host_memory:
         actions = actions_for(graph, "none")
@@ -95,21 +105,21 @@ def plan(graph: TrainingGraph, device: DeviceProfile, memory_limit: int, *, devi
         actions = actions_for(graph, mode)
         return done(actions, workspace, run(actions, workspace)[1])
 
-    floor = (actions_for(graph, "all"), small)                                   # pass (1)
+    floor = (actions_for(graph, "all"), small)  # pass (1)
     _, floor_result = run(*floor)
     if not floor_result.fits:
         return done(*floor, floor_result, "all-memory-optimal")
-    for m in ("none", "conv", "all"):                                            # pass (2)
+    for m in ("none", "conv", "all"):  # pass (2)
         actions = actions_for(graph, m)
         _, result = run(actions, fast)
         if result.fits:
             return done(actions, fast, result, m)
-    for m in ("conv", "all"):                                                    # pass (3)
+    for m in ("conv", "all"):  # pass (3)
         actions = actions_for(graph, m)
         workspace, result = _greedy(graph, fronts, fast, lambda ws, actions=actions: run(actions, ws))
         if result.fits:
             return done(actions, workspace, result, f"greedy-{m}")
-    return done(*floor, floor_result, "all-memory-optimal")                      # (4): back to pass (1)
+    return done(*floor, floor_result, "all-memory-optimal")  # (4): back to pass (1)
 
 
 def overflowing_kernels(graph: TrainingGraph, costs, result) -> dict[int, int]:
@@ -118,13 +128,13 @@ def overflowing_kernels(graph: TrainingGraph, costs, result) -> dict[int, int]:
     (negative when the step's other tensors alone overflow)."""
     limit = result.memory_limit
     events = result.devices[0].allocations
-    used = result.devices[0].memory[-1][1] - sum(delta for _, _, delta in events)   # weights, always held
+    used = result.devices[0].memory[-1][1] - sum(delta for _, _, delta in events)  # weights, always held
     # the k-th workspace allocation of op X belongs to the k-th step of X in the schedule that has one
     pending: dict[str, list[int]] = {}
     for s in result.schedule[0]:
         if costs[s.step].workspace:
             pending.setdefault(s.op, []).append(s.step)
-    held: tuple[int, int] | None = None      # (step, its workspace): one conv step runs at a time
+    held: tuple[int, int] | None = None  # (step, its workspace): one conv step runs at a time
     room: dict[int, int] = {}
     for _, name, delta in events:
         used += delta
@@ -151,7 +161,7 @@ def _greedy(graph: TrainingGraph, fronts, fast, run):
                 options = fronts[key]
                 i = max(k for k, o in enumerate(options) if o.workspace <= workspace[key])
                 while i > 0 and options[i].workspace > room:
-                    i -= 1                    # one option down: slower, less workspace
+                    i -= 1  # one option down: slower, less workspace
                 if options[i].workspace < workspace[key]:
                     workspace[key] = options[i].workspace
                     changed = True

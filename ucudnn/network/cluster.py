@@ -30,8 +30,7 @@ from ucudnn.problem import ConvProblem
 from ucudnn.solver import cluster, wr
 from ucudnn.solver.types import Infeasible, MicroConfig
 
-__all__ = ["DEFAULT_WORKSPACE_LIMIT", "ClusterPlan", "DeviceStep", "best_batch_size", "candidate_sizes",
-           "plan_cluster"]
+__all__ = ["DEFAULT_WORKSPACE_LIMIT", "ClusterPlan", "DeviceStep", "best_batch_size", "candidate_sizes", "plan_cluster"]
 
 # The paper's heterogeneous-cluster run used WR with 64 MiB per kernel (Table III).
 DEFAULT_WORKSPACE_LIMIT = 64 * 2**20
@@ -47,8 +46,8 @@ class DeviceStep:
     """One device of the cluster: its name, where its times come from, and its batch and time."""
 
     device: str
-    source: str     # "measured: <model> (<backend>)" or "estimated: <profile> roofline"
-    batch: int      # 0 = unused
+    source: str  # "measured: <model> (<backend>)" or "estimated: <profile> roofline"
+    batch: int  # 0 = unused
     time_ms: float  # 0.0 when unused
 
 
@@ -61,7 +60,7 @@ class ClusterPlan:
     devices: tuple[DeviceStep, ...]
     makespan_ms: float
     best_single: DeviceStep | None  # the fastest device alone at the whole batch (None: none can)
-    even: tuple[DeviceStep, ...]    # the batch split as evenly as possible over all devices
+    even: tuple[DeviceStep, ...]  # the batch split as evenly as possible over all devices
     candidate_sizes: tuple[int, ...]
 
     @property
@@ -83,13 +82,17 @@ class ClusterPlan:
         def step(d: DeviceStep) -> dict:
             return {"device": d.device, "batch": d.batch, "time_ms": finite(d.time_ms), "source": d.source}
 
-        return {"network": self.network, "batch": self.batch, "devices": [step(d) for d in self.devices],
-                "makespan_ms": self.makespan_ms,
-                "speedup_vs_best_single": finite(self.speedup_vs_best_single) if self.best_single else None,
-                "speedup_vs_even": finite(self.speedup_vs_even),
-                "best_single": step(self.best_single) if self.best_single else None,
-                "even": {"devices": [step(d) for d in self.even], "makespan_ms": finite(self.even_makespan_ms)},
-                "candidate_sizes": list(self.candidate_sizes)}
+        return {
+            "network": self.network,
+            "batch": self.batch,
+            "devices": [step(d) for d in self.devices],
+            "makespan_ms": self.makespan_ms,
+            "speedup_vs_best_single": finite(self.speedup_vs_best_single) if self.best_single else None,
+            "speedup_vs_even": finite(self.speedup_vs_even),
+            "best_single": step(self.best_single) if self.best_single else None,
+            "even": {"devices": [step(d) for d in self.even], "makespan_ms": finite(self.even_makespan_ms)},
+            "candidate_sizes": list(self.candidate_sizes),
+        }
 
 
 def candidate_sizes(batch: int) -> list[int]:
@@ -100,9 +103,16 @@ def candidate_sizes(batch: int) -> list[int]:
     return sorted(set(range(step, batch + 1, step)) | {batch})
 
 
-def best_batch_size(mb: int, gpus: Sequence[str], *, network: str, db=None, policy: str | Policy = "powerOfTwo",
-                    workspace_limit: int | None = DEFAULT_WORKSPACE_LIMIT,
-                    sizes: Iterable[int] | None = None) -> list[int]:
+def best_batch_size(
+    mb: int,
+    gpus: Sequence[str],
+    *,
+    network: str,
+    db=None,
+    policy: str | Policy = "powerOfTwo",
+    workspace_limit: int | None = DEFAULT_WORKSPACE_LIMIT,
+    sizes: Iterable[int] | None = None,
+) -> list[int]:
     """One batch per entry of `gpus` (0 = unused), summing to `mb`, that minimises the slowest step.
 
     `gpus` names device models as stored in the measurement cache, or device profiles (`gk210`, `h100`,
@@ -112,13 +122,24 @@ def best_batch_size(mb: int, gpus: Sequence[str], *, network: str, db=None, poli
     `candidate_sizes(mb)`). Raises `InvalidInput` for unknown devices or networks and `Infeasible`
     when no split exists.
     """
-    return [d.batch for d in plan_cluster(mb, gpus, network=network, db=db, policy=policy,
-                                          workspace_limit=workspace_limit, sizes=sizes).devices]
+    return [
+        d.batch
+        for d in plan_cluster(
+            mb, gpus, network=network, db=db, policy=policy, workspace_limit=workspace_limit, sizes=sizes
+        ).devices
+    ]
 
 
-def plan_cluster(mb: int, gpus: Sequence[str], *, network: str, db=None, policy: str | Policy = "powerOfTwo",
-                 workspace_limit: int | None = DEFAULT_WORKSPACE_LIMIT,
-                 sizes: Iterable[int] | None = None) -> ClusterPlan:
+def plan_cluster(
+    mb: int,
+    gpus: Sequence[str],
+    *,
+    network: str,
+    db=None,
+    policy: str | Policy = "powerOfTwo",
+    workspace_limit: int | None = DEFAULT_WORKSPACE_LIMIT,
+    sizes: Iterable[int] | None = None,
+) -> ClusterPlan:
     """`best_batch_size` with every figure: each device's time, the makespan and both references."""
     if not isinstance(mb, int) or isinstance(mb, bool) or mb < 1:
         raise InvalidInput(f"mb (the global batch) must be a positive integer, got {mb!r}")
@@ -145,10 +166,15 @@ def plan_cluster(mb: int, gpus: Sequence[str], *, network: str, db=None, policy:
     singles = [s for s in singles if math.isfinite(s.time_ms)]
     even_sizes = [mb // len(gpus) + (1 if i < mb % len(gpus) else 0) for i in range(len(gpus))]
     even = tuple(step(g, b, models[g][1]([b]) if b else {}) for g, b in zip(gpus, even_sizes))
-    return ClusterPlan(network=network, batch=mb, devices=devices,
-                       makespan_ms=cluster.makespan(keyed, chosen),
-                       best_single=min(singles, key=lambda s: s.time_ms, default=None), even=even,
-                       candidate_sizes=tuple(candidates))
+    return ClusterPlan(
+        network=network,
+        batch=mb,
+        devices=devices,
+        makespan_ms=cluster.makespan(keyed, chosen),
+        best_single=min(singles, key=lambda s: s.time_ms, default=None),
+        even=even,
+        candidate_sizes=tuple(candidates),
+    )
 
 
 def _check_sizes(sizes: Iterable[int], mb: int) -> list[int]:
@@ -163,8 +189,9 @@ def _check_sizes(sizes: Iterable[int], mb: int) -> list[int]:
 TimeModel = Callable[[Iterable[int]], dict[int, float]]
 
 
-def _open_models(names: Iterable[str], net_kernels, db, policy: Policy,
-                 workspace_limit: int | None) -> dict[str, tuple[str, TimeModel]]:
+def _open_models(
+    names: Iterable[str], net_kernels, db, policy: Policy, workspace_limit: int | None
+) -> dict[str, tuple[str, TimeModel]]:
     """Each distinct device name's (source, time model): measured where the cache has it, else a profile."""
     from ucudnn.db import Cache, default_url
 
@@ -177,8 +204,11 @@ def _open_models(names: Iterable[str], net_kernels, db, policy: Policy,
         out = {}
         for name in names:
             measured = _measured_model(cache, identities, name, net_kernels, policy, workspace_limit)
-            out[name] = (measured if measured is not None
-                         else _profile_model(name, net_kernels, facts["url"], [d["device"] for d in identities]))
+            out[name] = (
+                measured
+                if measured is not None
+                else _profile_model(name, net_kernels, facts["url"], [d["device"] for d in identities])
+            )
         return out
     finally:
         if cache is not db:
@@ -188,8 +218,10 @@ def _open_models(names: Iterable[str], net_kernels, db, policy: Policy,
 def _unknown_device(name: str, url: str, cached: list[str]) -> InvalidInput:
     """A device that is neither in the cache nor a profile: say both places looked in."""
     held = ", ".join(repr(d) for d in dict.fromkeys(cached)) or "no device"
-    return InvalidInput(f"unknown device {name!r}: the measurement cache {url} holds {held} (`ucudnn bench` on a "
-                        f"device puts it there), and the profiles are {', '.join(PROFILES)} (or a profile's JSON file)")
+    return InvalidInput(
+        f"unknown device {name!r}: the measurement cache {url} holds {held} (`ucudnn bench` on a "
+        f"device puts it there), and the profiles are {', '.join(PROFILES)} (or a profile's JSON file)"
+    )
 
 
 def _missing_sqlite_file(url: str) -> bool:
@@ -199,8 +231,9 @@ def _missing_sqlite_file(url: str) -> bool:
     return url.startswith("sqlite:///") and not Path(url.removeprefix("sqlite:///")).exists()
 
 
-def _measured_model(cache, identities: list[dict], name: str, net_kernels, policy: Policy,
-                    workspace_limit: int | None) -> tuple[str, TimeModel] | None:
+def _measured_model(
+    cache, identities: list[dict], name: str, net_kernels, policy: Policy, workspace_limit: int | None
+) -> tuple[str, TimeModel] | None:
     """The WR step time from cached measurements, or None when the cache has no complete set for `name`."""
     model_name = PROFILES[name.lower()].model if name.lower() in PROFILES else name
     matches = [d for d in identities if d["device"] in (name, model_name) and d["measurements"]]
@@ -209,8 +242,13 @@ def _measured_model(cache, identities: list[dict], name: str, net_kernels, polic
         tables = {}
         for _, problem in net_kernels:
             if problem.key not in tables:
-                found = cache.lookup(device=ident["device"], backend=ident["backend"], versions=ident["versions"],
-                                     problem_key=problem.key, batches=None)
+                found = cache.lookup(
+                    device=ident["device"],
+                    backend=ident["backend"],
+                    versions=ident["versions"],
+                    problem_key=problem.key,
+                    batches=None,
+                )
                 if not found:
                     break
                 tables[problem.key] = _bench_table(found)
@@ -218,8 +256,10 @@ def _measured_model(cache, identities: list[dict], name: str, net_kernels, polic
             source = f"measured: {ident['device']} ({ident['backend']})"
             return source, _wr_model(tables, [p for _, p in net_kernels], policy, workspace_limit)
     if matches and name.lower() not in PROFILES:
-        raise InvalidInput(f"the cache holds measurements of {name!r} but not of every kernel of the network; "
-                           f"run `ucudnn bench --network ...` on that device, or name a device profile")
+        raise InvalidInput(
+            f"the cache holds measurements of {name!r} but not of every kernel of the network; "
+            f"run `ucudnn bench --network ...` on that device, or name a device profile"
+        )
     return None
 
 
@@ -230,8 +270,12 @@ def _bench_table(found: dict[tuple[str, int], MicroConfig]) -> dict[int, list[Mi
     return table
 
 
-def _wr_model(tables: dict[str, dict[int, list[MicroConfig]]], problems: list[ConvProblem], policy: Policy,
-              workspace_limit: int | None) -> TimeModel:
+def _wr_model(
+    tables: dict[str, dict[int, list[MicroConfig]]],
+    problems: list[ConvProblem],
+    policy: Policy,
+    workspace_limit: int | None,
+) -> TimeModel:
     def times(sizes: Iterable[int]) -> dict[int, float]:
         out = {}
         for b in sizes:
@@ -246,6 +290,7 @@ def _wr_model(tables: dict[str, dict[int, list[MicroConfig]]], problems: list[Co
                 continue
             out[b] = sum(per_key[p.key] for p in problems)
         return out
+
     return times
 
 
@@ -262,6 +307,9 @@ def _profile_model(name: str, net_kernels, url: str, cached: list[str]) -> tuple
         per_kernel.append((one.flops, activations, math.prod(one.w_shape) * nbytes))
 
     def times(sizes: Iterable[int]) -> dict[int, float]:
-        return {b: sum(profile.roofline_ms(b * flops, b * act + weights) for flops, act, weights in per_kernel)
-                for b in sizes}
+        return {
+            b: sum(profile.roofline_ms(b * flops, b * act + weights) for flops, act, weights in per_kernel)
+            for b in sizes
+        }
+
     return f"estimated: {profile.name} roofline", times

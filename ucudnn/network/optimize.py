@@ -32,16 +32,17 @@ REMEASURE_ATTEMPTS = 3
 MAX_REMEASURE_ROUNDS = 3
 
 
-
 def configuration_notation(example: Configuration | None = None) -> str:
     """What a configuration's text means, in words, on `example` (one with several micro-batches reads best)."""
     text = example.describe() if example is not None else "4x1:native + 1x4:fft"
     first = example.micros[0] if example is not None else MicroConfig("native", 1, 0.0, 0)
     count = text.split("x", 1)[0]
-    return (f"`{text}` means {count} micro-batch{'' if count == '1' else 'es'} of {first.batch} "
-            f"sample{'' if first.batch == 1 else 's'} run by the algorithm {first.algo}"
-            + (", then the groups after `+`" if " + " in text else "")
-            + ", one after another; ms is their sum, workspace the largest (they share one buffer)")
+    return (
+        f"`{text}` means {count} micro-batch{'' if count == '1' else 'es'} of {first.batch} "
+        f"sample{'' if first.batch == 1 else 's'} run by the algorithm {first.algo}"
+        + (", then the groups after `+`" if " + " in text else "")
+        + ", one after another; ms is their sum, workspace the largest (they share one buffer)"
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,14 +88,17 @@ class Report:
     fronts: Mapping[str, Sequence[Configuration]] = field(default_factory=dict)
     baseline_limit: int | None = None  # the limit baselines were chosen within (WD: the equal share)
     remeasured: int = 0  # times a ratio rests on that were measured again (looks_like_outlier)
-    noisy_now: int = 0   # noisy timings among those measured by this run (the rest came from the cache)
-    reps: int = 3        # timed runs per measurement
+    noisy_now: int = 0  # noisy timings among those measured by this run (the rest came from the cache)
+    reps: int = 3  # timed runs per measurement
 
     @property
     def example_configuration(self) -> Configuration | None:
         """A chosen configuration to explain the notation on: the first with the most micro-batch groups."""
-        return max((k.config for k in self.kernels), key=lambda c: (len(c.describe().split(" + ")), len(c.micros)),
-                   default=None)
+        return max(
+            (k.config for k in self.kernels),
+            key=lambda c: (len(c.describe().split(" + ")), len(c.micros)),
+            default=None,
+        )
 
     @property
     def baseline_text(self) -> str:
@@ -104,12 +108,16 @@ class Report:
         if self.baseline_limit is None:
             within = "with no workspace limit"
         elif self.mode == "WD":
-            within = (f"within an equal share of the total, {format_size(self.baseline_limit)} "
-                      f"({format_size(self.total_workspace)} / {len(self.kernels)} kernels)")
+            within = (
+                f"within an equal share of the total, {format_size(self.baseline_limit)} "
+                f"({format_size(self.total_workspace)} / {len(self.kernels)} kernels)"
+            )
         else:
             within = f"within the limit, {format_size(self.baseline_limit)}"
-        return (f"what framework-style selection runs: the fastest algorithm on the undivided batch {within}; "
-                f"where none fits, the undivided algorithm needing the least workspace, as frameworks fall back")
+        return (
+            f"what framework-style selection runs: the fastest algorithm on the undivided batch {within}; "
+            f"where none fits, the undivided algorithm needing the least workspace, as frameworks fall back"
+        )
 
     @property
     def noise_text(self) -> str:
@@ -119,18 +127,24 @@ class Report:
         parts = []
         if self.noisy_now:
             were = "was" if self.noisy_now == 1 else "were"
-            parts.append(f"{self.noisy_now} of the {self.stats.measured} timings taken now {were} noisy (spread "
-                         f"over {NOISY_SPREAD_FRACTION:.0%} of the median: the machine was busy).")
+            parts.append(
+                f"{self.noisy_now} of the {self.stats.measured} timings taken now {were} noisy (spread "
+                f"over {NOISY_SPREAD_FRACTION:.0%} of the median: the machine was busy)."
+            )
         if self.remeasured:
             one = self.remeasured == 1
-            parts.append(f"{self.remeasured} {'timing' if one else 'timings'} that a speedup rests on "
-                         f"looked like {'an outlier' if one else 'outliers'} and "
-                         f"{'was' if one else 'were'} measured again ({REMEASURE_REPS_FACTOR * self.reps} runs, "
-                         f"up to {REMEASURE_ATTEMPTS} times); the fastest median is kept.")
+            parts.append(
+                f"{self.remeasured} {'timing' if one else 'timings'} that a speedup rests on "
+                f"looked like {'an outlier' if one else 'outliers'} and "
+                f"{'was' if one else 'were'} measured again ({REMEASURE_REPS_FACTOR * self.reps} runs, "
+                f"up to {REMEASURE_ATTEMPTS} times); the fastest median is kept."
+            )
         if not parts:
             return ""
-        parts.append(f"For steadier figures run on a quiet machine or raise --reps (now {self.reps}), after "
-                     f"`ucudnn db prune --device '{self.device}'` drops the cached timings.")
+        parts.append(
+            f"For steadier figures run on a quiet machine or raise --reps (now {self.reps}), after "
+            f"`ucudnn db prune --device '{self.device}'` drops the cached timings."
+        )
         return " ".join(parts)
 
     @property
@@ -168,47 +182,90 @@ class Report:
             return x if math.isfinite(x) else None
 
         return {
-            "device": self.device, "backend": self.backend, "policy": self.policy, "mode": self.mode,
-            "workspace_limit": self.workspace_limit, "total_workspace": self.total_workspace,
+            "device": self.device,
+            "backend": self.backend,
+            "policy": self.policy,
+            "mode": self.mode,
+            "workspace_limit": self.workspace_limit,
+            "total_workspace": self.total_workspace,
             "batch": self.batch,
-            "kernels": [{
-                "layer": k.layer, "kind": k.problem.kind, "problem": k.problem.spec,
-                "baseline": ({"algo": k.baseline.algo, "time_ms": k.baseline.time,
-                              "workspace": k.baseline.workspace, "chosen_by": k.baseline_rule}
-                             if k.baseline else None),
-                "config": [micro_to_json(m) for m in k.config.micros],
-                "configuration": k.config.describe(),
-                "time_ms": k.config.time, "workspace": k.config.workspace, "speedup": finite(k.speedup),
-                "doubtful": k.doubtful,
-                "batch": k.problem.n,
-                "excluded": [{"algo": m.algo, "batch": m.batch, "reason": m.reason} for m in k.excluded],
-                "unsupported": [{"algo": algo, "reason": reason} for algo, reason in k.unsupported],
-                "pruned": [{"algo": m.algo, "batch": m.batch, "reason": m.reason} for m in k.pruned],
-            } for k in self.kernels],
-            "total": {"baseline_ms": finite(self.baseline_ms), "time_ms": self.time_ms,
-                      "speedup": finite(self.baseline_ms / self.time_ms), "workspace": self.workspace,
-                      "baseline_workspace": self.baseline_workspace},
-            "benchmark": {"measured": self.stats.measured, "cached": self.stats.cached,
-                          "seconds": round(self.stats.seconds, 3), "candidates": self.stats.candidates,
-                          "over_limit": self.stats.over_limit, "pruned": self.stats.pruned,
-                          "remeasured": self.remeasured},
-            "legend": {"configuration": configuration_notation(self.example_configuration),
-                       "baseline": self.baseline_text,
-                       "speedup": "the baseline's time divided by the configuration's; the total's is the sum "
-                                  "of the baselines' times over the sum of the configurations' times; "
-                                  "doubtful: it rests on a time that still looks like an outlier (noisy, or "
-                                  "over 2x slower per sample than at a smaller size) after re-measuring"},
-            "warnings": {"noisy_timings": len(self.noisy),
-                         "wrong_results": sum(len(k.excluded) for k in self.kernels),
-                         "unsupported": sum(len(k.unsupported) for k in self.kernels),
-                         "noisy_measured_now": self.noisy_now, "advice": self.noise_text},
-            "noisy": [{"layer": k.layer, "kind": k.problem.kind, "problem": k.problem.spec, "algo": m.algo,
-                       "batch": m.batch, "time_ms": m.time, "spread_ms": m.spread} for k, m in self.noisy],
+            "kernels": [
+                {
+                    "layer": k.layer,
+                    "kind": k.problem.kind,
+                    "problem": k.problem.spec,
+                    "baseline": (
+                        {
+                            "algo": k.baseline.algo,
+                            "time_ms": k.baseline.time,
+                            "workspace": k.baseline.workspace,
+                            "chosen_by": k.baseline_rule,
+                        }
+                        if k.baseline
+                        else None
+                    ),
+                    "config": [micro_to_json(m) for m in k.config.micros],
+                    "configuration": k.config.describe(),
+                    "time_ms": k.config.time,
+                    "workspace": k.config.workspace,
+                    "speedup": finite(k.speedup),
+                    "doubtful": k.doubtful,
+                    "batch": k.problem.n,
+                    "excluded": [{"algo": m.algo, "batch": m.batch, "reason": m.reason} for m in k.excluded],
+                    "unsupported": [{"algo": algo, "reason": reason} for algo, reason in k.unsupported],
+                    "pruned": [{"algo": m.algo, "batch": m.batch, "reason": m.reason} for m in k.pruned],
+                }
+                for k in self.kernels
+            ],
+            "total": {
+                "baseline_ms": finite(self.baseline_ms),
+                "time_ms": self.time_ms,
+                "speedup": finite(self.baseline_ms / self.time_ms),
+                "workspace": self.workspace,
+                "baseline_workspace": self.baseline_workspace,
+            },
+            "benchmark": {
+                "measured": self.stats.measured,
+                "cached": self.stats.cached,
+                "seconds": round(self.stats.seconds, 3),
+                "candidates": self.stats.candidates,
+                "over_limit": self.stats.over_limit,
+                "pruned": self.stats.pruned,
+                "remeasured": self.remeasured,
+            },
+            "legend": {
+                "configuration": configuration_notation(self.example_configuration),
+                "baseline": self.baseline_text,
+                "speedup": "the baseline's time divided by the configuration's; the total's is the sum "
+                "of the baselines' times over the sum of the configurations' times; "
+                "doubtful: it rests on a time that still looks like an outlier (noisy, or "
+                "over 2x slower per sample than at a smaller size) after re-measuring",
+            },
+            "warnings": {
+                "noisy_timings": len(self.noisy),
+                "wrong_results": sum(len(k.excluded) for k in self.kernels),
+                "unsupported": sum(len(k.unsupported) for k in self.kernels),
+                "noisy_measured_now": self.noisy_now,
+                "advice": self.noise_text,
+            },
+            "noisy": [
+                {
+                    "layer": k.layer,
+                    "kind": k.problem.kind,
+                    "problem": k.problem.spec,
+                    "algo": m.algo,
+                    "batch": m.batch,
+                    "time_ms": m.time,
+                    "spread_ms": m.spread,
+                }
+                for k, m in self.noisy
+            ],
         }
 
 
-def expand_kernels(layers: Sequence[tuple[str, ConvProblem]], batch: int,
-                   kinds: Sequence[str] = KINDS) -> list[tuple[str, ConvProblem]]:
+def expand_kernels(
+    layers: Sequence[tuple[str, ConvProblem]], batch: int, kinds: Sequence[str] = KINDS
+) -> list[tuple[str, ConvProblem]]:
     """Each layer at `batch`, once per kind, in layer order."""
     for kind in kinds:
         if kind not in KINDS:
@@ -216,10 +273,19 @@ def expand_kernels(layers: Sequence[tuple[str, ConvProblem]], batch: int,
     return [(name, problem.with_batch(batch).with_kind(kind)) for name, problem in layers for kind in kinds]
 
 
-def optimize(backend: Backend, kernels: Sequence[tuple[str, ConvProblem]], *, policy: Policy,
-             workspace_limit: int | None = None, total_workspace: int | None = None, cache=None,
-             algos: Sequence[str] | None = None, reps: int = 3, progress=None,
-             benchmark_limit: int | None = None) -> Report:
+def optimize(
+    backend: Backend,
+    kernels: Sequence[tuple[str, ConvProblem]],
+    *,
+    policy: Policy,
+    workspace_limit: int | None = None,
+    total_workspace: int | None = None,
+    cache=None,
+    algos: Sequence[str] | None = None,
+    reps: int = 3,
+    progress=None,
+    benchmark_limit: int | None = None,
+) -> Report:
     """Measure every kernel (each distinct problem once) and choose its configuration.
 
     WR (`workspace_limit`, or no limit): each kernel independently by `wr.solve`, each at its own
@@ -254,9 +320,18 @@ def optimize(backend: Backend, kernels: Sequence[tuple[str, ConvProblem]], *, po
         if tk not in tables:
             fresh[tk], problem_of[tk] = set(), problem
             tables[tk], s = measure_table(
-                backend, problem, batch_sizes(policy, problem.n), cache=cache, algos=algos, reps=reps,
-                workspace_limit=measure_limit, progress=progress, fresh=fresh[tk],
-                benchmark_limit=benchmark_limit, front=mode == "WD")
+                backend,
+                problem,
+                batch_sizes(policy, problem.n),
+                cache=cache,
+                algos=algos,
+                reps=reps,
+                workspace_limit=measure_limit,
+                progress=progress,
+                fresh=fresh[tk],
+                benchmark_limit=benchmark_limit,
+                front=mode == "WD",
+            )
             stats += s
 
     baseline_limit = total_workspace // len(kernels) if mode == "WD" else workspace_limit
@@ -264,8 +339,9 @@ def optimize(backend: Backend, kernels: Sequence[tuple[str, ConvProblem]], *, po
     for tk, table in tables.items():  # a fallback baseline the benchmark skipped: measure it without the limit
         algo = _least_workspace_unmeasured(table, tk[1], baseline_limit)
         if algo is not None:
-            new, s = measure_table(backend, problem_of[tk], [tk[1]], cache=cache, algos=[algo], reps=reps,
-                                   fresh=fresh[tk])
+            new, s = measure_table(
+                backend, problem_of[tk], [tk[1]], cache=cache, algos=[algo], reps=reps, fresh=fresh[tk]
+            )
             table[tk[1]] = [new[tk[1]][0] if m.algo == algo else m for m in table[tk[1]]]
             # The candidate moves from "over the limit" to measured or cached: the total stays the bar's.
             stats += dataclasses.replace(s, over_limit=-1)
@@ -276,13 +352,19 @@ def optimize(backend: Backend, kernels: Sequence[tuple[str, ConvProblem]], *, po
             fronts_: dict[str, list[Configuration]] = {}
             configs_ = [wr.solve(tables[p.key, p.n], p.n, workspace_limit) for _, p in kernels]
         else:
-            fronts_ = pareto_fronts([p for _, p in kernels], {p.key: tables[p.key, p.n] for _, p in kernels},
-                                    batch, total_workspace)
+            fronts_ = pareto_fronts(
+                [p for _, p in kernels], {p.key: tables[p.key, p.n] for _, p in kernels}, batch, total_workspace
+            )
             configs_ = _solve_wd(kernels, fronts_, total_workspace)
         return chosen_baselines, configs_, fronts_
 
-    noisy_now = sum(1 for tk, table in tables.items() for row in table.values() for m in row
-                    if (m.algo, m.batch) in fresh[tk] and m.usable and is_noisy(m.time, m.spread))
+    noisy_now = sum(
+        1
+        for tk, table in tables.items()
+        for row in table.values()
+        for m in row
+        if (m.algo, m.batch) in fresh[tk] and m.usable and is_noisy(m.time, m.spread)
+    )
     # A ratio is only as good as its two times: re-measure the suspicious ones it rests on, then solve
     # again (a re-measured time can change what is fastest). Each time gets one round of tries.
     remeasured: set[tuple[tuple[str, int], str, int]] = set()
@@ -294,8 +376,7 @@ def optimize(backend: Backend, kernels: Sequence[tuple[str, ConvProblem]], *, po
             base = baselines[tk][0]
             for m in ((base,) if base else ()) + config.micros:
                 key = (tk, m.algo, m.batch)
-                if ((m.algo, m.batch) in fresh[tk] and key not in remeasured
-                        and looks_like_outlier(m, tables[tk])):
+                if (m.algo, m.batch) in fresh[tk] and key not in remeasured and looks_like_outlier(m, tables[tk]):
                     suspects[key] = m
         if not suspects:
             break
@@ -319,13 +400,36 @@ def optimize(backend: Backend, kernels: Sequence[tuple[str, ConvProblem]], *, po
         excluded, noisy = _findings(tables[p.key, p.n])
         doubtful = any(looks_like_outlier(m, tables[p.key, p.n]) for m in ((base,) if base else ()) + config.micros)
         pruned = tuple(m for row in tables[p.key, p.n].values() for m in row if m.reason.startswith(PRUNED))
-        plans.append(KernelPlan(name, p, base, config, excluded, noisy, baseline_rule=rule, doubtful=doubtful,
-                                unsupported=unsupported[p.key, p.n], pruned=pruned))
-    return Report(device=backend.device.model, backend=backend.name, policy=policy_name(policy), mode=mode,
-                  workspace_limit=workspace_limit, total_workspace=total_workspace,
-                  batch=batch if len(batches) == 1 else None,
-                  kernels=tuple(plans), stats=stats, fronts=fronts, baseline_limit=baseline_limit,
-                  remeasured=len(remeasured), noisy_now=noisy_now, reps=reps)
+        plans.append(
+            KernelPlan(
+                name,
+                p,
+                base,
+                config,
+                excluded,
+                noisy,
+                baseline_rule=rule,
+                doubtful=doubtful,
+                unsupported=unsupported[p.key, p.n],
+                pruned=pruned,
+            )
+        )
+    return Report(
+        device=backend.device.model,
+        backend=backend.name,
+        policy=policy_name(policy),
+        mode=mode,
+        workspace_limit=workspace_limit,
+        total_workspace=total_workspace,
+        batch=batch if len(batches) == 1 else None,
+        kernels=tuple(plans),
+        stats=stats,
+        fronts=fronts,
+        baseline_limit=baseline_limit,
+        remeasured=len(remeasured),
+        noisy_now=noisy_now,
+        reps=reps,
+    )
 
 
 def looks_like_outlier(m: MicroConfig, table: Mapping[int, Sequence[MicroConfig]]) -> bool:
@@ -333,13 +437,19 @@ def looks_like_outlier(m: MicroConfig, table: Mapping[int, Sequence[MicroConfig]
     more than OUTLIER_PER_SAMPLE_FACTOR: a larger micro-batch rarely costs more per sample."""
     if is_noisy(m.time, m.spread):
         return True
-    per_sample = [x.time / x.batch for size, row in table.items() if size < m.batch for x in row
-                  if x.algo == m.algo and x.usable and x.time > 0]
+    per_sample = [
+        x.time / x.batch
+        for size, row in table.items()
+        if size < m.batch
+        for x in row
+        if x.algo == m.algo and x.usable and x.time > 0
+    ]
     return bool(per_sample) and m.time / m.batch > OUTLIER_PER_SAMPLE_FACTOR * min(per_sample)
 
 
-def choose_baseline(table: Mapping[int, Sequence[MicroConfig]], batch: int,
-                    limit: int | None) -> tuple[MicroConfig | None, str]:
+def choose_baseline(
+    table: Mapping[int, Sequence[MicroConfig]], batch: int, limit: int | None
+) -> tuple[MicroConfig | None, str]:
     """The kernel's baseline and the rule that chose it (BASELINE_FASTEST or BASELINE_LEAST_WORKSPACE).
 
     What framework-style selection runs: the fastest algorithm at the undivided batch within `limit`;
@@ -356,8 +466,9 @@ def choose_baseline(table: Mapping[int, Sequence[MicroConfig]], batch: int,
     return min(ran, key=lambda m: (m.workspace, m.time)), BASELINE_LEAST_WORKSPACE
 
 
-def _least_workspace_unmeasured(table: Mapping[int, Sequence[MicroConfig]], batch: int,
-                                limit: int | None) -> str | None:
+def _least_workspace_unmeasured(
+    table: Mapping[int, Sequence[MicroConfig]], batch: int, limit: int | None
+) -> str | None:
     """The algorithm `choose_baseline` would fall back to when the benchmark skipped it (over its
     limit), so that it can be measured; None when nothing needs measuring."""
     if undivided_baseline(table, batch, limit) is not None:
@@ -372,17 +483,23 @@ def _least_workspace_unmeasured(table: Mapping[int, Sequence[MicroConfig]], batc
 def _findings(table: Mapping[int, Sequence[MicroConfig]]) -> tuple[tuple[MicroConfig, ...], tuple[MicroConfig, ...]]:
     """(candidates rejected as wrong, noisy measurements) of one kernel's table."""
     micros = [m for row in table.values() for m in row]
-    return (tuple(m for m in micros if m.reason.startswith("wrong result")),
-            tuple(m for m in micros if m.usable and is_noisy(m.time, m.spread)))
+    return (
+        tuple(m for m in micros if m.reason.startswith("wrong result")),
+        tuple(m for m in micros if m.usable and is_noisy(m.time, m.spread)),
+    )
 
 
-def _unsupported(backend: Backend, problem: ConvProblem,
-                 table: Mapping[int, Sequence[MicroConfig]]) -> tuple[tuple[str, str], ...]:
+def _unsupported(
+    backend: Backend, problem: ConvProblem, table: Mapping[int, Sequence[MicroConfig]]
+) -> tuple[tuple[str, str], ...]:
     """The algorithms of a kernel's table that the backend cannot run at the undivided batch, with
     its reason. Only those that ran at no size are asked (the rest can run), so a cached table costs
     a question per algorithm that never ran, none per one that did."""
-    never_ran = [m.algo for m in table.get(problem.n, []) if not any(
-        x.usable or x.reason.startswith("needs ") for row in table.values() for x in row if x.algo == m.algo)]
+    never_ran = [
+        m.algo
+        for m in table.get(problem.n, [])
+        if not any(x.usable or x.reason.startswith("needs ") for row in table.values() for x in row if x.algo == m.algo)
+    ]
     found = []
     for algo in never_ran:
         reason = backend.unsupported_reason(problem, algo)

@@ -33,15 +33,20 @@ from ucudnn.problem import ConvProblem
 
 __all__ = ["parallel_optimize", "partition", "prefill", "worker_environments"]
 
-def worker_environments(workers: int, backend_name: str, environ: Mapping[str, str],
-                        gpu_count: int | None = None) -> list[dict[str, str]]:
+
+def worker_environments(
+    workers: int, backend_name: str, environ: Mapping[str, str], gpu_count: int | None = None
+) -> list[dict[str, str]]:
     """The environment of each worker: one GPU each (cudnn), or this process's (cpu)."""
     if not isinstance(workers, int) or workers < 1:
         raise InvalidInput(f"workers must be a positive integer, got {workers!r}")
     if backend_name == "cudnn":
         visible = environ.get("CUDA_VISIBLE_DEVICES")
-        gpus = ([g.strip() for g in visible.split(",") if g.strip()] if visible is not None
-                else [str(i) for i in range(gpu_count or 0)])
+        gpus = (
+            [g.strip() for g in visible.split(",") if g.strip()]
+            if visible is not None
+            else [str(i) for i in range(gpu_count or 0)]
+        )
         if workers > len(gpus):
             raise InvalidInput(f"--workers {workers} needs one GPU per worker, but {len(gpus)} are visible")
         return [{**environ, "CUDA_VISIBLE_DEVICES": gpus[i]} for i in range(workers)]
@@ -61,9 +66,18 @@ def partition(units: Sequence[tuple[ConvProblem, int]], workers: int) -> list[li
     return shares
 
 
-def prefill(backend, kernels: Sequence[tuple[str, ConvProblem]], *, workers: int, db_url: str | None,
-            policy: Policy, workspace_limit: int | None, algos: Sequence[str] | None, reps: int,
-            progress=None) -> BenchStats:
+def prefill(
+    backend,
+    kernels: Sequence[tuple[str, ConvProblem]],
+    *,
+    workers: int,
+    db_url: str | None,
+    policy: Policy,
+    workspace_limit: int | None,
+    algos: Sequence[str] | None,
+    reps: int,
+    progress=None,
+) -> BenchStats:
     """Measure every (distinct problem, policy size) of `kernels` in `workers` processes into the cache.
 
     Returns what the workers did (measured now, found cached). `workspace_limit` is the limit the
@@ -79,12 +93,24 @@ def prefill(backend, kernels: Sequence[tuple[str, ConvProblem]], *, workers: int
     messages: Queue = Queue()
     runs = []
     for i, share in enumerate(shares):
-        spec = {"backend": backend.name, "db": db_url, "expect": device_key(backend), "algos": algos,
-                "reps": reps, "workspace_limit": workspace_limit,
-                "units": [[dataclasses.asdict(p), size] for p, size in share]}
+        spec = {
+            "backend": backend.name,
+            "db": db_url,
+            "expect": device_key(backend),
+            "algos": algos,
+            "reps": reps,
+            "workspace_limit": workspace_limit,
+            "units": [[dataclasses.asdict(p), size] for p, size in share],
+        }
         errors = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 - the child writes it; read after it exits
-        proc = subprocess.Popen([sys.executable, "-m", "ucudnn.network.parallel"], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, stderr=errors, env=envs[i], text=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "ucudnn.network.parallel"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=errors,
+            env=envs[i],
+            text=True,
+        )
         proc.stdin.write(json.dumps(spec))
         proc.stdin.close()
         reader = threading.Thread(target=_forward_lines, args=(proc.stdout, messages), daemon=True)
@@ -122,18 +148,47 @@ def parallel_optimize(workers: int, db_url: str | None):
     """
     from ucudnn.network.optimize import optimize
 
-    def run(backend, kernels, *, policy, workspace_limit=None, total_workspace=None, cache=None, algos=None,
-            reps=3, progress=None, benchmark_limit=None):
+    def run(
+        backend,
+        kernels,
+        *,
+        policy,
+        workspace_limit=None,
+        total_workspace=None,
+        cache=None,
+        algos=None,
+        reps=3,
+        progress=None,
+        benchmark_limit=None,
+    ):
         # The workers time every candidate (each takes whole sizes, so none can prune by another's timings):
         # the report then solves over all of them, whatever the limit.
-        done = prefill(backend, kernels, workers=workers, db_url=db_url, policy=policy,
-                       workspace_limit=workspace_limit if total_workspace is None else total_workspace,
-                       algos=algos, reps=reps, progress=progress)
-        report = optimize(backend, kernels, policy=policy, workspace_limit=workspace_limit,
-                          total_workspace=total_workspace, cache=cache, algos=algos, reps=reps)
+        done = prefill(
+            backend,
+            kernels,
+            workers=workers,
+            db_url=db_url,
+            policy=policy,
+            workspace_limit=workspace_limit if total_workspace is None else total_workspace,
+            algos=algos,
+            reps=reps,
+            progress=progress,
+        )
+        report = optimize(
+            backend,
+            kernels,
+            policy=policy,
+            workspace_limit=workspace_limit,
+            total_workspace=total_workspace,
+            cache=cache,
+            algos=algos,
+            reps=reps,
+        )
         s = report.stats
-        return dataclasses.replace(report, stats=BenchStats(done.measured + s.measured, s.cached - done.measured,
-                                                            done.seconds + s.seconds))
+        return dataclasses.replace(
+            report, stats=BenchStats(done.measured + s.measured, s.cached - done.measured, done.seconds + s.seconds)
+        )
+
     return run
 
 
@@ -157,15 +212,26 @@ def _work(spec: dict) -> None:
 
     backend = get_backend(spec["backend"])
     if device_key(backend) != spec["expect"]:
-        raise UcudnnError(f"this worker measures on {device_key(backend)}, the run's device is {spec['expect']}; "
-                          f"--workers needs devices of one model")
+        raise UcudnnError(
+            f"this worker measures on {device_key(backend)}, the run's device is {spec['expect']}; "
+            f"--workers needs devices of one model"
+        )
     with Cache(spec["db"]) as cache:
         for fields, size in spec["units"]:
             problem = ConvProblem(**fields)
-            table, stats = measure_table(backend, problem, [size], cache=cache, algos=spec["algos"],
-                                         reps=spec["reps"], workspace_limit=spec["workspace_limit"])
-            print(json.dumps({"configs": len(table[size]), "measured": stats.measured, "cached": stats.cached}),
-                  flush=True)
+            table, stats = measure_table(
+                backend,
+                problem,
+                [size],
+                cache=cache,
+                algos=spec["algos"],
+                reps=spec["reps"],
+                workspace_limit=spec["workspace_limit"],
+            )
+            print(
+                json.dumps({"configs": len(table[size]), "measured": stats.measured, "cached": stats.cached}),
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

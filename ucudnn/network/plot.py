@@ -43,12 +43,22 @@ def plot_wd(report, path: str) -> None:
     left.step(ws, ms, where="post", color="0.6", zorder=1)
     left.scatter(ws, ms, color="tab:blue", zorder=2, label="Pareto front")
     for c in front[:: max(1, len(front) // 12)]:  # label at most ~12 points so the text stays readable
-        left.annotate(c.describe(), (c.workspace / _MIB, c.time), fontsize=7, xytext=(4, 4),
-                      textcoords="offset points")
-    left.scatter([costliest.config.workspace / _MIB], [costliest.config.time], s=160, facecolors="none",
-                 edgecolors="tab:red", linewidths=2, zorder=3, label="chosen by WD")
-    left.set(xlabel="workspace (MiB)", ylabel="time (ms)",
-             title=f"{costliest.layer} {costliest.problem.kind}, batch {report.batch}")
+        left.annotate(c.describe(), (c.workspace / _MIB, c.time), fontsize=7, xytext=(4, 4), textcoords="offset points")
+    left.scatter(
+        [costliest.config.workspace / _MIB],
+        [costliest.config.time],
+        s=160,
+        facecolors="none",
+        edgecolors="tab:red",
+        linewidths=2,
+        zorder=3,
+        label="chosen by WD",
+    )
+    left.set(
+        xlabel="workspace (MiB)",
+        ylabel="time (ms)",
+        title=f"{costliest.layer} {costliest.problem.kind}, batch {report.batch}",
+    )
     left.legend()
 
     given = [k.config.workspace / _MIB for k in report.kernels]
@@ -57,8 +67,10 @@ def plot_wd(report, path: str) -> None:
     right.set_xticks(positions, labels, rotation=90, fontsize=7)
     right.set_xlim(-0.6, len(given) - 0.4)
     right.set_xlabel("kernels by layer (colour: kind)")
-    right.set(ylabel="workspace given (MiB)",
-              title=f"WD division: {report.workspace / _MIB:.1f} of {report.total_workspace / _MIB:.1f} MiB used")
+    right.set(
+        ylabel="workspace given (MiB)",
+        title=f"WD division: {report.workspace / _MIB:.1f} of {report.total_workspace / _MIB:.1f} MiB used",
+    )
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in _KIND_COLOURS.values()]
     right.legend(handles, list(_KIND_COLOURS), fontsize=8)
     fig.tight_layout()
@@ -90,8 +102,10 @@ def plot_cluster(plan, path: str) -> None:
         ticks.append(((start + x - 1) / 2, f"{title}\n{span:.1f} ms"))
         x += 1
     ax.set_xticks([t for t, _ in ticks], [label for _, label in ticks])
-    ax.set(ylabel="estimated forward+backward time (ms)",
-           title=f"{plan.network}, batch {plan.batch}: numbers are batch sizes, dashes the makespan")
+    ax.set(
+        ylabel="estimated forward+backward time (ms)",
+        title=f"{plan.network}, batch {plan.batch}: numbers are batch sizes, dashes the makespan",
+    )
     ax.legend([plt.Rectangle((0, 0), 1, 1, color=c) for c in colours.values()], list(colours), fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -66,8 +66,16 @@ from dataclasses import dataclass
 from ucudnn.errors import InvalidInput
 from ucudnn.problem import KINDS, ConvProblem
 
-__all__ = ["DEFAULT_BATCH", "DENSENET40_GROWTH", "NETWORKS", "Layer", "canonical_name", "kernels",
-           "layers", "unique_problems"]
+__all__ = [
+    "DEFAULT_BATCH",
+    "DENSENET40_GROWTH",
+    "NETWORKS",
+    "Layer",
+    "canonical_name",
+    "kernels",
+    "layers",
+    "unique_problems",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,14 +100,14 @@ NETWORKS: dict[str, str] = {
 
 # The mini-batch each source trains with; `None` means every problem carries its own.
 DEFAULT_BATCH: dict[str, int | None] = {
-    "alexnet": 128,    # Krizhevsky et al. 2012, section 5
-    "vgg16": 256,      # Simonyan & Zisserman 2015, section 3.1
-    "resnet18": 256,   # He et al. 2016, section 3.4
+    "alexnet": 128,  # Krizhevsky et al. 2012, section 5
+    "vgg16": 256,  # Simonyan & Zisserman 2015, section 3.1
+    "resnet18": 256,  # He et al. 2016, section 3.4
     "resnet50": 256,
     "resnet152": 256,
     "densenet40": 64,  # Huang et al. 2017, section 4.2
-    "googlenet": 32,   # the paper states none; Caffe's bvlc_googlenet train_val.prototxt uses 32
-    "unet3d": 1,       # the paper states none; one 132x132x116 tile
+    "googlenet": 32,  # the paper states none; Caffe's bvlc_googlenet train_val.prototxt uses 32
+    "unet3d": 1,  # the paper states none; one 132x132x116 tile
     "deepbench": None,
 }
 
@@ -117,22 +125,30 @@ def _pooled(size: int, kernel: int, stride: int, pad: int = 0, *, ceil: bool = F
     return (math.ceil(span / stride) if ceil else span // stride) + 1
 
 
-def _conv(name: str, n: int, c: int, hw: int, k: int, rs: int, *, pad: int = 0, stride: int = 1,
-          groups: int = 1) -> Layer:
+def _conv(
+    name: str, n: int, c: int, hw: int, k: int, rs: int, *, pad: int = 0, stride: int = 1, groups: int = 1
+) -> Layer:
     """A square convolution on a square input."""
-    return Layer(name, ConvProblem(n=n, c=c, h=hw, w=hw, k=k, r=rs, s=rs, pad_h=pad, pad_w=pad,
-                                   stride_h=stride, stride_w=stride, groups=groups))
+    return Layer(
+        name,
+        ConvProblem(
+            n=n, c=c, h=hw, w=hw, k=k, r=rs, s=rs, pad_h=pad, pad_w=pad, stride_h=stride, stride_w=stride, groups=groups
+        ),
+    )
 
 
 def _alexnet(n: int) -> list[Layer]:
-    conv1 = _conv("conv1", n, 3, 227, 96, 11, stride=4)                      # -> 55x55x96
-    hw = _pooled(conv1.problem.out_h, 3, 2)                                  # 27
-    conv2 = _conv("conv2", n, 96, hw, 256, 5, pad=2, groups=2)               # -> 27x27x256
-    hw = _pooled(conv2.problem.out_h, 3, 2)                                  # 13
-    return [conv1, conv2,
-            _conv("conv3", n, 256, hw, 384, 3, pad=1),
-            _conv("conv4", n, 384, hw, 384, 3, pad=1, groups=2),
-            _conv("conv5", n, 384, hw, 256, 3, pad=1, groups=2)]             # -> 13x13x256
+    conv1 = _conv("conv1", n, 3, 227, 96, 11, stride=4)  # -> 55x55x96
+    hw = _pooled(conv1.problem.out_h, 3, 2)  # 27
+    conv2 = _conv("conv2", n, 96, hw, 256, 5, pad=2, groups=2)  # -> 27x27x256
+    hw = _pooled(conv2.problem.out_h, 3, 2)  # 13
+    return [
+        conv1,
+        conv2,
+        _conv("conv3", n, 256, hw, 384, 3, pad=1),
+        _conv("conv4", n, 384, hw, 384, 3, pad=1, groups=2),
+        _conv("conv5", n, 384, hw, 256, 3, pad=1, groups=2),
+    ]  # -> 13x13x256
 
 
 def _vgg16(n: int) -> list[Layer]:
@@ -148,8 +164,8 @@ def _vgg16(n: int) -> list[Layer]:
 
 
 def _resnet_stem(n: int) -> tuple[list[Layer], int]:
-    conv1 = _conv("conv1", n, 3, 224, 64, 7, pad=3, stride=2)                # -> 112x112x64
-    return [conv1], _pooled(conv1.problem.out_h, 3, 2, 1)                    # 56
+    conv1 = _conv("conv1", n, 3, 224, 64, 7, pad=3, stride=2)  # -> 112x112x64
+    return [conv1], _pooled(conv1.problem.out_h, 3, 2, 1)  # 56
 
 
 def _resnet_basic(n: int, blocks: Sequence[int]) -> list[Layer]:
@@ -181,9 +197,11 @@ def _resnet_bottleneck(n: int, blocks: Sequence[int]) -> list[Layer]:
             # The original paper strides the first 1x1 (torchvision v1.5 strides the 3x3).
             conv1 = _conv(f"{prefix}.conv1", n, c, hw, width, 1, stride=stride)
             hw_out = conv1.problem.out_h
-            out += [conv1,
-                    _conv(f"{prefix}.conv2", n, width, hw_out, width, 3, pad=1),
-                    _conv(f"{prefix}.conv3", n, width, hw_out, expanded, 1)]
+            out += [
+                conv1,
+                _conv(f"{prefix}.conv2", n, width, hw_out, width, 3, pad=1),
+                _conv(f"{prefix}.conv3", n, width, hw_out, expanded, 1),
+            ]
             if stride != 1 or c != expanded:
                 out.append(_conv(f"{prefix}.downsample", n, c, hw, expanded, 1, stride=stride))
             c, hw = expanded, hw_out
@@ -196,11 +214,11 @@ def _densenet40(n: int) -> list[Layer]:
     out = [_conv("conv0", n, 3, hw, c, 3, pad=1)]
     for block in range(1, 4):
         if block > 1:
-            out.append(_conv(f"trans{block - 1}", n, c, hw, c, 1))          # no compression
+            out.append(_conv(f"trans{block - 1}", n, c, hw, c, 1))  # no compression
             hw = _pooled(hw, 2, 2)
         for i in range(_DENSENET40_LAYERS_PER_BLOCK):
             out.append(_conv(f"dense{block}.{i}", n, c, hw, k, 3, pad=1))
-            c += k                                                           # concatenation
+            c += k  # concatenation
     return out
 
 
@@ -219,24 +237,24 @@ _INCEPTION: dict[str, tuple[int, int, int, int, int, int]] = {
 
 
 def _googlenet(n: int) -> list[Layer]:
-    conv1 = _conv("conv1", n, 3, 224, 64, 7, pad=3, stride=2)                # -> 112x112x64
-    hw = _pooled(conv1.problem.out_h, 3, 2, ceil=True)                       # 56
-    out = [conv1,
-           _conv("conv2.3x3_reduce", n, 64, hw, 64, 1),
-           _conv("conv2.3x3", n, 64, hw, 192, 3, pad=1)]
+    conv1 = _conv("conv1", n, 3, 224, 64, 7, pad=3, stride=2)  # -> 112x112x64
+    hw = _pooled(conv1.problem.out_h, 3, 2, ceil=True)  # 56
+    out = [conv1, _conv("conv2.3x3_reduce", n, 64, hw, 64, 1), _conv("conv2.3x3", n, 64, hw, 192, 3, pad=1)]
     c = 192
     for block, (b1, b3r, b3, b5r, b5, pp) in _INCEPTION.items():
         if block in ("3a", "4a", "5a"):
-            hw = _pooled(hw, 3, 2, ceil=True)                                # 28, 14, 7
+            hw = _pooled(hw, 3, 2, ceil=True)  # 28, 14, 7
         p = f"inception{block}"
-        out += [_conv(f"{p}.1x1", n, c, hw, b1, 1),
-                _conv(f"{p}.3x3_reduce", n, c, hw, b3r, 1),
-                _conv(f"{p}.3x3", n, b3r, hw, b3, 3, pad=1),
-                _conv(f"{p}.5x5_reduce", n, c, hw, b5r, 1),
-                _conv(f"{p}.5x5", n, b5r, hw, b5, 5, pad=2),
-                # the pool branch: 3x3/1 pad-1 max-pool keeps the block input's shape
-                _conv(f"{p}.pool_proj", n, c, hw, pp, 1)]
-        c = b1 + b3 + b5 + pp                                                # concatenation
+        out += [
+            _conv(f"{p}.1x1", n, c, hw, b1, 1),
+            _conv(f"{p}.3x3_reduce", n, c, hw, b3r, 1),
+            _conv(f"{p}.3x3", n, b3r, hw, b3, 3, pad=1),
+            _conv(f"{p}.5x5_reduce", n, c, hw, b5r, 1),
+            _conv(f"{p}.5x5", n, b5r, hw, b5, 5, pad=2),
+            # the pool branch: 3x3/1 pad-1 max-pool keeps the block input's shape
+            _conv(f"{p}.pool_proj", n, c, hw, pp, 1),
+        ]
+        c = b1 + b3 + b5 + pp  # concatenation
     return out
 
 
@@ -255,23 +273,27 @@ def _unet3d(n: int) -> list[Layer]:
     c, dhw = 3, _UNET3D_TILE
     skips = []
     for level, (k1, k2) in enumerate(_UNET3D_DOWN, start=1):
-        first = conv(f"down{level}.conv1", c, dhw, k1, 3)                       # unpadded: -2 per axis
+        first = conv(f"down{level}.conv1", c, dhw, k1, 3)  # unpadded: -2 per axis
         second = conv(f"down{level}.conv2", k1, first.problem.y_shape[2:], k2, 3)
         out += [first, second]
         c, dhw = k2, second.problem.y_shape[2:]
         skips.append((c, dhw))
-        dhw = tuple(_pooled(size, 2, 2) for size in dhw)                      # 2x2x2 max-pool, stride 2
-    dhw = skips.pop()[1]                                                       # the bottom level is not pooled
+        dhw = tuple(_pooled(size, 2, 2) for size in dhw)  # 2x2x2 max-pool, stride 2
+    dhw = skips.pop()[1]  # the bottom level is not pooled
     for level in (3, 2, 1):
         d, h, w = dhw
-        up = Layer(f"up{level}.upconv", ConvProblem(n=n, c=c, d=d, h=h, w=w, k=c, t=2, r=2, s=2, stride_d=2,
-                                                   stride_h=2, stride_w=2, transposed=True))
-        skip_c, _ = skips.pop()                                                # cropped to the up-convolution's size
+        up = Layer(
+            f"up{level}.upconv",
+            ConvProblem(
+                n=n, c=c, d=d, h=h, w=w, k=c, t=2, r=2, s=2, stride_d=2, stride_h=2, stride_w=2, transposed=True
+            ),
+        )
+        skip_c, _ = skips.pop()  # cropped to the up-convolution's size
         first = conv(f"up{level}.conv1", c + skip_c, up.problem.y_shape[2:], skip_c, 3)
         second = conv(f"up{level}.conv2", skip_c, first.problem.y_shape[2:], skip_c, 3)
         out += [up, first, second]
         c, dhw = skip_c, second.problem.y_shape[2:]
-    out.append(conv("final", c, dhw, _UNET3D_LABELS, 1))                      # -> 28x44x44x3
+    out.append(conv("final", c, dhw, _UNET3D_LABELS, 1))  # -> 28x44x44x3
     return out
 
 
@@ -376,11 +398,25 @@ _DEEPBENCH_TRAINING: tuple[tuple[int, int, int, int, int, int, int, int, int, in
 
 
 def _deepbench(n: int | None) -> list[Layer]:
-    return [Layer(f"deepbench.{i}",
-                  ConvProblem(n=n if n is not None else db_n, c=c, h=h, w=w, k=k, r=r, s=s,
-                              pad_h=pad_h, pad_w=pad_w, stride_h=stride_h, stride_w=stride_w))
-            for i, (w, h, c, db_n, k, s, r, pad_w, pad_h, stride_w, stride_h)
-            in enumerate(_DEEPBENCH_TRAINING)]
+    return [
+        Layer(
+            f"deepbench.{i}",
+            ConvProblem(
+                n=n if n is not None else db_n,
+                c=c,
+                h=h,
+                w=w,
+                k=k,
+                r=r,
+                s=s,
+                pad_h=pad_h,
+                pad_w=pad_w,
+                stride_h=stride_h,
+                stride_w=stride_w,
+            ),
+        )
+        for i, (w, h, c, db_n, k, s, r, pad_w, pad_h, stride_w, stride_h) in enumerate(_DEEPBENCH_TRAINING)
+    ]
 
 
 _BUILDERS: dict[str, Callable[[int], list[Layer]]] = {
@@ -431,8 +467,9 @@ def layers(name: str, batch: int | None = None) -> list[Layer]:
     return _BUILDERS[canonical](n)
 
 
-def kernels(name: str, batch: int | None = None, kinds: Sequence[str] = KINDS, *,
-            skip_first_bwd_data: bool = False) -> list[tuple[str, ConvProblem]]:
+def kernels(
+    name: str, batch: int | None = None, kinds: Sequence[str] = KINDS, *, skip_first_bwd_data: bool = False
+) -> list[tuple[str, ConvProblem]]:
     """Every kernel of network `name`: ``(layer name, problem)`` for each layer, then each kind.
 
     A network of L layers gives ``L * len(kinds)`` kernels (AlexNet: 5 x 3 = 15). With
@@ -451,9 +488,12 @@ def kernels(name: str, batch: int | None = None, kinds: Sequence[str] = KINDS, *
     canonical = canonical_name(name)
     net = layers(canonical, batch)
     image_layer = None if canonical == "deepbench" else net[0].name
-    return [(layer.name, layer.problem.with_kind(kind))
-            for layer in net for kind in kinds
-            if not (skip_first_bwd_data and kind == "bwd_data" and layer.name == image_layer)]
+    return [
+        (layer.name, layer.problem.with_kind(kind))
+        for layer in net
+        for kind in kinds
+        if not (skip_first_bwd_data and kind == "bwd_data" and layer.name == image_layer)
+    ]
 
 
 def unique_problems(net: Iterable[Layer]) -> dict[str, list[str]]:

@@ -15,18 +15,34 @@ from ucudnn.torch.capturing.capture import capture
 from ucudnn.torch.checking.check import PlanCheck, check_plan
 from ucudnn.torch.checking.tracker import StepTracker
 from ucudnn.torch.converting.conv import (
-                                          Conv1d,
-                                          Conv2d,
-                                          Conv3d,
-                                          ConvTranspose1d,
-                                          ConvTranspose2d,
-                                          ConvTranspose3d,
-                                          announce,
-                                          convert,
+    Conv1d,
+    Conv2d,
+    Conv3d,
+    ConvTranspose1d,
+    ConvTranspose2d,
+    ConvTranspose3d,
+    announce,
+    convert,
 )
 from ucudnn.torch.planning.planner import measure_profile, plan_memory
 from ucudnn.torch.running.executor import ExecutionStats, execute_plan
 
-__all__ = ["Conv1d", "Conv2d", "Conv3d", "ConvTranspose1d", "ConvTranspose2d", "ConvTranspose3d", "ExecutionStats",
-           "PlanCheck", "StepTracker", "announce", "capture", "check_plan", "convert", "execute_plan",
-           "measure_profile", "plan_memory", "zoo"]
+__all__ = [
+    "Conv1d",
+    "Conv2d",
+    "Conv3d",
+    "ConvTranspose1d",
+    "ConvTranspose2d",
+    "ConvTranspose3d",
+    "ExecutionStats",
+    "PlanCheck",
+    "StepTracker",
+    "announce",
+    "capture",
+    "check_plan",
+    "convert",
+    "execute_plan",
+    "measure_profile",
+    "plan_memory",
+    "zoo",
+]

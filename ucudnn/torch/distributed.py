@@ -34,8 +34,9 @@ def _check_batches(local_batch: int, global_batch: int) -> None:
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise InvalidInput(f"{name} must be a non-negative integer, got {value!r}")
     if not 0 <= local_batch <= global_batch or global_batch == 0:
-        raise InvalidInput(f"local_batch must lie in 0..global_batch and global_batch be positive, "
-                           f"got {local_batch} of {global_batch}")
+        raise InvalidInput(
+            f"local_batch must lie in 0..global_batch and global_batch be positive, got {local_batch} of {global_batch}"
+        )
 
 
 class UnevenSampler(Sampler[list[int]]):
@@ -48,8 +49,9 @@ class UnevenSampler(Sampler[list[int]]):
     ``DataLoader(dataset, batch_sampler=UnevenSampler(len(dataset), sizes, rank))``.
     """
 
-    def __init__(self, num_samples: int, batch_sizes: Sequence[int], rank: int, *, shuffle: bool = True,
-                 seed: int = 0) -> None:
+    def __init__(
+        self, num_samples: int, batch_sizes: Sequence[int], rank: int, *, shuffle: bool = True, seed: int = 0
+    ) -> None:
         sizes = list(batch_sizes)
         if not sizes or any(not isinstance(b, int) or isinstance(b, bool) or b < 0 for b in sizes) or sum(sizes) == 0:
             raise InvalidInput(f"batch_sizes must be non-negative integers with a positive sum, got {batch_sizes!r}")
@@ -76,7 +78,7 @@ class UnevenSampler(Sampler[list[int]]):
         mine = self.batch_sizes[self.rank]
         for step in range(len(self)):
             start = step * self.global_batch + self.offset
-            yield order[start:start + mine].tolist()
+            yield order[start : start + mine].tolist()
 
 
 def allreduce_gradients(model: torch.nn.Module, local_batch: int, global_batch: int, group=None) -> None:
@@ -93,17 +95,27 @@ def allreduce_gradients(model: torch.nn.Module, local_batch: int, global_batch: 
         return
     device, dtype = params[0].device, params[0].dtype
     weight = local_batch / global_batch
-    flat = torch.cat([(p.grad.detach().reshape(-1).to(dtype) * weight if p.grad is not None
-                       else torch.zeros(p.numel(), device=device, dtype=dtype)) for p in params]
-                     + [torch.tensor([float(local_batch)], device=device, dtype=dtype)])
+    flat = torch.cat(
+        [
+            (
+                p.grad.detach().reshape(-1).to(dtype) * weight
+                if p.grad is not None
+                else torch.zeros(p.numel(), device=device, dtype=dtype)
+            )
+            for p in params
+        ]
+        + [torch.tensor([float(local_batch)], device=device, dtype=dtype)]
+    )
     dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
     total = round(flat[-1].item())
     if total != global_batch:
-        raise InvalidInput(f"the ranks' local batches sum to {total}, not global_batch={global_batch}; "
-                           f"give each rank its own b_r and the same B")
+        raise InvalidInput(
+            f"the ranks' local batches sum to {total}, not global_batch={global_batch}; "
+            f"give each rank its own b_r and the same B"
+        )
     offset = 0
     for p in params:
-        part = flat[offset:offset + p.numel()].view_as(p)
+        part = flat[offset : offset + p.numel()].view_as(p)
         if p.grad is None:
             p.grad = part.clone()
         else:

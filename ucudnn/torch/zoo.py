@@ -66,8 +66,7 @@ def _projection(c_in: int, c_out: int, stride: int) -> nn.Module | None:
 
 
 class ResNet(nn.Module):
-    def __init__(self, block: type[BasicBlock | Bottleneck], blocks: tuple[int, ...],
-                 num_classes: int = 1000) -> None:
+    def __init__(self, block: type[BasicBlock | Bottleneck], blocks: tuple[int, ...], num_classes: int = 1000) -> None:
         super().__init__()
         self.conv1 = nn.Conv2d(3, 64, 7, stride=2, padding=3, bias=False)
         self.bn1 = nn.BatchNorm2d(64)
@@ -125,15 +124,23 @@ class DenseNet(nn.Module):
     def __init__(self, growth: int = 12, blocks: tuple[int, ...] = (4, 4, 4), num_classes: int = 1000) -> None:
         super().__init__()
         c = 2 * growth
-        layers: list[nn.Module] = [nn.Conv2d(3, c, 7, stride=2, padding=3, bias=False), nn.BatchNorm2d(c),
-                                   nn.ReLU(inplace=True), nn.MaxPool2d(3, 2, 1)]
+        layers: list[nn.Module] = [
+            nn.Conv2d(3, c, 7, stride=2, padding=3, bias=False),
+            nn.BatchNorm2d(c),
+            nn.ReLU(inplace=True),
+            nn.MaxPool2d(3, 2, 1),
+        ]
         for i, count in enumerate(blocks):
             for _ in range(count):
                 layers.append(DenseLayer(c, growth))
                 c += growth
             if i < len(blocks) - 1:  # transition: halve channels and resolution
-                layers += [nn.BatchNorm2d(c), nn.ReLU(inplace=True), nn.Conv2d(c, c // 2, 1, bias=False),
-                           nn.AvgPool2d(2, 2)]
+                layers += [
+                    nn.BatchNorm2d(c),
+                    nn.ReLU(inplace=True),
+                    nn.Conv2d(c, c // 2, 1, bias=False),
+                    nn.AvgPool2d(2, 2),
+                ]
                 c //= 2
         self.features = nn.Sequential(*layers, nn.BatchNorm2d(c))
         self.fc = nn.Linear(c, num_classes)

@@ -28,19 +28,31 @@ offers and launches them (`backend`).
 from __future__ import annotations
 
 from ucudnn.backends.cpu.backend import (
-                                         ALGORITHMS,
-                                         FFT,
-                                         IM2COL_GEMM,
-                                         MEASUREMENT_PROTOCOL,
-                                         NATIVE,
-                                         NATIVE_MEASUREMENT_PROTOCOL,
-                                         SHIFT_GEMM,
-                                         SUPPORTED_DTYPES,
-                                         WINOGRAD,
-                                         CpuBackend,
+    ALGORITHMS,
+    FFT,
+    IM2COL_GEMM,
+    MEASUREMENT_PROTOCOL,
+    NATIVE,
+    NATIVE_MEASUREMENT_PROTOCOL,
+    SHIFT_GEMM,
+    SUPPORTED_DTYPES,
+    WINOGRAD,
+    CpuBackend,
 )
 from ucudnn.backends.cpu.fft import FFT_WORKERS
 from ucudnn.backends.cpu.layout import ALIGN_BYTES
 
-__all__ = ["ALGORITHMS", "ALIGN_BYTES", "FFT", "FFT_WORKERS", "IM2COL_GEMM", "MEASUREMENT_PROTOCOL", "NATIVE",
-           "NATIVE_MEASUREMENT_PROTOCOL", "SHIFT_GEMM", "SUPPORTED_DTYPES", "WINOGRAD", "CpuBackend"]
+__all__ = [
+    "ALGORITHMS",
+    "ALIGN_BYTES",
+    "FFT",
+    "FFT_WORKERS",
+    "IM2COL_GEMM",
+    "MEASUREMENT_PROTOCOL",
+    "NATIVE",
+    "NATIVE_MEASUREMENT_PROTOCOL",
+    "SHIFT_GEMM",
+    "SUPPORTED_DTYPES",
+    "WINOGRAD",
+    "CpuBackend",
+]

@@ -69,9 +69,9 @@ NATIVE_MEASUREMENT_PROTOCOL = 3
 # 13-33 ms against 1.1-1.6 ms), so that micro-batches of `native` lost to the undivided NumPy baseline
 # and both backward kernels stayed at 1.00x. So `native` is timed after the spin is over. (A NumPy
 # algorithm on one BLAS thread, as converted layers run them, leaves no pool spinning.)
-_IDLE_POLL_S = 0.005       # how often the process's CPU time is read while waiting
-_IDLE_CPU_FRACTION = 0.2   # other threads idle: they used under this share of one core over a poll
-_IDLE_WAIT_MAX_S = 0.5     # never wait longer (a process whose own threads are busy with other work)
+_IDLE_POLL_S = 0.005  # how often the process's CPU time is read while waiting
+_IDLE_CPU_FRACTION = 0.2  # other threads idle: they used under this share of one core over a poll
+_IDLE_WAIT_MAX_S = 0.5  # never wait longer (a process whose own threads are busy with other work)
 _blas_pool_may_spin = False  # the last candidate timed was a NumPy algorithm on more than one BLAS thread
 
 
@@ -105,16 +105,20 @@ def _device_info() -> DeviceInfo:
         memory_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):  # sysconf lacks these names on this platform
         memory_bytes = 0
-    versions = {"numpy": np.__version__, "scipy": scipy.__version__,
-                "numpy-blas": _blas_version(np.show_config(mode="dicts")),
-                "scipy-blas": _blas_version(scipy.show_config(mode="dicts"))}
+    versions = {
+        "numpy": np.__version__,
+        "scipy": scipy.__version__,
+        "numpy-blas": _blas_version(np.show_config(mode="dicts")),
+        "scipy-blas": _blas_version(scipy.show_config(mode="dicts")),
+    }
     if _torch_version() is not None:
         versions["torch"] = _torch_version()
     # Thread counts change every timing, so measurements taken under other settings are not reused.
     for var in _THREAD_VARIABLES:
         versions[var] = os.environ.get(var, "default")
-    return DeviceInfo(model=f"{model} ({cores} cores)", memory_bytes=int(memory_bytes),
-                      versions=tuple(sorted(versions.items())))
+    return DeviceInfo(
+        model=f"{model} ({cores} cores)", memory_bytes=int(memory_bytes), versions=tuple(sorted(versions.items()))
+    )
 
 
 def _same(views):
@@ -150,8 +154,9 @@ class CpuBackend(Backend):
     numpy_threads: int | None = None
 
     def __init__(self, numpy_threads: int | None = None) -> None:
-        if numpy_threads is not None and (isinstance(numpy_threads, bool) or not isinstance(numpy_threads, int)
-                                          or numpy_threads < 1):
+        if numpy_threads is not None and (
+            isinstance(numpy_threads, bool) or not isinstance(numpy_threads, int) or numpy_threads < 1
+        ):
             raise InvalidInput(f"numpy_threads must be a positive integer or None, got {numpy_threads!r}")
         self.numpy_threads = numpy_threads
 
@@ -196,8 +201,10 @@ class CpuBackend(Backend):
         if problem.dtype not in SUPPORTED_DTYPES:
             return f"the cpu backend computes in float32 or float64, not {problem.dtype}"
         if problem.effective_compute_type != problem.dtype:
-            return (f"the cpu backend computes in the data type; compute_type {problem.compute_type} "
-                    f"differs from dtype {problem.dtype}")
+            return (
+                f"the cpu backend computes in the data type; compute_type {problem.compute_type} "
+                f"differs from dtype {problem.dtype}"
+            )
         if problem.layout != "NCHW":
             return f"the cpu backend runs NCHW tensors only, not {problem.layout}"
         if algo == WINOGRAD:
@@ -236,8 +243,9 @@ class CpuBackend(Backend):
         operands["out"] = np.zeros(problem.out_shape, dtype)
         return operands
 
-    def time_run_ms(self, problem: ConvProblem, algo: str, operands: dict[str, Any], workspace: Any,
-                    reps: int, beta: float = 0.0) -> list[float]:
+    def time_run_ms(
+        self, problem: ConvProblem, algo: str, operands: dict[str, Any], workspace: Any, reps: int, beta: float = 0.0
+    ) -> list[float]:
         # The launcher a Handle runs in steady state, after `measure`'s checked warm-up run: the
         # per-call checks and layout work of `run` would otherwise count against every algorithm.
         # It honours beta itself (BLAS beta, or one blend into out), so what is timed is what runs.
@@ -272,6 +280,7 @@ class CpuBackend(Backend):
 
             def compute(ws, x, w, dy, out, alpha, beta):
                 family(conv, ws, x, w, dy, out, alpha, beta)
+
         threads = self.numpy_threads
         pools = _blas_pools().lib_controllers if threads is not None else ()
         fft = algo == FFT
@@ -301,16 +310,29 @@ class CpuBackend(Backend):
                 for pool, count in saved:
                     if count != threads:
                         pool.set_num_threads(count)
+
         return launch
 
-    def run(self, problem: ConvProblem, algo: str, *, x: Any = None, w: Any = None, dy: Any = None,
-            out: Any, workspace: Any, alpha: float = 1.0, beta: float = 0.0) -> None:
+    def run(
+        self,
+        problem: ConvProblem,
+        algo: str,
+        *,
+        x: Any = None,
+        w: Any = None,
+        dy: Any = None,
+        out: Any,
+        workspace: Any,
+        alpha: float = 1.0,
+        beta: float = 0.0,
+    ) -> None:
         reason = self.unsupported_reason(problem, algo)
         if reason is not None:
             raise UnsupportedProblem(reason)
         dtype = np.dtype(problem.dtype)
-        needed = {"fwd": {"x": x, "w": w}, "bwd_data": {"dy": dy, "w": w},
-                  "bwd_filter": {"x": x, "dy": dy}}[problem.kind]
+        needed = {"fwd": {"x": x, "w": w}, "bwd_data": {"dy": dy, "w": w}, "bwd_filter": {"x": x, "dy": dy}}[
+            problem.kind
+        ]
         shapes = {"x": problem.x_shape, "w": problem.w_shape, "dy": problem.y_shape}
         for name, array in [*needed.items(), ("out", out)]:
             shape = problem.out_shape if name == "out" else shapes[name]
@@ -319,8 +341,9 @@ class CpuBackend(Backend):
             if not isinstance(array, np.ndarray):
                 raise InvalidInput(f"operand {name!r} must be a NumPy array, got {type(array).__name__}")
             if array.shape != shape or array.dtype != dtype:
-                raise InvalidInput(f"operand {name!r} must be {dtype} with shape {shape}, "
-                                   f"got {array.dtype} with shape {array.shape}")
+                raise InvalidInput(
+                    f"operand {name!r} must be {dtype} with shape {shape}, got {array.dtype} with shape {array.shape}"
+                )
             if not array.flags.c_contiguous:
                 raise InvalidInput(f"operand {name!r} must be C-contiguous (NCHW, or NCDHW in 3-D)")
         if not out.flags.writeable:
@@ -336,8 +359,10 @@ class CpuBackend(Backend):
         if not (isinstance(workspace, np.ndarray) and workspace.dtype == np.uint8 and workspace.ndim == 1):
             raise InvalidInput("workspace must be a 1-D NumPy uint8 array (see empty_workspace)")
         if workspace.nbytes < layout.nbytes:
-            raise InvalidInput(f"workspace has {workspace.nbytes} bytes; {algo} on {problem.spec} "
-                               f"({problem.kind}) needs {layout.nbytes}")
+            raise InvalidInput(
+                f"workspace has {workspace.nbytes} bytes; {algo} on {problem.spec} "
+                f"({problem.kind}) needs {layout.nbytes}"
+            )
         if layout.nbytes and not workspace.flags.c_contiguous:
             raise InvalidInput("workspace must be contiguous")
         with _numpy_threads(self.numpy_threads):

@@ -24,8 +24,9 @@ def _valid(count: int, length: int, step: int, offset: int) -> tuple[int, int, i
 _ALL = slice(None)
 
 
-def _ranges(dst_shape: tuple[int, ...], src_shape: tuple[int, ...], moves: tuple[tuple[int, int], ...],
-            images_are_src: bool) -> list[tuple[int, int, int, int]] | None:
+def _ranges(
+    dst_shape: tuple[int, ...], src_shape: tuple[int, ...], moves: tuple[tuple[int, int], ...], images_are_src: bool
+) -> list[tuple[int, int, int, int]] | None:
     """(lo, hi, first, step) per trailing axis: the indices of the moved array that land inside the
     image, the first image index they read, and the step; None when none does on some axis."""
     moved, image = (dst_shape, src_shape) if images_are_src else (src_shape, dst_shape)
@@ -86,8 +87,10 @@ def _scatter_plan(dst_shape: tuple[int, ...], src_shape: tuple[int, ...], moves,
     ranges = _ranges(dst_shape, src_shape, moves, False)
     if ranges is None:
         return None
-    return ((Ellipsis, *(slice(first, first + (hi - lo - 1) * step + 1, step) for lo, hi, first, step in ranges)),
-            prefix + (Ellipsis, *(slice(lo, hi) for lo, hi, _, _ in ranges)))
+    return (
+        (Ellipsis, *(slice(first, first + (hi - lo - 1) * step + 1, step) for lo, hi, first, step in ranges)),
+        prefix + (Ellipsis, *(slice(lo, hi) for lo, hi, _, _ in ranges)),
+    )
 
 
 def _scatter_add(dst: np.ndarray, src: np.ndarray, *moves: tuple[int, int]) -> None:
@@ -103,8 +106,10 @@ def _tap_moves(p: ConvProblem) -> list[tuple[tuple[int, ...], list[tuple[int, in
     """Every filter tap, as an index per spatial axis in the filter's memory order, with the
     (stride, offset) per axis at which it reads the unpadded image."""
     axes = p.axes
-    return [(tap, [(a.stride, m * a.dilation - a.pad) for m, a in zip(tap, axes)])
-            for tap in itertools.product(*(range(a.filter) for a in axes))]
+    return [
+        (tap, [(a.stride, m * a.dilation - a.pad) for m, a in zip(tap, axes)])
+        for tap in itertools.product(*(range(a.filter) for a in axes))
+    ]
 
 
 def _blend(out: np.ndarray, value: np.ndarray, alpha: float, beta: float) -> None:

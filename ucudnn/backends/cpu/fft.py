@@ -50,8 +50,10 @@ FFT_WORKERS = -1  # scipy.fft's workers by default: every core this process may 
 
 def _fft_grid(p: ConvProblem) -> tuple[int, ...]:
     """The periodic grid's extent per spatial axis: nothing read wraps onto a value."""
-    return tuple(scipy.fft.next_fast_len(max(a.size + a.pad, a.dilated, a.size + 2 * a.pad - a.dilated + 1),
-                                         real=True) for a in p.axes)
+    return tuple(
+        scipy.fft.next_fast_len(max(a.size + a.pad, a.dilated, a.size + 2 * a.pad - a.dilated + 1), real=True)
+        for a in p.axes
+    )
 
 
 def _frequencies(grid: tuple[int, ...]) -> tuple[int, ...]:
@@ -74,8 +76,16 @@ def _placed(rows: tuple[int, ...], steps: tuple[int, ...]) -> tuple[slice, ...]:
     return tuple(slice(None, (size - 1) * step + 1, step) for size, step in zip(rows, steps))
 
 
-def _image_spectrum(a: np.ndarray, steps: tuple[int, ...], grid: tuple[int, ...], real: np.ndarray | None,
-                    half: np.ndarray, spectrum: np.ndarray, *, conjugate: bool = False) -> None:
+def _image_spectrum(
+    a: np.ndarray,
+    steps: tuple[int, ...],
+    grid: tuple[int, ...],
+    real: np.ndarray | None,
+    half: np.ndarray,
+    spectrum: np.ndarray,
+    *,
+    conjugate: bool = False,
+) -> None:
     """spectrum (freqs..., A, B) = ortho FFT over every spatial axis (conjugated if asked) of
     a (A, B, sizes...) whose sample (p, q) sits at grid point (p * steps[0], q * steps[1]) (and so on
     per axis).
@@ -89,7 +99,7 @@ def _image_spectrum(a: np.ndarray, steps: tuple[int, ...], grid: tuple[int, ...]
     if steps[-1] != 1:
         src = real
         src[...] = 0
-        np.copyto(src[..., :(a.shape[-1] - 1) * steps[-1] + 1:steps[-1]], a)
+        np.copyto(src[..., : (a.shape[-1] - 1) * steps[-1] + 1 : steps[-1]], a)
     (np.fft.ihfft if conjugate else np.fft.rfft)(src, n=lw, axis=-1, norm="ortho", out=half)
     placed = _placed(rows, steps[:-1])
     for i in range(lead):  # zero the grid points no sample sits on, axis by axis
@@ -102,8 +112,16 @@ def _image_spectrum(a: np.ndarray, steps: tuple[int, ...], grid: tuple[int, ...]
     _in_place(column_fft(spectrum, axes=tuple(range(lead)), norm="ortho", overwrite_x=True), spectrum)
 
 
-def _image_inverse(spectrum: np.ndarray, steps: tuple[int, ...], grid: tuple[int, ...], half: np.ndarray,
-                   real: np.ndarray, out: np.ndarray, alpha: float, beta: float) -> None:
+def _image_inverse(
+    spectrum: np.ndarray,
+    steps: tuple[int, ...],
+    grid: tuple[int, ...],
+    half: np.ndarray,
+    real: np.ndarray,
+    out: np.ndarray,
+    alpha: float,
+    beta: float,
+) -> None:
     """out (A, B, sizes...) = alpha * image[p * steps[0], q * steps[1], ...] + beta * out, where image
     is the ortho inverse FFT of spectrum (freqs..., A, B), which is overwritten.
 
@@ -113,15 +131,26 @@ def _image_inverse(spectrum: np.ndarray, steps: tuple[int, ...], grid: tuple[int
     _in_place(scipy.fft.ifftn(spectrum, axes=tuple(range(lead)), norm="ortho", overwrite_x=True), spectrum)
     np.copyto(half.transpose(_to_spectrum_order(lead)), spectrum[_placed(out.shape[2:-1], steps[:-1])])
     np.fft.irfft(half, n=lw, axis=-1, norm="ortho", out=real)
-    _blend(out, real[..., :(out.shape[-1] - 1) * steps[-1] + 1:steps[-1]], alpha, beta)
+    _blend(out, real[..., : (out.shape[-1] - 1) * steps[-1] + 1 : steps[-1]], alpha, beta)
 
 
-def _dft_rows(out: np.ndarray, freqs: int, taps: int, step: int, offset: int, length: int, sign: float,
-              phase: np.ndarray, *, taps_first: bool = False, weights: np.ndarray | None = None) -> None:
+def _dft_rows(
+    out: np.ndarray,
+    freqs: int,
+    taps: int,
+    step: int,
+    offset: int,
+    length: int,
+    sign: float,
+    phase: np.ndarray,
+    *,
+    taps_first: bool = False,
+    weights: np.ndarray | None = None,
+) -> None:
     """out[f, t] (or out[t, f] with taps_first) = weights[f] * exp(sign 2 pi i f pos_t / length),
     pos_t = offset + t * step; `phase` is float64 scratch of at least freqs * taps elements."""
     shape = (taps, freqs) if taps_first else (freqs, taps)
-    angle = phase[:freqs * taps].reshape(shape)
+    angle = phase[: freqs * taps].reshape(shape)
     f = np.arange(freqs, dtype=np.float64)
     pos = np.arange(taps, dtype=np.float64) * step + offset
     np.multiply.outer(pos, f, out=angle) if taps_first else np.multiply.outer(f, pos, out=angle)
@@ -133,8 +162,15 @@ def _dft_rows(out: np.ndarray, freqs: int, taps: int, step: int, offset: int, le
         np.multiply(out, weights if taps_first else weights[:, None], out=out)
 
 
-def _filter_spectrum(p: ConvProblem, w_t: np.ndarray, grid: tuple[int, ...], ws: dict[str, np.ndarray],
-                     spectrum: np.ndarray, *, conjugate: bool) -> None:
+def _filter_spectrum(
+    p: ConvProblem,
+    w_t: np.ndarray,
+    grid: tuple[int, ...],
+    ws: dict[str, np.ndarray],
+    spectrum: np.ndarray,
+    *,
+    conjugate: bool,
+) -> None:
     """spectrum (freqs..., P, Q) = exact DFT (conjugated if asked) of the filter taps on the grid.
 
     w_t is the filter as (taps reversed..., P, Q): (s, r, P, Q) in 2-D. The last axis' taps are
@@ -145,7 +181,7 @@ def _filter_spectrum(p: ConvProblem, w_t: np.ndarray, grid: tuple[int, ...], ws:
     sign = 1.0 if conjugate else -1.0
     wc = ws["wc"].reshape(w_t.shape)  # a (taps..., k, c/g) slot, the same size in either order
     np.copyto(wc, w_t)
-    pq = math.prod(w_t.shape[len(axes):])
+    pq = math.prod(w_t.shape[len(axes) :])
     src, done = wc, ()
     for i in reversed(range(len(axes))):  # src: (freqs of the axes done..., taps of axis i, the rest)
         a, e = axes[i], ws[f"e{i}"]
@@ -159,8 +195,15 @@ def _filter_spectrum(p: ConvProblem, w_t: np.ndarray, grid: tuple[int, ...], ws:
         src, done = dst, (*done, freqs[i])
 
 
-def _filter_inverse(p: ConvProblem, spectrum: np.ndarray, grid: tuple[int, ...], ws: dict[str, np.ndarray],
-                    out: np.ndarray, alpha: float, beta: float) -> None:
+def _filter_inverse(
+    p: ConvProblem,
+    spectrum: np.ndarray,
+    grid: tuple[int, ...],
+    ws: dict[str, np.ndarray],
+    out: np.ndarray,
+    alpha: float,
+    beta: float,
+) -> None:
     """out (k, c/g, taps...) = alpha * (real inverse DFT of spectrum (freqs..., k, c/g) at the
     filter taps) + beta * out, without the 1/N: the ortho forward transforms carry it. One GEMM per
     axis, the first axis first."""
@@ -172,20 +215,31 @@ def _filter_inverse(p: ConvProblem, spectrum: np.ndarray, grid: tuple[int, ...],
     weights[0] = 1.0
     if lw % 2 == 0:
         weights[-1] = 1.0
-    kc = math.prod(spectrum.shape[len(axes):])
+    kc = math.prod(spectrum.shape[len(axes) :])
     src, done = spectrum, ()
     for i, a in enumerate(axes):  # src: (taps of the axes done..., freqs of axis i, the rest)
         last = i == len(axes) - 1
         inverse = ws[f"inv{i}"]
-        _dft_rows(inverse, freqs[i], a.filter, a.dilation, -a.pad, grid[i], 1.0, ws["phase"], taps_first=True,
-                  weights=weights if last else None)
-        rest = math.prod(freqs[i + 1:]) * kc
+        _dft_rows(
+            inverse,
+            freqs[i],
+            a.filter,
+            a.dilation,
+            -a.pad,
+            grid[i],
+            1.0,
+            ws["phase"],
+            taps_first=True,
+            weights=weights if last else None,
+        )
+        rest = math.prod(freqs[i + 1 :]) * kc
         dst = ws["t" if last else f"u{i}"].reshape(*done, a.filter, rest)
         np.matmul(inverse, src.reshape(*done, freqs[i], rest), out=dst)
         src, done = dst, (*done, a.filter)
     dims = len(axes)
-    _blend(out, ws["t"].real.reshape(*done, *spectrum.shape[dims:]).transpose(dims, dims + 1, *range(dims)),
-           alpha, beta)
+    _blend(
+        out, ws["t"].real.reshape(*done, *spectrum.shape[dims:]).transpose(dims, dims + 1, *range(dims)), alpha, beta
+    )
 
 
 def _fft_layout(p: ConvProblem) -> _Layout:
@@ -214,28 +268,34 @@ def _fft_layout(p: ConvProblem) -> _Layout:
         lay.add("dyf", (*freq, p.n, p.k), cdt)
         lay.add("dwf", (*freq, p.k, cg), cdt)
         # the inverse's stages: taps of the axes done, then the frequencies of those still to do
-        stages = [(f"u{i}", (*taps[:i + 1], *freq[i + 1:], p.k, cg), cdt) for i in range(len(axes) - 1)]
-        lay.overlay(image_scratch("x", (p.n, p.c), sizes[:-1], 1),
-                    image_scratch("dy", (p.n, p.k), outs[:-1], axes[-1].stride),
-                    [*stages, ("t", (*taps, p.k, cg), cdt)])
+        stages = [(f"u{i}", (*taps[: i + 1], *freq[i + 1 :], p.k, cg), cdt) for i in range(len(axes) - 1)]
+        lay.overlay(
+            image_scratch("x", (p.n, p.c), sizes[:-1], 1),
+            image_scratch("dy", (p.n, p.k), outs[:-1], axes[-1].stride),
+            [*stages, ("t", (*taps, p.k, cg), cdt)],
+        )
         return lay
     for i in range(len(axes)):
         lay.add(f"e{i}", (freq[i], taps[i]), cdt)
     # the filter transform's stages: frequencies of the axes done (last first), then taps still to do
-    stages = [(f"z{i}", (*freq[:i - 1:-1], *taps[:i], p.k, cg), cdt) for i in range(len(axes) - 1, 0, -1)]
+    stages = [(f"z{i}", (*freq[: i - 1 : -1], *taps[:i], p.k, cg), cdt) for i in range(len(axes) - 1, 0, -1)]
     filter_scratch = [("wc", (*taps, p.k, cg), cdt), *stages]
     if p.kind == "fwd":
         lay.add("kf", (*freq, cg, p.k), cdt)
         lay.add("xf", (*freq, p.n, p.c), cdt)
         lay.add("yf", (*freq, p.n, p.k), cdt)
-        lay.overlay(filter_scratch, image_scratch("x", (p.n, p.c), sizes[:-1], 1),
-                    output_scratch((p.n, p.k), outs[:-1]))
+        lay.overlay(
+            filter_scratch, image_scratch("x", (p.n, p.c), sizes[:-1], 1), output_scratch((p.n, p.k), outs[:-1])
+        )
     else:
         lay.add("kf", (*freq, p.k, cg), cdt)
         lay.add("dyf", (*freq, p.n, p.k), cdt)
         lay.add("dxf", (*freq, p.n, p.c), cdt)
-        lay.overlay(filter_scratch, image_scratch("dy", (p.n, p.k), outs[:-1], axes[-1].stride),
-                    output_scratch((p.n, p.c), sizes[:-1]))
+        lay.overlay(
+            filter_scratch,
+            image_scratch("dy", (p.n, p.k), outs[:-1], axes[-1].stride),
+            output_scratch((p.n, p.c), sizes[:-1]),
+        )
     return lay
 
 

@@ -62,8 +62,9 @@ def _prepare_im2col(p: ConvProblem):
     tap_shape = (p.c, n, *outs)
     moves = _tap_moves(p)
     if kind == "bwd_data":
-        scatters = [plan for tap, mv in moves
-                    if (plan := _scatter_plan(image, tap_shape, mv, (slice(None), *tap))) is not None]
+        scatters = [
+            plan for tap, mv in moves if (plan := _scatter_plan(image, tap_shape, mv, (slice(None), *tap))) is not None
+        ]
     else:
         gathers = [_gather_plan(tap_shape, image, mv, (slice(None), *tap)) for tap, mv in moves]
         col_bytes = math.prod(tap_shape) * math.prod(taps) * np.dtype(p.dtype).itemsize
@@ -78,12 +79,19 @@ def _prepare_im2col(p: ConvProblem):
         dyt = ws["dyt"]
         if kind == "bwd_filter":
             col, dw = ws["col"], ws["dw"]
-            return dyt, dyt.reshape(g, kg, n_p), col, col.reshape(g, crs_g, n_p).transpose(0, 2, 1), dw, \
-                dw.reshape(g, kg, crs_g)
+            return (
+                dyt,
+                dyt.reshape(g, kg, n_p),
+                col,
+                col.reshape(g, crs_g, n_p).transpose(0, 2, 1),
+                dw,
+                dw.reshape(g, kg, crs_g),
+            )
         dcol = ws["dcol"]
         return dyt, dyt.reshape(g, kg, n_p), dcol, dcol.reshape(g, crs_g, n_p)
 
     if kind == "fwd":
+
         def run(v, x, w, dy, out, alpha, beta) -> None:
             col, col_g, yt_g, yt_t = v
             xt = x.swapaxes(0, 1)
@@ -94,6 +102,7 @@ def _prepare_im2col(p: ConvProblem):
             np.matmul(w.reshape(g, kg, crs_g), col_g, out=yt_g)
             _blend(out.reshape(n, k, -1), yt_t, alpha, beta)
     elif kind == "bwd_filter":
+
         def run(v, x, w, dy, out, alpha, beta) -> None:
             dyt, dy_g, col, col_t, dw, dw_g = v
             np.copyto(dyt, dy.reshape(n, k, -1).transpose(1, 0, 2))
@@ -105,6 +114,7 @@ def _prepare_im2col(p: ConvProblem):
             np.matmul(dy_g, col_t, out=dw_g)
             _blend(out.reshape(k, -1), dw, alpha, beta)
     else:
+
         def run(v, x, w, dy, out, alpha, beta) -> None:
             dyt, dy_g, dcol, dcol_g = v
             np.copyto(dyt, dy.reshape(n, k, -1).transpose(1, 0, 2))
@@ -118,6 +128,7 @@ def _prepare_im2col(p: ConvProblem):
             for into, read in scatters:
                 target = outt[into]
                 np.add(target, dcol[read], out=target)
+
     return views, run
 
 

@@ -63,5 +63,7 @@ class _Layout:
     def carve(self, workspace: np.ndarray) -> dict[str, np.ndarray]:
         """Views of `workspace` for every slot (no copies, no allocation of array data)."""
         base = (-workspace.ctypes.data) % ALIGN_BYTES
-        return {name: np.ndarray(slot.shape, slot.dtype, buffer=workspace, offset=base + slot.offset)
-                for name, slot in self.slots.items()}
+        return {
+            name: np.ndarray(slot.shape, slot.dtype, buffer=workspace, offset=base + slot.offset)
+            for name, slot in self.slots.items()
+        }

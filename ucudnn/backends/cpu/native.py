@@ -31,8 +31,7 @@ def _forward(torch, p: ConvProblem):
     if p.transposed:
         transpose = torch.conv_transpose2d if dims == 2 else torch.conv_transpose3d
         padding = [a.output_padding for a in p.axes]
-        return lambda x, w, stride, pad, dilation, groups: transpose(x, w, None, stride, pad, padding, groups,
-                                                                     dilation)
+        return lambda x, w, stride, pad, dilation, groups: transpose(x, w, None, stride, pad, padding, groups, dilation)
     conv = torch.conv2d if dims == 2 else torch.conv3d
     return lambda x, w, stride, pad, dilation, groups: conv(x, w, None, stride, pad, dilation, groups)
 
@@ -57,12 +56,34 @@ def _native_launcher(p: ConvProblem):
             result = forward(torch.from_numpy(x), torch.from_numpy(w), stride, padding, dilation, p.groups)
         elif p.kind == "bwd_data":
             tdy = torch.from_numpy(dy)
-            result = backward(tdy, _shaped(tdy, x_shape), torch.from_numpy(w), None, stride, padding, dilation,
-                              transposed, output_padding, p.groups, mask)[0]
+            result = backward(
+                tdy,
+                _shaped(tdy, x_shape),
+                torch.from_numpy(w),
+                None,
+                stride,
+                padding,
+                dilation,
+                transposed,
+                output_padding,
+                p.groups,
+                mask,
+            )[0]
         else:
             tdy = torch.from_numpy(dy)
-            result = backward(tdy, torch.from_numpy(x), _shaped(tdy, w_shape), None, stride, padding, dilation,
-                              transposed, output_padding, p.groups, mask)[1]
+            result = backward(
+                tdy,
+                torch.from_numpy(x),
+                _shaped(tdy, w_shape),
+                None,
+                stride,
+                padding,
+                dilation,
+                transposed,
+                output_padding,
+                p.groups,
+                mask,
+            )[1]
         if alpha == 1.0 and beta == 0.0:
             torch.from_numpy(out).copy_(result)
         else:

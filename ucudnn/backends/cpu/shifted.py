@@ -18,6 +18,7 @@ from ucudnn.problem import ConvProblem
 # (numpy.matmul cannot), so SciPy's BLAS wrappers are called on Fortran-ordered views (the
 # transposes of our C-ordered arrays), which they use without copying.
 
+
 def _shift_layout(p: ConvProblem) -> _Layout:
     dt = np.dtype(p.dtype)
     lay = _Layout()
@@ -47,16 +48,29 @@ def _run_shift(p: ConvProblem, ws: dict[str, np.ndarray], x, w, dy, out, alpha: 
                 _gather(slab, x[n], *moves)
                 for gi in range(g):
                     # y_g^T (P, kg) = slab_g^T (P, cg) @ W_tap_g^T (cg, kg), accumulated
-                    gemm(alpha, slab_g[gi].T, w_tap[gi * kg:(gi + 1) * kg].T,
-                         beta=beta if t == 0 else 1.0, c=y_g[gi].T, overwrite_c=1)
+                    gemm(
+                        alpha,
+                        slab_g[gi].T,
+                        w_tap[gi * kg : (gi + 1) * kg].T,
+                        beta=beta if t == 0 else 1.0,
+                        c=y_g[gi].T,
+                        overwrite_c=1,
+                    )
         elif p.kind == "bwd_data":
             dy_g = dy[n].reshape(g, kg, n_p)
             _scale_out(out[n], beta)
             for w_tap, moves in offsets:
                 for gi in range(g):
                     # slab_g^T (P, cg) = dy_g^T (P, kg) @ W_tap_g (kg, cg)
-                    gemm(alpha, dy_g[gi].T, w_tap[gi * kg:(gi + 1) * kg].T, trans_b=1,
-                         beta=0.0, c=slab_g[gi].T, overwrite_c=1)
+                    gemm(
+                        alpha,
+                        dy_g[gi].T,
+                        w_tap[gi * kg : (gi + 1) * kg].T,
+                        trans_b=1,
+                        beta=0.0,
+                        c=slab_g[gi].T,
+                        overwrite_c=1,
+                    )
                 _scatter_add(out[n], slab, *moves)
         else:
             dy_g = dy[n].reshape(g, kg, n_p)
@@ -64,7 +78,14 @@ def _run_shift(p: ConvProblem, ws: dict[str, np.ndarray], x, w, dy, out, alpha: 
                 _gather(slab, x[n], *moves)
                 for gi in range(g):
                     # dW_tap_g^T (cg, kg) += slab_g (cg, P) @ dy_g^T (P, kg)
-                    gemm(1.0, slab_g[gi].T, dy_g[gi].T, trans_a=1, beta=0.0 if n == 0 else 1.0,
-                         c=w_tap[gi * kg:(gi + 1) * kg].T, overwrite_c=1)
+                    gemm(
+                        1.0,
+                        slab_g[gi].T,
+                        dy_g[gi].T,
+                        trans_a=1,
+                        beta=0.0 if n == 0 else 1.0,
+                        c=w_tap[gi * kg : (gi + 1) * kg].T,
+                        overwrite_c=1,
+                    )
     if p.kind == "bwd_filter":
         _blend(out, np.moveaxis(wt, (-2, -1), (0, 1)), alpha, beta)

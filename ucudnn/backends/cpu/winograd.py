@@ -45,26 +45,29 @@ def _wino_tiles(out_h: int, out_w: int) -> tuple[int, int]:
 # addition of views whose innermost axis is a long contiguous run of n * channels values, and each
 # Winograd point is a (tiles * n) x channels matrix that BLAS reads as-is or transposed.
 
-def _wino_input_transform(inp: np.ndarray, offsets: tuple[int, int], d: np.ndarray, t: np.ndarray,
-                          v: np.ndarray) -> None:
+
+def _wino_input_transform(
+    inp: np.ndarray, offsets: tuple[int, int], d: np.ndarray, t: np.ndarray, v: np.ndarray
+) -> None:
     """v[a, b] (th, tw, n, cin) = B^T d B of the 4x4 tiles of inp (n, cin, H, W) read from `offsets`."""
     th, tw = v.shape[2:4]
     _gather(d.transpose(2, 3, 0, 1), inp, (1, offsets[0]), (1, offsets[1]))
-    rows = [d[q:q + 2 * th:2] for q in range(4)]
+    rows = [d[q : q + 2 * th : 2] for q in range(4)]
     np.subtract(rows[0], rows[2], out=t[0])
     np.add(rows[1], rows[2], out=t[1])
     np.subtract(rows[2], rows[1], out=t[2])
     np.subtract(rows[1], rows[3], out=t[3])
     for a in range(4):
-        cols = [t[a][:, q:q + 2 * tw:2] for q in range(4)]
+        cols = [t[a][:, q : q + 2 * tw : 2] for q in range(4)]
         np.subtract(cols[0], cols[2], out=v[a, 0])
         np.add(cols[1], cols[2], out=v[a, 1])
         np.subtract(cols[2], cols[1], out=v[a, 2])
         np.subtract(cols[1], cols[3], out=v[a, 3])
 
 
-def _wino_output_transform(m: np.ndarray, s: np.ndarray, yq: np.ndarray, out: np.ndarray,
-                           alpha: float, beta: float) -> None:
+def _wino_output_transform(
+    m: np.ndarray, s: np.ndarray, yq: np.ndarray, out: np.ndarray, alpha: float, beta: float
+) -> None:
     """out[:, :, 2ti + a, 2tj + b] = alpha * (A^T m A)[a, b] + beta * out, m (4, 4, th, tw, n, cout)."""
     np.add(m[0], m[1], out=s[0])
     np.add(s[0], m[2], out=s[0])
@@ -105,9 +108,11 @@ def _winograd_layout(p: ConvProblem) -> _Layout:
         lay.add("v", (4, 4, th, tw, p.n, p.c), dt)
         lay.add("e", (4, 4, th, tw, p.n, p.k), dt)
         lay.add("m", (4, 4, p.k, cg), dt)
-        lay.overlay([("d", (2 * th + 2, 2 * tw + 2, p.n, p.c), dt), ("t", (4, th, 2 * tw + 2, p.n, p.c), dt)],
-                    [("dyp", (2 * th, 2 * tw, p.n, p.k), dt), ("ty", (4, th, 2 * tw, p.n, p.k), dt)],
-                    [("dw", (3, 3, p.k, cg), dt)])
+        lay.overlay(
+            [("d", (2 * th + 2, 2 * tw + 2, p.n, p.c), dt), ("t", (4, th, 2 * tw + 2, p.n, p.c), dt)],
+            [("dyp", (2 * th, 2 * tw, p.n, p.k), dt), ("ty", (4, th, 2 * tw, p.n, p.k), dt)],
+            [("dw", (3, 3, p.k, cg), dt)],
+        )
         return lay
     if p.kind == "fwd":
         cin, cout, oh, ow = p.c, p.k, p.out_h, p.out_w
@@ -117,8 +122,10 @@ def _winograd_layout(p: ConvProblem) -> _Layout:
     lay.add("u", (4, 4, p.k, cg), dt)  # G g G^T for every (k, c/g) filter, as stored
     lay.add("v", (4, 4, th, tw, p.n, cin), dt)
     lay.add("m", (4, 4, th, tw, p.n, cout), dt)
-    lay.overlay([("d", (2 * th + 2, 2 * tw + 2, p.n, cin), dt), ("t", (4, th, 2 * tw + 2, p.n, cin), dt)],
-                [("s", (2, 4, th, tw, p.n, cout), dt), ("yq", (th, tw, p.n, cout), dt)])
+    lay.overlay(
+        [("d", (2 * th + 2, 2 * tw + 2, p.n, cin), dt), ("t", (4, th, 2 * tw + 2, p.n, cin), dt)],
+        [("s", (2, 4, th, tw, p.n, cout), dt), ("yq", (th, tw, p.n, cout), dt)],
+    )
     return lay
 
 
@@ -143,15 +150,17 @@ def _run_winograd(p: ConvProblem, ws: dict[str, np.ndarray], x, w, dy, out, alph
             np.subtract(c0, c1, out=e[a, 2])
             np.negative(c1, out=e[a, 3])
         # M[point] (kg, cg) = E[point]^T (kg, tiles * n) @ V[point] (tiles * n, cg), per group
-        np.matmul(e.reshape(16, nt, g, kg).transpose(0, 2, 3, 1), v.reshape(16, nt, g, cg).transpose(0, 2, 1, 3),
-                  out=m.reshape(16, g, kg, cg))
+        np.matmul(
+            e.reshape(16, nt, g, kg).transpose(0, 2, 3, 1),
+            v.reshape(16, nt, g, cg).transpose(0, 2, 1, 3),
+            out=m.reshape(16, g, kg, cg),
+        )
         dw = ws["dw"]
         np.matmul(_wino_filter_matrix(p.dtype, False).T, m.reshape(16, p.k * cg), out=dw.reshape(9, p.k * cg))
         _blend(out, dw.transpose(2, 3, 0, 1), alpha, beta)
         return
     u = ws["u"]
-    np.matmul(_wino_filter_matrix(p.dtype, p.kind == "bwd_data"), w.reshape(p.k * cg, 9).T,
-              out=u.reshape(16, p.k * cg))
+    np.matmul(_wino_filter_matrix(p.dtype, p.kind == "bwd_data"), w.reshape(p.k * cg, 9).T, out=u.reshape(16, p.k * cg))
     u_g = u.reshape(16, g, kg, cg)  # fwd: (cout_g, cin_g) per point and group
     if p.kind == "fwd":
         inp, offsets, cin_g, cout_g = x, (-p.pad_h, -p.pad_w), cg, kg
@@ -162,6 +171,9 @@ def _run_winograd(p: ConvProblem, ws: dict[str, np.ndarray], x, w, dy, out, alph
     nt = p.n * th * tw
     _wino_input_transform(inp, offsets, ws["d"], ws["t"], ws["v"])
     # M[point] (tiles * n, cout_g) = V[point] (tiles * n, cin_g) @ U[point]^T (cin_g, cout_g), per group
-    np.matmul(ws["v"].reshape(16, nt, g, cin_g).transpose(0, 2, 1, 3), u_g.transpose(0, 1, 3, 2),
-              out=ws["m"].reshape(16, nt, g, cout_g).transpose(0, 2, 1, 3))
+    np.matmul(
+        ws["v"].reshape(16, nt, g, cin_g).transpose(0, 2, 1, 3),
+        u_g.transpose(0, 1, 3, 2),
+        out=ws["m"].reshape(16, nt, g, cout_g).transpose(0, 2, 1, 3),
+    )
     _wino_output_transform(ws["m"], ws["s"], ws["yq"], out, alpha, beta)

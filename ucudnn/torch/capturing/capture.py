@@ -87,14 +87,14 @@ def structure(model: nn.Module) -> tuple:
 class _Act:
     """A storage made in the step (an op's new output, or a model input): a feature map."""
 
-    index: int                 # in creation order
+    index: int  # in creation order
     nbytes: int
-    owner: int                 # the raw op making it (-1: a model input)
-    leaf: int                  # which of the owner's outputs
+    owner: int  # the raw op making it (-1: a model input)
+    leaf: int  # which of the owner's outputs
     shape: tuple[int, ...]
     dtype: torch.dtype
     writers: list[int] = field(default_factory=list)
-    last_read: int = -1        # the last forward raw op reading it
+    last_read: int = -1  # the last forward raw op reading it
     saved: bool = False
     died: tuple | None = None  # ("fwd", ops done) or ("bwd", step) when it died
     name: str = ""
@@ -117,7 +117,7 @@ class _Raw:
     bytes_moved: float
     ms: float
     conv: tuple | None = None  # a convolution's (x shape, w shape, stride, padding, dilation, transposed, groups)
-    args: tuple = ()           # per tensor argument (flattened): its feature map, None for any other tensor
+    args: tuple = ()  # per tensor argument (flattened): its feature map, None for any other tensor
 
 
 @dataclass(eq=False, slots=True)
@@ -145,40 +145,40 @@ class _Recorder(TorchDispatchMode):
 
     def __init__(self, persistent: Mapping[int, int], fake: bool, names: Mapping[int, str]) -> None:
         super().__init__()
-        self.persistent = dict(persistent)   # storage -> bytes: parameters and buffers
+        self.persistent = dict(persistent)  # storage -> bytes: parameters and buffers
         self.constants: dict[int, int] = {}  # other storages older than the step that it reads: id -> bytes
         self.live_constants: dict[int, int] = {}  # storage -> its id in `constants`, while it lives
         self.fake = fake
         self.real_bytes: dict[tuple, dict[int, int]] = {}  # `reduction_bytes`' cache
-        self.names = names                   # module id -> qualified name
-        self.phase = "idle"                  # model, loss, backward
-        self.quiet = 0                       # inside the recorder's own hooks: their operations are not the step's
+        self.names = names  # module id -> qualified name
+        self.phase = "idle"  # model, loss, backward
+        self.quiet = 0  # inside the recorder's own hooks: their operations are not the step's
         self.raw: list[_Raw] = []
         self.acts: list[_Act] = []
-        self.live: dict[int, _Act] = {}      # storage -> its feature map, while it lives
+        self.live: dict[int, _Act] = {}  # storage -> its feature map, while it lives
         self.buffers: list[_Buffer] = []
         self.live_buffers: dict[int, _Buffer] = {}
         self.modules: list[str] = []
         self.model_ops = 0
         self.seq = torch._C._autograd._get_sequence_nr()
         self.first_seq = self.seq
-        self.node_op: dict[int, int] = {}    # autograd node sequence number -> raw op
-        self.bsteps: list[int | None] = []   # per backward step: the raw op whose node it runs (None: none)
+        self.node_op: dict[int, int] = {}  # autograd node sequence number -> raw op
+        self.bsteps: list[int | None] = []  # per backward step: the raw op whose node it runs (None: none)
         # the backward pass in order: (step, kind, what): a buffer's "birth" and "death", a saved feature
         # map's "read" (unpacked) and "release" (autograd let go of one of its saves)
         self.events: list[tuple[int, str, Any]] = []
         self.bkernels: dict[int, set[str]] = {}
         self.bcopies: dict[int, list[tuple[str, int, int]]] = {}  # per step: `conv_backward_copies` of its kernels
         self.step = -1
-        self.done = False                    # the backward pass is over
-        self.grads: dict[int, int] = {}      # the parameters' gradients made: storage -> bytes
+        self.done = False  # the backward pass is over
+        self.grads: dict[int, int] = {}  # the parameters' gradients made: storage -> bytes
         # what the model's forward pass saved, in order: (feature map or None, shape, dtype, node, raw ops so far)
         self.saves: list[tuple] = []
-        self.unpacked: set[int] = set()      # the saves a backward step unpacked (by index)
+        self.unpacked: set[int] = set()  # the saves a backward step unpacked (by index)
         # the model's module calls in order: [name, raw ops before, saves before, raw ops at its end]
         self.calls: list[list] = []
-        self.open_calls: list[int] = []      # per module on the stack: its call's place in `calls` (-1: none)
-        self.model_nodes = 0                 # autograd nodes the model's forward pass made
+        self.open_calls: list[int] = []  # per module on the stack: its call's place in `calls` (-1: none)
+        self.model_nodes = 0  # autograd nodes the model's forward pass made
         self.node_kinds: list[tuple[int, str]] = []  # the model's own of them (`model_nodes`)
         self.inputs: list[torch.Tensor] = []  # the model's input tensors
         self._refs: list[weakref.ref] = []
@@ -271,15 +271,34 @@ class _Recorder(TorchDispatchMode):
             outputs.append((tuple(t.shape), t.dtype))
             out_bytes += t.numel() * t.element_size()
             key = storage_key(t)
-            if key not in self.live and key not in self.persistent and key not in self.live_constants \
-                    and t.untyped_storage().nbytes() > 0 and key not in {storage_key(m) for _, m in new}:
+            if (
+                key not in self.live
+                and key not in self.persistent
+                and key not in self.live_constants
+                and t.untyped_storage().nbytes() > 0
+                and key not in {storage_key(m) for _, m in new}
+            ):
                 new.append((leaf, t))
         real = reduction_bytes(func, args, kwargs, [t for _, t in new], self.real_bytes) if self.fake and new else {}
         made = [self._new_act(t, index, leaf, real.get(leaf, 0)) for leaf, t in new]
-        self.raw.append(_Raw(func, self.modules[-1] if self.modules else "", self.phase == "loss", node, reads,
-                             weights, tuple(outputs), made, None if made else writes,
-                             flops(func, args, kwargs, out, out_bytes), float(in_bytes + out_bytes), ms,
-                             conv_spec(func, args), tuple(roles)))
+        self.raw.append(
+            _Raw(
+                func,
+                self.modules[-1] if self.modules else "",
+                self.phase == "loss",
+                node,
+                reads,
+                weights,
+                tuple(outputs),
+                made,
+                None if made else writes,
+                flops(func, args, kwargs, out, out_bytes),
+                float(in_bytes + out_bytes),
+                ms,
+                conv_spec(func, args),
+                tuple(roles),
+            )
+        )
         if node is not None:
             self.node_op[node] = index
         if writes is not None and not made:
@@ -294,8 +313,9 @@ class _Recorder(TorchDispatchMode):
         try:
             act = self.live.get(storage_key(t))
             if self.phase == "model":  # autograd made the node that saves it just before (see `_forward_op`)
-                self.saves.append((act, tuple(t.shape), t.dtype, torch._C._autograd._get_sequence_nr() - 1,
-                                   len(self.raw)))
+                self.saves.append(
+                    (act, tuple(t.shape), t.dtype, torch._C._autograd._get_sequence_nr() - 1, len(self.raw))
+                )
             if act is None:
                 return t  # a parameter, a buffer: never planned
             act.saved = True
@@ -342,8 +362,13 @@ class _Recorder(TorchDispatchMode):
                 continue
             storage = t.untyped_storage()
             key = storage._cdata
-            if key in read or key in self.live or key in self.live_buffers or key in self.persistent \
-                    or storage.nbytes() == 0:
+            if (
+                key in read
+                or key in self.live
+                or key in self.live_buffers
+                or key in self.persistent
+                or storage.nbytes() == 0
+            ):
                 continue  # a view or an in-place result
             buffer = _Buffer(key, storage.nbytes(), step)
             self.buffers.append(buffer)
@@ -421,12 +446,19 @@ def diverged(step: CapturedStep, i: int, func: Any) -> str:
 
 # ---- running the step ----------------------------------------------------------------------------------------
 @contextlib.contextmanager
-def module_hooks(model: nn.Module, starts: Callable, ends: Callable, model_starts: Callable | None = None,
-                 model_ends: Callable | None = None) -> Iterator[None]:
+def module_hooks(
+    model: nn.Module,
+    starts: Callable,
+    ends: Callable,
+    model_starts: Callable | None = None,
+    model_ends: Callable | None = None,
+) -> Iterator[None]:
     """Global module hooks (every module's forward: `starts`, `ends`) and, given, the model's own (its
     pre-hook first of all, its post-hook always called), removed on leaving."""
-    handles = [nn.modules.module.register_module_forward_pre_hook(starts),
-               nn.modules.module.register_module_forward_hook(ends, always_call=True)]
+    handles = [
+        nn.modules.module.register_module_forward_pre_hook(starts),
+        nn.modules.module.register_module_forward_hook(ends, always_call=True),
+    ]
     if model_starts is not None:
         handles.append(model.register_forward_pre_hook(model_starts, prepend=True))
     if model_ends is not None:
@@ -458,8 +490,9 @@ def state_kept(model: nn.Module) -> Iterator[None]:
                 b.copy_(old)
 
 
-def _run(model: nn.Module, args: tuple, kwargs: dict, loss: Callable, fake_mode: FakeTensorMode | None
-         ) -> tuple[_Recorder, list]:
+def _run(
+    model: nn.Module, args: tuple, kwargs: dict, loss: Callable, fake_mode: FakeTensorMode | None
+) -> tuple[_Recorder, list]:
     """Run the step under a recorder; (recorder, (name, feature map) of each input tensor)."""
     names = {id(m): name for name, m in reversed(list(model.named_modules(remove_duplicate=False)))}
     state = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers(remove_duplicate=False))
@@ -531,11 +564,19 @@ def _quiet_fake_tensors() -> Iterator[None]:
 
 def _as_fake(mode: FakeTensorMode, value: Any) -> Any:
     return torch.utils._pytree.tree_map(
-        lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) and not isinstance(t, FakeTensor) else t, value)
+        lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) and not isinstance(t, FakeTensor) else t, value
+    )
 
 
-def capture(model: nn.Module, example_input: Any, *, loss: Callable[[Any], torch.Tensor] | None = None,
-            fake: bool | None = None, weight_grads: str = "backward", name: str | None = None) -> CapturedStep:
+def capture(
+    model: nn.Module,
+    example_input: Any,
+    *,
+    loss: Callable[[Any], torch.Tensor] | None = None,
+    fake: bool | None = None,
+    weight_grads: str = "backward",
+    name: str | None = None,
+) -> CapturedStep:
     """Capture one training step of `model` on `example_input` (see the module docstring).
 
     `example_input`: a tensor, a tuple of positional arguments or a dict of keyword arguments; its batch
@@ -564,8 +605,9 @@ def capture(model: nn.Module, example_input: Any, *, loss: Callable[[Any], torch
         except _FAKE_LIMITS as exc:
             if use_fake and len(attempts) > 1:
                 continue  # the model reads tensor values: capture it on the real inputs
-            raise UnsupportedProblem(f"{title} cannot run on fake tensors ({one_line(exc)}); capture it with real "
-                                     "inputs (fake=False)") from None
+            raise UnsupportedProblem(
+                f"{title} cannot run on fake tensors ({one_line(exc)}); capture it with real inputs (fake=False)"
+            ) from None
         except (InvalidInput, UnsupportedProblem):
             raise
         except Exception as exc:  # noqa: BLE001 - the model's own error, in one line
@@ -573,4 +615,3 @@ def capture(model: nn.Module, example_input: Any, *, loss: Callable[[Any], torch
         step = build_step(recorder, inputs, title, int(leaves[0].shape[0]), weight_grads, use_fake)
         return dataclasses.replace(step, structure=structure(model), autocast=autocast_state())
     raise AssertionError("unreachable")
-

@@ -53,6 +53,7 @@ from ucudnn.torch.capturing.operations import CONVOLUTIONS
 
 __all__ = ["CapturedOp", "CapturedStep", "build_step"]
 
+
 @dataclass(frozen=True, slots=True)
 class CapturedOp:
     """One ATen operation of the forward pass (the model's, then the loss's), as the capture saw it.
@@ -101,7 +102,7 @@ class CapturedStep:
     last_read: Mapping[str, int]
     graph: Any
     fake: bool
-    structure: tuple = ()   # the model's modules by name and class (`structure`)
+    structure: tuple = ()  # the model's modules by name and class (`structure`)
     saves: tuple[tuple[str | None, tuple[int, ...], torch.dtype, int], ...] = ()
     unread: frozenset[int] = frozenset()
     calls: tuple[tuple[str, int, int, int], ...] = ()
@@ -110,12 +111,24 @@ class CapturedStep:
     autocast: tuple[tuple[str, torch.dtype], ...] = ()
 
 
-
-_TYPES = {"relu": "relu", "relu_": "relu", "threshold": "relu", "hardtanh": "relu", "hardtanh_": "relu",
-          "native_batch_norm": "batchnorm", "_native_batch_norm_legit": "batchnorm",
-          "_batch_norm_with_update": "batchnorm", "max_pool2d_with_indices": "pool", "avg_pool2d": "pool",
-          "_adaptive_avg_pool2d": "pool", "adaptive_max_pool2d": "pool", "addmm": "linear", "mm": "linear",
-          "add": "add", "cat": "concat"}
+_TYPES = {
+    "relu": "relu",
+    "relu_": "relu",
+    "threshold": "relu",
+    "hardtanh": "relu",
+    "hardtanh_": "relu",
+    "native_batch_norm": "batchnorm",
+    "_native_batch_norm_legit": "batchnorm",
+    "_batch_norm_with_update": "batchnorm",
+    "max_pool2d_with_indices": "pool",
+    "avg_pool2d": "pool",
+    "_adaptive_avg_pool2d": "pool",
+    "adaptive_max_pool2d": "pool",
+    "addmm": "linear",
+    "mm": "linear",
+    "add": "add",
+    "cat": "concat",
+}
 _DTYPES = {torch.float32: "float32", torch.float64: "float64", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
@@ -137,8 +150,17 @@ def _problem(spec: tuple | None, dtype: torch.dtype) -> ConvProblem | None:
         return None
     x, w, stride, padding, dilation, transposed, output_padding, groups = spec[:8]
     try:
-        return ConvProblem.from_shapes(x, w, stride=stride, padding=padding, dilation=dilation, groups=groups,
-                                       transposed=transposed, output_padding=output_padding, dtype=_DTYPES[dtype])
+        return ConvProblem.from_shapes(
+            x,
+            w,
+            stride=stride,
+            padding=padding,
+            dilation=dilation,
+            groups=groups,
+            transposed=transposed,
+            output_padding=output_padding,
+            dtype=_DTYPES[dtype],
+        )
     except InvalidInput:  # e.g. a transposed convolution's output padding not below its stride
         return None
 
@@ -150,10 +172,11 @@ def build_step(rec: Any, inputs: list, title: str, batch: int, weight_grads: str
     names = _Names()
     for path, act in inputs:
         act.name = names.new("input" if len(inputs) == 1 else f"input:{path}")
-    specs: list[dict] = [{"name": act.name, "type": "input", "inputs": (), "shape": act.shape, "nbytes": act.nbytes}
-                         for _, act in inputs]
-    graph_of: list[str] = []        # per raw op: its graph op ("" none)
-    upto: list[int] = []            # per raw op: the graph position of the latest graph op at or before it
+    specs: list[dict] = [
+        {"name": act.name, "type": "input", "inputs": (), "shape": act.shape, "nbytes": act.nbytes} for _, act in inputs
+    ]
+    graph_of: list[str] = []  # per raw op: its graph op ("" none)
+    upto: list[int] = []  # per raw op: the graph position of the latest graph op at or before it
     weight_bytes = dict(rec.persistent) | rec.constants
     pending, seen = 0, set()
     companions: set[str] = set()
@@ -173,8 +196,17 @@ def build_step(rec: Any, inputs: list, title: str, batch: int, weight_grads: str
         problem = _problem(raw.conv, target.dtype) if raw.made else None
         kind = "loss" if raw.loss else "conv" if problem is not None else _TYPES.get(short, "other")
         reads = [a.name for a in raw.reads if a is not target]
-        spec = {"name": name, "type": kind, "shape": target.shape, "nbytes": target.nbytes, "flops": raw.flops,
-                    "bytes_moved": raw.bytes_moved, "weight_bytes": pending, "module": raw.module, "conv": problem}
+        spec = {
+            "name": name,
+            "type": kind,
+            "shape": target.shape,
+            "nbytes": target.nbytes,
+            "flops": raw.flops,
+            "bytes_moved": raw.bytes_moved,
+            "weight_bytes": pending,
+            "module": raw.module,
+            "conv": problem,
+        }
         if problem is not None and any(raw.conv[8]):  # a converted layer's planned fwd kernel copies (`conv_spec`)
             copied, converts = raw.conv[8]
             spec.update(layout_copies=(("fwd", copied, target.nbytes if converts else 0),))
@@ -188,38 +220,74 @@ def build_step(rec: Any, inputs: list, title: str, batch: int, weight_grads: str
             act.name = name if act is target else f"{name}.{act.leaf}"
             if act is not target:
                 companions.add(act.name)
-                specs.append({"name": act.name, "type": "loss" if raw.loss else "other", "inputs": (), "shape": act.shape,
-                                  "nbytes": act.nbytes, "module": raw.module})
+                specs.append(
+                    {
+                        "name": act.name,
+                        "type": "loss" if raw.loss else "other",
+                        "inputs": (),
+                        "shape": act.shape,
+                        "nbytes": act.nbytes,
+                        "module": raw.module,
+                    }
+                )
         graph_of.append(name)
         upto.append(len(specs) - 1)
     # parameters and buffers no op read, and what the last ops read, are held all the same
-    specs[0]["weight_bytes"] = specs[0].get("weight_bytes", 0) + pending + sum(
-        b for key, b in weight_bytes.items() if key not in seen and key in rec.persistent)
+    specs[0]["weight_bytes"] = (
+        specs[0].get("weight_bytes", 0)
+        + pending
+        + sum(b for key, b in weight_bytes.items() if key not in seen and key in rec.persistent)
+    )
     ops = tuple(Op(**spec) for spec in specs)
     captured, copies = _backward(rec, graph_of, upto, ops, fake, title, companions)
-    ops = tuple(dataclasses.replace(op, layout_copies=op.layout_copies + copies[op.name]) if op.name in copies else op
-                for op in ops)
+    ops = tuple(
+        dataclasses.replace(op, layout_copies=op.layout_copies + copies[op.name]) if op.name in copies else op
+        for op in ops
+    )
     graph = TrainingGraph(title, batch, ops, weight_grads, captured=captured)
     writers = {act.name: (act.owner, *act.writers) for act in rec.acts if act.name and act.owner >= 0}
     model_ops = rec.model_ops or len(rec.raw)
     last_read = {act.name: act.last_read for act in rec.acts if act.name and 0 <= act.last_read < model_ops}
-    step_ops = tuple(CapturedOp(raw.func, graph_of[i], raw.module, raw.loss, raw.outputs,
-                                tuple((act.leaf, act.name) for act in raw.made),
-                                raw.writes.name if raw.writes is not None else "",
-                                torch.Tag.nondeterministic_seeded in raw.func.tags,
-                                raw.node - rec.first_seq if raw.node is not None else None,
-                                tuple(act.name if act is not None else None for act in raw.args))
-                     for i, raw in enumerate(rec.raw))
+    step_ops = tuple(
+        CapturedOp(
+            raw.func,
+            graph_of[i],
+            raw.module,
+            raw.loss,
+            raw.outputs,
+            tuple((act.leaf, act.name) for act in raw.made),
+            raw.writes.name if raw.writes is not None else "",
+            torch.Tag.nondeterministic_seeded in raw.func.tags,
+            raw.node - rec.first_seq if raw.node is not None else None,
+            tuple(act.name if act is not None else None for act in raw.args),
+        )
+        for i, raw in enumerate(rec.raw)
+    )
     step_inputs = {path: (act.name, act.shape, act.dtype) for path, act in inputs}
     # a save's op: the one that made its node (an input is saved before its op runs, an output after)
-    saves = tuple((act.name if act is not None and act.name else None, shape, dtype,
-                   rec.node_op.get(node, max(ran - 1, 0))) for act, shape, dtype, node, ran in rec.saves)
+    saves = tuple(
+        (act.name if act is not None and act.name else None, shape, dtype, rec.node_op.get(node, max(ran - 1, 0)))
+        for act, shape, dtype, node, ran in rec.saves
+    )
     unread = frozenset(k for k, (act, *_) in enumerate(rec.saves) if act is not None and k not in rec.unpacked)
-    return CapturedStep(step_ops, model_ops, step_inputs, writers, last_read, graph, fake, saves=saves, unread=unread,
-                        calls=tuple((name, start, saved, rec.model_ops if end is None else end)
-                                               for name, start, saved, end in rec.calls), model_nodes=rec.model_nodes,
-                        node_kinds=tuple((kind, rec.raw[rec.node_op[seq]].module if seq in rec.node_op else "")
-                                         for seq, kind in rec.node_kinds))
+    return CapturedStep(
+        step_ops,
+        model_ops,
+        step_inputs,
+        writers,
+        last_read,
+        graph,
+        fake,
+        saves=saves,
+        unread=unread,
+        calls=tuple(
+            (name, start, saved, rec.model_ops if end is None else end) for name, start, saved, end in rec.calls
+        ),
+        model_nodes=rec.model_nodes,
+        node_kinds=tuple(
+            (kind, rec.raw[rec.node_op[seq]].module if seq in rec.node_op else "") for seq, kind in rec.node_kinds
+        ),
+    )
 
 
 def _changed_sources(rec: Any, ops: tuple[Op, ...]) -> set[str]:
@@ -237,15 +305,18 @@ def _changed_sources(rec: Any, ops: tuple[Op, ...]) -> set[str]:
     return out
 
 
-def _backward(rec: Any, graph_of: list[str], upto: list[int], ops: tuple[Op, ...], fake: bool, title: str,
-              companions: set[str]) -> tuple[Captured, dict[str, tuple[tuple[str, int, int], ...]]]:
+def _backward(
+    rec: Any, graph_of: list[str], upto: list[int], ops: tuple[Op, ...], fake: bool, title: str, companions: set[str]
+) -> tuple[Captured, dict[str, tuple[tuple[str, int, int], ...]]]:
     """The backward steps, their reads, kernels and buffers, and what the program held (module docstring); and
     per converted conv, what its planned backward kernels copy (`Op.layout_copies`, as the step's operands came)."""
     named = [graph_of[r] if r is not None else "" for r in rec.bsteps]
     first = next((g for g in named if g), "")
     if not first:
-        raise InvalidInput(f"the backward pass of {title} ran no step of its operations: does the loss depend on "
-                           "the model's parameters?")
+        raise InvalidInput(
+            f"the backward pass of {title} ran no step of its operations: does the loss depend on "
+            "the model's parameters?"
+        )
     nodes, last = [], first
     for g in named:
         last = g or last
@@ -259,7 +330,7 @@ def _backward(rec: Any, graph_of: list[str], upto: list[int], ops: tuple[Op, ...
     kernels: list[set[str]] = []
     born: dict[int, int] = {}
     died: dict[int, int] = {}
-    end_of: list[int] = []      # per node: its op's last step so far
+    end_of: list[int] = []  # per node: its op's last step so far
     convs = {o.name for o in ops if o.type == "conv"}
     copies: dict[str, dict[str, tuple[int, int]]] = {}
 
@@ -296,8 +367,15 @@ def _backward(rec: Any, graph_of: list[str], upto: list[int], ops: tuple[Op, ...
     for buf in rec.buffers:  # (a storage's key is an address, reused once it died: only the living are grads)
         weight_grad = buf.died is None and buf.key in grads
         start = born[id(buf)]
-        lives.append(Life(labels.new(f"{'wgrad' if weight_grad else 'grad'}:{order[start]}"), buf.nbytes, start,
-                          died.get(id(buf), -1), weight_grad))
+        lives.append(
+            Life(
+                labels.new(f"{'wgrad' if weight_grad else 'grad'}:{order[start]}"),
+                buf.nbytes,
+                start,
+                died.get(id(buf), -1),
+                weight_grad,
+            )
+        )
     position = {op.name: k for k, op in enumerate(ops)}
     holds, pinned = [], set(companions)
     for act in rec.acts:
@@ -315,7 +393,12 @@ def _backward(rec: Any, graph_of: list[str], upto: list[int], ops: tuple[Op, ...
         if upto[done] > used:
             holds.append((act.name, upto[done]))
     pinned |= _changed_sources(rec, ops)
-    return Captured(tuple(order), tuple(tuple(dict.fromkeys(r)) for r in reads),
-                    tuple(tuple(sorted(k)) for k in kernels), tuple(lives), tuple(holds), frozenset(pinned),
-                    sum(grads.values())), {op: tuple((kind, *c) for kind, c in sorted(held.items()))
-                                           for op, held in copies.items()}
+    return Captured(
+        tuple(order),
+        tuple(tuple(dict.fromkeys(r)) for r in reads),
+        tuple(tuple(sorted(k)) for k in kernels),
+        tuple(lives),
+        tuple(holds),
+        frozenset(pinned),
+        sum(grads.values()),
+    ), {op: tuple((kind, *c) for kind, c in sorted(held.items())) for op, held in copies.items()}

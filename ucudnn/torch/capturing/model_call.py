@@ -27,10 +27,14 @@ def call_args(example: Any) -> tuple[tuple, dict]:
         return tuple(example), {}
     if isinstance(example, Mapping):
         if not all(isinstance(k, str) for k in example):
-            raise InvalidInput("example_input as a dict maps the model's argument names to values; got a non-string key")
+            raise InvalidInput(
+                "example_input as a dict maps the model's argument names to values; got a non-string key"
+            )
         return (), dict(example)
-    raise InvalidInput(f"example_input must be a tensor, a tuple of positional arguments or a dict of keyword "
-                       f"arguments, got {type(example).__name__}")
+    raise InvalidInput(
+        f"example_input must be a tensor, a tuple of positional arguments or a dict of keyword "
+        f"arguments, got {type(example).__name__}"
+    )
 
 
 def batched_call(example: Any) -> tuple[tuple, dict, list[torch.Tensor]]:
@@ -42,8 +46,9 @@ def batched_call(example: Any) -> tuple[tuple, dict, list[torch.Tensor]]:
     return args, kwargs, tensors
 
 
-def input_leaves(model: nn.Module, args: tuple, kwargs: dict, signature: inspect.Signature | None = None
-                 ) -> list[tuple[str, Any]]:
+def input_leaves(
+    model: nn.Module, args: tuple, kwargs: dict, signature: inspect.Signature | None = None
+) -> list[tuple[str, Any]]:
     """Each leaf of a call's arguments with the name of the parameter it binds to (and its place in a
     nested argument): a call with positional arguments and one with keywords name them alike. `signature`:
     the model's forward's, where the caller keeps it (a step's executor: making it costs tens of us)."""

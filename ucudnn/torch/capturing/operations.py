@@ -15,8 +15,18 @@ from torch.utils.flop_counter import flop_registry
 from ucudnn.torch.converting import ops as _ops  # noqa: F401 - registers torch.ops.ucudnn, which a capture recognises
 from ucudnn.torch.converting.launch import backward_copies, forward_copies
 
-__all__ = ["CONVOLUTIONS", "conv_backward_copies", "conv_backward_kinds", "conv_spec", "counted", "flops",
-           "reduction_bytes", "same_op", "storage_key", "written_keys"]
+__all__ = [
+    "CONVOLUTIONS",
+    "conv_backward_copies",
+    "conv_backward_kinds",
+    "conv_spec",
+    "counted",
+    "flops",
+    "reduction_bytes",
+    "same_op",
+    "storage_key",
+    "written_keys",
+]
 
 aten = torch.ops.aten
 # A convolution as one operation: torch's, or a converted layer's (`ucudnn.torch.converting.conv.through_operators`).
@@ -82,10 +92,20 @@ def conv_spec(func, args) -> tuple | None:
     if func not in CONVOLUTIONS:
         return None
     x, w, _, stride, padding, dilation, transposed, output_padding, groups = args[:_CONVOLUTION_ARGS]
-    copies = forward_copies(x, w, args[_CONVOLUTION_ARGS]) if func is torch.ops.ucudnn.convolution.default \
-        else (0, False)
-    return (tuple(x.shape), tuple(w.shape), tuple(stride), tuple(padding), tuple(dilation), bool(transposed),
-            tuple(output_padding), groups, copies)
+    copies = (
+        forward_copies(x, w, args[_CONVOLUTION_ARGS]) if func is torch.ops.ucudnn.convolution.default else (0, False)
+    )
+    return (
+        tuple(x.shape),
+        tuple(w.shape),
+        tuple(stride),
+        tuple(padding),
+        tuple(dilation),
+        bool(transposed),
+        tuple(output_padding),
+        groups,
+        copies,
+    )
 
 
 def conv_backward_kinds(func, args, kwargs) -> tuple[str, ...]:
@@ -125,19 +145,25 @@ def reduction_bytes(func: Any, args: tuple, kwargs: dict, outputs: list, cache: 
     (every new output has fewer dimensions than an argument): a pass over their input, few in a step."""
     leaves = tree_leaves((args, kwargs))
     most = max((t.dim() for t in leaves if isinstance(t, torch.Tensor) and t.numel()), default=0)
-    if func._schema.is_mutable or torch.Tag.nondeterministic_seeded in func.tags \
-            or any(t.dim() >= most for t in outputs):  # (a factory reads no tensor)
+    if (
+        func._schema.is_mutable
+        or torch.Tag.nondeterministic_seeded in func.tags
+        or any(t.dim() >= most for t in outputs)
+    ):  # (a factory reads no tensor)
         return {}
-    key = (func, *((tuple(t.shape), t.stride(), t.dtype, t.device) if isinstance(t, torch.Tensor) else repr(t)
-                   for t in leaves))
+    key = (
+        func,
+        *((tuple(t.shape), t.stride(), t.dtype, t.device) if isinstance(t, torch.Tensor) else repr(t) for t in leaves),
+    )
     if key not in cache:
         with unset_fake_temporarily():
             try:
                 out = func(*tree_map(_zeros_of, args), **tree_map(_zeros_of, kwargs))
             except (RuntimeError, AssertionError, NotImplementedError):  # not runnable here (a device this machine
                 out = ()  # lacks, values it checks): the meta function's bytes stand
-        cache[key] = {leaf: t.untyped_storage().nbytes() for leaf, t in enumerate(tree_leaves(out))
-                      if isinstance(t, torch.Tensor)}
+        cache[key] = {
+            leaf: t.untyped_storage().nbytes() for leaf, t in enumerate(tree_leaves(out)) if isinstance(t, torch.Tensor)
+        }
     return cache[key]
 
 

@@ -50,15 +50,15 @@ class PlanCheck:
     """A plan's predictions beside one real step's figures (bytes, ms)."""
 
     policy: str
-    device: str                      # where the step ran
+    device: str  # where the step ran
     predicted_peak_bytes: int
-    peak_bytes: int                  # counted by the tracker: every device category
+    peak_bytes: int  # counted by the tracker: every device category
     predicted_step_ms: float
-    step_ms: float                   # median of the timed steps
+    step_ms: float  # median of the timed steps
     step_ms_samples: tuple[float, ...]
     predicted_bytes_moved: int
-    bytes_moved: int                 # offloaded bytes out and back
-    host_peak_bytes: int             # the executor's host copies at their highest
+    bytes_moved: int  # offloaded bytes out and back
+    host_peak_bytes: int  # the executor's host copies at their highest
     tracker: TrackerReport
     plan: MemoryPlan | None = None
 
@@ -73,17 +73,28 @@ class PlanCheck:
         return self.step_ms / self.predicted_step_ms if self.predicted_step_ms else float("nan")
 
     def to_json(self) -> dict:
-        return {"policy": self.policy, "device": self.device,
-                "plan_device": self.plan.device if self.plan else None,
-                "memory_limit": self.plan.memory_limit if self.plan else None,
-                "fits": self.plan.fits if self.plan else None,
-                "predicted": {"peak_bytes": self.predicted_peak_bytes, "step_ms": self.predicted_step_ms,
-                              "bytes_moved": self.predicted_bytes_moved},
-                "achieved": {"peak_bytes": self.peak_bytes, "step_ms": self.step_ms,
-                             "bytes_moved": self.bytes_moved, "host_peak_bytes": self.host_peak_bytes,
-                             "step_ms_samples": list(self.step_ms_samples),
-                             "peak_by_category": self.tracker.peak_by_category},
-                "peak_ratio": self.peak_ratio, "step_ratio": self.step_ratio}
+        return {
+            "policy": self.policy,
+            "device": self.device,
+            "plan_device": self.plan.device if self.plan else None,
+            "memory_limit": self.plan.memory_limit if self.plan else None,
+            "fits": self.plan.fits if self.plan else None,
+            "predicted": {
+                "peak_bytes": self.predicted_peak_bytes,
+                "step_ms": self.predicted_step_ms,
+                "bytes_moved": self.predicted_bytes_moved,
+            },
+            "achieved": {
+                "peak_bytes": self.peak_bytes,
+                "step_ms": self.step_ms,
+                "bytes_moved": self.bytes_moved,
+                "host_peak_bytes": self.host_peak_bytes,
+                "step_ms_samples": list(self.step_ms_samples),
+                "peak_by_category": self.tracker.peak_by_category,
+            },
+            "peak_ratio": self.peak_ratio,
+            "step_ratio": self.step_ratio,
+        }
 
 
 def _predicted_moved(plan: MemoryPlan) -> int:
@@ -98,9 +109,17 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)  # timing a step: the host waits for the device on purpose
 
 
-def check_plan(model: nn.Module, plan: MemoryPlan, example_input: Any, target: torch.Tensor | None = None,
-               *, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
-               loss: Callable[[Any], torch.Tensor] | None = None, warmup: int = 1, steps: int = 3) -> PlanCheck:
+def check_plan(
+    model: nn.Module,
+    plan: MemoryPlan,
+    example_input: Any,
+    target: torch.Tensor | None = None,
+    *,
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+    loss: Callable[[Any], torch.Tensor] | None = None,
+    warmup: int = 1,
+    steps: int = 3,
+) -> PlanCheck:
     """Run `model` on `example_input` (a tensor, a tuple of positional arguments or a dict of keyword
     arguments) under `plan` and compare with the plan's predictions (see the module docstring). The loss
     is `loss_fn(output, target)` where given, else `loss(output)` (as `plan_memory` takes it), else
@@ -158,13 +177,31 @@ def check_plan(model: nn.Module, plan: MemoryPlan, example_input: Any, target: t
                 p.grad = g
             for b, old in zip(model.buffers(), buffers):
                 b.copy_(old)
-    return PlanCheck(plan.policy, str(device), plan.peak_bytes, report.peak_bytes, plan.step_ms,
-                     statistics.median(samples), tuple(samples), _predicted_moved(plan), 2 * stats.bytes_offloaded,
-                     report.host_peak_bytes, report, plan)
+    return PlanCheck(
+        plan.policy,
+        str(device),
+        plan.peak_bytes,
+        report.peak_bytes,
+        plan.step_ms,
+        statistics.median(samples),
+        tuple(samples),
+        _predicted_moved(plan),
+        2 * stats.bytes_offloaded,
+        report.host_peak_bytes,
+        report,
+        plan,
+    )
 
 
-def check_network(network: str, batch: int, *, memory_limit: int | None = None, policy: str = "optimal",
-                  device: str | None = None, steps: int = 3) -> PlanCheck:
+def check_network(
+    network: str,
+    batch: int,
+    *,
+    memory_limit: int | None = None,
+    policy: str = "optimal",
+    device: str | None = None,
+    steps: int = 3,
+) -> PlanCheck:
     """`check_plan` for zoo network `network`: built in PyTorch (`ucudnn.torch.checking.graph_model.model_of`), planned for
     this machine (`plan_memory` with the example input on `device`: "cuda" where a GPU is at hand,
     else the CPU) and run, with random inputs and labels."""
@@ -179,6 +216,7 @@ def check_network(network: str, batch: int, *, memory_limit: int | None = None, 
     x = torch.randn(*graph.ops[0].shape, device=where)
     loss = next(op for op in graph.ops if op.type == "loss")
     y = torch.randint(0, graph.op(loss.inputs[0]).shape[-1], (batch,), device=where)
-    plan = plan_memory(model, x, memory_limit=memory_limit, policy=policy,
-                       loss=lambda out: nn.functional.cross_entropy(out, y))
+    plan = plan_memory(
+        model, x, memory_limit=memory_limit, policy=policy, loss=lambda out: nn.functional.cross_entropy(out, y)
+    )
     return check_plan(model, plan, x, y, steps=steps)

@@ -34,10 +34,16 @@ class ZooModel(nn.Module):
         for op in graph.ops:
             if op.type == "conv":
                 p = op.conv
-                self.layers[_key(op.name)] = nn.Conv2d(p.c, p.k, (p.r, p.s), stride=(p.stride_h, p.stride_w),
-                                                       padding=(p.pad_h, p.pad_w),
-                                                       dilation=(p.dilation_h, p.dilation_w), groups=p.groups,
-                                                       bias=False)
+                self.layers[_key(op.name)] = nn.Conv2d(
+                    p.c,
+                    p.k,
+                    (p.r, p.s),
+                    stride=(p.stride_h, p.stride_w),
+                    padding=(p.pad_h, p.pad_w),
+                    dilation=(p.dilation_h, p.dilation_w),
+                    groups=p.groups,
+                    bias=False,
+                )
             elif op.type == "batchnorm":
                 self.layers[_key(op.name)] = nn.BatchNorm2d(op.shape[1])
             elif op.type == "relu":
@@ -48,7 +54,9 @@ class ZooModel(nn.Module):
             elif op.type == "linear":
                 self.layers[_key(op.name)] = nn.Linear(graph.op(op.inputs[0]).shape[1], op.shape[1])
             elif op.type not in ("input", "view", "add", "concat", "loss"):
-                raise UnsupportedProblem(f"{graph.network}: op {op.name!r} of type {op.type!r} has no PyTorch layer here")
+                raise UnsupportedProblem(
+                    f"{graph.network}: op {op.name!r} of type {op.type!r} has no PyTorch layer here"
+                )
             self.program.append((op.type, op.name, op.inputs))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

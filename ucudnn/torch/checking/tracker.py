@@ -69,22 +69,28 @@ class TrackerReport:
     """What one tracked block held: peaks, the categories at the device's peak, and memory over time."""
 
     device: str
-    peak_bytes: int                          # the device's (every category but host) at its highest
-    peak_by_category: dict[str, int]         # each category at the moment of the device's peak
-    max_by_category: dict[str, int]         # each category at its own highest
+    peak_bytes: int  # the device's (every category but host) at its highest
+    peak_by_category: dict[str, int]  # each category at the moment of the device's peak
+    max_by_category: dict[str, int]  # each category at its own highest
     host_peak_bytes: int
-    total_peak_bytes: int                    # every category, host copies included (on a CPU, one memory)
-    memory: tuple[tuple[float, int], ...]    # (ms since the start, device bytes) at every change
+    total_peak_bytes: int  # every category, host copies included (on a CPU, one memory)
+    memory: tuple[tuple[float, int], ...]  # (ms since the start, device bytes) at every change
     host_memory: tuple[tuple[float, int], ...]
-    end_by_category: dict[str, int]          # what was still live when the block ended
+    end_by_category: dict[str, int]  # what was still live when the block ended
     allocator_peak_bytes: int | None = None  # CUDA: torch.cuda.max_memory_allocated in the block
 
     def to_json(self) -> dict:
-        return {"device": self.device, "peak_bytes": self.peak_bytes, "peak_by_category": self.peak_by_category,
-                "max_by_category": self.max_by_category, "host_peak_bytes": self.host_peak_bytes,
-                "total_peak_bytes": self.total_peak_bytes,
-                "end_by_category": self.end_by_category, "allocator_peak_bytes": self.allocator_peak_bytes,
-                "memory": [list(m) for m in self.memory]}
+        return {
+            "device": self.device,
+            "peak_bytes": self.peak_bytes,
+            "peak_by_category": self.peak_by_category,
+            "max_by_category": self.max_by_category,
+            "host_peak_bytes": self.host_peak_bytes,
+            "total_peak_bytes": self.total_peak_bytes,
+            "end_by_category": self.end_by_category,
+            "allocator_peak_bytes": self.allocator_peak_bytes,
+            "memory": [list(m) for m in self.memory],
+        }
 
 
 class _Entry:
@@ -123,8 +129,8 @@ class StepTracker(TorchDispatchMode):
         self._start = 0.0
         self._convs: list[nn.Module] = []
         self._hooks: list[Any] = []
-        self._listening: list[Any] = []   # handles whose per-run workspaces report to this tracker
-        self._transient = 0               # bytes of those workspaces held now
+        self._listening: list[Any] = []  # handles whose per-run workspaces report to this tracker
+        self._transient = 0  # bytes of those workspaces held now
         self._unseen: dict[int, int] = {}  # results a running operator's kernels wrote: address -> bytes
         self._params: set[int] = set()
         self._report: TrackerReport | None = None
@@ -178,9 +184,18 @@ class StepTracker(TorchDispatchMode):
             torch.cuda.synchronize(self.device)
             witness = int(torch.cuda.max_memory_allocated(self.device))
         self._sample()
-        self._report = TrackerReport(str(self.device), self._peak, dict(self._peak_by), dict(self._max),
-                                     self._host_peak, self._total_peak, tuple(self._memory), tuple(self._host_memory),
-                                     dict(self._bytes), witness)
+        self._report = TrackerReport(
+            str(self.device),
+            self._peak,
+            dict(self._peak_by),
+            dict(self._max),
+            self._host_peak,
+            self._total_peak,
+            tuple(self._memory),
+            tuple(self._host_memory),
+            dict(self._bytes),
+            witness,
+        )
         # stop counting: the callbacks of storages that die later find nothing to change
         self._live = {}
 
@@ -276,8 +291,9 @@ class StepTracker(TorchDispatchMode):
         (`__torch_dispatch__`), as the workspace beside it is."""
         face = getattr(out, "__cuda_array_interface__", None) or out.__array_interface__
         ptr, nbytes = face["data"][0], out.nbytes
-        if ptr in self._unseen or any(not e.alias and e.ptr <= ptr and ptr + nbytes <= e.ptr + e.nbytes
-                                      for e in self._live.values()):
+        if ptr in self._unseen or any(
+            not e.alias and e.ptr <= ptr and ptr + nbytes <= e.ptr + e.nbytes for e in self._live.values()
+        ):
             return
         self._unseen[ptr] = nbytes
         self._bytes["tensor"] += nbytes

@@ -90,10 +90,12 @@ __all__ = [
     "through_operators",
 ]
 
-_TAKES = ("Takes exactly torch's arguments (its parameters, `state_dict`, `repr` and initialisation are torch's "
-          "own), plus keyword-only `handle` (default: a new handle with the default options, charging "
-          "`route_overhead_ms` on the CPU) and `layer` (the id under which the handle plans this layer; default "
-          "``conv@<id>``).")
+_TAKES = (
+    "Takes exactly torch's arguments (its parameters, `state_dict`, `repr` and initialisation are torch's "
+    "own), plus keyword-only `handle` (default: a new handle with the default options, charging "
+    "`route_overhead_ms` on the CPU) and `layer` (the id under which the handle plans this layer; default "
+    "``conv@<id>``)."
+)
 
 
 class Conv1d(ConvLayer, nn.Conv1d):
@@ -127,8 +129,14 @@ class ConvTranspose3d(ConvTransposeLayer, nn.ConvTranspose3d):
 
 
 # torch's classes and their ucudnn counterparts
-SWAPS: dict[type, type] = {nn.Conv1d: Conv1d, nn.Conv2d: Conv2d, nn.Conv3d: Conv3d, nn.ConvTranspose1d: ConvTranspose1d,
-                           nn.ConvTranspose2d: ConvTranspose2d, nn.ConvTranspose3d: ConvTranspose3d}
+SWAPS: dict[type, type] = {
+    nn.Conv1d: Conv1d,
+    nn.Conv2d: Conv2d,
+    nn.Conv3d: Conv3d,
+    nn.ConvTranspose1d: ConvTranspose1d,
+    nn.ConvTranspose2d: ConvTranspose2d,
+    nn.ConvTranspose3d: ConvTranspose3d,
+}
 
 
 def _counterpart(cls: type) -> tuple[type | None, str]:
@@ -142,8 +150,11 @@ def _counterpart(cls: type) -> tuple[type | None, str]:
         return None, "not a subclass of torch's six convolution classes"
     if issubclass(cls, LazyModuleMixin):
         return None, "a lazy module, not yet initialised (convert after its first forward pass)"
-    own = [name for name in ("forward", "_conv_forward")
-           if getattr(cls, name, None) is not getattr(torch_class, name, None)]
+    own = [
+        name
+        for name in ("forward", "_conv_forward")
+        if getattr(cls, name, None) is not getattr(torch_class, name, None)
+    ]
     if own:
         return None, f"overrides {' and '.join(own)}"
     return _swapped_class(SWAPS[torch_class], cls), ""
@@ -153,8 +164,7 @@ def _counterpart(cls: type) -> tuple[type | None, str]:
 def _swapped_class(ours: type, theirs: type) -> type:
     """The class of a converted `theirs` (a subclass of a torch convolution class): ucudnn's class first,
     then theirs. Pickles and copies name the two classes, not this one (which exists only in this process)."""
-    return type(theirs.__name__, (ours, theirs), {"__module__": theirs.__module__,
-                                                   "__reduce_ex__": _reduce_swapped})
+    return type(theirs.__name__, (ours, theirs), {"__module__": theirs.__module__, "__reduce_ex__": _reduce_swapped})
 
 
 def _reduce_swapped(self, protocol):
@@ -216,10 +226,14 @@ def convert(model: nn.Module, *, handle: Handle | None = None, **handle_options)
                     converted[id(child)] = cls.from_conv(child, handle=handle, layer=names[id(child)])
                 setattr(parent, child_name, converted[id(child)])
     if unchanged:
-        listed = "; ".join(f"{', '.join(found[:5])}{f' and {len(found) - 5} more' if len(found) > 5 else ''} "
-                           f"({why})" for why, found in unchanged.items())
-        warnings.warn(f"ucudnn.torch.convert left {sum(map(len, unchanged.values()))} convolution(s) to PyTorch: "
-                      f"{listed}", stacklevel=2)
+        listed = "; ".join(
+            f"{', '.join(found[:5])}{f' and {len(found) - 5} more' if len(found) > 5 else ''} ({why})"
+            for why, found in unchanged.items()
+        )
+        warnings.warn(
+            f"ucudnn.torch.convert left {sum(map(len, unchanged.values()))} convolution(s) to PyTorch: {listed}",
+            stacklevel=2,
+        )
     return _learn_first_forward(model, handle)
 
 
@@ -263,4 +277,3 @@ def announce(model: nn.Module, *inputs: Any, **kwargs: Any) -> None:
                 conv._learning.active = False
         for module, flag in training.items():
             module.training = flag
-

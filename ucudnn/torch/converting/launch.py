@@ -27,9 +27,10 @@ from ucudnn.handle import Kernel
 # dtypes that reach the handle, by device; others are refused with a message naming the dtype and
 # the backend (the cpu backend computes in float32 and float64; on CUDA, bfloat16 tensors reach
 # CuPy, which has no bfloat16, as their raw 16-bit words).
-_DTYPES = {"cpu": {torch.float32: "float32", torch.float64: "float64"},
-           "cuda": {torch.float32: "float32", torch.float64: "float64", torch.float16: "float16",
-                    torch.bfloat16: "bfloat16"}}
+_DTYPES = {
+    "cpu": {torch.float32: "float32", torch.float64: "float64"},
+    "cuda": {torch.float32: "float32", torch.float64: "float64", torch.float16: "float16", torch.bfloat16: "bfloat16"},
+}
 
 
 def _dtype_name(t: torch.Tensor, backend_name: str) -> str:
@@ -39,12 +40,17 @@ def _dtype_name(t: torch.Tensor, backend_name: str) -> str:
     name = names.get(t.dtype)
     if name is None:
         allowed = ", ".join(str(d).removeprefix("torch.") for d in names)
-        autocast = (" (torch.autocast casts convolutions to it; disable autocast around this model)"
-                    if t.dtype in (torch.float16, torch.bfloat16) else "")
-        raise UnsupportedProblem(f"ucudnn.torch.Conv2d: the {backend_name} backend cannot run "
-                                 f"{str(t.dtype).removeprefix('torch.')} tensors on {t.device.type}{autocast}; it "
-                                 f"runs {allowed} there. Convert the model with .float() or keep this layer a "
-                                 "torch.nn.Conv2d")
+        autocast = (
+            " (torch.autocast casts convolutions to it; disable autocast around this model)"
+            if t.dtype in (torch.float16, torch.bfloat16)
+            else ""
+        )
+        raise UnsupportedProblem(
+            f"ucudnn.torch.Conv2d: the {backend_name} backend cannot run "
+            f"{str(t.dtype).removeprefix('torch.')} tensors on {t.device.type}{autocast}; it "
+            f"runs {allowed} there. Convert the model with .float() or keep this layer a "
+            "torch.nn.Conv2d"
+        )
     return name
 
 
@@ -53,13 +59,17 @@ def _as_array(t: torch.Tensor, backend_name: str) -> Any:
     t = t.detach()
     if t.device.type == "cpu":
         if backend_name != "cpu":
-            raise InvalidInput(f"a CPU tensor reached a handle of backend {backend_name!r}; "
-                               "give the model a handle with backend='cpu' (or move the model to the GPU)")
+            raise InvalidInput(
+                f"a CPU tensor reached a handle of backend {backend_name!r}; "
+                "give the model a handle with backend='cpu' (or move the model to the GPU)"
+            )
         return t.numpy()
     if t.device.type == "cuda":  # pragma: no cover - needs a GPU
         if backend_name != "cudnn":
-            raise InvalidInput(f"a CUDA tensor reached a handle of backend {backend_name!r}; "
-                               "give the model a handle with backend='cudnn' or 'auto'")
+            raise InvalidInput(
+                f"a CUDA tensor reached a handle of backend {backend_name!r}; "
+                "give the model a handle with backend='cudnn' or 'auto'"
+            )
         try:
             import cupy
         except ImportError as exc:
@@ -107,8 +117,11 @@ def _on_cuda(t: torch.Tensor) -> Iterator[None]:  # pragma: no cover - needs a G
     index = t.device.index if t.device.index is not None else torch.cuda.current_device()
     allocator = _ALLOCATORS.get(index) or _ALLOCATORS.setdefault(index, _torch_allocator(index))
     stream = torch.cuda.current_stream(t.device)
-    with cupy.cuda.Device(index), cupy.cuda.ExternalStream(stream.cuda_stream, index), \
-            cupy.cuda.using_allocator(allocator):
+    with (
+        cupy.cuda.Device(index),
+        cupy.cuda.ExternalStream(stream.cuda_stream, index),
+        cupy.cuda.using_allocator(allocator),
+    ):
         yield
 
 
@@ -127,8 +140,9 @@ class Geometry:
     def out_shape(self, x_shape: Sequence[int], w_shape: Sequence[int]) -> tuple[int, ...]:
         """The output's shape for an input and a weight of these shapes (as torch computes it)."""
         sizes = []
-        for size, k, s, p, d, op in zip(x_shape[2:], w_shape[2:], self.stride, self.padding, self.dilation,
-                                        self.output_padding):
+        for size, k, s, p, d, op in zip(
+            x_shape[2:], w_shape[2:], self.stride, self.padding, self.dilation, self.output_padding
+        ):
             span = d * (k - 1)
             if self.transposed:
                 sizes.append((size - 1) * s - 2 * p + span + op + 1)
@@ -141,15 +155,26 @@ class Geometry:
         """PyTorch's own convolution of this geometry, as its modules call it (F.conv2d and the like take
         less host time per call than torch.convolution; both reach aten.convolution)."""
         if self.transposed:
-            return _TRANSPOSED[x.dim()](x, w, bias, self.stride, self.padding, self.output_padding, self.groups,
-                                        self.dilation)
+            return _TRANSPOSED[x.dim()](
+                x, w, bias, self.stride, self.padding, self.output_padding, self.groups, self.dilation
+            )
         return _PLAIN[x.dim()](x, w, bias, self.stride, self.padding, self.dilation, self.groups)
 
     def torch_backward(self, dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, dx: bool, dw: bool) -> tuple:
         """PyTorch's own backward call of this geometry: (dx, dw), each None where not asked for."""
-        out = torch.ops.aten.convolution_backward(dy, x, w, None, list(self.stride), list(self.padding),
-                                                  list(self.dilation), self.transposed, list(self.output_padding),
-                                                  self.groups, [dx, dw, False])
+        out = torch.ops.aten.convolution_backward(
+            dy,
+            x,
+            w,
+            None,
+            list(self.stride),
+            list(self.padding),
+            list(self.dilation),
+            self.transposed,
+            list(self.output_padding),
+            self.groups,
+            [dx, dw, False],
+        )
         return out[0], out[1]
 
 
@@ -159,8 +184,14 @@ _TRANSPOSED = {3: F.conv_transpose1d, 4: F.conv_transpose2d, 5: F.conv_transpose
 
 
 @functools.cache
-def geometry(stride: tuple[int, ...], padding: tuple[int, ...], dilation: tuple[int, ...], transposed: bool,
-             output_padding: tuple[int, ...], groups: int) -> Geometry:
+def geometry(
+    stride: tuple[int, ...],
+    padding: tuple[int, ...],
+    dilation: tuple[int, ...],
+    transposed: bool,
+    output_padding: tuple[int, ...],
+    groups: int,
+) -> Geometry:
     """The `Geometry` of these arguments (tuples), made once: a layer's call reuses it."""
     return Geometry(stride, padding, dilation, transposed, output_padding, groups)
 
@@ -184,8 +215,11 @@ def _result_format(x: torch.Tensor, weight: torch.Tensor, layout: str) -> torch.
     if layout == "NHWC":
         return _memory_format(layout, x.dim())
     cl = _CHANNELS_LAST.get(x.dim())
-    if x.is_contiguous() and weight.is_contiguous() and (
-            cl is None or not (x.is_contiguous(memory_format=cl) or weight.is_contiguous(memory_format=cl))):
+    if (
+        x.is_contiguous()
+        and weight.is_contiguous()
+        and (cl is None or not (x.is_contiguous(memory_format=cl) or weight.is_contiguous(memory_format=cl)))
+    ):
         return torch.contiguous_format  # (contiguous and nothing else, the common case: no stride walk)
     formats = (_suggested_format(x), _suggested_format(weight))
     return next((f for f in formats if f != torch.contiguous_format), torch.contiguous_format)
@@ -235,8 +269,11 @@ def _in_format(t: torch.Tensor, fmt: torch.memory_format) -> torch.Tensor:
             return t
     elif not t.is_contiguous():
         return t
-    exact = make_contiguous_strides_for(t.shape) if fmt == torch.contiguous_format \
+    exact = (
+        make_contiguous_strides_for(t.shape)
+        if fmt == torch.contiguous_format
         else make_channels_last_strides_for(t.shape)
+    )
     return t if tuple(t.stride()) == tuple(exact) else t.clone(memory_format=fmt)
 
 
@@ -250,8 +287,10 @@ def _launch(kernel: Kernel, backend: str, out: torch.Tensor, **operands: torch.T
     """Run a planned kernel on tensors (viewed as the handle's arrays; a 1-D convolution's as 2-D of height
     1) into `out`; returns `out`."""
     with _on_device(out):
-        kernel.run(out=_as_array(_planar(out), backend),
-                   **{name: _as_array(_planar(t), backend) for name, t in operands.items()})
+        kernel.run(
+            out=_as_array(_planar(out), backend),
+            **{name: _as_array(_planar(t), backend) for name, t in operands.items()},
+        )
     return out
 
 
@@ -260,8 +299,9 @@ def _copy_bytes(t: torch.Tensor, fmt: torch.memory_format) -> int:
     return 0 if t.is_contiguous(memory_format=fmt) else t.numel() * t.element_size()
 
 
-def run_forward(route: Any, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, geometry: Geometry
-                ) -> torch.Tensor:
+def run_forward(
+    route: Any, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, geometry: Geometry
+) -> torch.Tensor:
     """y = conv(x, w) + bias as `route` runs it: torch's own call on the operands as they come, or its planned
     `fwd` kernel on them in the route's layout (copied where they are not: `forward_copies`), y in that layout
     (the caller gives it torch's format: `_in_format`, after the copies have gone)."""
@@ -273,8 +313,9 @@ def run_forward(route: Any, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor
     return y if bias is None else y.add_(bias.view(1, -1, *[1] * (y.dim() - 2)))
 
 
-def run_backward(route: Any, dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, geometry: Geometry, need_dx: bool,
-                 need_dw: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+def run_backward(
+    route: Any, dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, geometry: Geometry, need_dx: bool, need_dw: bool
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(dx, dw) as `route` runs them: where both are torch's own, one fused call (as PyTorch makes it), on the
     operands as they come; else each by its planned kernel, on them in the route's layout (`backward_copies`:
     dy copied once for both, x for bwd_filter after bwd_data ran), or torch's. `x` gives dx's shape (its values
@@ -289,8 +330,9 @@ def run_backward(route: Any, dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor,
     if not (need_dx and not native_dx or need_dw and not native_dw):
         return dx, dw
     # both results made before either kernel runs, as a plan holds them beside the larger of the two workspaces
-    dx_out = torch.empty(x.shape, dtype=dy.dtype, device=dy.device, memory_format=fmt) \
-        if need_dx and not native_dx else None
+    dx_out = (
+        torch.empty(x.shape, dtype=dy.dtype, device=dy.device, memory_format=fmt) if need_dx and not native_dx else None
+    )
     dw_out = torch.empty_like(w, memory_format=fmt) if need_dw and not native_dw else None
     dy = dy.contiguous(memory_format=fmt)
     if dx_out is not None:
@@ -309,8 +351,9 @@ def forward_copies(x: torch.Tensor, w: torch.Tensor, layout: str) -> tuple[int, 
     return _copy_bytes(x, fmt) + _copy_bytes(w, fmt), _result_format(x, w, layout) != fmt
 
 
-def backward_copies(dy: torch.Tensor, x: torch.Tensor | None, w: torch.Tensor, layout: str, kinds: Sequence[str],
-                    fused: bool) -> tuple[tuple[str, int, int], ...]:
+def backward_copies(
+    dy: torch.Tensor, x: torch.Tensor | None, w: torch.Tensor, layout: str, kinds: Sequence[str], fused: bool
+) -> tuple[tuple[str, int, int], ...]:
     """What a layer's planned backward kernels hold beside their workspaces and results (`run_backward`): per kind
     in `kinds`, (kind, bytes of operand copies held while it runs, bytes of its result's copy into torch's format
     made after it). bwd_data holds the copies of dy and the filter, bwd_filter those of dy and x; dx is copied
@@ -321,8 +364,9 @@ def backward_copies(dy: torch.Tensor, x: torch.Tensor | None, w: torch.Tensor, l
     out = []
     if "bwd_data" in kinds:
         converts = fused and x is not None and _result_format(x, w, layout) != fmt
-        out.append(("bwd_data", _copy_bytes(dy, fmt) + _copy_bytes(w, fmt),
-                    x.numel() * dy.element_size() if converts else 0))
+        out.append(
+            ("bwd_data", _copy_bytes(dy, fmt) + _copy_bytes(w, fmt), x.numel() * dy.element_size() if converts else 0)
+        )
     if "bwd_filter" in kinds:
         out.append(("bwd_filter", _copy_bytes(dy, fmt) + _copy_bytes(x, fmt), 0))
     return tuple(out)

@@ -46,8 +46,16 @@ from ucudnn.torch.converting.launch import (
     run_forward,
 )
 
-__all__ = ["TRIAL_RUNS", "TRIAL_STEPS", "ConvLayer", "ConvTransposeLayer", "PlanBudgets", "as_torch",
-           "route_overhead_ms", "through_operators"]
+__all__ = [
+    "TRIAL_RUNS",
+    "TRIAL_STEPS",
+    "ConvLayer",
+    "ConvTransposeLayer",
+    "PlanBudgets",
+    "as_torch",
+    "route_overhead_ms",
+    "through_operators",
+]
 
 _OPERATORS: contextvars.ContextVar[bool] = contextvars.ContextVar("ucudnn_through_operators", default=False)
 _AS_TORCH: contextvars.ContextVar[bool] = contextvars.ContextVar("ucudnn_as_torch", default=False)
@@ -80,8 +88,7 @@ def as_torch() -> Iterator[None]:
 def _layout_name(t: torch.Tensor) -> str:
     """The layout the kernels read `t` in: channels-last 4-D CUDA tensors stay NHWC (the cudnn backend runs
     that layout), everything else is NCHW (1-D and 3-D included)."""
-    if t.is_cuda and t.dim() == 4 and not t.is_contiguous() \
-            and t.is_contiguous(memory_format=torch.channels_last):
+    if t.is_cuda and t.dim() == 4 and not t.is_contiguous() and t.is_contiguous(memory_format=torch.channels_last):
         return "NHWC"
     return "NCHW"
 
@@ -103,7 +110,7 @@ class _Route:
     budgets: dict | None = None  # the memory plan's workspace per kind it was planned under (execute_plan)
     trial: _BackwardTrial | None = None  # its backward against torch's fused one, for its first backward passes
     problem: ConvProblem | None = None  # the forward problem it runs (None: a geometry only torch expresses)
-    asked: tuple[str, ...] = ()          # the kinds it was planned for (the others are not needed)
+    asked: tuple[str, ...] = ()  # the kinds it was planned for (the others are not needed)
 
     @property
     def left_to_torch(self) -> set[str]:
@@ -127,10 +134,10 @@ class _BackwardTrial:
     first run of each untimed); then, unless the route won by more than the handle's call overhead per
     routed kernel, the layer's route becomes torch's for the backward pass."""
 
-    routes: dict          # the layer's routes, and this route's key in them: the verdict replaces it there
+    routes: dict  # the layer's routes, and this route's key in them: the verdict replaces it there
     key: tuple
-    overhead_ms: float    # charged to the route
-    turns: Turns          # first the route's backward, second torch's fused call
+    overhead_ms: float  # charged to the route
+    turns: Turns  # first the route's backward, second torch's fused call
 
     @property
     def open(self) -> bool:
@@ -139,11 +146,13 @@ class _BackwardTrial:
     def run(self, route: _Route, dy, x, w, g: Geometry) -> tuple[torch.Tensor, torch.Tensor]:
         if any(k is not None and k.trying for k in (route.bwd_data, route.bwd_filter)):
             return run_backward(route, dy, x, w, g, True, True)
-        dx, dw = self.turns.take(lambda: run_backward(route, dy, x, w, g, True, True),
-                                 lambda: g.torch_backward(dy, x, w, True, True))
+        dx, dw = self.turns.take(
+            lambda: run_backward(route, dy, x, w, g, True, True), lambda: g.torch_backward(dy, x, w, True, True)
+        )
         if not self.open and self.routes.get(self.key) is route and not self.turns.first_won_by(self.overhead_ms):
-            self.routes[self.key] = dataclasses.replace(route, bwd_data=None, bwd_filter=None,
-                                                        direct=route.fwd is None, trial=None)
+            self.routes[self.key] = dataclasses.replace(
+                route, bwd_data=None, bwd_filter=None, direct=route.fwd is None, trial=None
+            )
         return dx, dw
 
 
@@ -255,17 +264,26 @@ def _probe_route() -> dict[str, float]:
     w = torch.randn(4, 4, 3, 3, generator=g, requires_grad=True)
     dy = torch.randn(1, 4, 6, 6, generator=g)
     conv = {"stride": (1, 1), "padding": (1, 1), "dilation": (1, 1), "groups": 1, "dtype": "float32", "layer": "probe"}
-    kernels = [handle.kernel(kind, tuple(x.shape), tuple(w.shape), **conv)
-               for kind in ("fwd", "bwd_data", "bwd_filter")]
-    routes = {"function": _Route(handle, handle.generation, "cpu", "NCHW", None, None, None, direct=False),
-              "routed": _Route(handle, handle.generation, "cpu", "NCHW", *kernels, direct=False)}
+    kernels = [
+        handle.kernel(kind, tuple(x.shape), tuple(w.shape), **conv) for kind in ("fwd", "bwd_data", "bwd_filter")
+    ]
+    routes = {
+        "function": _Route(handle, handle.generation, "cpu", "NCHW", None, None, None, direct=False),
+        "routed": _Route(handle, handle.generation, "cpu", "NCHW", *kernels, direct=False),
+    }
     geometry = Geometry((1, 1), (1, 1), (1, 1), False, (0, 0), 1)
 
     def through(route: _Route):
         return lambda: _ConvFunction.apply(x, w, None, route, geometry).backward(dy)
 
-    return interleaved_medians_ms({"direct": lambda: F.conv2d(x, w, None, 1, 1, 1, 1).backward(dy),
-                                   **{name: through(route) for name, route in routes.items()}}, reps=51, warmup=5)
+    return interleaved_medians_ms(
+        {
+            "direct": lambda: F.conv2d(x, w, None, 1, 1, 1, 1).backward(dy),
+            **{name: through(route) for name, route in routes.items()},
+        },
+        reps=51,
+        warmup=5,
+    )
 
 
 def _new_handle(**options: Any) -> Handle:
@@ -314,13 +332,19 @@ class ConvLayer:
         included), hooks, training flag, device and dtype (nothing is copied or re-initialised)."""
         torch_class = next(base for base in cls.__mro__ if base.__module__ == "torch.nn.modules.conv")
         if not isinstance(conv, torch_class):
-            raise InvalidInput(f"{cls.__name__}.from_conv needs a torch.nn.{torch_class.__name__}, got "
-                               f"{type(conv).__name__}")
+            raise InvalidInput(
+                f"{cls.__name__}.from_conv needs a torch.nn.{torch_class.__name__}, got {type(conv).__name__}"
+            )
         new = cls.__new__(cls)
         # A shallow copy of the module's state; its dicts (parameters, hooks, ...) are copied so that the two
         # modules do not share containers, while the tensors in them are shared.
-        new.__dict__.update({name: (value.copy() if isinstance(value, dict) else value)
-                             for name, value in conv.__dict__.items() if name != "_key"})
+        new.__dict__.update(
+            {
+                name: (value.copy() if isinstance(value, dict) else value)
+                for name, value in conv.__dict__.items()
+                if name != "_key"
+            }
+        )
         new._init_ucudnn(handle, layer)
         return new
 
@@ -350,8 +374,14 @@ class ConvLayer:
         return self.layer if self.layer is not None else f"conv@{id(self):x}"
 
     def _geometry(self, padding, output_padding=None, compiling: bool = False) -> Geometry:
-        args = (tuple(self.stride), tuple(padding), tuple(self.dilation), self.transposed,
-                tuple(output_padding) if output_padding is not None else (0,) * len(self.kernel_size), self.groups)
+        args = (
+            tuple(self.stride),
+            tuple(padding),
+            tuple(self.dilation),
+            self.transposed,
+            tuple(output_padding) if output_padding is not None else (0,) * len(self.kernel_size),
+            self.groups,
+        )
         # (Dynamo traces through a cache and warns: compiling, the geometry is made, once per trace)
         return Geometry(*args) if compiling else geometry(*args)
 
@@ -379,8 +409,10 @@ class ConvLayer:
         if unbatched:
             input = input.unsqueeze(0)
         if input.dim() != dims + 2:
-            raise InvalidInput(f"{type(self).__name__} expects a {dims + 1}-D (unbatched) or {dims + 2}-D (batched) "
-                               f"input, got shape {tuple(input.shape)}")
+            raise InvalidInput(
+                f"{type(self).__name__} expects a {dims + 1}-D (unbatched) or {dims + 2}-D (batched) "
+                f"input, got shape {tuple(input.shape)}"
+            )
         device = input.device.type
         if torch.is_autocast_enabled(device):
             # What autocast does to torch's convolution: compute in its lower precision (the backend may refuse it).
@@ -409,8 +441,20 @@ class ConvLayer:
         layout = _layout_name(input)  # (the kernels' copy to it is made where they run, not here: see _ConvFunction)
         if operators:
             return torch.ops.ucudnn.convolution.default(
-                input, weight, self._key, g.stride, g.padding, g.dilation, g.transposed, g.output_padding, g.groups,
-                layout, need_dx, need_dw, bias)
+                input,
+                weight,
+                self._key,
+                g.stride,
+                g.padding,
+                g.dilation,
+                g.transposed,
+                g.output_padding,
+                g.groups,
+                layout,
+                need_dx,
+                need_dw,
+                bias,
+            )
         route = self._planned(input, weight, g, layout, need_dx, need_dw)
         if route.direct:  # torch's own convolution takes the input as it comes: a channels-last map stays one (made
             return g.torch(input, weight, bias)  # contiguous, it cost a copy and torch's slower NCHW kernels after it)
@@ -421,18 +465,34 @@ class ConvLayer:
         """The eager route's autograd Function (for the operators' autograd kernel, which cannot import it)."""
         return _ConvFunction.apply(input, weight, bias, route, g)
 
-    def _route_key(self, input, weight, g: Geometry, layout: str, need_dx: bool, need_dw: bool,
-                   budgets: dict | None) -> tuple:
+    def _route_key(
+        self, input, weight, g: Geometry, layout: str, need_dx: bool, need_dw: bool, budgets: dict | None
+    ) -> tuple:
         # (per memory plan's budgets too, so that steps in and out of execute_plan do not re-plan each other's:
         # a route holds its budgets, so their id is not reused while it lives)
-        return (input.shape, weight.shape, input.dtype, weight.dtype, input.device, weight.device, layout, g,
-                need_dx, need_dw, id(budgets))
+        return (
+            input.shape,
+            weight.shape,
+            input.dtype,
+            weight.dtype,
+            input.device,
+            weight.device,
+            layout,
+            g,
+            need_dx,
+            need_dw,
+            id(budgets),
+        )
 
     def _known(self, key: tuple, budgets: dict | None) -> _Route | None:
         """The route planned at `key` under `budgets` with the layer's current handle, if there is one."""
         route = self._routes.get(key)
-        if route is None or route.handle is not self.handle or route.generation != self.handle.generation \
-                or route.budgets is not budgets:
+        if (
+            route is None
+            or route.handle is not self.handle
+            or route.generation != self.handle.generation
+            or route.budgets is not budgets
+        ):
             return None
         return route
 
@@ -445,9 +505,12 @@ class ConvLayer:
             route = self._route(input, weight, g, layout, need_dx, need_dw)
             routed = [k for k in (route.bwd_data, route.bwd_filter) if k is not None]
             if need_dx and need_dw and routed and all(k.against_native for k in routed):
-                route = dataclasses.replace(route, trial=_BackwardTrial(self._routes, key,
-                                                                        handle.call_overhead * len(routed),
-                                                                        Turns(handle.trial_runs)))
+                route = dataclasses.replace(
+                    route,
+                    trial=_BackwardTrial(
+                        self._routes, key, handle.call_overhead * len(routed), Turns(handle.trial_runs)
+                    ),
+                )
             self._routes[key] = route
         return route
 
@@ -456,9 +519,18 @@ class ConvLayer:
         return self._recording or (self._learning is not None and self._learning.active)
 
     def _problem(self, input, weight, g: Geometry, dtype: str, layout: str) -> ConvProblem:
-        return ConvProblem.from_shapes(input.shape, weight.shape, stride=g.stride, padding=g.padding,
-                                       dilation=g.dilation, groups=g.groups, transposed=g.transposed,
-                                       output_padding=g.output_padding, dtype=dtype, layout=layout)
+        return ConvProblem.from_shapes(
+            input.shape,
+            weight.shape,
+            stride=g.stride,
+            padding=g.padding,
+            dilation=g.dilation,
+            groups=g.groups,
+            transposed=g.transposed,
+            output_padding=g.output_padding,
+            dtype=dtype,
+            layout=layout,
+        )
 
     def _expressible(self, g: Geometry) -> bool:
         """Whether ucudnn's kernels express this geometry. A transposed convolution runs as a convolution's
@@ -468,9 +540,12 @@ class ConvLayer:
             return True
         if not getattr(self, "_warned_inexpressible", False):
             self._warned_inexpressible = True
-            warnings.warn(f"ucudnn.torch: {self.layer_id} ({type(self).__name__}) has an output_padding "
-                          f"{g.output_padding} not below its stride {g.stride}, which ucudnn's kernels cannot "
-                          "express; PyTorch's own convolution runs it", stacklevel=4)
+            warnings.warn(
+                f"ucudnn.torch: {self.layer_id} ({type(self).__name__}) has an output_padding "
+                f"{g.output_padding} not below its stride {g.stride}, which ucudnn's kernels cannot "
+                "express; PyTorch's own convolution runs it",
+                stacklevel=4,
+            )
         return False
 
     def _route(self, input, weight, g: Geometry, layout: str, need_dx: bool, need_dw: bool) -> _Route:
@@ -478,25 +553,38 @@ class ConvLayer:
         layer's kinds together) and prepare them."""
         handle, backend = self.handle, self.handle.backend.name
         if not self._expressible(g):
-            return _Route(handle, handle.generation, backend, layout, None, None, None, direct=True,
-                          budgets=self._budgets)
+            return _Route(
+                handle, handle.generation, backend, layout, None, None, None, direct=True, budgets=self._budgets
+            )
         if input.device.type == "cuda" and backend == "cudnn" and input.device.index != handle.backend.device_id:
             # planning would measure one device's engines on the other's memory
-            raise InvalidInput(f"ucudnn.torch: {self.layer_id}'s input is on {input.device}, but the handle's cudnn "
-                               f"backend runs on cuda:{handle.backend.device_id} (the device current when it was "
-                               f"made); make the handle (or convert the model) after "
-                               f"torch.cuda.set_device({input.device.index})")
+            raise InvalidInput(
+                f"ucudnn.torch: {self.layer_id}'s input is on {input.device}, but the handle's cudnn "
+                f"backend runs on cuda:{handle.backend.device_id} (the device current when it was "
+                f"made); make the handle (or convert the model) after "
+                f"torch.cuda.set_device({input.device.index})"
+            )
         if input.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             # planning times kernels and synchronises, which a capture forbids: every candidate would fail and
             # be recorded as unusable
-            raise UnsupportedProblem(f"ucudnn.torch: {self.layer_id} meets input shape {tuple(input.shape)} for the "
-                                     "first time inside CUDA graph capture; run the step once before capturing it "
-                                     "(a warm-up plans every layer)")
+            raise UnsupportedProblem(
+                f"ucudnn.torch: {self.layer_id} meets input shape {tuple(input.shape)} for the "
+                "first time inside CUDA graph capture; run the step once before capturing it "
+                "(a warm-up plans every layer)"
+            )
         dtype = _dtype_name(input, backend)
         kinds = ("fwd",) + (("bwd_data",) if need_dx else ()) + (("bwd_filter",) if need_dw else ())
-        conv = {"stride": g.stride, "padding": g.padding, "dilation": g.dilation, "groups": g.groups,
-                "transposed": g.transposed, "output_padding": g.output_padding, "dtype": dtype, "layout": layout,
-                "layer": self.layer_id}
+        conv = {
+            "stride": g.stride,
+            "padding": g.padding,
+            "dilation": g.dilation,
+            "groups": g.groups,
+            "transposed": g.transposed,
+            "output_padding": g.output_padding,
+            "dtype": dtype,
+            "layout": layout,
+            "layer": self.layer_id,
+        }
         # Under a memory plan's budgets, a kind that the layer's own route leaves to torch stays torch's: its
         # in-step trials settled on torch's convolution on the whole batch, which holds no workspace the plan
         # counts (its options hold none), so it is within every budget; the handle, asked within a budget,
@@ -504,36 +592,56 @@ class ConvLayer:
         # correct it (HF MobileNetV2 ran 1.10x its converted step under a plan that acts on nothing).
         # So does a kind whose option in the plan is torch's own (`PlanBudgets.torch_kinds`): its budget, torch's
         # measured workspace, could hold another configuration of the handle's, which the plan does not count.
-        own = None if self._budgets is None else \
-            self._known(self._route_key(input, weight, g, layout, need_dx, need_dw, None), None)
+        own = (
+            None
+            if self._budgets is None
+            else self._known(self._route_key(input, weight, g, layout, need_dx, need_dw, None), None)
+        )
         planned_torch = getattr(self._budgets, "torch_kinds", frozenset())
-        asked = [kind for kind in kinds
-                 if kind not in planned_torch and (own is None or kind not in own.left_to_torch)]
+        asked = [kind for kind in kinds if kind not in planned_torch and (own is None or kind not in own.left_to_torch)]
         problem = self._problem(input, weight, g, dtype, layout)
         with _on_device(input):  # a WD solve allocates the arena: from torch's allocator on CUDA
             handle.register(self.layer_id, problem, kinds=kinds)
             budgets = self._budgets or {}
             try:
-                kernels = {kind: handle.kernel(kind, tuple(input.shape), tuple(weight.shape),
-                                               budget=budgets.get(kind), **conv) for kind in asked}
+                kernels = {
+                    kind: handle.kernel(kind, tuple(input.shape), tuple(weight.shape), budget=budgets.get(kind), **conv)
+                    for kind in asked
+                }
             except Infeasible as exc:
                 if not budgets:
                     raise
                 given = ", ".join(f"{kind} {format_size(b)}" for kind, b in budgets.items())
-                raise Infeasible(f"{self.layer_id}: the memory plan's workspace budgets ({given}) fit none of this "
-                                 f"layer's configurations ({exc}); make the plan with plan_memory on the converted "
-                                 "model, whose budgets come from its layers' own measurements") from exc
+                raise Infeasible(
+                    f"{self.layer_id}: the memory plan's workspace budgets ({given}) fit none of this "
+                    f"layer's configurations ({exc}); make the plan with plan_memory on the converted "
+                    "model, whose budgets come from its layers' own measurements"
+                ) from exc
         # torch runs a native undivided plan itself (on CPU tensors; the cudnn backend has no native)
         routed = {kind: k for kind, k in kernels.items() if not (input.device.type == "cpu" and native_only(k.config))}
-        return _Route(handle, handle.generation, backend, layout, routed.get("fwd"), routed.get("bwd_data"),
-                      routed.get("bwd_filter"), direct=not routed, budgets=self._budgets, problem=problem,
-                      asked=kinds)
+        return _Route(
+            handle,
+            handle.generation,
+            backend,
+            layout,
+            routed.get("fwd"),
+            routed.get("bwd_data"),
+            routed.get("bwd_filter"),
+            direct=not routed,
+            budgets=self._budgets,
+            problem=problem,
+            asked=kinds,
+        )
 
     def _torch_kinds(self, problem: ConvProblem) -> set[str]:
         """The kinds that this layer's own routes at `problem` (outside any memory plan) leave to torch's
         convolution, where its trials settled: under a plan's budgets they stay torch's (`_route`)."""
-        return {kind for key, route in self._routes.items()
-                if route.problem == problem and self._known(key, None) is route for kind in route.left_to_torch}
+        return {
+            kind
+            for key, route in self._routes.items()
+            if route.problem == problem and self._known(key, None) is route
+            for kind in route.left_to_torch
+        }
 
     def _announce(self, input, weight, g: Geometry, need_dx: bool, need_dw: bool) -> None:
         """Register this layer with its handle (announce, WD's learning pass); torch computes the pass."""
@@ -553,8 +661,10 @@ class ConvTransposeLayer(ConvLayer):
     def forward(self, input: torch.Tensor, output_size: list[int] | None = None) -> torch.Tensor:
         if self.padding_mode != "zeros":  # as torch's own modules refuse it
             raise ValueError(f"Only `zeros` padding mode is supported for {type(self).__name__}")
-        output_padding = self._output_padding(input, output_size, self.stride, self.padding, self.kernel_size,
-                                              len(self.kernel_size), self.dilation)
+        output_padding = self._output_padding(
+            input, output_size, self.stride, self.padding, self.kernel_size, len(self.kernel_size), self.dilation
+        )
         compiling = torch.compiler.is_compiling()
-        return self._convolution(input, self.weight, self.bias, self._geometry(self.padding, output_padding, compiling),
-                                 compiling)
+        return self._convolution(
+            input, self.weight, self.bias, self._geometry(self.padding, output_padding, compiling), compiling
+        )

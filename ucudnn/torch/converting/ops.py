@@ -61,8 +61,14 @@ from ucudnn.torch.converting.launch import (
     run_forward,
 )
 
-__all__ = ["convolution", "convolution_backward", "convolution_backward_data", "convolution_backward_filter",
-           "layer_key", "register_layer"]
+__all__ = [
+    "convolution",
+    "convolution_backward",
+    "convolution_backward_data",
+    "convolution_backward_filter",
+    "layer_key",
+    "register_layer",
+]
 
 # Layers are ucudnn's converted convolutions, named here by torch's base class: the layer module imports this one.
 _LAYERS: dict[int, weakref.ref] = {}
@@ -85,8 +91,10 @@ def _layer(key: int) -> nn.Module:
     ref = _LAYERS.get(key)
     conv = ref() if ref is not None else None
     if conv is None:
-        raise InvalidInput(f"ucudnn operators: no live converted convolution has key {key}; a compiled graph or "
-                           "exported program runs only in the process, and while the model lives, that made it")
+        raise InvalidInput(
+            f"ucudnn operators: no live converted convolution has key {key}; a compiled graph or "
+            "exported program runs only in the process, and while the model lives, that made it"
+        )
     return conv
 
 
@@ -97,21 +105,34 @@ def _geometry(stride, padding, dilation, transposed, output_padding, groups) -> 
 def _check(x_shape: Sequence, w_shape: Sequence, g: Geometry, layout: str) -> tuple:
     """The rules the kernels enforce, for the real and the fake implementations alike; the output's shape."""
     dims = len(x_shape) - 2
-    torch._check(1 <= dims <= 3 and len(w_shape) == len(x_shape),
-                 lambda: f"ucudnn.convolution: x and weight must both be 3-D, 4-D or 5-D, got {len(x_shape)}-D and "
-                         f"{len(w_shape)}-D")
-    torch._check(all(len(v) == dims for v in (g.stride, g.padding, g.dilation, g.output_padding)),
-                 lambda: f"ucudnn.convolution: stride, padding, dilation and output_padding need {dims} values each")
+    torch._check(
+        1 <= dims <= 3 and len(w_shape) == len(x_shape),
+        lambda: (
+            f"ucudnn.convolution: x and weight must both be 3-D, 4-D or 5-D, got {len(x_shape)}-D and {len(w_shape)}-D"
+        ),
+    )
+    torch._check(
+        all(len(v) == dims for v in (g.stride, g.padding, g.dilation, g.output_padding)),
+        lambda: f"ucudnn.convolution: stride, padding, dilation and output_padding need {dims} values each",
+    )
     taken = w_shape[0] if g.transposed else w_shape[1] * g.groups
     made = w_shape[1] * g.groups if g.transposed else w_shape[0]
-    torch._check(g.groups >= 1 and x_shape[1] == taken and (made % g.groups == 0),
-                 lambda: f"ucudnn.convolution: x has {x_shape[1]} channels and weight {tuple(w_shape)} with groups="
-                         f"{g.groups}; its weight takes {taken}")
+    torch._check(
+        g.groups >= 1 and x_shape[1] == taken and (made % g.groups == 0),
+        lambda: (
+            f"ucudnn.convolution: x has {x_shape[1]} channels and weight {tuple(w_shape)} with groups="
+            f"{g.groups}; its weight takes {taken}"
+        ),
+    )
     torch._check(layout in ("NCHW", "NHWC"), lambda: f"ucudnn.convolution: layout must be NCHW or NHWC, got {layout!r}")
     shape = g.out_shape(x_shape, w_shape)
-    torch._check(all(s > 0 for s in shape[2:]),
-                 lambda: f"ucudnn.convolution: the output would be {'x'.join(map(str, shape[2:]))}; the input is "
-                         "smaller than the dilated filter")
+    torch._check(
+        all(s > 0 for s in shape[2:]),
+        lambda: (
+            f"ucudnn.convolution: the output would be {'x'.join(map(str, shape[2:]))}; the input is "
+            "smaller than the dilated filter"
+        ),
+    )
     return shape
 
 
@@ -129,8 +150,10 @@ def _shaped(like: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
     return like.new_empty(()).expand(shape)
 
 
-_CONV = ("SymInt layer, int[] stride, int[] padding, int[] dilation, bool transposed, int[] output_padding, "
-         "int groups, str layout")
+_CONV = (
+    "SymInt layer, int[] stride, int[] padding, int[] dilation, bool transposed, int[] output_padding, "
+    "int groups, str layout"
+)
 
 
 # The three kernels are operators of a `torch.library.Library`, one implementation for every device
@@ -139,18 +162,33 @@ _CONV = ("SymInt layer, int[] stride, int[] padding, int[] dilation, bool transp
 # about 70 us more than torch's own convolution per forward and backward, the same operator defined here
 # about 30: host time paid per layer in every compiled step.
 _LIBRARY = torch.library.Library("ucudnn", "DEF")
-_LIBRARY.define(f"convolution(Tensor x, Tensor weight, {_CONV}, bool need_dx, bool need_dw, Tensor? bias=None) "
-                "-> Tensor")
-_LIBRARY.define("convolution_backward_data(Tensor dy, Tensor weight, SymInt layer, SymInt[] x_shape, int[] stride, "
-                "int[] padding, int[] dilation, bool transposed, int[] output_padding, int groups, str layout, "
-                "bool need_dw) -> Tensor")
+_LIBRARY.define(
+    f"convolution(Tensor x, Tensor weight, {_CONV}, bool need_dx, bool need_dw, Tensor? bias=None) -> Tensor"
+)
+_LIBRARY.define(
+    "convolution_backward_data(Tensor dy, Tensor weight, SymInt layer, SymInt[] x_shape, int[] stride, "
+    "int[] padding, int[] dilation, bool transposed, int[] output_padding, int groups, str layout, "
+    "bool need_dw) -> Tensor"
+)
 _LIBRARY.define(f"convolution_backward_filter(Tensor x, Tensor dy, Tensor weight, {_CONV}, bool need_dx) -> Tensor")
 _LIBRARY.define(f"convolution_backward(Tensor dy, Tensor x, Tensor weight, {_CONV}) -> (Tensor, Tensor)")
 
 
-def convolution(x: torch.Tensor, weight: torch.Tensor, layer: int, stride: Sequence[int], padding: Sequence[int],
-                dilation: Sequence[int], transposed: bool, output_padding: Sequence[int], groups: int, layout: str,
-                need_dx: bool, need_dw: bool, bias: torch.Tensor | None = None) -> torch.Tensor:
+def convolution(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    layer: int,
+    stride: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
+    transposed: bool,
+    output_padding: Sequence[int],
+    groups: int,
+    layout: str,
+    need_dx: bool,
+    need_dw: bool,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
     """y = convolution(x, weight) + bias as layer `layer` plans it."""
     g = _geometry(stride, padding, dilation, transposed, output_padding, groups)
     _checked(x.shape, weight.shape, g, layout)
@@ -171,17 +209,32 @@ _LIBRARY.impl("convolution", convolution, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("ucudnn::convolution")
-def _convolution_fake(x, weight, layer, stride, padding, dilation, transposed, output_padding, groups, layout, need_dx,
-                      need_dw, bias=None):
+def _convolution_fake(
+    x, weight, layer, stride, padding, dilation, transposed, output_padding, groups, layout, need_dx, need_dw, bias=None
+):
     g = _geometry(stride, padding, dilation, transposed, output_padding, groups)
-    return torch.empty(_check(x.shape, weight.shape, g, layout), dtype=x.dtype, device=x.device,
-                       memory_format=_result_format(x, weight, layout))
+    return torch.empty(
+        _check(x.shape, weight.shape, g, layout),
+        dtype=x.dtype,
+        device=x.device,
+        memory_format=_result_format(x, weight, layout),
+    )
 
 
-def convolution_backward_data(dy: torch.Tensor, weight: torch.Tensor, layer: int, x_shape: Sequence[int],
-                              stride: Sequence[int], padding: Sequence[int], dilation: Sequence[int], transposed: bool,
-                              output_padding: Sequence[int], groups: int, layout: str,
-                              need_dw: bool) -> torch.Tensor:
+def convolution_backward_data(
+    dy: torch.Tensor,
+    weight: torch.Tensor,
+    layer: int,
+    x_shape: Sequence[int],
+    stride: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
+    transposed: bool,
+    output_padding: Sequence[int],
+    groups: int,
+    layout: str,
+    need_dw: bool,
+) -> torch.Tensor:
     """dx of layer `layer` for an input of `x_shape`, as the layer plans it."""
     g = _geometry(stride, padding, dilation, transposed, output_padding, groups)
     _checked(tuple(x_shape), weight.shape, g, layout)
@@ -196,17 +249,29 @@ _LIBRARY.impl("convolution_backward_data", convolution_backward_data, "Composite
 
 
 @torch.library.register_fake("ucudnn::convolution_backward_data")
-def _convolution_backward_data_fake(dy, weight, layer, x_shape, stride, padding, dilation, transposed, output_padding,
-                                    groups, layout, need_dw):
+def _convolution_backward_data_fake(
+    dy, weight, layer, x_shape, stride, padding, dilation, transposed, output_padding, groups, layout, need_dw
+):
     _check(x_shape, weight.shape, _geometry(stride, padding, dilation, transposed, output_padding, groups), layout)
-    return torch.empty(tuple(x_shape), dtype=dy.dtype, device=dy.device,
-                       memory_format=_memory_format(layout, len(x_shape)))
+    return torch.empty(
+        tuple(x_shape), dtype=dy.dtype, device=dy.device, memory_format=_memory_format(layout, len(x_shape))
+    )
 
 
-def convolution_backward_filter(x: torch.Tensor, dy: torch.Tensor, weight: torch.Tensor, layer: int,
-                                stride: Sequence[int], padding: Sequence[int], dilation: Sequence[int],
-                                transposed: bool, output_padding: Sequence[int], groups: int, layout: str,
-                                need_dx: bool) -> torch.Tensor:
+def convolution_backward_filter(
+    x: torch.Tensor,
+    dy: torch.Tensor,
+    weight: torch.Tensor,
+    layer: int,
+    stride: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
+    transposed: bool,
+    output_padding: Sequence[int],
+    groups: int,
+    layout: str,
+    need_dx: bool,
+) -> torch.Tensor:
     """dw of layer `layer` (`weight` gives its shape, dtype and the route's key), as the layer plans it."""
     g = _geometry(stride, padding, dilation, transposed, output_padding, groups)
     _checked(x.shape, weight.shape, g, layout)
@@ -220,16 +285,28 @@ _LIBRARY.impl("convolution_backward_filter", convolution_backward_filter, "Compo
 
 
 @torch.library.register_fake("ucudnn::convolution_backward_filter")
-def _convolution_backward_filter_fake(x, dy, weight, layer, stride, padding, dilation, transposed, output_padding,
-                                      groups, layout, need_dx):
+def _convolution_backward_filter_fake(
+    x, dy, weight, layer, stride, padding, dilation, transposed, output_padding, groups, layout, need_dx
+):
     _check(x.shape, weight.shape, _geometry(stride, padding, dilation, transposed, output_padding, groups), layout)
-    return torch.empty(weight.shape, dtype=weight.dtype, device=weight.device,
-                       memory_format=_memory_format(layout, weight.dim()))
+    return torch.empty(
+        weight.shape, dtype=weight.dtype, device=weight.device, memory_format=_memory_format(layout, weight.dim())
+    )
 
 
-def convolution_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, layer: int, stride: Sequence[int],
-                         padding: Sequence[int], dilation: Sequence[int], transposed: bool,
-                         output_padding: Sequence[int], groups: int, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
+def convolution_backward(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    layer: int,
+    stride: Sequence[int],
+    padding: Sequence[int],
+    dilation: Sequence[int],
+    transposed: bool,
+    output_padding: Sequence[int],
+    groups: int,
+    layout: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx, dw) of layer `layer`, as the layer plans its backward pass where both are asked for."""
     g = _geometry(stride, padding, dilation, transposed, output_padding, groups)
     _checked(x.shape, weight.shape, g, layout)
@@ -244,12 +321,16 @@ _LIBRARY.impl("convolution_backward", convolution_backward, "CompositeExplicitAu
 
 
 @torch.library.register_fake("ucudnn::convolution_backward")
-def _convolution_backward_fake(dy, x, weight, layer, stride, padding, dilation, transposed, output_padding, groups,
-                               layout):
+def _convolution_backward_fake(
+    dy, x, weight, layer, stride, padding, dilation, transposed, output_padding, groups, layout
+):
     _check(x.shape, weight.shape, _geometry(stride, padding, dilation, transposed, output_padding, groups), layout)
-    return (torch.empty(x.shape, dtype=dy.dtype, device=dy.device, memory_format=_result_format(x, weight, layout)),
-            torch.empty(weight.shape, dtype=weight.dtype, device=weight.device,
-                        memory_format=_memory_format(layout, weight.dim())))
+    return (
+        torch.empty(x.shape, dtype=dy.dtype, device=dy.device, memory_format=_result_format(x, weight, layout)),
+        torch.empty(
+            weight.shape, dtype=weight.dtype, device=weight.device, memory_format=_memory_format(layout, weight.dim())
+        ),
+    )
 
 
 class _Convolution(torch.autograd.Function):
@@ -257,11 +338,38 @@ class _Convolution(torch.autograd.Function):
     backward operators (both by one; the bias's: dy summed over all but its channels)."""
 
     @staticmethod
-    def forward(ctx, x, weight, layer, stride, padding, dilation, transposed, output_padding, groups, layout, need_dx,
-                need_dw, bias):
+    def forward(
+        ctx,
+        x,
+        weight,
+        layer,
+        stride,
+        padding,
+        dilation,
+        transposed,
+        output_padding,
+        groups,
+        layout,
+        need_dx,
+        need_dw,
+        bias,
+    ):
         with torch._C._AutoDispatchBelowAutograd():
-            y = torch.ops.ucudnn.convolution.default(x, weight, layer, stride, padding, dilation, transposed,
-                                                     output_padding, groups, layout, need_dx, need_dw, bias)
+            y = torch.ops.ucudnn.convolution.default(
+                x,
+                weight,
+                layer,
+                stride,
+                padding,
+                dilation,
+                transposed,
+                output_padding,
+                groups,
+                layout,
+                need_dx,
+                need_dw,
+                bias,
+            )
         ctx.save_for_backward(x, weight)
         ctx.conv = (layer, stride, padding, dilation, transposed, output_padding, groups, layout, need_dx, need_dw)
         ctx.bias_grad = bias is not None and bias.requires_grad
@@ -286,12 +394,27 @@ class _Convolution(torch.autograd.Function):
         return dx, dw, None, None, None, None, None, None, None, None, None, None, db
 
 
-def _autograd(x, weight, layer, stride, padding, dilation, transposed, output_padding, groups, layout, need_dx, need_dw,
-              bias=None):
-    args = (x, weight, layer, stride, padding, dilation, transposed, output_padding, groups, layout, need_dx, need_dw,
-            bias)  # (the dispatcher leaves out a defaulted bias: `_Convolution` returns a gradient for each argument)
-    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
-                                    or (bias is not None and bias.requires_grad)):
+def _autograd(
+    x, weight, layer, stride, padding, dilation, transposed, output_padding, groups, layout, need_dx, need_dw, bias=None
+):
+    args = (
+        x,
+        weight,
+        layer,
+        stride,
+        padding,
+        dilation,
+        transposed,
+        output_padding,
+        groups,
+        layout,
+        need_dx,
+        need_dw,
+        bias,
+    )  # (the dispatcher leaves out a defaulted bias: `_Convolution` returns a gradient for each argument)
+    if torch.is_grad_enabled() and (
+        x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+    ):
         if type(x) is torch.Tensor:  # real (not fake, not functional): the layer's eager route, once planned
             g = _geometry(stride, padding, dilation, transposed, output_padding, groups)
             conv = _layer(layer)

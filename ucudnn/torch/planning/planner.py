@@ -87,11 +87,19 @@ def measure_profile(device: str = "cpu") -> DeviceProfile:
         mm_ms = _best_ms(lambda: m @ m)
         gbps = nbytes / copy_ms / 1e6
         model = platform.processor() or platform.machine()
-        return DeviceProfile("host", f"host CPU ({model}, {os.cpu_count()} threads)",
-                             os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), h2d_gbps=gbps, d2h_gbps=gbps,
-                             duplex_gbps=gbps, devices_per_link=1, fp32_tflops=2 * 1024**3 / mm_ms / 1e9,
-                             memory_gbps=2 * gbps, source="measured by ucudnn.torch.measure_profile",
-                             shares_host_memory=True)
+        return DeviceProfile(
+            "host",
+            f"host CPU ({model}, {os.cpu_count()} threads)",
+            os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
+            h2d_gbps=gbps,
+            d2h_gbps=gbps,
+            duplex_gbps=gbps,
+            devices_per_link=1,
+            fp32_tflops=2 * 1024**3 / mm_ms / 1e9,
+            memory_gbps=2 * gbps,
+            source="measured by ucudnn.torch.measure_profile",
+            shares_host_memory=True,
+        )
     if dev.type != "cuda":
         raise InvalidInput(f"device must be 'cpu' or a CUDA device, got {device!r}")
     return _measure_cuda(dev)  # pragma: no cover - needs a GPU
@@ -120,9 +128,18 @@ def _measure_cuda(dev: torch.device) -> DeviceProfile:  # pragma: no cover - nee
     mem = 2 * nbytes / timed(lambda: d2.copy_(d)) / 1e6
     m = torch.randn(4096, 4096, device=dev)
     tflops = 2 * 4096**3 / timed(lambda: m @ m) / 1e9
-    return DeviceProfile(f"cuda{dev.index or 0}", props.name, int(props.total_memory), h2d_gbps=h2d, d2h_gbps=d2h,
-                         duplex_gbps=duplex, devices_per_link=1, fp32_tflops=tflops, memory_gbps=mem,
-                         source="measured by ucudnn.torch.measure_profile")
+    return DeviceProfile(
+        f"cuda{dev.index or 0}",
+        props.name,
+        int(props.total_memory),
+        h2d_gbps=h2d,
+        d2h_gbps=d2h,
+        duplex_gbps=duplex,
+        devices_per_link=1,
+        fp32_tflops=tflops,
+        memory_gbps=mem,
+        source="measured by ucudnn.torch.measure_profile",
+    )
 
 
 def _profile_for(device: DeviceProfile | str | None, example_input: torch.Tensor) -> DeviceProfile:
@@ -139,10 +156,19 @@ def _profile_for(device: DeviceProfile | str | None, example_input: torch.Tensor
     return measure_profile("cpu")
 
 
-def plan_memory(model: nn.Module, example_input: Any, memory_limit: int | str | None = None,
-                policy: str = "optimal", device: DeviceProfile | str | None = None, *, devices: int = 1,
-                db: Any = None, weight_grads: str = "backward", loss: Callable[[Any], torch.Tensor] | None = None,
-                fake: bool | None = None) -> MemoryPlan:
+def plan_memory(
+    model: nn.Module,
+    example_input: Any,
+    memory_limit: int | str | None = None,
+    policy: str = "optimal",
+    device: DeviceProfile | str | None = None,
+    *,
+    devices: int = 1,
+    db: Any = None,
+    weight_grads: str = "backward",
+    loss: Callable[[Any], torch.Tensor] | None = None,
+    fake: bool | None = None,
+) -> MemoryPlan:
     """The planner's `MemoryPlan` for training `model` on batches shaped like `example_input`.
 
     `example_input`: a tensor, a tuple of positional arguments or a dict of keyword arguments (its
@@ -177,8 +203,9 @@ def plan_memory(model: nn.Module, example_input: Any, memory_limit: int | str | 
         step = _checked(model, example_input, key, step, lambda s: _follow(model, s, args, kwargs, loss_of))
     if real and device is None:  # planning for the machine the inputs are on: time the ops there, measure the kernels
         holder = []
-        step = _checked(model, example_input, key, step,
-                        lambda s: holder.append(_timed_ops(model, s, args, kwargs, loss_of)))
+        step = _checked(
+            model, example_input, key, step, lambda s: holder.append(_timed_ops(model, s, args, kwargs, loss_of))
+        )
         graph = holder[-1]
         fronts = _fronts_for(model, step, graph, db, first.device.type == "cpu")
     plan = make_executed_plan(graph, profile, limit, policy, devices=devices, db=db, fronts=fronts)
@@ -194,12 +221,15 @@ _CAPTURES: weakref.WeakKeyDictionary[nn.Module, dict[tuple, CapturedStep]] = wea
 _FOLLOWED: weakref.WeakKeyDictionary[nn.Module, set[tuple]] = weakref.WeakKeyDictionary()
 
 
-def _captured(model: nn.Module, example_input: Any, loss: Callable | None, fake: bool | None,
-              weight_grads: str) -> tuple[tuple, CapturedStep]:
+def _captured(
+    model: nn.Module, example_input: Any, loss: Callable | None, fake: bool | None, weight_grads: str
+) -> tuple[tuple, CapturedStep]:
     """The key of `_CAPTURES` for this capture and its step, captured where it is not held."""
     args, kwargs = call_args(example_input)
-    inputs = tuple((t.shape, t.dtype, t.device, type(t)) if isinstance(t, torch.Tensor) else repr(t)
-                   for t in tree_leaves((args, sorted(kwargs.items()))))
+    inputs = tuple(
+        (t.shape, t.dtype, t.device, type(t)) if isinstance(t, torch.Tensor) else repr(t)
+        for t in tree_leaves((args, sorted(kwargs.items())))
+    )
     key = (_fingerprint(model), inputs, loss, fake, weight_grads)
     steps = _CAPTURES.setdefault(model, {})
     if key not in steps:
@@ -220,8 +250,9 @@ class _Diverged(UnsupportedProblem):
         return f"{diverged(self.step, self.i, self.func)}; {reason}"
 
 
-def _checked(model: nn.Module, example_input: Any, key: tuple, step: CapturedStep,
-             follow: Callable[[CapturedStep], Any]) -> CapturedStep:
+def _checked(
+    model: nn.Module, example_input: Any, key: tuple, step: CapturedStep, follow: Callable[[CapturedStep], Any]
+) -> CapturedStep:
     """`step` where a real step follows it (`follow(step)` raises `_Diverged` where not, returns False where no
     real step can run). Else the step is captured
     again, on the real inputs unless the caller asked for fake tensors (``fake=True``, the key's), held in
@@ -238,13 +269,21 @@ def _checked(model: nn.Module, example_input: Any, key: tuple, step: CapturedSte
             followed.discard(key)
             if attempt or fake:  # (fake=True: captured again on fake tensors, it would run as this one)
                 if exc.step.fake:
-                    raise UnsupportedProblem(exc.why("the step captured on fake tensors differs from the real "
-                                                     "step (the model runs otherwise on fake tensors); pass "
-                                                     "fake=False to capture it on the real inputs")) from None
-                raise UnsupportedProblem(exc.why("captured on the same inputs, the real step runs otherwise from one "
-                                                 "step to the next (its control flow follows random draws or state "
-                                                 "it keeps outside its parameters and buffers), which no plan "
-                                                 "can follow")) from None
+                    raise UnsupportedProblem(
+                        exc.why(
+                            "the step captured on fake tensors differs from the real "
+                            "step (the model runs otherwise on fake tensors); pass "
+                            "fake=False to capture it on the real inputs"
+                        )
+                    ) from None
+                raise UnsupportedProblem(
+                    exc.why(
+                        "captured on the same inputs, the real step runs otherwise from one "
+                        "step to the next (its control flow follows random draws or state "
+                        "it keeps outside its parameters and buffers), which no plan "
+                        "can follow"
+                    )
+                ) from None
             step = capture(model, example_input, loss=loss, fake=bool(fake), weight_grads=weight_grads)
             _CAPTURES.setdefault(model, {})[key] = step
             continue
@@ -266,8 +305,11 @@ def _follow(model: nn.Module, step: CapturedStep, args: tuple, kwargs: dict, los
         except _Diverged:
             raise
         except Exception as exc:  # noqa: BLE001 - it cannot run here (a batch for a larger device): unchecked
-            log.info("the capture of %s on fake tensors is not checked: its real step failed here: %s",
-                     step.graph.network, one_line(exc))
+            log.info(
+                "the capture of %s on fake tensors is not checked: its real step failed here: %s",
+                step.graph.network,
+                one_line(exc),
+            )
             return False
         del value
     if timer.position != len(step.ops):
@@ -323,9 +365,15 @@ def _conv_fronts(model: nn.Module, graph: TrainingGraph, native: Handle | None) 
             # native on the whole batch) allocates its temporaries inside its kernels, out of the
             # plan's reach: the step holds no workspace for it, whatever its budget
             fronts[(step.op, kind)] = tuple(
-                KernelOption(c.time, c.workspace if converted else 0, c.describe(), "measured",
-                             held=0 if native_only(c) else held_with_copies(c.workspace, copies.get(kind)))
-                for c in ([torch_own] if torch_own is not None else handle.front(problem)))
+                KernelOption(
+                    c.time,
+                    c.workspace if converted else 0,
+                    c.describe(),
+                    "measured",
+                    held=0 if native_only(c) else held_with_copies(c.workspace, copies.get(kind)),
+                )
+                for c in ([torch_own] if torch_own is not None else handle.front(problem))
+            )
         if set(step.kernels) == {"bwd_data", "bwd_filter"}:
             _fuse_native_backward(fronts, step.op, op.conv, op.measured_bwd_ms)
     return fronts
@@ -336,16 +384,19 @@ def _fuse_native_backward(fronts: dict, layer: str, problem, fused_ms: float | N
     than the two measured apart (shared work and one launch: about 0.6x on ResNet-18's CPU layers).
     So the native options of the two fronts are scaled by the fused call's time, as the timed training
     steps measured the layer's backward step (`fused_ms`), over their sum."""
-    options = [next((o for o in fronts[(layer, kind)] if o.config == f"1x{problem.n}:{NATIVE}"), None)
-               for kind in ("bwd_data", "bwd_filter")]
+    options = [
+        next((o for o in fronts[(layer, kind)] if o.config == f"1x{problem.n}:{NATIVE}"), None)
+        for kind in ("bwd_data", "bwd_filter")
+    ]
     if None in options or fused_ms is None:
         return
     scale = fused_ms / sum(o.time_ms for o in options)
     if scale >= 1:
         return
     for kind in ("bwd_data", "bwd_filter"):  # a cheaper native option may now dominate others
-        fronts[(layer, kind)] = front_of(dataclasses.replace(o, time_ms=o.time_ms * scale) if o in options else o
-                                         for o in fronts[(layer, kind)])
+        fronts[(layer, kind)] = front_of(
+            dataclasses.replace(o, time_ms=o.time_ms * scale) if o in options else o for o in fronts[(layer, kind)]
+        )
 
 
 def _fingerprint(model: nn.Module) -> tuple:
@@ -373,8 +424,12 @@ def _timed_ops(model: nn.Module, step: CapturedStep, args: tuple, kwargs: dict, 
 
 
 def _with_times(graph: TrainingGraph, measured: dict[str, tuple[float, float | None]]) -> TrainingGraph:
-    ops = tuple(dataclasses.replace(op, measured_ms=measured[op.name][0], measured_bwd_ms=measured[op.name][1])
-                if op.name in measured else op for op in graph.ops)
+    ops = tuple(
+        dataclasses.replace(op, measured_ms=measured[op.name][0], measured_bwd_ms=measured[op.name][1])
+        if op.name in measured
+        else op
+        for op in graph.ops
+    )
     return dataclasses.replace(graph, ops=ops)
 
 
@@ -402,8 +457,9 @@ class _Timer(TorchDispatchMode):
         return out
 
 
-def _op_times(model: nn.Module, step: CapturedStep, args: tuple, kwargs: dict, loss: Callable,
-              reps: int = 5) -> dict[str, tuple[float, float | None]]:
+def _op_times(
+    model: nn.Module, step: CapturedStep, args: tuple, kwargs: dict, loss: Callable, reps: int = 5
+) -> dict[str, tuple[float, float | None]]:
     """Each graph op's forward and backward ms (None: no backward step) measured on this machine inside
     real training steps (the median of `reps`, after an untimed step). A roofline is far from what
     PyTorch's CPU kernels take (4x on ResNet-18), and an op timed alone misses what a step adds: batch-norm
@@ -461,5 +517,7 @@ def _op_times(model: nn.Module, step: CapturedStep, args: tuple, kwargs: dict, l
                 forward.setdefault(n, []).append(ms)
             for n, ms in bwd.items():
                 backward.setdefault(n, []).append(ms)
-    return {n: (statistics.median(ms), statistics.median(backward[n]) if n in backward else None)
-            for n, ms in forward.items()}
+    return {
+        n: (statistics.median(ms), statistics.median(backward[n]) if n in backward else None)
+        for n, ms in forward.items()
+    }

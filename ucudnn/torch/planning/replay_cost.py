@@ -40,12 +40,20 @@ __all__ = ["replay_host_ms"]
 log = logging.getLogger("ucudnn.torch.planning.replay_cost")
 
 SAMPLE = 8  # maps dropped in the measured plan, spread over the model
-REPS = 9        # pairs of steps at most, after an untimed pair: as many as fit in BUDGET_S, 3 at least
+REPS = 9  # pairs of steps at most, after an untimed pair: as many as fit in BUDGET_S, 3 at least
 BUDGET_S = 1.0  # (ResNet-50's 190 ms CPU steps: 3 pairs)
 
 
-def replay_host_ms(model: nn.Module, step: CapturedStep, graph: TrainingGraph, args: tuple, kwargs: dict,
-                   loss: Callable, sample: int = SAMPLE, reps: int = REPS) -> float:
+def replay_host_ms(
+    model: nn.Module,
+    step: CapturedStep,
+    graph: TrainingGraph,
+    args: tuple,
+    kwargs: dict,
+    loss: Callable,
+    sample: int = SAMPLE,
+    reps: int = REPS,
+) -> float:
     """The executor's host time per replayed operation beyond the operation's own time, on `model` (the
     module docstring): `graph` is `step`'s, timed (its ops' `measured_ms`). 0 where the model has no map a
     plan may recompute, or the executor refuses the measured plan. The model's parameters, gradients,
@@ -54,11 +62,25 @@ def replay_host_ms(model: nn.Module, step: CapturedStep, graph: TrainingGraph, a
     if not dropped:
         return 0.0
     actions = {s: "recompute" if s in dropped else "keep" for s in graph.storages}
-    plan = MemoryPlan(network=graph.network, batch=graph.batch, device="measured", devices=1, memory_limit=2**62,
-                      policy="measure", fits=True, peak_bytes=0, average_bytes=0, baseline_peak_bytes=0,
-                      step_ms=1.0, baseline_step_ms=1.0, stall_ms=0.0, bytes_offloaded=0,
-                      tensors=tuple(TensorAction(s, graph.bytes_of(s), a) for s, a in actions.items()),
-                      conv_workspace=(), capture=step)
+    plan = MemoryPlan(
+        network=graph.network,
+        batch=graph.batch,
+        device="measured",
+        devices=1,
+        memory_limit=2**62,
+        policy="measure",
+        fits=True,
+        peak_bytes=0,
+        average_bytes=0,
+        baseline_peak_bytes=0,
+        step_ms=1.0,
+        baseline_step_ms=1.0,
+        stall_ms=0.0,
+        bytes_offloaded=0,
+        tensors=tuple(TensorAction(s, graph.bytes_of(s), a) for s, a in actions.items()),
+        conv_workspace=(),
+        capture=step,
+    )
     replayed = [s for s in expand(graph, actions) if s.phase == "recompute"]
     replayed_ms = sum(graph.ops[graph.op_index[s.op]].measured_ms or 0.0 for s in replayed)
     # the host's CPU time, not the wall clock, which counts whatever else ran on a shared machine: on the CPU
@@ -85,7 +107,7 @@ def replay_host_ms(model: nn.Module, step: CapturedStep, graph: TrainingGraph, a
         try:
             pair_s = max(run(False) + run(True), 1e-6)
             for rep in range(max(3, min(reps, int(BUDGET_S / pair_s)))):  # interleaved, the order reversed every rep
-                for planned in ((False, True) if rep % 2 == 0 else (True, False)):
+                for planned in (False, True) if rep % 2 == 0 else (True, False):
                     times[planned].append(run(planned))
         except (UnsupportedProblem, InvalidInput) as exc:
             log.info("replay cost not measured on %s: %s", graph.network, exc)

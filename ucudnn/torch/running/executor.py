@@ -152,16 +152,27 @@ class _Follow(TorchDispatchMode):
 
 
 def _autocast_words(state: tuple) -> str:
-    return ("inside " + ", ".join(f"torch.autocast({d!r}, {str(dtype).removeprefix('torch.')})" for d, dtype in state)
-            if state else "outside torch.autocast")
+    return (
+        "inside " + ", ".join(f"torch.autocast({d!r}, {str(dtype).removeprefix('torch.')})" for d, dtype in state)
+        if state
+        else "outside torch.autocast"
+    )
 
 
 def _remedy(step: CapturedStep) -> str:
     """What to do about a step that is not its plan's captured one."""
-    fake = ("; the plan was captured on fake tensors, on which some models take another path (plan_memory "
-            "with fake=False captures the real step)") if step.fake else ""
-    return ("the model changed since the plan was made (plan again), or its control flow depends on its input's "
-            f"values and took another path (a plan follows one path: run this step without the plan){fake}")
+    fake = (
+        (
+            "; the plan was captured on fake tensors, on which some models take another path (plan_memory "
+            "with fake=False captures the real step)"
+        )
+        if step.fake
+        else ""
+    )
+    return (
+        "the model changed since the plan was made (plan again), or its control flow depends on its input's "
+        f"values and took another path (a plan follows one path: run this step without the plan){fake}"
+    )
 
 
 def _leaves(out: Any) -> list:
@@ -175,8 +186,13 @@ def _leaves(out: Any) -> list:
 
 def _same_outputs(leaves: list, op: Any) -> bool:
     return len(leaves) == len(op.outputs) and all(
-        (t is None if meta is None else isinstance(t, torch.Tensor) and tuple(t.shape) == meta[0] and t.dtype == meta[1])
-        for t, meta in zip(leaves, op.outputs))
+        (
+            t is None
+            if meta is None
+            else isinstance(t, torch.Tensor) and tuple(t.shape) == meta[0] and t.dtype == meta[1]
+        )
+        for t, meta in zip(leaves, op.outputs)
+    )
 
 
 class _Executor(_OffloadHooks, _Recompute):
@@ -187,23 +203,23 @@ class _Executor(_OffloadHooks, _Recompute):
         self.model, self.prep, self.prefetch_ahead = model, prep, prefetch_ahead
         self.stats = ExecutionStats()
         self.step: CapturedStep | None = None
-        self.saved = 0                 # saves packed in the forward pass so far
-        self.position = 0              # the captured op the next followed operation is
-        self.current = 0               # what an offloaded tensor's use is counted against (offload.py)
+        self.saved = 0  # saves packed in the forward pass so far
+        self.position = 0  # the captured op the next followed operation is
+        self.current = 0  # what an offloaded tensor's use is counted against (offload.py)
         self.forward_running = False
-        self.preparing = False         # capturing the model for a plan read back
-        self.diverged = False          # the step was refused: the checks at its end stand down
-        self.quiet = 0                 # inside the executor's own hooks: their operations are not the step's
+        self.preparing = False  # capturing the model for a plan read back
+        self.diverged = False  # the step was refused: the checks at its end stand down
+        self.quiet = 0  # inside the executor's own hooks: their operations are not the step's
         self.mode = _Follow(self)
         # entered and left at the calls where the plan acts (`_enter`, `_leave`), not around the whole step
         self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
-        self.hooked: nn.Module | None = None     # the module whose call pushed the saved-tensor hooks
+        self.hooked: nn.Module | None = None  # the module whose call pushed the saved-tensor hooks
         self.following: nn.Module | None = None  # the module whose call the mode follows
-        self.operators: Any = None               # `through_operators` while it does
-        self.last = -1                           # the last operation it follows
-        self.stopper: Any = None                 # the module hook that stops following after that operation
-        self.calls: dict[str, int] = {}          # per scoped module: its calls in this forward pass
-        self.nodes = 0                           # the autograd sequence number when the forward pass began
+        self.operators: Any = None  # `through_operators` while it does
+        self.last = -1  # the last operation it follows
+        self.stopper: Any = None  # the module hook that stops following after that operation
+        self.calls: dict[str, int] = {}  # per scoped module: its calls in this forward pass
+        self.nodes = 0  # the autograd sequence number when the forward pass began
         self.handles: list[Any] = []
         self.copier: Any = None
         self.buffers: _HostBuffers | None = None
@@ -223,9 +239,11 @@ class _Executor(_OffloadHooks, _Recompute):
             self.preparing = False
         self._check_inputs(args, kwargs)
         if autocast_state() != step.autocast:
-            raise UnsupportedProblem(f"the plan was made {_autocast_words(step.autocast)}, the step runs "
-                                     f"{_autocast_words(autocast_state())}: make the plan as the step runs (plan_memory "
-                                     "inside the same torch.autocast block, or both outside one)")
+            raise UnsupportedProblem(
+                f"the plan was made {_autocast_words(step.autocast)}, the step runs "
+                f"{_autocast_words(autocast_state())}: make the plan as the step runs (plan_memory "
+                "inside the same torch.autocast block, or both outside one)"
+            )
         for conv, budgets in prep.budgets:
             conv._budgets = budgets
         if not prep.acting:
@@ -235,8 +253,10 @@ class _Executor(_OffloadHooks, _Recompute):
         self.saved = self.position = self.current = 0
         if not self.handles and prep.scopes:
             for name, m in prep.scoped:
-                self.handles += [m.register_forward_pre_hook(functools.partial(self._scope_starts, name)),
-                                 m.register_forward_hook(functools.partial(self._scope_ends, name), always_call=True)]
+                self.handles += [
+                    m.register_forward_pre_hook(functools.partial(self._scope_starts, name)),
+                    m.register_forward_hook(functools.partial(self._scope_ends, name), always_call=True),
+                ]
         self.calls = dict.fromkeys(prep.scopes, 0)
         self.forward_running = True
         self.nodes = torch._C._autograd._get_sequence_nr()
@@ -276,10 +296,13 @@ class _Executor(_OffloadHooks, _Recompute):
         self.diverged = True
         i = next((i for i, (a, (b, _)) in enumerate(zip(ran, captured)) if a != b), min(len(ran), len(captured)))
         where = f" (in {captured[i][1]})" if i < len(captured) and captured[i][1] else ""
-        what = (f"made {ran[i] if i < len(ran) else 'no more'} as its autograd node {i} where the captured one made "
-                f"{captured[i][0] if i < len(captured) else 'no more'}{where}")
-        raise UnsupportedProblem(f"the step diverged from the captured one: its forward pass {what}; "
-                                 f"{_remedy(self.step)}")
+        what = (
+            f"made {ran[i] if i < len(ran) else 'no more'} as its autograd node {i} where the captured one made "
+            f"{captured[i][0] if i < len(captured) else 'no more'}{where}"
+        )
+        raise UnsupportedProblem(
+            f"the step diverged from the captured one: its forward pass {what}; {_remedy(self.step)}"
+        )
 
     def _scope_starts(self, name: str, module: nn.Module, args: tuple) -> None:
         self.stats.hook_calls += 1
@@ -338,16 +361,22 @@ class _Executor(_OffloadHooks, _Recompute):
         leaves = input_leaves(self.model, args, kwargs, self.prep.signature_of(self.model))
         given = {path: t for path, t in leaves if isinstance(t, torch.Tensor)}
         if set(given) != set(step.inputs):
-            raise InvalidInput(f"the plan was made for inputs {', '.join(sorted(step.inputs))}, the model was given "
-                               f"{', '.join(sorted(given)) or 'none'}")
+            raise InvalidInput(
+                f"the plan was made for inputs {', '.join(sorted(step.inputs))}, the model was given "
+                f"{', '.join(sorted(given)) or 'none'}"
+            )
         for path, t in given.items():
             _, shape, dtype = step.inputs[path]
             if tuple(t.shape) != shape or t.dtype != dtype:
                 if t.dim() and shape and t.shape[0] != shape[0] and tuple(t.shape[1:]) == shape[1:]:
-                    raise InvalidInput(f"the plan was made for batch {plan.batch}, the input has batch {t.shape[0]}; "
-                                       "make a plan for this batch (plan_memory)")
-                raise InvalidInput(f"the plan was made for input {path} of shape {shape} ({dtype}), the model was "
-                                   f"given {tuple(t.shape)} ({t.dtype}); a plan made for another input size?")
+                    raise InvalidInput(
+                        f"the plan was made for batch {plan.batch}, the input has batch {t.shape[0]}; "
+                        "make a plan for this batch (plan_memory)"
+                    )
+                raise InvalidInput(
+                    f"the plan was made for input {path} of shape {shape} ({dtype}), the model was "
+                    f"given {tuple(t.shape)} ({t.dtype}); a plan made for another input size?"
+                )
 
     # -- saved-tensor hooks ---------------------------------------------------------------------------
     def pack(self, t: torch.Tensor) -> Any:
@@ -401,14 +430,17 @@ class _Executor(_OffloadHooks, _Recompute):
         self.diverged = True
         saves = self.prep.saves
         if k >= len(saves):
-            raise UnsupportedProblem(f"the step diverged from the captured one: its forward pass saved more tensors "
-                                     f"for backward than the captured one ({len(saves)}); {_remedy(self.step)}")
+            raise UnsupportedProblem(
+                f"the step diverged from the captured one: its forward pass saved more tensors "
+                f"for backward than the captured one ({len(saves)}); {_remedy(self.step)}"
+            )
         name, shape, dtype, op, _ = saves[k]
         where = f" in {self.step.ops[op].module}" if self.step.ops[op].module else ""
         raise UnsupportedProblem(
             f"the step diverged from the captured one at operation {op}{where}: it saved a {tuple(t.shape)} "
             f"{t.dtype} tensor{'' if name is None else ' of another storage'} where the captured one saved "
-            f"{tuple(shape)} {dtype}{'' if name is None else f' ({name})'}; {_remedy(self.step)}")
+            f"{tuple(shape)} {dtype}{'' if name is None else f' ({name})'}; {_remedy(self.step)}"
+        )
 
     # -- workspaces ---------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -416,8 +448,11 @@ class _Executor(_OffloadHooks, _Recompute):
         """Each converted conv runs its kernels within the plan's budgets (set at the forward pass's start;
         the same dict object each step, so its routes are kept); as they were afterwards. The workspace its
         handle kept from runs outside a plan is given back: the plan counts none but the budgets'."""
-        convs = self.prep.convs if self.prep.step is not None else [
-            m for m in self.model.modules() if isinstance(m, ConvLayer)]
+        convs = (
+            self.prep.convs
+            if self.prep.step is not None
+            else [m for m in self.model.modules() if isinstance(m, ConvLayer)]
+        )
         saved = [(conv, conv._budgets) for conv in convs]
         for handle in {id(conv.handle): conv.handle for conv in convs}.values():
             handle.release_workspace()
@@ -446,12 +481,13 @@ def execute_plan(model: nn.Module, plan: MemoryPlan, *, prefetch_ahead: int = 1)
     if isinstance(prefetch_ahead, bool) or not isinstance(prefetch_ahead, int) or prefetch_ahead < 0:
         raise InvalidInput(f"prefetch_ahead must be a non-negative integer, got {prefetch_ahead!r}")
     executor = _Executor(model, _prepared(model, plan), prefetch_ahead)
-    handles = [model.register_forward_pre_hook(executor.model_starts, prepend=True, with_kwargs=True),
-               model.register_forward_hook(executor.model_ends, with_kwargs=True, always_call=True)]
+    handles = [
+        model.register_forward_pre_hook(executor.model_starts, prepend=True, with_kwargs=True),
+        model.register_forward_hook(executor.model_ends, with_kwargs=True, always_call=True),
+    ]
     try:
         with executor.workspaces():
             yield executor.stats
     finally:
         for h in handles + executor.handles + ([executor.stopper] if executor.stopper is not None else []):
             h.remove()
-

@@ -206,11 +206,12 @@ class _Offloaded:
 
     __slots__ = ("d2h", "dev", "device", "host", "issued", "key", "name", "ready", "saves", "storage", "use")
 
-    def __init__(self, name: str, key: tuple, host: torch.Tensor, d2h: Any, device: torch.device, use: int,
-                 storage) -> None:
+    def __init__(
+        self, name: str, key: tuple, host: torch.Tensor, d2h: Any, device: torch.device, use: int, storage
+    ) -> None:
         self.name, self.key, self.host, self.d2h, self.device, self.use = name, key, host, d2h, device, use
-        self.storage = storage    # weak reference: the dedup key is valid while the storage lives
-        self.saves = 0            # packed handles not yet unpacked
+        self.storage = storage  # weak reference: the dedup key is valid while the storage lives
+        self.saves = 0  # packed handles not yet unpacked
         self.dev: torch.Tensor | None = None
         self.ready: Any = None
         self.issued = False
@@ -260,9 +261,11 @@ class _OffloadHooks:
     def _fetch(self, saved: _Offloaded) -> torch.Tensor:
         """The device copy of an offloaded tensor, for a backward step that unpacks it."""
         if saved.host is None:  # every save was unpacked once: its host buffer went back to the pool
-            raise UnsupportedProblem(f"the offloaded tensor {saved.name!r} was already used by a backward pass; "
-                                     "under execute_plan run backward once per forward (no retain_graph=True "
-                                     "for a second backward through offloaded tensors)")
+            raise UnsupportedProblem(
+                f"the offloaded tensor {saved.name!r} was already used by a backward pass; "
+                "under execute_plan run backward once per forward (no retain_graph=True "
+                "for a second backward through offloaded tensors)"
+            )
         if not saved.issued:
             self.stats.late_prefetches += 1
             self._prefetch(saved)

@@ -41,8 +41,10 @@ class _Prepared:
         self.signature: inspect.Signature | None = None
         if plan.capture is not None:
             if plan.capture.structure != self.structure:
-                raise InvalidInput(f"plan for {plan.network!r} was captured from another model ("
-                                   f"{type(model).__name__} has other modules); plan this model (plan_memory)")
+                raise InvalidInput(
+                    f"plan for {plan.network!r} was captured from another model ("
+                    f"{type(model).__name__} has other modules); plan this model (plan_memory)"
+                )
             self._adopt(model, plan.capture)
 
     def ready(self, model: nn.Module, args: tuple, kwargs: dict) -> CapturedStep:
@@ -57,20 +59,29 @@ class _Prepared:
             storages = {s: graph.bytes_of(s) for s in graph.storages}
             unknown = sorted(t for t in self.actions if t not in storages and not t.startswith("loss:"))
             if unknown:
-                raise InvalidInput(f"plan for {plan.network!r} names tensor(s) {', '.join(unknown[:5])} that {name} "
-                                   "does not produce; a plan made for another model?")
-            wrong = [(t.name, t.bytes, storages[t.name]) for t in plan.tensors
-                     if t.name in storages and storages[t.name] != t.bytes]
+                raise InvalidInput(
+                    f"plan for {plan.network!r} names tensor(s) {', '.join(unknown[:5])} that {name} "
+                    "does not produce; a plan made for another model?"
+                )
+            wrong = [
+                (t.name, t.bytes, storages[t.name])
+                for t in plan.tensors
+                if t.name in storages and storages[t.name] != t.bytes
+            ]
             if wrong:
                 t, planned, actual = wrong[0]
-                raise InvalidInput(f"plan for {plan.network!r}: tensor {t} has {planned} bytes in the plan but "
-                                   f"{actual} in this step; a plan made for another input size?")
+                raise InvalidInput(
+                    f"plan for {plan.network!r}: tensor {t} has {planned} bytes in the plan but "
+                    f"{actual} in this step; a plan made for another input size?"
+                )
         modules = dict(model.named_modules())
         ops = {op.name: op for op in graph.conv_ops}
         unknown = sorted({c.layer for c in plan.conv_workspace} - set(ops))
         if unknown:
-            raise InvalidInput(f"plan for {plan.network!r} gives workspace to conv layer(s) {', '.join(unknown[:5])} "
-                               f"that {name} does not have; a plan made for another model?")
+            raise InvalidInput(
+                f"plan for {plan.network!r} gives workspace to conv layer(s) {', '.join(unknown[:5])} "
+                f"that {name} does not have; a plan made for another model?"
+            )
         self.budgets: list[tuple[ConvLayer, PlanBudgets]] = []
         by_module: dict[str, dict[str, int]] = {}
         torch_own: dict[str, set[str]] = {}
@@ -87,16 +98,18 @@ class _Prepared:
         self.convs = [m for m in modules.values() if isinstance(m, ConvLayer)]
         self.params = {p.untyped_storage()._cdata for p in model.parameters()}  # passed as they are to a replay
         backward = {r for s in graph.steps if s.phase == "bwd" for r in s.reads}
-        self.acting = any(a in ("offload", "recompute") or (a == "release" and t in backward)
-                          for t, a in self.actions.items())
+        self.acting = any(
+            a in ("offload", "recompute") or (a == "release" and t in backward) for t, a in self.actions.items()
+        )
         self.programs = programs_for(step, self.actions)
         self.programs_at: dict[int, tuple[str, ...]] = {}  # op -> the storages whose programs it is in
         for p in self.programs.values():
             for i in p.ops:
                 self.programs_at[i] = (*self.programs_at.get(i, ()), p.storage)
         self.offloading = "offload" in self.actions.values()
-        self.saves = tuple((name, torch.Size(shape), dtype, op, self._action(name))
-                           for name, shape, dtype, op in step.saves)
+        self.saves = tuple(
+            (name, torch.Size(shape), dtype, op, self._action(name)) for name, shape, dtype, op in step.saves
+        )
         self.unread = step.unread
         # autograd saves these maps: kept (it must), and named in the stats
         self.kept_released = {name for name, *_ in step.saves if self.actions.get(name) == "release"}
@@ -104,8 +117,11 @@ class _Prepared:
         last_reads = [step.last_read[name] for name in offloaded if name in step.last_read]
         self.root, self.scopes = _scopes(step, self.saves, self.programs_at, last_reads)
         self.scoped = [(name, modules[name]) for name in self.scopes]  # hooked in each block
-        stops = [scope.stop for scope in (self.root, *(s for calls in self.scopes.values() for s in calls.values()))
-                 if scope is not None and scope.stop is not None]
+        stops = [
+            scope.stop
+            for scope in (self.root, *(s for calls in self.scopes.values() for s in calls.values()))
+            if scope is not None and scope.stop is not None
+        ]
         self.stops = {name: modules[name] for name in stops}  # hooked while a call is followed
         self.step = step
 
@@ -154,8 +170,9 @@ class _Scope:
     stop: str | None = None
 
 
-def _scopes(step: CapturedStep, saves: tuple, programs_at: dict[int, tuple[str, ...]], last_reads: list[int]
-            ) -> tuple[_Scope | None, dict[str, dict[int, _Scope]]]:
+def _scopes(
+    step: CapturedStep, saves: tuple, programs_at: dict[int, tuple[str, ...]], last_reads: list[int]
+) -> tuple[_Scope | None, dict[str, dict[int, _Scope]]]:
     """Where the executor acts (see `_Scope`): the module calls that save a tensor the plan offloads or drops,
     run an operation a recompute program replays, or read an offloaded map last (its device copy goes once
     the call returns), as {module: {call number: scope}}; and the model's own call, where one of those
@@ -164,7 +181,7 @@ def _scopes(step: CapturedStep, saves: tuple, programs_at: dict[int, tuple[str, 
     for call in step.calls:
         calls.setdefault(call[0], []).append(call)
     wanted: dict[tuple[str, int] | None, bool] = {}  # (module, call number), None for the model's -> follow
-    last: dict[tuple[str, int] | None, int] = {}     # -> the last operation a program replays there
+    last: dict[tuple[str, int] | None, int] = {}  # -> the last operation a program replays there
 
     def want(op: int, follow: bool) -> None:
         module = step.ops[op].module
@@ -214,15 +231,21 @@ _CHILDREN = operator.attrgetter("_modules")
 
 def _same_tree(model: nn.Module, tree: tuple) -> bool:
     root_type, root, modules, types, children = tree
-    return (type(model) is root_type and model._modules == root and list(map(type, modules)) == types
-            and list(map(_CHILDREN, modules)) == children)
+    return (
+        type(model) is root_type
+        and model._modules == root
+        and list(map(type, modules)) == types
+        and list(map(_CHILDREN, modules)) == children
+    )
 
 
 def _example(args: tuple, kwargs: dict) -> Any:
     """A call's arguments as `capture` takes an example."""
     if kwargs and args:
-        raise InvalidInput("a plan without its captured step (read from JSON) is captured at the first call, "
-                           "which must pass its inputs all by position or all by keyword")
+        raise InvalidInput(
+            "a plan without its captured step (read from JSON) is captured at the first call, "
+            "which must pass its inputs all by position or all by keyword"
+        )
     return kwargs if kwargs else args
 
 

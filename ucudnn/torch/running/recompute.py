@@ -115,14 +115,14 @@ class _Rebuilds:
 
     def __init__(self, programs: dict[str, Program], pass_: Any = None) -> None:
         self.programs = programs
-        self.pass_ = pass_                 # the forward pass's offloads (`ucudnn.torch.running.offload._Pass`)
-        self.made: dict[str, int] = {}     # storage -> the key of the storage its producer made in this pass
+        self.pass_ = pass_  # the forward pass's offloads (`ucudnn.torch.running.offload._Pass`)
+        self.made: dict[str, int] = {}  # storage -> the key of the storage its producer made in this pass
         # op -> [func, (args, kwargs), rng, programs yet to replay it]: an op making several dropped storages
         # (a batch-norm's output and statistics) is in several programs, and its sources go after the last
         self.calls: dict[int, list] = {}
         self.handles: dict[str, int] = {}  # storage -> handles not yet unpacked
         self.rebuilt: dict[str, torch.Tensor] = {}
-        self.done: set[str] = set()        # storages rebuilt in this backward pass
+        self.done: set[str] = set()  # storages rebuilt in this backward pass
 
 
 class _Recompute:
@@ -140,8 +140,9 @@ class _Recompute:
         r.handles[name] = r.handles.get(name, 0) + uses
         return _Dropped(r, name, t, at)
 
-    def _record(self, storages: tuple[str, ...], index: int, func: Any, args: tuple, kwargs: dict,
-                random: bool) -> list[_Other]:
+    def _record(
+        self, storages: tuple[str, ...], index: int, func: Any, args: tuple, kwargs: dict, random: bool
+    ) -> list[_Other]:
         """Keep what operation `index`, a producer of `storages`' programs, reads (see the module docstring);
         the non-feature-map arguments, whose versions are taken once the operation has run. Which argument
         is which feature map, the capture says (`CapturedOp.args`)."""
@@ -204,21 +205,26 @@ class _Recompute:
             if isinstance(a, _Source):
                 got = self.unpack(a.saved)
                 if isinstance(a.saved, torch.Tensor) and got._version != a.version:
-                    raise UnsupportedProblem(f"a tensor {program.storage!r} is made from was modified in place after "
-                                             f"it was read in the forward pass, so {program.storage!r} cannot be "
-                                             f"recomputed; keep {program.storage!r} in the plan")
+                    raise UnsupportedProblem(
+                        f"a tensor {program.storage!r} is made from was modified in place after "
+                        f"it was read in the forward pass, so {program.storage!r} cannot be "
+                        f"recomputed; keep {program.storage!r} in the plan"
+                    )
                 return got
             if isinstance(a, _Other):
                 if a.tensor._version != a.version:
-                    raise UnsupportedProblem(f"a parameter or buffer {program.storage!r} is made from changed after "
-                                             f"the forward pass; keep {program.storage!r} in the plan")
+                    raise UnsupportedProblem(
+                        f"a parameter or buffer {program.storage!r} is made from changed after "
+                        f"the forward pass; keep {program.storage!r} in the plan"
+                    )
                 return a.tensor if a.parameter else a.tensor.clone()  # a buffer it updates moves once per step
             return a
 
         if program.storage in r.done:
             raise UnsupportedProblem(
                 f"{program.storage!r} was already recomputed for a backward pass; under execute_plan run backward "
-                "once per forward (no retain_graph=True for a second backward through recomputed tensors)")
+                "once per forward (no retain_graph=True for a second backward through recomputed tensors)"
+            )
         r.done.add(program.storage)
         for index in program.ops:
             call = r.calls[index]
@@ -246,6 +252,7 @@ def _map_args(fn: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """`fn` on each argument of an ATen call and on each element of a list argument, in `tree_leaves`' order
     (which the capture named them in): an operator's arguments nest one list deep at most (``Tensor[]``), so
     a replay's hot path walks no pytree."""
+
     def one(a: Any) -> Any:
         return type(a)(map(fn, a)) if type(a) in (list, tuple) else fn(a)
 
