@@ -1,29 +1,74 @@
-"""Shared pieces of the benchmark scripts: interleaved timing (the package's own) and plain-text tables."""
+"""Shared pieces of the benchmark scripts: interleaved timing (the package's own), a training step, plain-text
+tables and JSON reports.
+
+The scripts live in rooms below this folder (kernels/, cache/, memory/, pytorch/, gpu/) and find this module, and
+models.py, by one line before their imports:
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py, models.py
+"""
 
 from __future__ import annotations
 
+import json
+import statistics
+import time
+from pathlib import Path
+
 from ucudnn.kernel.measure import interleaved_medians_ms, interleaved_samples_ms
 
-__all__ = ["interleaved_medians_ms", "interleaved_samples_ms", "keep_freed_memory", "make_step", "minor_faults",
-           "table"]
+__all__ = [
+    "interleaved_medians_ms",
+    "interleaved_samples_ms",
+    "iqr",
+    "keep_freed_memory",
+    "make_step",
+    "minor_faults",
+    "plan_fields",
+    "table",
+    "timed_ms",
+    "write_json",
+]
 
 
-def make_step(model, x, y, sync, loss=None):
-    """One SGD training step (forward, `loss` (cross-entropy by default), backward, update) of `model` on (x, y),
-    then `sync()`. torch is imported here: the other pieces of this module need only the package."""
+def make_step(model, x, y, sync=None, loss=None, plan=None):
+    """One SGD training step (lr 0.01, momentum 0.9: forward, `loss` (cross-entropy by default), backward, update)
+    of `model` on (x, y), its forward and backward under `execute_plan(model, plan)` where a memory plan is given,
+    then `sync()` where given. torch is imported here: the other pieces of this module need only the package."""
     import torch
     import torch.nn.functional as F
 
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     loss = loss or F.cross_entropy
+    if plan is not None:
+        from ucudnn.torch import execute_plan
 
     def step() -> None:
         optimizer.zero_grad(set_to_none=True)
-        loss(model(x), y).backward()
+        if plan is None:
+            loss(model(x), y).backward()
+        else:
+            with execute_plan(model, plan):
+                loss(model(x), y).backward()
         optimizer.step()
-        sync()
+        if sync is not None:
+            sync()
 
     return step
+
+
+def timed_ms(fn) -> float:
+    """Wall milliseconds of one call of `fn`."""
+    start = time.perf_counter()
+    fn()
+    return (time.perf_counter() - start) * 1e3
+
+
+def iqr(values: list[float]) -> float:
+    """The interquartile range of `values` (0 for fewer than two)."""
+    if len(values) < 2:
+        return 0.0
+    q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return q3 - q1
 
 
 def keep_freed_memory() -> None:
@@ -37,7 +82,7 @@ def keep_freed_memory() -> None:
     import ctypes
 
     libc = ctypes.CDLL("libc.so.6")
-    m_trim_threshold, m_mmap_max = -1, -4          # <malloc.h>
+    m_trim_threshold, m_mmap_max = -1, -4  # <malloc.h>
     if not (libc.mallopt(m_trim_threshold, 2**31 - 1) and libc.mallopt(m_mmap_max, 0)):
         raise RuntimeError("mallopt refused the settings")
 
@@ -52,9 +97,13 @@ def minor_faults() -> int:
 def plan_fields(plan) -> dict:
     """A memory plan's figures in a benchmark's row: its limit, whether it fits, the maps it offloads and
     recomputes, its predicted peak."""
-    return {"memory_limit": plan.memory_limit, "fits": plan.fits,
-            "offloaded": sum(t.action == "offload" for t in plan.tensors),
-            "recomputed": sum(t.action == "recompute" for t in plan.tensors), "predicted_bytes": plan.peak_bytes}
+    return {
+        "memory_limit": plan.memory_limit,
+        "fits": plan.fits,
+        "offloaded": sum(t.action == "offload" for t in plan.tensors),
+        "recomputed": sum(t.action == "recompute" for t in plan.tensors),
+        "predicted_bytes": plan.peak_bytes,
+    }
 
 
 def table(header: list[str], rows: list[list[object]]) -> str:
@@ -67,3 +116,9 @@ def table(header: list[str], rows: list[list[object]]) -> str:
         if j == 0:
             out.append("  ".join("-" * w for w in widths))
     return "\n".join(out)
+
+
+def write_json(path, data, indent: int = 2) -> None:
+    """A script's figures as JSON at `path` (its `--json FILE`); nothing where no path was given."""
+    if path:
+        Path(path).write_text(json.dumps(data, indent=indent) + "\n", encoding="utf-8")

@@ -23,8 +23,19 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-NAMES = ("hf-resnet50", "hf-mobilenet-v2", "hf-convnext", "hf-regnet", "hf-efficientnet", "hf-wav2vec2",
-         "hf-segformer", "diffusers-unet", "diffusers-vae", "monai-unet", "monai-basic-unet-3d")
+NAMES = (
+    "hf-resnet50",
+    "hf-mobilenet-v2",
+    "hf-convnext",
+    "hf-regnet",
+    "hf-efficientnet",
+    "hf-wav2vec2",
+    "hf-segformer",
+    "diffusers-unet",
+    "diffusers-vae",
+    "monai-unet",
+    "monai-basic-unet-3d",
+)
 
 
 class _Denoiser(nn.Module):
@@ -67,13 +78,22 @@ def _model(name: str, size: int) -> tuple[nn.Module, tuple[int, ...], int, bool]
     if name.startswith("diffusers-"):
         import diffusers
 
-        widths = dict(block_out_channels=(32, 64), norm_num_groups=8)
+        widths = {"block_out_channels": (32, 64), "norm_num_groups": 8}
         if name == "diffusers-unet":
-            unet = diffusers.UNet2DModel(sample_size=size, down_block_types=("DownBlock2D", "AttnDownBlock2D"),
-                                         up_block_types=("AttnUpBlock2D", "UpBlock2D"), layers_per_block=1, **widths)
+            unet = diffusers.UNet2DModel(
+                sample_size=size,
+                down_block_types=("DownBlock2D", "AttnDownBlock2D"),
+                up_block_types=("AttnUpBlock2D", "UpBlock2D"),
+                layers_per_block=1,
+                **widths,
+            )
             return _Denoiser(unet), (3, size, size), 0, False
-        vae = diffusers.AutoencoderKL(down_block_types=("DownEncoderBlock2D",) * 2,
-                                      up_block_types=("UpDecoderBlock2D",) * 2, sample_size=size, **widths)
+        vae = diffusers.AutoencoderKL(
+            down_block_types=("DownEncoderBlock2D",) * 2,
+            up_block_types=("UpDecoderBlock2D",) * 2,
+            sample_size=size,
+            **widths,
+        )
         return _Reconstruction(vae), (3, size, size), 0, False
     import transformers
     from monai.networks.nets import BasicUNet, UNet
@@ -86,25 +106,42 @@ def _model(name: str, size: int) -> tuple[nn.Module, tuple[int, ...], int, bool]
         return transformers.RegNetForImageClassification(config), (3, size, size), 10, True
 
     if name == "hf-resnet50":
-        return transformers.ResNetForImageClassification(transformers.ResNetConfig(num_labels=10)), (3, size, size), \
-            10, True
+        return (
+            transformers.ResNetForImageClassification(transformers.ResNetConfig(num_labels=10)),
+            (3, size, size),
+            10,
+            True,
+        )
     if name == "hf-mobilenet-v2":
         config = transformers.MobileNetV2Config(num_labels=10, image_size=size)
         return transformers.MobileNetV2ForImageClassification(config), (3, size, size), 10, True
     if name == "hf-efficientnet":
-        config = transformers.EfficientNetConfig(image_size=size, width_coefficient=0.5, depth_coefficient=0.5,
-                                                 hidden_dim=640, num_labels=10)
+        config = transformers.EfficientNetConfig(
+            image_size=size, width_coefficient=0.5, depth_coefficient=0.5, hidden_dim=640, num_labels=10
+        )
         return transformers.EfficientNetForImageClassification(config), (3, size, size), 10, True
     if name == "hf-segformer":
-        config = transformers.SegformerConfig(num_encoder_blocks=4, depths=[1, 1, 1, 1], hidden_sizes=[16, 32, 64, 128],
-                                              num_attention_heads=[1, 2, 4, 8], decoder_hidden_size=64, num_labels=10)
+        config = transformers.SegformerConfig(
+            num_encoder_blocks=4,
+            depths=[1, 1, 1, 1],
+            hidden_sizes=[16, 32, 64, 128],
+            num_attention_heads=[1, 2, 4, 8],
+            decoder_hidden_size=64,
+            num_labels=10,
+        )
         return _Segmentation(transformers.SegformerForSemanticSegmentation(config)), (3, size, size), 10, False
     if name == "hf-wav2vec2":
         config = transformers.Wav2Vec2Config(num_hidden_layers=2, mask_time_prob=0.0, layerdrop=0.0, num_labels=10)
         return transformers.Wav2Vec2ForSequenceClassification(config), (size * 160,), 10, True
     if name == "monai-unet":
-        model = UNet(spatial_dims=2, in_channels=1, out_channels=2, channels=(16, 32, 64, 128), strides=(2, 2, 2),
-                     num_res_units=2)
+        model = UNet(
+            spatial_dims=2,
+            in_channels=1,
+            out_channels=2,
+            channels=(16, 32, 64, 128),
+            strides=(2, 2, 2),
+            num_res_units=2,
+        )
         return model, (1, size, size), 2, False
     if name == "monai-basic-unet-3d":
         return BasicUNet(spatial_dims=3, in_channels=1, out_channels=2), (1, size, size, size), 2, False

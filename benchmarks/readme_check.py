@@ -57,8 +57,8 @@ optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
 @dataclass(frozen=True)
 class Block:
     language: str  # "bash" or "python"
-    tag: str       # one of TAGS, or "" (quick, always run)
-    line: int      # README line of the opening fence
+    tag: str  # one of TAGS, or "" (quick, always run)
+    line: int  # README line of the opening fence
     text: str
     section: str = ""  # the `## ` heading it is under
 
@@ -84,7 +84,7 @@ def blocks(readme: Path = README) -> list[Block]:
         if tag and tag not in TAGS:
             raise ValueError(f"README.md line {i}: unknown readme-check tag {tag!r}; known: {', '.join(TAGS)}")
         if match.group(1) in ("bash", "python"):
-            found.append(Block(match.group(1), tag, i + 1, "\n".join(lines[i + 1:end]), section))
+            found.append(Block(match.group(1), tag, i + 1, "\n".join(lines[i + 1 : end]), section))
         i = end + 1
     return found
 
@@ -100,17 +100,21 @@ class Result:
 
 def has_gpu() -> bool:
     try:
-        return bool(subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout.strip())
+        return bool(
+            subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30, check=False).stdout.strip()
+        )
     except (OSError, subprocess.SubprocessError):
         return False
 
 
 def has_torchvision(python: str) -> bool:
-    return subprocess.run([python, "-c", "import torchvision"], capture_output=True).returncode == 0
+    return subprocess.run([python, "-c", "import torchvision"], capture_output=True, check=False).returncode == 0
 
 
 def has_models(python: str) -> bool:
-    return subprocess.run([python, "-c", "import transformers, monai"], capture_output=True).returncode == 0
+    return (
+        subprocess.run([python, "-c", "import transformers, monai"], capture_output=True, check=False).returncode == 0
+    )
 
 
 def wanted(block: Block, only: str, fresh_clone: bool, python: str) -> str | None:
@@ -134,8 +138,16 @@ def run_bash(block: Block, cwd: Path, env: dict[str, str], timeout_s: float) -> 
     for command in block.commands():
         start = time.perf_counter()
         try:
-            proc = subprocess.run(["bash", "-c", command], cwd=cwd, env=env, stdout=subprocess.PIPE,
-                                  stderr=subprocess.STDOUT, text=True, timeout=timeout_s)
+            proc = subprocess.run(
+                ["bash", "-c", command],
+                cwd=cwd,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                timeout=timeout_s,
+                check=False,
+            )
             code, tail = proc.returncode, proc.stdout[-4000:]
         except subprocess.TimeoutExpired:
             code, tail = 124, f"timed out after {timeout_s:.0f} s"
@@ -151,19 +163,22 @@ def run_python(chosen: list[Block], cwd: Path, env: dict[str, str], python: str,
         return []
     # a `models` block builds its own model and batch: it runs in a copy of the names, so that the blocks after it
     # still find the reader's (PRELUDE's)
-    driver = ("import json, sys, time, traceback\nns = {'__name__': '__main__'}\nexec(PRELUDE, ns)\n"
-              "for line, text, alone in BLOCKS:\n"
-              "    start = time.perf_counter()\n"
-              "    try:\n        exec(compile(text, f'README.md:{line}', 'exec'), dict(ns) if alone else ns)\n"
-              "        code, tail = 0, ''\n"
-              "    except BaseException:\n        code, tail = 1, traceback.format_exc()[-2000:]\n"
-              "    print('@@' + json.dumps([line, time.perf_counter() - start, code, tail]), flush=True)\n"
-              "    if code:\n        break\n")
+    driver = (
+        "import json, sys, time, traceback\nns = {'__name__': '__main__'}\nexec(PRELUDE, ns)\n"
+        "for line, text, alone in BLOCKS:\n"
+        "    start = time.perf_counter()\n"
+        "    try:\n        exec(compile(text, f'README.md:{line}', 'exec'), dict(ns) if alone else ns)\n"
+        "        code, tail = 0, ''\n"
+        "    except BaseException:\n        code, tail = 1, traceback.format_exc()[-2000:]\n"
+        "    print('@@' + json.dumps([line, time.perf_counter() - start, code, tail]), flush=True)\n"
+        "    if code:\n        break\n"
+    )
     script = f"PRELUDE = {PRELUDE!r}\nBLOCKS = {[(b.line, b.text, b.tag == 'models') for b in chosen]!r}\n{driver}"
     start = time.perf_counter()
     try:
-        proc = subprocess.run([python, "-c", script], cwd=cwd, env=env, capture_output=True, text=True,
-                              timeout=timeout_s)
+        proc = subprocess.run(
+            [python, "-c", script], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout_s, check=False
+        )
     except subprocess.TimeoutExpired:
         return [Result("python blocks", chosen[0].line, time.perf_counter() - start, 124, "timed out")]
     results = []
@@ -172,13 +187,15 @@ def run_python(chosen: list[Block], cwd: Path, env: dict[str, str], python: str,
             line, seconds, code, tail = json.loads(out_line[2:])
             results.append(Result(f"python block at README.md:{line}", line, seconds, code, tail))
     if proc.returncode and not any(r.code for r in results):
-        results.append(Result("python blocks", chosen[0].line, time.perf_counter() - start, proc.returncode,
-                              proc.stderr[-2000:]))
+        results.append(
+            Result("python blocks", chosen[0].line, time.perf_counter() - start, proc.returncode, proc.stderr[-2000:])
+        )
     return results
 
 
-def check(*, only: str = "all", fresh_clone: bool = False, timeout_s: float = 1800.0,
-          readme: Path = README) -> tuple[list[Result], list[tuple[Block, str]]]:
+def check(
+    *, only: str = "all", fresh_clone: bool = False, timeout_s: float = 1800.0, readme: Path = README
+) -> tuple[list[Result], list[tuple[Block, str]]]:
     """Run what the README shows; returns the results (in order) and the blocks left out, with why."""
     scratch = Path(tempfile.mkdtemp(prefix="ucudnn-readme-"))
     try:
@@ -221,8 +238,11 @@ def check(*, only: str = "all", fresh_clone: bool = False, timeout_s: float = 18
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--fresh-clone", action="store_true",
-                        help="clone this checkout into a scratch folder and run the set-up block there first")
+    parser.add_argument(
+        "--fresh-clone",
+        action="store_true",
+        help="clone this checkout into a scratch folder and run the set-up block there first",
+    )
     parser.add_argument("--only", choices=("fast", "all"), default="all")
     parser.add_argument("--json", dest="json_path", help="also write the results to this file")
     args = parser.parse_args(argv)
@@ -236,9 +256,15 @@ def main(argv: list[str] | None = None) -> int:
     for r in failed:
         print(f"\nfailed: {r.what} (README.md:{r.line}), exit {r.code}:\n{r.tail}", file=sys.stderr)
     if args.json_path:
-        Path(args.json_path).write_text(json.dumps({
-            "results": [r.__dict__ for r in results],
-            "left_out": [{"line": b.line, "language": b.language, "why": why} for b, why in left_out]}, indent=2))
+        Path(args.json_path).write_text(
+            json.dumps(
+                {
+                    "results": [r.__dict__ for r in results],
+                    "left_out": [{"line": b.line, "language": b.language, "why": why} for b, why in left_out],
+                },
+                indent=2,
+            )
+        )
     return 1 if failed else 0
 
 

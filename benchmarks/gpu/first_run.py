@@ -51,18 +51,38 @@ STEP_REPS = 10
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("out_dir", nargs="?", type=Path, default=Path("gpu-first-run"),
-                        help="folder for first_run.log, first_run.json and the measurement cache")
+    parser.add_argument(
+        "out_dir",
+        nargs="?",
+        type=Path,
+        default=Path("gpu-first-run"),
+        help="folder for first_run.log, first_run.json and the measurement cache",
+    )
     parser.add_argument("--quick", action="store_true", help="a small model at batch 8 for the training steps")
-    parser.add_argument("--budget", type=float, default=540.0,
-                        help="seconds the whole run may take (default 540: a lent GPU's command runs 600 at most)")
-    parser.add_argument("--only", type=lambda text: text.split(","), default=None, metavar="PART,...",
-                        help=f"run these parts only ({','.join(LIMITS_S)})")
-    parser.add_argument("--channels-last", action="store_true",
-                        help="the training steps' models and inputs channels-last (the layout Inductor's layout "
-                             "optimization gives plain PyTorch's compiled convolutions; cuDNN's NHWC engines)")
-    parser.add_argument("--part", choices=("convert", "compiled", "planned"),
-                        help="run one training step's part here and print its figures as JSON")
+    parser.add_argument(
+        "--budget",
+        type=float,
+        default=540.0,
+        help="seconds the whole run may take (default 540: a lent GPU's command runs 600 at most)",
+    )
+    parser.add_argument(
+        "--only",
+        type=lambda text: text.split(","),
+        default=None,
+        metavar="PART,...",
+        help=f"run these parts only ({','.join(LIMITS_S)})",
+    )
+    parser.add_argument(
+        "--channels-last",
+        action="store_true",
+        help="the training steps' models and inputs channels-last (the layout Inductor's layout "
+        "optimization gives plain PyTorch's compiled convolutions; cuDNN's NHWC engines)",
+    )
+    parser.add_argument(
+        "--part",
+        choices=("convert", "compiled", "planned"),
+        help="run one training step's part here and print its figures as JSON",
+    )
     parser.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # cpu: the tests' smoke run
     return parser.parse_args(argv)
 
@@ -95,7 +115,7 @@ def selftest_summary(stdout: str) -> tuple[bool, str, dict]:
 def pytest_summary(stdout: str) -> tuple[bool, str, dict]:
     """pytest's closing counts ("3 passed, 1 failed, 2 skipped in 4.1s") and the failing tests' ids."""
     counts = {word: int(n) for n, word in re.findall(r"(\d+) (passed|failed|skipped|errors?|deselected)", stdout)}
-    failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", stdout, flags=re.M)
+    failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", stdout, flags=re.MULTILINE)
     text = ", ".join(f"{n} {word}" for word, n in counts.items() if word != "deselected") or "no summary line"
     if failed:
         text += ": " + " ".join(failed)
@@ -114,13 +134,17 @@ def step_summary(stdout: str) -> tuple[bool, str, dict]:
     if "skipped" in figure:
         return False, f"skipped: {figure['skipped']}", figure
     layout = " channels-last" if figure.get("channels_last") else ""
-    text = (f"{figure['model']}{layout} b{figure['batch']}: {figure['ms']:.1f} ms vs plain {figure['plain_ms']:.1f} ms "
-            f"({figure['ms'] / figure['plain_ms']:.2f}x), peak {figure['peak_mib']:.0f} vs {figure['plain_peak_mib']:.0f} MiB")
+    text = (
+        f"{figure['model']}{layout} b{figure['batch']}: {figure['ms']:.1f} ms vs plain {figure['plain_ms']:.1f} ms "
+        f"({figure['ms'] / figure['plain_ms']:.2f}x), peak {figure['peak_mib']:.0f} vs {figure['plain_peak_mib']:.0f} MiB"
+    )
     if "first_step_s" in figure:
         text += f", first step {figure['first_step_s']:.1f} s"
     if "predicted_peak_mib" in figure:
-        text += (f", predicted {figure['predicted_peak_mib']:.0f} MiB (x{figure['peak_mib'] / figure['predicted_peak_mib']:.2f}), "
-                 f"{figure['offloaded']} offloaded, {figure['recomputed']} recomputed")
+        text += (
+            f", predicted {figure['predicted_peak_mib']:.0f} MiB (x{figure['peak_mib'] / figure['predicted_peak_mib']:.2f}), "
+            f"{figure['offloaded']} offloaded, {figure['recomputed']} recomputed"
+        )
     ok = figure["loss_diff"] <= figure["loss_tolerance"]
     return ok, text + ("" if ok else f", LOSS DIFFERS by {figure['loss_diff']:.2e}"), figure
 
@@ -157,8 +181,16 @@ def _peak_mib(step, device: str) -> float:
     return torch.cuda.max_memory_allocated() / MIB
 
 
-def training_step(part: str, name: str, batch: int, size: int, device: str, db: str, reps: int = STEP_REPS,
-                  channels_last: bool = False) -> dict:
+def training_step(
+    part: str,
+    name: str,
+    batch: int,
+    size: int,
+    device: str,
+    db: str,
+    reps: int = STEP_REPS,
+    channels_last: bool = False,
+) -> dict:
     """One part's figures: `part` is "convert" (the model converted) or "planned" (a memory plan)."""
     import copy
 
@@ -167,6 +199,7 @@ def training_step(part: str, name: str, batch: int, size: int, device: str, db: 
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
         import models
+
         model, x, target = models.build(name, batch, size)
     except ImportError as exc:
         return {"skipped": f"{name} needs the models extra ({exc})"}
@@ -190,8 +223,9 @@ def training_step(part: str, name: str, batch: int, size: int, device: str, db: 
     if part == "compiled":
         return _compiled_steps(plain, figure, x, target, device, db, reps)
     if part == "convert":
-        ours = convert(copy.deepcopy(plain), backend="cudnn" if device == "cuda" else "cpu", workspace_limit=64 * MIB,
-                       db=db)
+        ours = convert(
+            copy.deepcopy(plain), backend="cudnn" if device == "cuda" else "cpu", workspace_limit=64 * MIB, db=db
+        )
         start = time.perf_counter()
         step_of(ours)()
         if device == "cuda":
@@ -223,10 +257,15 @@ def training_step(part: str, name: str, batch: int, size: int, device: str, db: 
     torch.manual_seed(0)
     loss_diff = abs(float(contender().detach()) - reference_loss)
     times = _timed_steps({"plain": baseline, "ours": contender}, device, reps)
-    figure.update(ms=times["ours"], plain_ms=times["plain"], peak_mib=_peak_mib(contender, device),
-                  plain_peak_mib=_peak_mib(baseline, device), loss_diff=loss_diff,
-                  # TF32 convolutions and another algorithm order: a loss of ~7 differs in its 3rd digit at most
-                  loss_tolerance=1e-2 * max(1.0, abs(reference_loss)))
+    figure.update(
+        ms=times["ours"],
+        plain_ms=times["plain"],
+        peak_mib=_peak_mib(contender, device),
+        plain_peak_mib=_peak_mib(baseline, device),
+        loss_diff=loss_diff,
+        # TF32 convolutions and another algorithm order: a loss of ~7 differs in its 3rd digit at most
+        loss_tolerance=1e-2 * max(1.0, abs(reference_loss)),
+    )
     if part == "planned":
         figure.update(offloaded=stats[-1].offloaded, recomputed=stats[-1].recomputed)
     return figure
@@ -243,11 +282,13 @@ def _compiled_steps(plain, figure: dict, x, target, device: str, db: str, reps: 
 
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import models
+
     from ucudnn.torch import convert
 
     options = {"mode": "reduce-overhead"} if device == "cuda" else {"backend": "aot_eager"}
-    ours = convert(copy.deepcopy(plain), backend="cudnn" if device == "cuda" else "cpu", workspace_limit=64 * MIB,
-                   db=db)
+    ours = convert(
+        copy.deepcopy(plain), backend="cudnn" if device == "cuda" else "cpu", workspace_limit=64 * MIB, db=db
+    )
     steps, peaks, losses = {}, {}, {}
     for name, net in (("ours", ours), ("plain", plain)):
         compiled = torch.compile(net, **options)
@@ -272,10 +313,16 @@ def _compiled_steps(plain, figure: dict, x, target, device: str, db: str, reps: 
             peaks[name] = (torch.cuda.max_memory_allocated() - before) / MIB
         steps[name] = step
     times = _timed_steps({"plain": steps["plain"], "ours": steps["ours"]}, device, reps)
-    figure.update(ms=times["ours"], plain_ms=times["plain"], first_step_s=figure["ours_first_step_s"],
-                  peak_mib=peaks.get("ours", float("nan")), plain_peak_mib=peaks.get("plain", float("nan")),
-                  loss_diff=abs(losses["ours"] - losses["plain"]), loss_tolerance=1e-2 * max(1.0, abs(losses["plain"])),
-                  compile=options)
+    figure.update(
+        ms=times["ours"],
+        plain_ms=times["plain"],
+        first_step_s=figure["ours_first_step_s"],
+        peak_mib=peaks.get("ours", float("nan")),
+        plain_peak_mib=peaks.get("plain", float("nan")),
+        loss_diff=abs(losses["ours"] - losses["plain"]),
+        loss_tolerance=1e-2 * max(1.0, abs(losses["plain"])),
+        compile=options,
+    )
     return figure
 
 
@@ -290,14 +337,52 @@ class _nothing:
 # ---- the parts, each a child process --------------------------------------------------------------
 def parts(args: argparse.Namespace) -> list[tuple[str, list[str], object]]:
     python, db = sys.executable, f"sqlite:///{(args.out_dir / 'cache.db').resolve()}"
-    step = [python, str(Path(__file__).resolve()), str(args.out_dir)] + (["--quick"] if args.quick else []) \
+    step = (
+        [python, str(Path(__file__).resolve()), str(args.out_dir)]
+        + (["--quick"] if args.quick else [])
         + (["--channels-last"] if args.channels_last else [])
+    )
     return [
         ("selftest", [python, "-m", "ucudnn.cli.main", "selftest", "--backend", "cudnn", "--json"], selftest_summary),
-        ("pytest", [python, "-m", "pytest", "-m", "gpu", "-o", "addopts=", "-q", "-rfE", "-p", "no:cacheprovider",
-                    str(ROOT / "tests")], pytest_summary),
-        ("bench", [python, "-m", "ucudnn.cli.main", "bench", "--network", "alexnet", "--batch", "256", "--workspace",
-                   "64MiB", "--backend", "cudnn", "--json", "--db", db], bench_summary),
+        (
+            "pytest",
+            [
+                python,
+                "-m",
+                "pytest",
+                "-m",
+                "gpu",
+                "-o",
+                "addopts=",
+                "-q",
+                "-rfE",
+                "-p",
+                "no:cacheprovider",
+                str(ROOT / "tests"),
+            ],
+            pytest_summary,
+        ),
+        (
+            "bench",
+            [
+                python,
+                "-m",
+                "ucudnn.cli.main",
+                "bench",
+                "--network",
+                "alexnet",
+                "--batch",
+                "256",
+                "--workspace",
+                "64MiB",
+                "--backend",
+                "cudnn",
+                "--json",
+                "--db",
+                db,
+            ],
+            bench_summary,
+        ),
         ("convert", step + ["--part", "convert"], step_summary),
         ("compiled", step + ["--part", "compiled"], step_summary),  # after convert: its kernels are measured
         ("planned", step + ["--part", "planned"], step_summary),
@@ -323,14 +408,17 @@ def run_parts(args: argparse.Namespace) -> int:
                 json_path.write_text(json.dumps(figures, indent=2, default=str))
                 continue
             try:
-                done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True,
-                                      timeout=min(LIMITS_S[name], left))
+                done = subprocess.run(
+                    command, cwd=ROOT, capture_output=True, text=True, timeout=min(LIMITS_S[name], left), check=False
+                )
                 stdout, stderr, code = done.stdout, done.stderr, done.returncode
             except subprocess.TimeoutExpired as exc:
                 stdout, stderr, code = _text(exc.stdout), _text(exc.stderr), None
             seconds = time.perf_counter() - start
-            log.write(f"==== {name}: {' '.join(command)}\n---- exit {code}, {seconds:.0f} s\n{stdout}\n---- stderr\n"
-                      f"{stderr}\n")
+            log.write(
+                f"==== {name}: {' '.join(command)}\n---- exit {code}, {seconds:.0f} s\n{stdout}\n---- stderr\n"
+                f"{stderr}\n"
+            )
             log.flush()
             try:
                 ok, text, figure = summarise(stdout) if code is not None else (False, "timed out", {})
@@ -359,14 +447,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.part:  # a child: one training step's figures as the last line of its output
         name, batch, size = ("hf-mobilenet-v2", 8, 224) if args.quick else ("hf-resnet50", 64, 224)
         db = f"sqlite:///{(args.out_dir / 'cache.db').resolve()}"
-        print(json.dumps(training_step(args.part, name, batch, size, args.device, db,
-                                       channels_last=args.channels_last)))
+        print(
+            json.dumps(training_step(args.part, name, batch, size, args.device, db, channels_last=args.channels_last))
+        )
         return 0
     try:
         import ucudnn.solver  # noqa: F401 -- the installed mapping, not the source folder alone
     except ImportError:
-        print("first_run: ucudnn is not installed; from the repository root: pip install --no-deps -e .",
-              file=sys.stderr)
+        print(
+            "first_run: ucudnn is not installed; from the repository root: pip install --no-deps -e .", file=sys.stderr
+        )
         return 2
     why = missing_gpu()
     if why is not None:

@@ -54,8 +54,10 @@ def main() -> None:
                 build()
             samples[name].append((time.perf_counter() - start) / args.calls * 1e6)
     base = statistics.median(samples["map-ptr"])
-    print(f"cudnn-frontend {cudnn.__version__}, torch {torch.__version__}, {args.rounds} rounds of {args.calls} "
-          "packs (3 operands)")
+    print(
+        f"cudnn-frontend {cudnn.__version__}, torch {torch.__version__}, {args.rounds} rounds of {args.calls} "
+        "packs (3 operands)"
+    )
     for name, values in samples.items():
         median = statistics.median(values)
         print(f"{name:<11} {median:6.2f} us per pack (min {min(values):.2f})  x map-ptr {median / base:.2f}")

@@ -53,30 +53,45 @@ def deepbench_forward_kernels(dtype: str, factor: int = 4, limit: int | None = N
     from ucudnn.network.zoo import layers
 
     chosen = layers("deepbench")[:limit]
-    return [(layer.name, dataclasses.replace(layer.problem, n=layer.problem.n * factor, kind="fwd", dtype=dtype))
-            for layer in chosen]
+    return [
+        (layer.name, dataclasses.replace(layer.problem, n=layer.problem.n * factor, kind="fwd", dtype=dtype))
+        for layer in chosen
+    ]
 
 
 def speedup_summary(speedups: Sequence[float]) -> dict:
     """Mean and max of the finite speedups (a kernel with no undivided baseline has none)."""
     finite = [s for s in speedups if math.isfinite(s)]
-    return {"kernels": len(speedups), "with_baseline": len(finite),
-            "mean_speedup": round(statistics.fmean(finite), 3) if finite else None,
-            "max_speedup": round(max(finite), 3) if finite else None}
+    return {
+        "kernels": len(speedups),
+        "with_baseline": len(finite),
+        "mean_speedup": round(statistics.fmean(finite), 3) if finite else None,
+        "max_speedup": round(max(finite), 3) if finite else None,
+    }
 
 
 def prediction_figure(predicted_ms: float, executed_ms: float) -> dict:
     """Predicted vs executed back to back, and whether it meets the 5% goal."""
     ratio = executed_ms / predicted_ms if predicted_ms > 0 else math.inf
-    return {"predicted_ms": round(predicted_ms, 3), "executed_back_to_back_ms": round(executed_ms, 3),
-            "executed_over_predicted": round(ratio, 4), "within_5_percent": abs(ratio - 1) <= PREDICTION_GOAL}
+    return {
+        "predicted_ms": round(predicted_ms, 3),
+        "executed_back_to_back_ms": round(executed_ms, 3),
+        "executed_over_predicted": round(ratio, 4),
+        "within_5_percent": abs(ratio - 1) <= PREDICTION_GOAL,
+    }
 
 
 def selftest_figure(report) -> dict:
     excluded = [f"{c.kind} {c.algo} on {c.problem}: {c.reason}" for c in report.checks if c.status == "excluded"]
-    return {"passed": report.passed, "checks": len(report.checks), "pass": report.count("pass"),
-            "fail": report.count("fail"), "skip": report.count("skip"), "excluded": excluded,
-            "seconds": round(report.seconds, 1)}
+    return {
+        "passed": report.passed,
+        "checks": len(report.checks),
+        "pass": report.count("pass"),
+        "fail": report.count("fail"),
+        "skip": report.count("skip"),
+        "excluded": excluded,
+        "seconds": round(report.seconds, 1),
+    }
 
 
 # ---- GPU parts ---------------------------------------------------------------------------------------
@@ -150,10 +165,11 @@ def resnet50_convert_step() -> dict:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    from ucudnn.backends.cudnn import CudnnBackend
     from ucudnn.db import Cache
-    from ucudnn.network.zoo import kernels as network_kernels
+
+    from ucudnn.backends.cudnn import CudnnBackend
     from ucudnn.kernel.selftest import run_selftest
+    from ucudnn.network.zoo import kernels as network_kernels
 
     backend = CudnnBackend()
     cache = Cache(args.db)
@@ -167,20 +183,39 @@ def main(argv: Sequence[str] | None = None) -> int:
     record("selftest", selftest_figure(run_selftest(backend)))
     limit = 8 if args.quick else None
     for dtype in ("float16", "float32"):
-        report = bench(backend, deepbench_forward_kernels(dtype, limit=limit), args.out_dir, f"deepbench_fwd_{dtype}",
-                       cache=cache, reps=args.reps, workspace_limit=64 * MIB)
+        report = bench(
+            backend,
+            deepbench_forward_kernels(dtype, limit=limit),
+            args.out_dir,
+            f"deepbench_fwd_{dtype}",
+            cache=cache,
+            reps=args.reps,
+            workspace_limit=64 * MIB,
+        )
         record(f"deepbench_fwd_{dtype}", speedup_summary([k.speedup for k in report.kernels]))
     alexnet = network_kernels("alexnet", 256)
     for mib in ALEXNET_LIMITS_MIB:
-        report = bench(backend, alexnet, args.out_dir, f"alexnet_b256_wr_{mib}MiB", cache=cache, reps=args.reps,
-                       workspace_limit=mib * MIB)
-        record(f"alexnet_b256_wr_{mib}MiB", {"speedup": round(report.baseline_ms / report.time_ms, 3),
-                                             **execute_report(backend, report)})
+        report = bench(
+            backend,
+            alexnet,
+            args.out_dir,
+            f"alexnet_b256_wr_{mib}MiB",
+            cache=cache,
+            reps=args.reps,
+            workspace_limit=mib * MIB,
+        )
+        record(
+            f"alexnet_b256_wr_{mib}MiB",
+            {"speedup": round(report.baseline_ms / report.time_ms, 3), **execute_report(backend, report)},
+        )
     resnet = network_kernels("resnet50", 64)
-    report = bench(backend, resnet, args.out_dir, "resnet50_b64_wd_256MiB", cache=cache, reps=args.reps,
-                   total_workspace=256 * MIB)
-    record("resnet50_b64_wd_256MiB", {"speedup": round(report.baseline_ms / report.time_ms, 3),
-                                      **execute_report(backend, report)})
+    report = bench(
+        backend, resnet, args.out_dir, "resnet50_b64_wd_256MiB", cache=cache, reps=args.reps, total_workspace=256 * MIB
+    )
+    record(
+        "resnet50_b64_wd_256MiB",
+        {"speedup": round(report.baseline_ms / report.time_ms, 3), **execute_report(backend, report)},
+    )
     record("resnet50_convert_step", resnet50_convert_step())
     cache.close()
     return 0

@@ -16,7 +16,7 @@ order swapped every round, and the medians are compared: the ratios are what a u
 side by side. Each plan's step is also counted by `ucudnn.torch.StepTracker` (live tensor storages
 and the handles' workspaces, exact) and set beside the plan's prediction.
 
-    python benchmarks/bench_model_step.py [--models resnet18,resnet50,vgg16,densenet] [--batch 8]
+    python benchmarks/pytorch/bench_model_step.py [--models resnet18,resnet50,vgg16,densenet] [--batch 8]
         [--size 64] [--reps 7] [--policies checkpoint,optimal,vdnn-all] [--db URL] [--json FILE]
 """
 
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import sys
 import time
 from pathlib import Path
@@ -32,30 +31,15 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import interleaved_medians_ms, table  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py, models.py
+from common import interleaved_medians_ms, make_step, table, write_json
 
-from ucudnn.handle import SEGMENT_ALIGN_BYTES  # noqa: E402
-from ucudnn.sizes import format_size, parse_size  # noqa: E402
-from ucudnn.torch import Conv2d, StepTracker, convert, execute_plan, plan_memory, zoo  # noqa: E402
-from ucudnn.torch.converting.conv import TRIAL_STEPS  # noqa: E402
+from ucudnn.handle import SEGMENT_ALIGN_BYTES
+from ucudnn.sizes import format_size, parse_size
+from ucudnn.torch import Conv2d, StepTracker, convert, execute_plan, plan_memory, zoo
+from ucudnn.torch.converting.conv import TRIAL_STEPS
 
 MIB = 2**20
-
-
-def step_fn(model, x, y, plan=None):
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-
-    def step() -> None:
-        optimizer.zero_grad(set_to_none=True)
-        if plan is None:
-            F.cross_entropy(model(x), y).backward()
-        else:
-            with execute_plan(model, plan):
-                F.cross_entropy(model(x), y).backward()
-        optimizer.step()
-
-    return step
 
 
 def counted_peak(model, x, y, plan=None) -> int:
@@ -83,18 +67,18 @@ def bench(name: str, args) -> list[dict]:
     y = torch.randint(0, 10, (args.batch,), generator=g)
     options = {"backend": "cpu", "db": args.db}
     models = {"torch": reference}
-    steps = {"torch": step_fn(reference, x, y)}
-    log = lambda msg: print(f"[{name}] {msg}", file=sys.stderr, flush=True)  # noqa: E731
+    steps = {"torch": make_step(reference, x, y)}
+    log = lambda msg: print(f"[{name}] {msg}", file=sys.stderr, flush=True)
 
     start = time.perf_counter()
     models["WR"] = convert(copy.deepcopy(reference), workspace_limit=64 * MIB, **options)
-    steps["WR"] = step_fn(models["WR"], x, y)
+    steps["WR"] = make_step(models["WR"], x, y)
     steps["WR"]()
     log(f"WR planned in {time.perf_counter() - start:.1f} s")
     wr_handle = next(m.handle for m in models["WR"].modules() if isinstance(m, Conv2d))
     total = sum(c.config.workspace + SEGMENT_ALIGN_BYTES for c in wr_handle.choices())
     models["WD"] = convert(copy.deepcopy(reference), total_workspace=total, **options)
-    steps["WD"] = step_fn(models["WD"], x, y)
+    steps["WD"] = make_step(models["WD"], x, y)
     steps["WD"](), steps["WD"]()
 
     steps["torch"]()  # momentum exists from here on, as it will in every counted step
@@ -110,7 +94,7 @@ def bench(name: str, args) -> list[dict]:
         key = f"plan:{policy}"
         plans[key] = plan
         models[key] = planned
-        steps[key] = step_fn(planned, x, y, plan)
+        steps[key] = make_step(planned, x, y, plan=plan)
         steps[key](), steps[key]()
         log(f"{policy}: planned in {time.perf_counter() - start:.1f} s, fits {plan.fits}, {plan.search or ''}")
 
@@ -120,12 +104,22 @@ def bench(name: str, args) -> list[dict]:
     rows = []
     for key in steps:
         plan = plans.get(key)
-        rows.append({"model": name, "batch": args.batch, "size": args.size, "contender": key,
-                     "ms": round(med[key], 2), "ratio": round(med[key] / med["torch"], 3),
-                     "counted_peak_bytes": peaks.get(key), "predicted_peak_bytes": plan.peak_bytes if plan else None,
-                     "predicted_step_ms": round(plan.step_ms, 2) if plan else None,
-                     "offloaded": sum(t.action == "offload" for t in plan.tensors) if plan else None,
-                     "fits": plan.fits if plan else None, "memory_limit": limit if plan else None})
+        rows.append(
+            {
+                "model": name,
+                "batch": args.batch,
+                "size": args.size,
+                "contender": key,
+                "ms": round(med[key], 2),
+                "ratio": round(med[key] / med["torch"], 3),
+                "counted_peak_bytes": peaks.get(key),
+                "predicted_peak_bytes": plan.peak_bytes if plan else None,
+                "predicted_step_ms": round(plan.step_ms, 2) if plan else None,
+                "offloaded": sum(t.action == "offload" for t in plan.tensors) if plan else None,
+                "fits": plan.fits if plan else None,
+                "memory_limit": limit if plan else None,
+            }
+        )
     return rows
 
 
@@ -135,8 +129,9 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--size", type=int, default=64)
     ap.add_argument("--reps", type=int, default=7, help="timed steps per contender, interleaved")
-    ap.add_argument("--warmup", type=int, default=TRIAL_STEPS,
-                    help="untimed rounds (default: as many as the in-step trials take)")
+    ap.add_argument(
+        "--warmup", type=int, default=TRIAL_STEPS, help="untimed rounds (default: as many as the in-step trials take)"
+    )
     ap.add_argument("--policies", default="checkpoint,optimal,vdnn-all")
     ap.add_argument("--memory-limit", help="the plans' limit (default: half of plain training's counted peak)")
     ap.add_argument("--db", default=None, help="measurement cache (default: the user's; sqlite:// for a fresh one)")
@@ -147,12 +142,25 @@ def main(argv=None) -> int:
     def mib(b):
         return "-" if b is None else format_size(b)
 
-    print(table(["model", "contender", "ms/step", "vs torch", "peak (counted)", "predicted", "offloads", "fits"],
-                [[r["model"], r["contender"], f"{r['ms']:.1f}", f"{r['ratio']:.3f}", mib(r["counted_peak_bytes"]),
-                  mib(r["predicted_peak_bytes"]), "-" if r["offloaded"] is None else r["offloaded"],
-                  "-" if r["fits"] is None else r["fits"]] for r in rows]))
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=2))
+    print(
+        table(
+            ["model", "contender", "ms/step", "vs torch", "peak (counted)", "predicted", "offloads", "fits"],
+            [
+                [
+                    r["model"],
+                    r["contender"],
+                    f"{r['ms']:.1f}",
+                    f"{r['ratio']:.3f}",
+                    mib(r["counted_peak_bytes"]),
+                    mib(r["predicted_peak_bytes"]),
+                    "-" if r["offloaded"] is None else r["offloaded"],
+                    "-" if r["fits"] is None else r["fits"],
+                ]
+                for r in rows
+            ],
+        )
+    )
+    write_json(args.json, rows)
     return 0
 
 

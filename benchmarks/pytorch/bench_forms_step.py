@@ -23,7 +23,7 @@ that run through ucudnn's own code rather than torch's (the rest are torch's, ch
 ``binds`` the kernels whose torch convolution on the whole batch needs more workspace than the limit (its
 column buffers, as the cpu backend declares them): where it is 0, the limit does not bind.
 
-    python benchmarks/bench_forms_step.py [--models resnet18,monai-basic-unet-3d,hf-wav2vec2,monai-unet | all]
+    python benchmarks/pytorch/bench_forms_step.py [--models resnet18,monai-basic-unet-3d,hf-wav2vec2,monai-unet | all]
         [--contenders "WR 64MiB,WD 1GiB"] [--reps 9] [--runs 3] [--clock cpu] [--db URL] [--json FILE]
 """
 
@@ -31,27 +31,40 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import interleaved_medians_ms, keep_freed_memory, table  # noqa: E402
-from models import build, loss  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py, models.py
+from common import interleaved_medians_ms, keep_freed_memory, make_step, table, write_json
+from models import build, loss
 
-from ucudnn.backends.cpu import NATIVE  # noqa: E402
-from ucudnn.torch import convert, zoo  # noqa: E402
-from ucudnn.torch.converting.layer import TRIAL_STEPS, ConvLayer  # noqa: E402
+from ucudnn.backends.cpu import NATIVE
+from ucudnn.torch import convert, zoo
+from ucudnn.torch.converting.layer import TRIAL_STEPS, ConvLayer
 
 # name -> (batch, size): a step of a second or less on a 2-core CPU
-SHAPES = {"resnet18": (4, 64), "hf-resnet50": (4, 64), "hf-mobilenet-v2": (4, 64), "hf-convnext": (4, 64),
-          "hf-regnet": (4, 64), "hf-efficientnet": (4, 64), "hf-wav2vec2": (2, 25), "diffusers-unet": (4, 32),
-          "diffusers-vae": (4, 32), "monai-unet": (4, 64), "monai-basic-unet-3d": (1, 32)}
-HANDLES = {"WR": {}, "WR 64MiB": {"workspace_limit": "64MiB"}, "WR 1GiB": {"workspace_limit": "1GiB"},
-           "WD 1GiB": {"total_workspace": "1GiB"}}
+SHAPES = {
+    "resnet18": (4, 64),
+    "hf-resnet50": (4, 64),
+    "hf-mobilenet-v2": (4, 64),
+    "hf-convnext": (4, 64),
+    "hf-regnet": (4, 64),
+    "hf-efficientnet": (4, 64),
+    "hf-wav2vec2": (2, 25),
+    "diffusers-unet": (4, 32),
+    "diffusers-vae": (4, 32),
+    "monai-unet": (4, 64),
+    "monai-basic-unet-3d": (1, 32),
+}
+HANDLES = {
+    "WR": {},
+    "WR 64MiB": {"workspace_limit": "64MiB"},
+    "WR 1GiB": {"workspace_limit": "1GiB"},
+    "WD 1GiB": {"total_workspace": "1GiB"},
+}
 
 
 def _build(name: str):
@@ -60,26 +73,23 @@ def _build(name: str):
         return build(name, batch, size)
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(1)
-    return zoo.build(name, num_classes=10), torch.randn(batch, 3, size, size, generator=g), \
-        torch.randint(0, 10, (batch,), generator=g)
-
-
-def step_fn(model, x, y):
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-
-    def step() -> None:
-        optimizer.zero_grad(set_to_none=True)
-        loss(model(x), y).backward()
-        optimizer.step()
-
-    return step
+    return (
+        zoo.build(name, num_classes=10),
+        torch.randn(batch, 3, size, size, generator=g),
+        torch.randint(0, 10, (batch,), generator=g),
+    )
 
 
 def routed(model) -> int:
     """How many of the model's kernels run ucudnn's own code (the others are torch's own convolution)."""
-    return sum(getattr(route, kind) is not None for m in model.modules() if isinstance(m, ConvLayer)
-               for route in m._routes.values() if route.generation == m.handle.generation
-               for kind in ("fwd", "bwd_data", "bwd_filter"))
+    return sum(
+        getattr(route, kind) is not None
+        for m in model.modules()
+        if isinstance(m, ConvLayer)
+        for route in m._routes.values()
+        if route.generation == m.handle.generation
+        for kind in ("fwd", "bwd_data", "bwd_filter")
+    )
 
 
 def binds(model) -> int:
@@ -101,38 +111,51 @@ def sharing_parameters(model: torch.nn.Module) -> torch.nn.Module:
 
 def bench(name: str, args) -> list[dict]:
     reference, x, y = _build(name)
-    log = lambda msg: print(f"[{name}] {msg}", file=sys.stderr, flush=True)  # noqa: E731
+    log = lambda msg: print(f"[{name}] {msg}", file=sys.stderr, flush=True)
     models = {"torch": reference, "torch again": sharing_parameters(reference)}
     for contender in args.contenders.split(","):
         options = HANDLES[contender]
         start = time.perf_counter()
         models[contender] = convert(sharing_parameters(reference), backend="cpu", db=args.db, **options)
-        step_fn(models[contender], x, y)()
+        make_step(models[contender], x, y, loss=loss)()
         log(f"{contender}: the first step (measuring, planning) took {time.perf_counter() - start:.1f} s")
-    steps = {key: step_fn(m, x, y) for key, m in models.items()}
+    steps = {key: make_step(m, x, y, loss=loss) for key, m in models.items()}
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
     runs = []
     for run in range(args.runs):
         runs.append(interleaved_medians_ms(steps, args.reps, args.warmup if run == 0 else 1, clock))
         log("run {}: {}".format(run + 1, ", ".join(f"{k} {v / runs[-1]['torch']:.3f}" for k, v in runs[-1].items())))
     convs = sum(isinstance(m, ConvLayer) for m in models[args.contenders.split(",")[0]].modules())
-    return [{"model": name, "batch": SHAPES[name][0], "size": SHAPES[name][1], "contender": key,
-             "convolutions": convs, "ms": [round(med[key], 2) for med in runs],
-             "ratios": [round(med[key] / med["torch"], 3) for med in runs],
-             "routed_kernels": None if key not in HANDLES else routed(models[key]),
-             "binding_kernels": None if key not in HANDLES else binds(models[key])} for key in steps]
+    return [
+        {
+            "model": name,
+            "batch": SHAPES[name][0],
+            "size": SHAPES[name][1],
+            "contender": key,
+            "convolutions": convs,
+            "ms": [round(med[key], 2) for med in runs],
+            "ratios": [round(med[key] / med["torch"], 3) for med in runs],
+            "routed_kernels": None if key not in HANDLES else routed(models[key]),
+            "binding_kernels": None if key not in HANDLES else binds(models[key]),
+        }
+        for key in steps
+    ]
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--models", default="resnet18,monai-basic-unet-3d,hf-wav2vec2,monai-unet",
-                    help=f"comma-separated, or all: {','.join(SHAPES)}")
+    ap.add_argument(
+        "--models",
+        default="resnet18,monai-basic-unet-3d,hf-wav2vec2,monai-unet",
+        help=f"comma-separated, or all: {','.join(SHAPES)}",
+    )
     ap.add_argument("--contenders", default=",".join(HANDLES), help=f"comma-separated: {','.join(HANDLES)}")
     ap.add_argument("--reps", type=int, default=9, help="timed steps per contender, interleaved")
     ap.add_argument("--runs", type=int, default=1, help="interleaved timings, one after another")
     ap.add_argument("--clock", choices=("wall", "cpu"), default="wall", help="cpu: this process's CPU time")
-    ap.add_argument("--warmup", type=int, default=TRIAL_STEPS,
-                    help="untimed rounds (default: as many as the in-step trials take)")
+    ap.add_argument(
+        "--warmup", type=int, default=TRIAL_STEPS, help="untimed rounds (default: as many as the in-step trials take)"
+    )
     ap.add_argument("--db", default=None, help="measurement cache (default: the user's; sqlite:// for a fresh one)")
     ap.add_argument("--json", help="also write the rows to this file")
     args = ap.parse_args(argv)
@@ -145,13 +168,25 @@ def main(argv=None) -> int:
         ap.error(f"unknown contender(s) {', '.join(unknown)}: {', '.join(HANDLES)}")
     keep_freed_memory()  # the steps time compute, not the page faults of memory handed back between them
     rows = [row for name in names for row in bench(name, args)]
-    print(table(["model", "batch x size", "contender", "ms/step", "vs torch, each run", "worst", "routed", "binds"],
-                [[r["model"], f"{r['batch']} x {r['size']}", r["contender"], "/".join(f"{ms:.0f}" for ms in r["ms"]),
-                  ", ".join(f"{q:.3f}" for q in r["ratios"]), f"{max(r['ratios']):.3f}",
-                  "-" if r["routed_kernels"] is None else r["routed_kernels"],
-                  "-" if r["binding_kernels"] is None else r["binding_kernels"]] for r in rows]))
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=2))
+    print(
+        table(
+            ["model", "batch x size", "contender", "ms/step", "vs torch, each run", "worst", "routed", "binds"],
+            [
+                [
+                    r["model"],
+                    f"{r['batch']} x {r['size']}",
+                    r["contender"],
+                    "/".join(f"{ms:.0f}" for ms in r["ms"]),
+                    ", ".join(f"{q:.3f}" for q in r["ratios"]),
+                    f"{max(r['ratios']):.3f}",
+                    "-" if r["routed_kernels"] is None else r["routed_kernels"],
+                    "-" if r["binding_kernels"] is None else r["binding_kernels"],
+                ]
+                for r in rows
+            ],
+        )
+    )
+    write_json(args.json, rows)
     return 0
 
 

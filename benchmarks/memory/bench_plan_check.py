@@ -6,25 +6,25 @@ The models are `bench_frontier`'s chain and ResNet-shaped model; each policy pla
 recompute plans are exercised (a CPU profile shares the host's memory: no policy offloads there).
 ``--malloc keep`` makes glibc keep what a step frees (see `bench_frontier`).
 
-    OMP_NUM_THREADS=2 python benchmarks/bench_plan_check.py
+    OMP_NUM_THREADS=2 python benchmarks/memory/bench_plan_check.py
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
+from pathlib import Path
 
 from torch import nn
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_frontier import build  # noqa: E402
-from common import keep_freed_memory, table  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py, models.py
+from bench_frontier import build
+from common import keep_freed_memory, table
 
-from ucudnn.memory import available_policies  # noqa: E402
-from ucudnn.torch.checking.check import check_plan  # noqa: E402
-from ucudnn.torch import capture  # noqa: E402
-from ucudnn.torch.planning.planner import plan_memory  # noqa: E402
+from ucudnn.memory import available_policies
+from ucudnn.torch import capture
+from ucudnn.torch.checking.check import check_plan
+from ucudnn.torch.planning.planner import plan_memory
 
 MiB = 2**20
 
@@ -45,6 +45,7 @@ def main() -> None:
         keep_freed_memory()
     for name in args.models.split(","):
         model, x, y = build(name, args)
+
         def loss(out, y=y):
             return nn.functional.cross_entropy(out, y)
 
@@ -55,12 +56,40 @@ def main() -> None:
             plan = plan_memory(model, x, memory_limit=limit, policy=policy, loss=loss)
             c = check_plan(model, plan, x, y, steps=args.steps)
             recompute = sum(1 for t in plan.tensors if t.action == "recompute")
-            rows.append([policy, plan.fits, recompute, f"{c.predicted_peak_bytes / MiB:.2f}", f"{c.peak_bytes / MiB:.2f}",
-                         f"{c.peak_ratio:.3f}", f"{c.predicted_step_ms:.1f}", f"{c.step_ms:.1f}", f"{c.step_ratio:.2f}",
-                         f"{c.predicted_bytes_moved / MiB:.1f}", f"{c.bytes_moved / MiB:.1f}"])
+            rows.append(
+                [
+                    policy,
+                    plan.fits,
+                    recompute,
+                    f"{c.predicted_peak_bytes / MiB:.2f}",
+                    f"{c.peak_bytes / MiB:.2f}",
+                    f"{c.peak_ratio:.3f}",
+                    f"{c.predicted_step_ms:.1f}",
+                    f"{c.step_ms:.1f}",
+                    f"{c.step_ratio:.2f}",
+                    f"{c.predicted_bytes_moved / MiB:.1f}",
+                    f"{c.bytes_moved / MiB:.1f}",
+                ]
+            )
         print(f"\n{name}: batch {args.batch}, {args.size}x{args.size}, limit {limit / MiB:.1f} MiB")
-        print(table(["policy", "fits", "recomputed", "planned peak MiB", "peak MiB (tracker)", "ratio", "planned ms",
-                     "ms (median)", "ratio", "planned moved MiB", "moved MiB"], rows))
+        print(
+            table(
+                [
+                    "policy",
+                    "fits",
+                    "recomputed",
+                    "planned peak MiB",
+                    "peak MiB (tracker)",
+                    "ratio",
+                    "planned ms",
+                    "ms (median)",
+                    "ratio",
+                    "planned moved MiB",
+                    "moved MiB",
+                ],
+                rows,
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -5,26 +5,25 @@ total is K x M (K = 15 kernels: 5 layers x 3 kinds), e.g. 15 x 8 MiB = 120 MiB. 
 same cached measurements; times are the sums of the measured micro-batch times of the chosen
 configurations. A sweep of totals shows how WD's time falls as the budget grows.
 
-    python benchmarks/bench_wr_vs_wd.py [--batch 64] [--per-kernel-mib 8] [--db URL] [--json FILE]
+    python benchmarks/kernels/bench_wr_vs_wd.py [--batch 64] [--per-kernel-mib 8] [--db URL] [--json FILE]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import sys
 from datetime import date
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import table  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py, models.py
+from common import table, write_json
+from ucudnn.db import Cache
+from ucudnn.solver.types import Infeasible
 
-from ucudnn.backends.cpu import CpuBackend  # noqa: E402
-from ucudnn.db import Cache  # noqa: E402
-from ucudnn.network.zoo import layers  # noqa: E402
-from ucudnn.network.optimize import expand_kernels, optimize  # noqa: E402
-from ucudnn.solver.types import Infeasible  # noqa: E402
+from ucudnn.backends.cpu import CpuBackend
+from ucudnn.network.optimize import expand_kernels, optimize
+from ucudnn.network.zoo import layers
 
 MIB = 2**20
 
@@ -43,30 +42,55 @@ def main() -> int:
     cache = Cache(args.db)
     kernels = expand_kernels([(layer.name, layer.problem) for layer in layers("alexnet")], args.batch)
     per_kernel = args.per_kernel_mib * MIB
-    common = dict(policy="powerOfTwo", cache=cache, reps=args.reps)
+    common = {"policy": "powerOfTwo", "cache": cache, "reps": args.reps}
     wr = optimize(backend, kernels, workspace_limit=per_kernel, **common)
     equal = optimize(backend, kernels, total_workspace=len(kernels) * per_kernel, **common)
-    rows = [["WR", f"{args.per_kernel_mib} MiB x {len(kernels)}", f"{wr.time_ms:.1f}",
-             f"{sum(k.config.workspace for k in wr.kernels) / MIB:.1f}", "1.00"],
-            ["WD", f"{len(kernels) * args.per_kernel_mib} MiB total", f"{equal.time_ms:.1f}",
-             f"{equal.workspace / MIB:.1f}", f"{wr.time_ms / equal.time_ms:.2f}"]]
-    results = {"batch": args.batch, "per_kernel_mib": args.per_kernel_mib, "wr_ms": wr.time_ms,
-               "wd_equal_ms": equal.time_ms, "sweep": []}
+    rows = [
+        [
+            "WR",
+            f"{args.per_kernel_mib} MiB x {len(kernels)}",
+            f"{wr.time_ms:.1f}",
+            f"{sum(k.config.workspace for k in wr.kernels) / MIB:.1f}",
+            "1.00",
+        ],
+        [
+            "WD",
+            f"{len(kernels) * args.per_kernel_mib} MiB total",
+            f"{equal.time_ms:.1f}",
+            f"{equal.workspace / MIB:.1f}",
+            f"{wr.time_ms / equal.time_ms:.2f}",
+        ],
+    ]
+    results = {
+        "batch": args.batch,
+        "per_kernel_mib": args.per_kernel_mib,
+        "wr_ms": wr.time_ms,
+        "wd_equal_ms": equal.time_ms,
+        "sweep": [],
+    }
     for total_mib in [int(x) for x in args.sweep_mib.split(",")]:
         try:
             wd = optimize(backend, kernels, total_workspace=total_mib * MIB, **common)
         except Infeasible:
             rows.append(["WD", f"{total_mib} MiB total", "infeasible", "", "-"])
             continue
-        rows.append(["WD", f"{total_mib} MiB total", f"{wd.time_ms:.1f}", f"{wd.workspace / MIB:.1f}",
-                     f"{wr.time_ms / wd.time_ms:.2f}"])
+        rows.append(
+            [
+                "WD",
+                f"{total_mib} MiB total",
+                f"{wd.time_ms:.1f}",
+                f"{wd.workspace / MIB:.1f}",
+                f"{wr.time_ms / wd.time_ms:.2f}",
+            ]
+        )
         results["sweep"].append({"total_mib": total_mib, "wd_ms": wd.time_ms, "used_bytes": wd.workspace})
     cache.close()
-    print(f"# AlexNet WR vs WD, batch {args.batch}, CPU backend ({platform.processor() or platform.machine()}, "
-          f"{date.today()}); command: python benchmarks/bench_wr_vs_wd.py --batch {args.batch}")
+    print(
+        f"# AlexNet WR vs WD, batch {args.batch}, CPU backend ({platform.processor() or platform.machine()}, "
+        f"{date.today()}); command: python benchmarks/kernels/bench_wr_vs_wd.py --batch {args.batch}"
+    )
     print(table(["mode", "memory", "time ms", "workspace used MiB", "WR time / this"], rows))
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2))
+    write_json(args.json, results)
     return 0
 
 

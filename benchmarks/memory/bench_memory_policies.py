@@ -22,7 +22,7 @@ are deterministic and the same on any machine.
    swaps GPU g's layers for each g of the group in turn, averaged (together the staggered run's
    bytes). One GPU alone for reference.
 
-    python benchmarks/bench_memory_policies.py [--json FILE]
+    python benchmarks/memory/bench_memory_policies.py [--json FILE]
 """
 
 from __future__ import annotations
@@ -32,17 +32,17 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py, models.py
 
-from common import table  # noqa: E402
+from common import table
 
-from ucudnn.devices import load_profile  # noqa: E402
-from ucudnn.memory import checkpoint, dymem, gtbm, make_plan, swap_multi  # noqa: E402
-from ucudnn.memory.graph import from_network  # noqa: E402
-from ucudnn.memory.planner import baseline  # noqa: E402
-from ucudnn.memory.simulate import simulate  # noqa: E402
-from ucudnn.memory.timing import step_costs  # noqa: E402
-from ucudnn.memory.vdnn import actions_for  # noqa: E402
+from ucudnn.devices import load_profile
+from ucudnn.memory import checkpoint, dymem, gtbm, make_plan, swap_multi
+from ucudnn.memory.graph import from_network
+from ucudnn.memory.planner import baseline
+from ucudnn.memory.simulate import simulate
+from ucudnn.memory.timing import step_costs
+from ucudnn.memory.vdnn import actions_for
 
 GIB = 2**30
 MIB = 2**20
@@ -59,16 +59,48 @@ def checkpointing(report: dict) -> None:
         for search in ("sqrt", "greedy", "optimal"):
             p = checkpoint.plan(graph, device, 2**62, search=search)
             extra = (p.step_ms - p.baseline_step_ms) / forward
-            rows.append([f"resnet152 b{batch}", search, f"{resident / GIB:.2f}", f"{p.peak_bytes / GIB:.2f}",
-                         f"{1 - p.peak_bytes / resident:.0%}", f"{p.baseline_step_ms:.1f}", f"{p.step_ms:.1f}",
-                         f"{extra:.2f}", sum(t.action == "recompute" for t in p.tensors)])
+            rows.append(
+                [
+                    f"resnet152 b{batch}",
+                    search,
+                    f"{resident / GIB:.2f}",
+                    f"{p.peak_bytes / GIB:.2f}",
+                    f"{1 - p.peak_bytes / resident:.0%}",
+                    f"{p.baseline_step_ms:.1f}",
+                    f"{p.step_ms:.1f}",
+                    f"{extra:.2f}",
+                    sum(t.action == "recompute" for t in p.tensors),
+                ]
+            )
             report.setdefault("checkpoint", []).append(
-                {"batch": batch, "search": search, "resident_peak_bytes": resident, "peak_bytes": p.peak_bytes,
-                 "baseline_step_ms": p.baseline_step_ms, "step_ms": p.step_ms, "forward_ms": forward,
-                 "extra_forward_passes": extra})
+                {
+                    "batch": batch,
+                    "search": search,
+                    "resident_peak_bytes": resident,
+                    "peak_bytes": p.peak_bytes,
+                    "baseline_step_ms": p.baseline_step_ms,
+                    "step_ms": p.step_ms,
+                    "forward_ms": forward,
+                    "extra_forward_passes": extra,
+                }
+            )
     print("1. Checkpointing ResNet-152 on the H100 profile (target: sqrt at most 1 extra forward pass)\n")
-    print(table(["graph", "search", "resident GiB", "peak GiB", "saved", "base ms", "step ms",
-                 "extra fwd passes", "recomputed"], rows))
+    print(
+        table(
+            [
+                "graph",
+                "search",
+                "resident GiB",
+                "peak GiB",
+                "saved",
+                "base ms",
+                "step ms",
+                "extra fwd passes",
+                "recomputed",
+            ],
+            rows,
+        )
+    )
 
 
 def pools(report: dict) -> None:
@@ -90,19 +122,51 @@ def pools(report: dict) -> None:
         for name, (g, acts, c) in traces.items():
             trace = dymem.allocation_trace(g, acts, c, dymem.prefetch_schedule(g, acts))
             cmp = gtbm.compare(trace)
-            rows.append([f"{net} b{batch}", name, sum(isinstance(e, gtbm.Alloc) for e in trace),
-                         f"{cmp.peak_live_bytes / MIB:.0f}", f"{cmp.best_fit_bytes / MIB:.0f}",
-                         f"{cmp.gtbm_bytes / MIB:.0f}", f"{cmp.best_fit.mean_unusable:.4f}",
-                         f"{cmp.gtbm.mean_unusable:.4f}",
-                         "GTBM" if cmp.gtbm.mean_unusable < cmp.best_fit.mean_unusable else "best-fit"])
+            rows.append(
+                [
+                    f"{net} b{batch}",
+                    name,
+                    sum(isinstance(e, gtbm.Alloc) for e in trace),
+                    f"{cmp.peak_live_bytes / MIB:.0f}",
+                    f"{cmp.best_fit_bytes / MIB:.0f}",
+                    f"{cmp.gtbm_bytes / MIB:.0f}",
+                    f"{cmp.best_fit.mean_unusable:.4f}",
+                    f"{cmp.gtbm.mean_unusable:.4f}",
+                    "GTBM" if cmp.gtbm.mean_unusable < cmp.best_fit.mean_unusable else "best-fit",
+                ]
+            )
             report.setdefault("gtbm", []).append(
-                {"network": net, "batch": batch, "trace": name, "peak_live_bytes": cmp.peak_live_bytes,
-                 "best_fit_bytes": cmp.best_fit_bytes, "gtbm_bytes": cmp.gtbm_bytes,
-                 "best_fit_mean_uf": cmp.best_fit.mean_unusable, "gtbm_mean_uf": cmp.gtbm.mean_unusable})
-    print("\n2. GTBM against best-fit on one step's allocation trace, K40 profile (target: GTBM's U_f lower "
-          "on GoogLeNet and DenseNet)\n")
-    print(table(["graph", "trace", "requests", "live peak MiB", "best-fit pool MiB", "GTBM pool MiB",
-                 "best-fit mean U_f", "GTBM mean U_f", "lower U_f"], rows))
+                {
+                    "network": net,
+                    "batch": batch,
+                    "trace": name,
+                    "peak_live_bytes": cmp.peak_live_bytes,
+                    "best_fit_bytes": cmp.best_fit_bytes,
+                    "gtbm_bytes": cmp.gtbm_bytes,
+                    "best_fit_mean_uf": cmp.best_fit.mean_unusable,
+                    "gtbm_mean_uf": cmp.gtbm.mean_unusable,
+                }
+            )
+    print(
+        "\n2. GTBM against best-fit on one step's allocation trace, K40 profile (target: GTBM's U_f lower "
+        "on GoogLeNet and DenseNet)\n"
+    )
+    print(
+        table(
+            [
+                "graph",
+                "trace",
+                "requests",
+                "live peak MiB",
+                "best-fit pool MiB",
+                "GTBM pool MiB",
+                "best-fit mean U_f",
+                "GTBM mean U_f",
+                "lower U_f",
+            ],
+            rows,
+        )
+    )
 
 
 def dymem_vs_vdnn(report: dict) -> None:
@@ -114,19 +178,42 @@ def dymem_vs_vdnn(report: dict) -> None:
         limit = int(resident * 0.4)
         for policy in ("vdnn-dyn", "dymem"):
             p = make_plan(graph, device, limit, policy)
-            rows.append([f"{net} b{batch}", policy, f"{limit / GIB:.2f}", "yes" if p.fits else "NO",
-                         f"{p.peak_bytes / GIB:.2f}", f"{p.step_ms:.1f}", f"{p.overhead:+.1%}", f"{p.stall_ms:.1f}"])
+            rows.append(
+                [
+                    f"{net} b{batch}",
+                    policy,
+                    f"{limit / GIB:.2f}",
+                    "yes" if p.fits else "NO",
+                    f"{p.peak_bytes / GIB:.2f}",
+                    f"{p.step_ms:.1f}",
+                    f"{p.overhead:+.1%}",
+                    f"{p.stall_ms:.1f}",
+                ]
+            )
             report.setdefault("dymem", []).append(
-                {"network": net, "batch": batch, "policy": policy, "limit": limit, "fits": p.fits,
-                 "step_ms": p.step_ms, "overhead": p.overhead, "stall_ms": p.stall_ms})
+                {
+                    "network": net,
+                    "batch": batch,
+                    "policy": policy,
+                    "limit": limit,
+                    "fits": p.fits,
+                    "step_ms": p.step_ms,
+                    "overhead": p.overhead,
+                    "stall_ms": p.stall_ms,
+                }
+            )
     print("\n3. Dymem against vDNN_dyn at 40% of the resident peak, K40 profile\n")
     print(table(["graph", "policy", "limit GiB", "fits", "peak GiB", "step ms", "overhead", "stall ms"], rows))
 
 
 def multi_gpu(report: dict) -> None:
     rows = []
-    wins = {(trigger, against, figure): 0 for trigger in ("layer", "kim") for against in ("gpu0", "equal")
-            for figure in ("step", "stall")}
+    wins = {
+        (trigger, against, figure): 0
+        for trigger in ("layer", "kim")
+        for against in ("gpu0", "equal")
+        for figure in ("step", "stall")
+    }
     for dev in ("p100", "h100"):
         device = load_profile(dev)
         for net, batch in (("vgg16", 64), ("resnet50", 64), ("googlenet", 128)):
@@ -147,45 +234,93 @@ def multi_gpu(report: dict) -> None:
                 cases["1 GPU"] = (swap_multi.device_actions(graph, b, 1, 1), 1)
                 figures: dict[str, dict] = {}
                 for name, (actions, n) in cases.items():
-                    layer = simulate(graph, device, costs, actions, memory_limit=limit, devices=n,
-                                     devices_per_link=n, timeline=False)
+                    layer = simulate(
+                        graph, device, costs, actions, memory_limit=limit, devices=n, devices_per_link=n, timeline=False
+                    )
                     _, kim = swap_multi.adapt_triggers(graph, device, costs, actions, limit, n)
                     figures[name] = {
                         "bytes_offloaded": sum(d.bytes_offloaded for d in layer.devices),
                         "fits": layer.fits and kim.fits,
                         # data-parallel GPUs wait for the slowest every step: its step time is the throughput
                         "layer": {"step_ms": layer.step_ms, "stall_ms": layer.stall_ms},
-                        "kim": {"step_ms": kim.step_ms, "stall_ms": kim.stall_ms}}
+                        "kim": {"step_ms": kim.step_ms, "stall_ms": kim.stall_ms},
+                    }
                 at_once = [figures[f"at once {g}"] for g in range(sets)]
                 figures["at once, equal bytes"] = {
                     "bytes_offloaded": sum(f["bytes_offloaded"] for f in at_once) / sets,
-                    **{t: {k: sum(f[t][k] for f in at_once) / sets for k in ("step_ms", "stall_ms")}
-                       for t in ("layer", "kim")}}
+                    **{
+                        t: {k: sum(f[t][k] for f in at_once) / sets for k in ("step_ms", "stall_ms")}
+                        for t in ("layer", "kim")
+                    },
+                }
                 against = {"gpu0": figures["at once 0"], "equal": figures["at once, equal bytes"]}
                 for trigger in ("layer", "kim"):
                     mine = figures["staggered"][trigger]
                     for name, other in against.items():
                         wins[(trigger, name, "step")] += mine["step_ms"] < other[trigger]["step_ms"]
                         wins[(trigger, name, "stall")] += mine["stall_ms"] < other[trigger]["stall_ms"]
-                    rows.append([dev, f"{net} b{batch}", f"{fraction:.0%}", b, a // b,
-                                 "yes" if plan.fits and figures["staggered"]["fits"] else "NO",
-                                 "vDNN layer" if trigger == "layer" else "Kim",
-                                 f"{figures['staggered']['bytes_offloaded'] / figures['at once 0']['bytes_offloaded']:.2f}",
-                                 *(f"{f[trigger]['step_ms']:.1f} / {f[trigger]['stall_ms']:.1f}"
-                                   for f in (figures["staggered"], against["gpu0"], against["equal"])),
-                                 f"{figures['1 GPU'][trigger]['step_ms']:.1f}"])
+                    rows.append(
+                        [
+                            dev,
+                            f"{net} b{batch}",
+                            f"{fraction:.0%}",
+                            b,
+                            a // b,
+                            "yes" if plan.fits and figures["staggered"]["fits"] else "NO",
+                            "vDNN layer" if trigger == "layer" else "Kim",
+                            f"{figures['staggered']['bytes_offloaded'] / figures['at once 0']['bytes_offloaded']:.2f}",
+                            *(
+                                f"{f[trigger]['step_ms']:.1f} / {f[trigger]['stall_ms']:.1f}"
+                                for f in (figures["staggered"], against["gpu0"], against["equal"])
+                            ),
+                            f"{figures['1 GPU'][trigger]['step_ms']:.1f}",
+                        ]
+                    )
                 report.setdefault("swap_multi", []).append(
-                    {"device": dev, "network": net, "batch": batch, "limit_fraction": fraction,
-                     "swapped_per_gpu": b, "interval_x": a // b, "fits": plan.fits, "figures": figures})
-    print("\n4. Swapping on 4 GPUs behind one PCIe switch (target: staggered stalls less than all at once);\n"
-          "   step ms / stall ms of the slowest GPU, with vDNN's one-layer trigger and with Kim et al.'s measured trigger\n")
-    print(table(["device", "graph", "limit", "b", "x", "fits", "trigger", "bytes vs GPU 0's", "staggered",
-                 "at once: GPU 0's layers", "at once: each GPU's (mean)", "1 GPU step ms"], rows))
+                    {
+                        "device": dev,
+                        "network": net,
+                        "batch": batch,
+                        "limit_fraction": fraction,
+                        "swapped_per_gpu": b,
+                        "interval_x": a // b,
+                        "fits": plan.fits,
+                        "figures": figures,
+                    }
+                )
+    print(
+        "\n4. Swapping on 4 GPUs behind one PCIe switch (target: staggered stalls less than all at once);\n"
+        "   step ms / stall ms of the slowest GPU, with vDNN's one-layer trigger and with Kim et al.'s measured trigger\n"
+    )
+    print(
+        table(
+            [
+                "device",
+                "graph",
+                "limit",
+                "b",
+                "x",
+                "fits",
+                "trigger",
+                "bytes vs GPU 0's",
+                "staggered",
+                "at once: GPU 0's layers",
+                "at once: each GPU's (mean)",
+                "1 GPU step ms",
+            ],
+            rows,
+        )
+    )
     cases = len(rows) // 2
     for trigger, label in (("layer", "vDNN's one-layer trigger"), ("kim", "Kim's trigger")):
-        print(f"\nstaggered beats at once, {label}: "
-              + "; ".join(f"{figure} {wins[(trigger, 'gpu0', figure)]}/{cases} against GPU 0's layers, "
-                          f"{wins[(trigger, 'equal', figure)]}/{cases} at equal bytes" for figure in ("step", "stall")))
+        print(
+            f"\nstaggered beats at once, {label}: "
+            + "; ".join(
+                f"{figure} {wins[(trigger, 'gpu0', figure)]}/{cases} against GPU 0's layers, "
+                f"{wins[(trigger, 'equal', figure)]}/{cases} at equal bytes"
+                for figure in ("step", "stall")
+            )
+        )
 
 
 def main() -> None:

@@ -9,7 +9,7 @@ without a limit and under a limit (the median workspace of the unlimited front),
 `wr.solve` on the same table (the single-limit DP the front generalises), interleaved rep by rep,
 and checks that the front's fastest member is the WR optimum.
 
-    python benchmarks/bench_pareto.py [--kernels 5] [--reps 5] [--batch 256] [--json FILE]
+    python benchmarks/kernels/bench_pareto.py [--kernels 5] [--reps 5] [--batch 256] [--json FILE]
 """
 
 from __future__ import annotations
@@ -24,10 +24,9 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import interleaved_medians_ms, table  # noqa: E402
-
-from ucudnn.solver import MicroConfig, pareto, wr  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py, models.py
+from common import interleaved_medians_ms, table
+from ucudnn.solver import MicroConfig, pareto, wr
 
 MIB = 2**20
 N_ALGOS = 8
@@ -72,28 +71,49 @@ def main() -> int:
         limited = pareto.front(bench, args.batch, limit)
         for front, lim in ((unlimited, None), (limited, limit)):
             assert math.isclose(front[-1].time, wr.solve(bench, args.batch, lim).time, rel_tol=1e-12)
-        times = interleaved_medians_ms({
-            "front": lambda bench=bench: pareto.front(bench, args.batch, None),
-            "front_limited": lambda bench=bench, limit=limit: pareto.front(bench, args.batch, limit),
-            "wr": lambda bench=bench: wr.solve(bench, args.batch, None),
-        }, reps=args.reps)
-        result = {"seed": seed, "front_members": len(unlimited), "limited_members": len(limited),
-                  "limit_B": limit, "front_s": times["front"] / 1e3,
-                  "front_limited_s": times["front_limited"] / 1e3, "wr_s": times["wr"] / 1e3}
+        times = interleaved_medians_ms(
+            {
+                "front": lambda bench=bench: pareto.front(bench, args.batch, None),
+                "front_limited": lambda bench=bench, limit=limit: pareto.front(bench, args.batch, limit),
+                "wr": lambda bench=bench: wr.solve(bench, args.batch, None),
+            },
+            reps=args.reps,
+        )
+        result = {
+            "seed": seed,
+            "front_members": len(unlimited),
+            "limited_members": len(limited),
+            "limit_B": limit,
+            "front_s": times["front"] / 1e3,
+            "front_limited_s": times["front_limited"] / 1e3,
+            "wr_s": times["wr"] / 1e3,
+        }
         results.append(result)
-        rows.append([seed, len(unlimited), f"{times['front'] / 1e3:.3f}", f"{limit / MIB:.0f}", len(limited),
-                     f"{times['front_limited'] / 1e3:.3f}", f"{times['wr'] / 1e3:.3f}",
-                     f"{times['front'] / times['wr']:.1f}x"])
+        rows.append(
+            [
+                seed,
+                len(unlimited),
+                f"{times['front'] / 1e3:.3f}",
+                f"{limit / MIB:.0f}",
+                len(limited),
+                f"{times['front_limited'] / 1e3:.3f}",
+                f"{times['wr'] / 1e3:.3f}",
+                f"{times['front'] / times['wr']:.1f}x",
+            ]
+        )
     worst_s = max(max(r["front_s"], r["front_limited_s"]) for r in results)
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-    print(f"pareto.front, batch {args.batch}, every size measured, {N_ALGOS} algorithms; "
-          f"{platform.machine()} ({platform.node()}, {os.cpu_count()} CPUs, load {load}), "
-          f"Python {platform.python_version()}, NumPy {np.__version__}")
+    print(
+        f"pareto.front, batch {args.batch}, every size measured, {N_ALGOS} algorithms; "
+        f"{platform.machine()} ({platform.node()}, {os.cpu_count()} CPUs, load {load}), "
+        f"Python {platform.python_version()}, NumPy {np.__version__}"
+    )
     print(table(["seed", "members", "front s", "limit MiB", "members", "limited s", "wr.solve s", "front/wr"], rows))
     print(f"worst {worst_s:.3f} s per kernel (target <= {TARGET_S} s): {'met' if worst_s <= TARGET_S else 'MISSED'}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"batch": args.batch, "target_s": TARGET_S, "results": results},
-                                              indent=2))
+        Path(args.json).write_text(
+            json.dumps({"batch": args.batch, "target_s": TARGET_S, "results": results}, indent=2)
+        )
     return 0
 
 

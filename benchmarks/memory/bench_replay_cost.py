@@ -15,27 +15,27 @@ are timed too. Printed per model:
   the host time it charges per replayed operation (`TrainingGraph.replay_host_ms`, measured on the model by
   `ucudnn.torch.planning.replay_cost`).
 
-    OMP_NUM_THREADS=1 python benchmarks/bench_replay_cost.py [--models hf-mobilenet-v2,monai-unet] [--reps 15]
+    OMP_NUM_THREADS=1 python benchmarks/memory/bench_replay_cost.py [--models hf-mobilenet-v2,monai-unet] [--reps 15]
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
+from pathlib import Path
+from typing import Self
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import keep_freed_memory, table  # noqa: E402
-from models import NAMES, build, loss  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py, models.py
+import torch
+from common import keep_freed_memory, table
+from models import NAMES, build, loss
 
-import torch  # noqa: E402
-
-from ucudnn.memory.simulate import expand  # noqa: E402
-from ucudnn.torch import execute_plan, plan_memory  # noqa: E402
-from ucudnn.torch.planning import planner as planning  # noqa: E402
-from ucudnn.torch.running import recompute  # noqa: E402
+from ucudnn.memory.simulate import expand
+from ucudnn.torch import execute_plan, plan_memory
+from ucudnn.torch.planning import planner as planning
+from ucudnn.torch.running import recompute
 
 
 class RebuildTimer:
@@ -47,7 +47,7 @@ class RebuildTimer:
         self.per_op: dict[int, list[float]] = {}
         self.original = recompute._Recompute._rebuild
 
-    def __enter__(self) -> RebuildTimer:
+    def __enter__(self) -> Self:
         timer = self
 
         def rebuild(executor, r, program):
@@ -75,6 +75,7 @@ class RebuildTimer:
             self.replay_s += spent
             self.per_op.setdefault(index, []).append(spent)
             return out
+
         run.timed = True
         return run
 
@@ -90,9 +91,10 @@ def bench(name: str, args) -> list:
 
     everything = plan_memory(model, x, memory_limit=2**40, policy=args.policy, loss=labelled)
     smallest = plan_memory(model, x, memory_limit=1, policy=args.policy, loss=labelled)
-    plan = plan_memory(model, x, memory_limit=(everything.peak_bytes + smallest.peak_bytes) // 2,
-                       policy=args.policy, loss=labelled)
-    (measured, host_ms), = planning._OP_TIMES[model].values()
+    plan = plan_memory(
+        model, x, memory_limit=(everything.peak_bytes + smallest.peak_bytes) // 2, policy=args.policy, loss=labelled
+    )
+    ((measured, host_ms),) = planning._OP_TIMES[model].values()
 
     def step(planned: bool) -> tuple[float, float]:
         model.zero_grad(set_to_none=True)
@@ -114,7 +116,7 @@ def bench(name: str, args) -> list:
         timer.rebuild_s = timer.replay_s = 0.0
         timer.per_op.clear()
         for rep in range(args.reps):
-            for planned in ((False, True) if rep % 2 == 0 else (True, False)):
+            for planned in (False, True) if rep % 2 == 0 else (True, False):
                 samples[planned].append(step(planned))
     fwd = {p: statistics.median(s[0] for s in v) * 1e3 for p, v in samples.items()}
     bwd = {p: statistics.median(s[1] for s in v) * 1e3 for p, v in samples.items()}
@@ -128,12 +130,20 @@ def bench(name: str, args) -> list:
     print(f"[{name}] per replayed op (replay ms / forward ms as timed in planning):", file=sys.stderr)
     for (n, ms), f in zip(ops, op_fwd):
         print(f"    {n}: {ms:.3f} / {f:.3f}", file=sys.stderr)
-    return [name, len(replayed), f"{total[False]:.2f}", f"{total[True]:.2f} ({total[True] / total[False]:.3f}x)",
-            f"{fwd[True] - fwd[False]:+.2f}", f"{bwd[True] - bwd[False]:+.2f}",
-            f"{timer.rebuild_s / args.reps * 1e3:.2f}", f"{timer.replay_s / args.reps * 1e3:.2f}",
-            f"{sum(ms for _, ms in ops):.3f} / {sum(op_fwd):.3f}",
-            f"{plan.step_ms / plan.baseline_step_ms:.3f}", f"{replayed_fwd_ms:.2f}",
-            f"{host_ms:.3f} x {len(replayed)} = {host_ms * len(replayed):.2f}"]
+    return [
+        name,
+        len(replayed),
+        f"{total[False]:.2f}",
+        f"{total[True]:.2f} ({total[True] / total[False]:.3f}x)",
+        f"{fwd[True] - fwd[False]:+.2f}",
+        f"{bwd[True] - bwd[False]:+.2f}",
+        f"{timer.rebuild_s / args.reps * 1e3:.2f}",
+        f"{timer.replay_s / args.reps * 1e3:.2f}",
+        f"{sum(ms for _, ms in ops):.3f} / {sum(op_fwd):.3f}",
+        f"{plan.step_ms / plan.baseline_step_ms:.3f}",
+        f"{replayed_fwd_ms:.2f}",
+        f"{host_ms:.3f} x {len(replayed)} = {host_ms * len(replayed):.2f}",
+    ]
 
 
 def main(argv=None) -> int:
@@ -150,9 +160,25 @@ def main(argv=None) -> int:
     keep_freed_memory()
     torch.set_num_threads(1)
     rows = [bench(name, args) for name in args.models.split(",")]
-    print(table(["model", "replayed ops", "plain ms", "planned ms", "extra fwd ms", "extra bwd ms", "rebuilds ms",
-                 "replayed ops ms", "per op sum: replay / fwd ms", "predicted", "pred. replayed fwd ms",
-                 "pred. host ms/op x ops"], rows))
+    print(
+        table(
+            [
+                "model",
+                "replayed ops",
+                "plain ms",
+                "planned ms",
+                "extra fwd ms",
+                "extra bwd ms",
+                "rebuilds ms",
+                "replayed ops ms",
+                "per op sum: replay / fwd ms",
+                "predicted",
+                "pred. replayed fwd ms",
+                "pred. host ms/op x ops",
+            ],
+            rows,
+        )
+    )
     return 0
 
 

@@ -31,8 +31,8 @@ operator and the bias's sum), against `graph aten`, aten.convolution and aten.co
 ucudnn instead of torch's own convolution (`ucudnn.torch.converting.conv.route_overhead_ms`, forward and
 backward of a tiny layer: the autograd Function plus one kernel's share of the handle route).
 
-    OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 python benchmarks/bench_call_overhead.py [--calls 5000]
-    python benchmarks/bench_call_overhead.py --backend cudnn      # on a GPU
+    OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 python benchmarks/pytorch/bench_call_overhead.py [--calls 5000]
+    python benchmarks/pytorch/bench_call_overhead.py --backend cudnn      # on a GPU
 """
 
 from __future__ import annotations
@@ -72,18 +72,38 @@ def _floor_operator():
         return ops.conv
     geometry = "int[] stride, int[] padding, int[] dilation, bool transposed, int[] output_padding, int groups"
 
-    @torch.library.custom_op("ucudnn_bench::conv", mutates_args=(),
-                             schema=f"(Tensor x, Tensor weight, int layer, {geometry}, str layout, bool need_dx, "
-                                    "bool need_dw, Tensor? bias=None) -> Tensor")
-    def conv(x, weight, layer, stride, padding, dilation, transposed, output_padding, groups, layout, need_dx, need_dw,
-             bias=None):
+    @torch.library.custom_op(
+        "ucudnn_bench::conv",
+        mutates_args=(),
+        schema=f"(Tensor x, Tensor weight, int layer, {geometry}, str layout, bool need_dx, "
+        "bool need_dw, Tensor? bias=None) -> Tensor",
+    )
+    def conv(
+        x,
+        weight,
+        layer,
+        stride,
+        padding,
+        dilation,
+        transposed,
+        output_padding,
+        groups,
+        layout,
+        need_dx,
+        need_dw,
+        bias=None,
+    ):
         return F.conv2d(x, weight, bias, stride, padding, dilation, groups)
 
-    @torch.library.custom_op("ucudnn_bench::conv_backward", mutates_args=(),
-                             schema=f"(Tensor dy, Tensor x, Tensor weight, int layer, {geometry}) -> (Tensor, Tensor)")
+    @torch.library.custom_op(
+        "ucudnn_bench::conv_backward",
+        mutates_args=(),
+        schema=f"(Tensor dy, Tensor x, Tensor weight, int layer, {geometry}) -> (Tensor, Tensor)",
+    )
     def conv_backward(dy, x, weight, layer, stride, padding, dilation, transposed, output_padding, groups):
-        dx, dw, _ = torch.ops.aten.convolution_backward(dy, x, weight, None, stride, padding, dilation, transposed,
-                                                        output_padding, groups, [True, True, False])
+        dx, dw, _ = torch.ops.aten.convolution_backward(
+            dy, x, weight, None, stride, padding, dilation, transposed, output_padding, groups, [True, True, False]
+        )
         return dx, dw
 
     def setup(ctx, inputs, output):
@@ -106,9 +126,11 @@ def _one_dispatch():
     if ops is not None and hasattr(ops, "identity"):
         return ops.identity.default
     library = torch.library.Library("ucudnn_bench", "FRAGMENT")
-    library.define("identity(Tensor x, Tensor weight, SymInt layer, int[] stride, int[] padding, int[] dilation, "
-                   "bool transposed, int[] output_padding, int groups, str layout, bool need_dx, bool need_dw, "
-                   "Tensor? bias=None) -> Tensor")
+    library.define(
+        "identity(Tensor x, Tensor weight, SymInt layer, int[] stride, int[] padding, int[] dilation, "
+        "bool transposed, int[] output_padding, int groups, str layout, bool need_dx, bool need_dw, "
+        "Tensor? bias=None) -> Tensor"
+    )
     library.impl("identity", lambda x, *args: x, "Autograd")
     _LIBRARIES.append(library)  # (a Library's registrations last as long as the object)
     return torch.ops.ucudnn_bench.identity.default
@@ -141,9 +163,18 @@ def layer_calls_us(calls: int, rounds: int, batch: int = 2) -> dict[str, float]:
     x = torch.randn(batch, 8, 8, 8, generator=g, requires_grad=True)
     dy = torch.randn(batch, 8, 8, 8, generator=g)
     plain = torch.nn.Conv2d(8, 8, 3, padding=1)
-    layers = {name: convert(torch.nn.Conv2d(8, 8, 3, padding=1), backend="cpu", policy="undivided", algos=[algo],
-                            reps=1, db=False, call_overhead=0)
-              for name, algo in (("layer direct", "native"), ("layer routed", "im2col_gemm"))}
+    layers = {
+        name: convert(
+            torch.nn.Conv2d(8, 8, 3, padding=1),
+            backend="cpu",
+            policy="undivided",
+            algos=[algo],
+            reps=1,
+            db=False,
+            call_overhead=0,
+        )
+        for name, algo in (("layer direct", "native"), ("layer routed", "im2col_gemm"))
+    }
     xd = x.detach()
     fns = {"torch layer": lambda: plain(x).backward(dy), "torch forward": lambda: plain(x)}
     fns.update({name: (lambda layer=layer: layer(x).backward(dy)) for name, layer in layers.items()})
@@ -154,24 +185,32 @@ def layer_calls_us(calls: int, rounds: int, batch: int = 2) -> dict[str, float]:
     else:
         for name, layer in (("layer operators", layers["layer routed"]), ("direct operators", layers["layer direct"])):
             conv = (layer_key(layer), [1, 1], [1, 1], [1, 1], False, [0, 0], 1, "NCHW", True, True)
-            fns[name] = lambda layer=layer, conv=conv: torch.ops.ucudnn.convolution(x, layer.weight, *conv,
-                                                                                   layer.bias).backward(dy)
+            fns[name] = lambda layer=layer, conv=conv: torch.ops.ucudnn.convolution(
+                x, layer.weight, *conv, layer.bias
+            ).backward(dy)
             # as a compiled graph calls them: the forward without autograd, the backward operator, the bias's sum
             fns[name.replace("operators", "graph ops")] = lambda layer=layer, conv=conv: _graph_step(
                 lambda: torch.ops.ucudnn.convolution.default(xd, layer.weight, *conv, layer.bias),
-                lambda: (torch.ops.ucudnn.convolution_backward.default(dy, xd, layer.weight, *conv[:8]),
-                         dy.sum((0, 2, 3))))
+                lambda: (
+                    torch.ops.ucudnn.convolution_backward.default(dy, xd, layer.weight, *conv[:8]),
+                    dy.sum((0, 2, 3)),
+                ),
+            )
         geometry = ([1, 1], [1, 1], [1, 1], False, [0, 0], 1)
         fns["graph aten"] = lambda: _graph_step(
             lambda: torch.ops.aten.convolution.default(xd, plain.weight, plain.bias, *geometry),
-            lambda: torch.ops.aten.convolution_backward.default(dy, xd, plain.weight, [8], *geometry,
-                                                                [True, True, True]))
+            lambda: torch.ops.aten.convolution_backward.default(
+                dy, xd, plain.weight, [8], *geometry, [True, True, True]
+            ),
+        )
         identity = _one_dispatch()
-        fns["one dispatch"] = lambda: identity(x, plain.weight, 0, [1, 1], [1, 1], [1, 1], False, [0, 0], 1, "NCHW",
-                                               True, True, plain.bias)
+        fns["one dispatch"] = lambda: identity(
+            x, plain.weight, 0, [1, 1], [1, 1], [1, 1], False, [0, 0], 1, "NCHW", True, True, plain.bias
+        )
         floor = _floor_operator()
-        fns["operator floor"] = lambda: floor(x, plain.weight, 0, [1, 1], [1, 1], [1, 1], False, [0, 0], 1, "NCHW",
-                                              True, True, plain.bias).backward(dy)
+        fns["operator floor"] = lambda: floor(
+            x, plain.weight, 0, [1, 1], [1, 1], [1, 1], False, [0, 0], 1, "NCHW", True, True, plain.bias
+        ).backward(dy)
     for fn in fns.values():  # plan, prepare, warm up
         for _ in range(20):
             fn()
@@ -210,17 +249,27 @@ def main() -> int:
         handle = Handle(backend=args.backend, policy=policy, reps=1, db=False, **options)
         handle.conv_forward(x, w, padding=1, out=out, layer="l")  # plan, check and prepare
         name = "handle" if n == 1 else f"handle-{n}"
-        results[name] = per_call_us(lambda: handle.conv_forward(x, w, padding=1, out=out, layer="l"),
-                                    args.calls, args.rounds, sync)
+        results[name] = per_call_us(
+            lambda h=handle, x=x, w=w, out=out: h.conv_forward(x, w, padding=1, out=out, layer="l"),
+            args.calls,
+            args.rounds,
+            sync,
+        )
         if n == 1:
             tx, tw = torch.as_tensor(x), torch.as_tensor(w)
-            results["torch"] = per_call_us(lambda: F.conv2d(tx, tw, padding=1), args.calls, args.rounds, sync)
+            results["torch"] = per_call_us(
+                lambda tx=tx, tw=tw: F.conv2d(tx, tw, padding=1), args.calls, args.rounds, sync
+            )
         if n == 1 and not gpu:
             problem = ConvProblem(n=1, c=8, h=8, w=8, k=8, r=3, s=3, pad_h=1, pad_w=1)
             backend, workspace = handle.backend, handle.backend.empty_workspace(0)
             results["backend"] = per_call_us(
-                lambda: backend.run(problem, "native", x=x, w=w, out=out, workspace=workspace),
-                args.calls, args.rounds)
+                lambda b=backend, p=problem, x=x, w=w, out=out, ws=workspace: b.run(
+                    p, "native", x=x, w=w, out=out, workspace=ws
+                ),
+                args.calls,
+                args.rounds,
+            )
     results["per micro-batch"] = (results["handle-4"] - results["handle"]) / 3
     if not gpu:
         results.update(layer_calls_us(args.calls // 10, args.rounds, args.layer_batch))

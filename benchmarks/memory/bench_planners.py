@@ -26,7 +26,7 @@ than a point of ucudnn's frontier by more than 5%. Planning time: `plan_memory`;
 per-module policies; the first (compiling) step less a plain step.
 
     pip install '.[models,bench,plot]'
-    OMP_NUM_THREADS=2 python benchmarks/bench_planners.py --rounds 5 --plot docs/planners.png --json planners.json
+    OMP_NUM_THREADS=2 python benchmarks/memory/bench_planners.py --rounds 5 --plot docs/planners.png --json planners.json
 """
 
 from __future__ import annotations
@@ -37,27 +37,35 @@ import dataclasses
 import functools
 import json
 import logging
-import os
 import sys
 import time
+from pathlib import Path
 from unittest import mock
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_frontier import (STYLES, MiB, SLACK, Variant, _fresh_forward, _hook_inductor_allocations,  # noqa: E402
-                            _measure_peak, frontier, time_rounds)
-from bench_frontier import plot as frontier_plot  # noqa: E402
-from common import table  # noqa: E402
-from models import build, loss  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py, models.py
+import torch
+import torch._functorch.config
+import torch._inductor.config
+from bench_frontier import (
+    SLACK,
+    STYLES,
+    MiB,
+    Variant,
+    _fresh_forward,
+    _hook_inductor_allocations,
+    _measure_peak,
+    frontier,
+    time_rounds,
+)
+from bench_frontier import plot as frontier_plot
+from common import table
+from models import build, loss
+from torch import nn
 
-import torch  # noqa: E402
-import torch._functorch.config  # noqa: E402
-import torch._inductor.config  # noqa: E402
-from torch import nn  # noqa: E402
-
-from ucudnn.torch import execute_plan, measure_profile, plan_memory  # noqa: E402
+from ucudnn.torch import execute_plan, measure_profile, plan_memory
 
 FRACTIONS = (0.25, 0.5, 0.75)  # of the way from ucudnn's smallest peak to keeping everything
-BUDGETS = (0.25, 0.5, 0.75)    # torch.compile's activation_memory_budget
+BUDGETS = (0.25, 0.5, 0.75)  # torch.compile's activation_memory_budget
 
 
 def _run_plain(m, x, y):
@@ -75,9 +83,9 @@ def _cpu_roofline():
     import torch.utils._runtime_estimation as estimation
 
     profile = measure_profile("cpu")
-    return mock.patch.multiple(estimation, get_device_tflops=lambda dtype: profile.fp32_tflops,
-                               get_gpu_dram_gbps=lambda: profile.memory_gbps), \
-        mock.patch.object(torch.cuda, "is_available", lambda: True)
+    return mock.patch.multiple(
+        estimation, get_device_tflops=lambda dtype: profile.fp32_tflops, get_gpu_dram_gbps=lambda: profile.memory_gbps
+    ), mock.patch.object(torch.cuda, "is_available", lambda: True)
 
 
 def _sac_estimator():
@@ -159,7 +167,7 @@ def apply_sac(model: nn.Module, decisions: dict[str, float], mod_stats, root: st
         # no value, on which PyTorch's knapsack fails (round(None)): every op gets a time of at least 1 ns
         stats = dataclasses.replace(mod_stats[fqn], runtimes=[max(t, 1e-6) for t in mod_stats[fqn].runtimes])
         save = get_optimal_checkpointing_policy_per_module(stats, memory_budget=1 - decisions[fqn])
-        module = model.get_submodule(fqn[len(root) + 1:]) if fqn != root else model
+        module = model.get_submodule(fqn[len(root) + 1 :]) if fqn != root else model
         forward = module.forward
         context = functools.partial(create_selective_checkpoint_contexts, _policy_fn(mod_stats[fqn], save))
         module.forward = functools.partial(checkpoint, forward, use_reentrant=False, context_fn=context)
@@ -176,14 +184,22 @@ def ucudnn_variants(base, x, y, args, timings):
         model = copy.deepcopy(base)
         start = time.perf_counter()
         everything = plan_memory(model, x, memory_limit=2**62, policy=policy, loss=labelled_loss)
-        timings[f"ucudnn {policy}: the first plan (capture, timed steps, kernels from the cache)"] = \
+        timings[f"ucudnn {policy}: the first plan (capture, timed steps, kernels from the cache)"] = (
             time.perf_counter() - start
+        )
         smallest = plan_memory(model, x, memory_limit=1, policy=policy, loss=labelled_loss)
         ends = [everything.peak_bytes, smallest.peak_bytes]
         if policy == args.policies[0]:  # what executing a plan that acts on nothing costs over the plain step
             kept = all(t.action in ("keep", "release") for t in everything.tensors)
-            out.append(Variant("ucudnn:everything kept", "ucudnn everything kept", copy.deepcopy(model),
-                               lambda m, x, y, plan=everything: _run_planned(m, x, y, plan), plan=everything))
+            out.append(
+                Variant(
+                    "ucudnn:everything kept",
+                    "ucudnn everything kept",
+                    copy.deepcopy(model),
+                    lambda m, x, y, plan=everything: _run_planned(m, x, y, plan),
+                    plan=everything,
+                )
+            )
             assert kept, "a plan with no limit keeps every map"
         limits[policy] = [int(ends[1] + f * (ends[0] - ends[1])) for f in FRACTIONS]
         for limit in limits[policy]:
@@ -191,8 +207,15 @@ def ucudnn_variants(base, x, y, args, timings):
             plan = plan_memory(model, x, memory_limit=limit, policy=policy, loss=labelled_loss)
             timings[f"ucudnn {policy}@{limit / MiB:.1f}MiB"] = time.perf_counter() - start
 
-            out.append(Variant(f"ucudnn:{policy}@{limit / MiB:.1f}MiB", f"ucudnn {policy}", copy.deepcopy(model),
-                               lambda m, x, y, plan=plan: _run_planned(m, x, y, plan), plan=plan))
+            out.append(
+                Variant(
+                    f"ucudnn:{policy}@{limit / MiB:.1f}MiB",
+                    f"ucudnn {policy}",
+                    copy.deepcopy(model),
+                    lambda m, x, y, plan=plan: _run_planned(m, x, y, plan),
+                    plan=plan,
+                )
+            )
     return out, limits
 
 
@@ -215,8 +238,11 @@ def sac_variants(name, base, x, y, limits, args, timings):
         try:
             _run_plain(model, x, y)
         except RuntimeError as exc:  # e.g. a saved output that the model then changes in place (`h += residual`)
-            print(f"[{name}] PyTorch's selective checkpointing refused sac_milp's plan at {limit / MiB:.0f} MiB "
-                  f"({modules} modules): {str(exc).splitlines()[0]}", file=sys.stderr)
+            print(
+                f"[{name}] PyTorch's selective checkpointing refused sac_milp's plan at {limit / MiB:.0f} MiB "
+                f"({modules} modules): {str(exc).splitlines()[0]}",
+                file=sys.stderr,
+            )
             continue
         finally:
             model.zero_grad(set_to_none=True)
@@ -229,8 +255,9 @@ def compile_variants(base, x, y, timings):
     for b in BUDGETS:
         model = copy.deepcopy(base)
         compiled = torch.compile(_fresh_forward(model))
+        state = {"first": True}
 
-        def run(m, x, y, compiled=compiled, b=b, state={"first": True}):
+        def run(m, x, y, compiled=compiled, b=b, state=state):
             if state["first"]:  # forward and backward compile at the first step, under the budget
                 state["first"] = False
                 start = time.perf_counter()
@@ -258,24 +285,57 @@ def run_model(name: str, args) -> dict:
         _measure_peak(v, x, y)
     print(f"[{name}] timing, {args.rounds} interleaved rounds", file=sys.stderr)
     time_rounds(variants, x, y, args.rounds)
-    rows = [[v.name, f"{v.peak / MiB:.1f}", f"{v.peak / plain.peak:.2f}", f"{v.ms:.0f}", f"{v.ms / plain.ms:.2f}",
-             f"{v.plan.peak_bytes / MiB:.1f}" if v.plan else ""] for v in variants]
+    rows = [
+        [
+            v.name,
+            f"{v.peak / MiB:.1f}",
+            f"{v.peak / plain.peak:.2f}",
+            f"{v.ms:.0f}",
+            f"{v.ms / plain.ms:.2f}",
+            f"{v.plan.peak_bytes / MiB:.1f}" if v.plan else "",
+        ]
+        for v in variants
+    ]
     print(f"\n{name}: batch {args.batch}, {args.size}x{args.size}")
     print(table(["variant", "peak MiB", "/ plain", "CPU ms/step", "/ plain", "planned peak MiB"], rows))
     kept = next((v for v in variants if v.tool == "ucudnn everything kept"), None)
     if kept is not None:
         print(f"executing the plan that keeps everything: {kept.ms / plain.ms:.3f}x the plain step's CPU time")
     ours_front = frontier([v for v in variants if v.tool.startswith("ucudnn")] + [plain])
-    beaten = [(q.name, u.name) for u in ours_front if u.tool.startswith("ucudnn") for q in variants
-              if not q.tool.startswith("ucudnn") and q.tool != "plain" and q.peak < u.peak * (1 - SLACK)
-              and q.ms < u.ms * (1 - SLACK)]
-    print(f"PyTorch points both smaller and faster than a ucudnn frontier point by more than {SLACK:.0%}: "
-          f"{beaten or 'none'}")
+    beaten = [
+        (q.name, u.name)
+        for u in ours_front
+        if u.tool.startswith("ucudnn")
+        for q in variants
+        if not q.tool.startswith("ucudnn")
+        and q.tool != "plain"
+        and q.peak < u.peak * (1 - SLACK)
+        and q.ms < u.ms * (1 - SLACK)
+    ]
+    print(
+        f"PyTorch points both smaller and faster than a ucudnn frontier point by more than {SLACK:.0%}: "
+        f"{beaten or 'none'}"
+    )
     print(table(["planning", "s"], [[k, f"{s:.1f}"] for k, s in timings.items()]))
-    return {"model": name, "batch": args.batch, "size": args.size, "beaten": beaten, "planning_s": timings,
-            "points": [{"name": v.name, "tool": v.tool, "peak_bytes": v.peak, "step_ms": v.ms, "wall_ms": v.wall_ms,
-                        "cpu_times_ms": v.cpu_times, "planned_peak_bytes": v.plan.peak_bytes if v.plan else None}
-                       for v in variants]}
+    return {
+        "model": name,
+        "batch": args.batch,
+        "size": args.size,
+        "beaten": beaten,
+        "planning_s": timings,
+        "points": [
+            {
+                "name": v.name,
+                "tool": v.tool,
+                "peak_bytes": v.peak,
+                "step_ms": v.ms,
+                "wall_ms": v.wall_ms,
+                "cpu_times_ms": v.cpu_times,
+                "planned_peak_bytes": v.plan.peak_bytes if v.plan else None,
+            }
+            for v in variants
+        ],
+    }
 
 
 def plot(results: list[dict], path: str) -> None:

@@ -11,7 +11,7 @@
 PostgreSQL runs on a throwaway local server started with tests/pg_server.py (skipped, and said
 so, when no server binaries are found).
 
-    python benchmarks/bench_db.py [--rounds 3] [--json FILE]
+    python benchmarks/cache/bench_db.py [--rounds 3] [--json FILE]
 """
 
 from __future__ import annotations
@@ -26,16 +26,13 @@ import tempfile
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-sys.path.insert(0, str(HERE.parent / "tests"))
-from common import table  # noqa: E402
-from pg_server import PgServer, PgUnavailable  # noqa: E402
-from test_db_concurrency import (ALGOS, BATCHES, DEVICE, WRITERS, micros_for, problem_key,  # noqa: E402
-                                 problems_of, run_writers)
-
-from ucudnn.db import Cache  # noqa: E402
-from ucudnn.solver.types import MicroConfig  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py, models.py
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))  # the repository's tests/
+from common import table
+from pg_server import PgServer, PgUnavailable
+from test_db_concurrency import ALGOS, BATCHES, DEVICE, WRITERS, micros_for, problem_key, problems_of, run_writers
+from ucudnn.db import Cache
+from ucudnn.solver.types import MicroConfig
 
 PROBLEMS = 50
 KINDS = ("fwd", "bwd_data", "bwd_filter")
@@ -58,8 +55,11 @@ def fill_warm(url: str) -> int:
         rows = 0
         for p in range(PROBLEMS):
             for kind in KINDS:
-                ms = [MicroConfig(a, b, 0.01 * (i + 1) * b, 1024 * i * b, spread=0.001)
-                      for i, a in enumerate(ALGOS) for b in BATCHES]
+                ms = [
+                    MicroConfig(a, b, 0.01 * (i + 1) * b, 1024 * i * b, spread=0.001)
+                    for i, a in enumerate(ALGOS)
+                    for b in BATCHES
+                ]
                 rows += cache.store(problem_key=warm_key(p, kind), micros=ms, **DEVICE)
         return rows
 
@@ -76,8 +76,7 @@ def lookup_latencies_ms(url: str) -> tuple[list[float], float]:
             for p in range(PROBLEMS):
                 for kind in KINDS:
                     start = time.perf_counter()
-                    found = cache.lookup(problem_key=warm_key(p, kind), batches=BATCHES,
-                                         algos=ALGOS, **DEVICE)
+                    found = cache.lookup(problem_key=warm_key(p, kind), batches=BATCHES, algos=ALGOS, **DEVICE)
                     elapsed = (time.perf_counter() - start) * 1e3
                     assert len(found) == len(ALGOS) * len(BATCHES)
                     if rep:
@@ -95,12 +94,16 @@ def bench_engine(name: str, new_url, rounds: int) -> dict:
     rows = fill_warm(url)
     samples, open_ms = lookup_latencies_ms(url)
     samples.sort()
-    return {"engine": name, "concurrent_rows_per_s": statistics.median(concurrent),
-            "single_rows_per_s": statistics.median(single), "warm_rows": rows,
-            "lookup_median_ms": statistics.median(samples),
-            "lookup_p95_ms": samples[int(0.95 * (len(samples) - 1))],
-            "lookups_per_network_ms": statistics.median(samples) * PROBLEMS * len(KINDS),
-            "open_ms": open_ms}
+    return {
+        "engine": name,
+        "concurrent_rows_per_s": statistics.median(concurrent),
+        "single_rows_per_s": statistics.median(single),
+        "warm_rows": rows,
+        "lookup_median_ms": statistics.median(samples),
+        "lookup_p95_ms": samples[int(0.95 * (len(samples) - 1))],
+        "lookups_per_network_ms": statistics.median(samples) * PROBLEMS * len(KINDS),
+        "open_ms": open_ms,
+    }
 
 
 def main() -> int:
@@ -123,18 +126,42 @@ def main() -> int:
             finally:
                 server.stop()
 
-    print(f"ucudnn cache benchmark: {platform.node()}, {platform.processor() or platform.machine()}, "
-          f"{os.cpu_count()} CPUs, Python {platform.python_version()}, load average "
-          f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}")
-    print(f"command: python benchmarks/bench_db.py --rounds {args.rounds}")
-    print(f"inserts: {WRITERS} spawned writers, {len(ALGOS) * len(BATCHES)} rows per problem; "
-          f"lookups: {PROBLEMS} problems x {len(KINDS)} kinds x {len(BATCHES)} batches x "
-          f"{len(ALGOS)} algos, one lookup per problem and kind\n")
-    print(table(["engine", f"{WRITERS} writers rows/s", "1 writer rows/s", "lookup median ms",
-                 "lookup p95 ms", f"{PROBLEMS * len(KINDS)} lookups ms", "open ms"],
-                [[r["engine"], f"{r['concurrent_rows_per_s']:.0f}", f"{r['single_rows_per_s']:.0f}",
-                  f"{r['lookup_median_ms']:.2f}", f"{r['lookup_p95_ms']:.2f}",
-                  f"{r['lookups_per_network_ms']:.0f}", f"{r['open_ms']:.1f}"] for r in results]))
+    print(
+        f"ucudnn cache benchmark: {platform.node()}, {platform.processor() or platform.machine()}, "
+        f"{os.cpu_count()} CPUs, Python {platform.python_version()}, load average "
+        f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}"
+    )
+    print(f"command: python benchmarks/cache/bench_db.py --rounds {args.rounds}")
+    print(
+        f"inserts: {WRITERS} spawned writers, {len(ALGOS) * len(BATCHES)} rows per problem; "
+        f"lookups: {PROBLEMS} problems x {len(KINDS)} kinds x {len(BATCHES)} batches x "
+        f"{len(ALGOS)} algos, one lookup per problem and kind\n"
+    )
+    print(
+        table(
+            [
+                "engine",
+                f"{WRITERS} writers rows/s",
+                "1 writer rows/s",
+                "lookup median ms",
+                "lookup p95 ms",
+                f"{PROBLEMS * len(KINDS)} lookups ms",
+                "open ms",
+            ],
+            [
+                [
+                    r["engine"],
+                    f"{r['concurrent_rows_per_s']:.0f}",
+                    f"{r['single_rows_per_s']:.0f}",
+                    f"{r['lookup_median_ms']:.2f}",
+                    f"{r['lookup_p95_ms']:.2f}",
+                    f"{r['lookups_per_network_ms']:.0f}",
+                    f"{r['open_ms']:.1f}",
+                ]
+                for r in results
+            ],
+        )
+    )
     if args.json:
         args.json.write_text(json.dumps(results, indent=2) + "\n")
     return 0

@@ -22,8 +22,8 @@ between steps, as the plan holds them for the whole step. On the CPU: peak RSS a
 variant, plain PyTorch included, to the limit, so that a batch plain PyTorch cannot train within it
 fails there (a limit the planner alone knows of binds nothing else).
 
-    OMP_NUM_THREADS=2 python benchmarks/bench_memory_training.py --chain --rounds 2 --interleaved 4
-    python benchmarks/bench_memory_training.py --models vgg16,resnet50 --batch 8 --size 64 --device cpu
+    OMP_NUM_THREADS=2 python benchmarks/memory/bench_memory_training.py --chain --rounds 2 --interleaved 4
+    python benchmarks/memory/bench_memory_training.py --models vgg16,resnet50 --batch 8 --size 64 --device cpu
 """
 
 from __future__ import annotations
@@ -35,11 +35,12 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import table  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py, models.py
+from common import table
 
-from ucudnn.sizes import parse_size  # noqa: E402
+from ucudnn.sizes import parse_size
 
 # ---- the models -------------------------------------------------------------------------------------
 
@@ -47,9 +48,14 @@ from ucudnn.sizes import parse_size  # noqa: E402
 def chain(layers: int, channels: int):
     from torch import nn
 
-    return nn.Sequential(nn.Conv2d(3, channels, 3, padding=1), nn.ReLU(),
-                         *[m for _ in range(layers - 1) for m in (nn.Conv2d(channels, channels, 3, padding=1), nn.ReLU())],
-                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(channels, 10))
+    return nn.Sequential(
+        nn.Conv2d(3, channels, 3, padding=1),
+        nn.ReLU(),
+        *[m for _ in range(layers - 1) for m in (nn.Conv2d(channels, channels, 3, padding=1), nn.ReLU())],
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(channels, 10),
+    )
 
 
 def vgg16(num_classes: int = 1000):
@@ -64,8 +70,16 @@ def vgg16(num_classes: int = 1000):
         else:
             layers += [nn.Conv2d(c, v, 3, padding=1), nn.ReLU(inplace=True)]
             c = v
-    return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(7), nn.Flatten(), nn.Linear(512 * 49, 4096),
-                         nn.ReLU(inplace=True), nn.Linear(4096, 4096), nn.ReLU(inplace=True), nn.Linear(4096, num_classes))
+    return nn.Sequential(
+        *layers,
+        nn.AdaptiveAvgPool2d(7),
+        nn.Flatten(),
+        nn.Linear(512 * 49, 4096),
+        nn.ReLU(inplace=True),
+        nn.Linear(4096, 4096),
+        nn.ReLU(inplace=True),
+        nn.Linear(4096, num_classes),
+    )
 
 
 def resnet50(num_classes: int = 1000):
@@ -100,8 +114,16 @@ def resnet50(num_classes: int = 1000):
             blocks.append(Bottleneck(c, width, stride if i == 0 else 1))
             c = 4 * width
     del torch
-    return nn.Sequential(nn.Conv2d(3, 64, 7, 2, 3, bias=False), nn.BatchNorm2d(64), nn.ReLU(inplace=True),
-                         nn.MaxPool2d(3, 2, 1), *blocks, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(c, num_classes))
+    return nn.Sequential(
+        nn.Conv2d(3, 64, 7, 2, 3, bias=False),
+        nn.BatchNorm2d(64),
+        nn.ReLU(inplace=True),
+        nn.MaxPool2d(3, 2, 1),
+        *blocks,
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(c, num_classes),
+    )
 
 
 # ---- one variant, in a fresh process ------------------------------------------------------------------
@@ -124,8 +146,25 @@ def _sequential_plan(model, x, segments: int):
         return index is None or index in boundaries or index >= (segments - 1) * size
 
     tensors = tuple(TensorAction(s, graph.bytes_of(s), "keep" if keep(s) else "recompute") for s in graph.storages)
-    return MemoryPlan(graph.network, graph.batch, "host", 1, 2**62, "sequential", True, 0, 0, 0, 1.0, 1.0, 0.0, 0,
-                      tensors, (), capture=step)
+    return MemoryPlan(
+        graph.network,
+        graph.batch,
+        "host",
+        1,
+        2**62,
+        "sequential",
+        True,
+        0,
+        0,
+        0,
+        1.0,
+        1.0,
+        0.0,
+        0,
+        tensors,
+        (),
+        capture=step,
+    )
 
 
 def run_variant(spec: dict) -> dict:
@@ -136,8 +175,8 @@ def run_variant(spec: dict) -> dict:
     from torch.utils.checkpoint import checkpoint_sequential
 
     from ucudnn.torch import capture
-    from ucudnn.torch.running.executor import execute_plan
     from ucudnn.torch.planning.planner import plan_memory
+    from ucudnn.torch.running.executor import execute_plan
 
     torch.manual_seed(0)
     dev = torch.device(spec["device"])
@@ -164,12 +203,14 @@ def run_variant(spec: dict) -> dict:
     if variant == "ucudnn:sequential":
         plan = _sequential_plan(model, x, spec["segments"])
     elif variant.startswith("ucudnn:"):  # --chain: limit a third of the feature maps
+
         def loss(out):
             return nn.functional.cross_entropy(out, y)
 
         limit = spec.get("memory_limit") or capture(model, x, loss=loss).graph.feature_map_bytes // 3
-        plan = plan_memory(model, x, memory_limit=limit, policy=variant.split(":", 1)[1],
-                           device=spec.get("profile"), loss=loss)
+        plan = plan_memory(
+            model, x, memory_limit=limit, policy=variant.split(":", 1)[1], device=spec.get("profile"), loss=loss
+        )
 
     def rss() -> int:
         # VmHWM, the peak RSS of this process image (getrusage's maxrss would start at the parent's
@@ -205,7 +246,9 @@ def run_variant(spec: dict) -> dict:
                 loss = nn.functional.cross_entropy(model(x), y)
             loss.backward()
         elif variant == "checkpoint_sequential":
-            loss = nn.functional.cross_entropy(checkpoint_sequential(model, spec["segments"], x, use_reentrant=False), y)
+            loss = nn.functional.cross_entropy(
+                checkpoint_sequential(model, spec["segments"], x, use_reentrant=False), y
+            )
             loss.backward()
         elif plan is not None:
             with execute_plan(model, plan):
@@ -218,12 +261,21 @@ def run_variant(spec: dict) -> dict:
         sync()
         times.append((time.perf_counter() - start) * 1e3)
     steady = times[1:] or times  # the first step does one-time work (first touches of memory, plan checks)
-    out = {"variant": variant, "added_bytes": rss() - inference, "step_ms": statistics.median(steady),
-           "step_times": times, "conv_runs": conv_runs[0],
-           "params": [p.detach().cpu().double().sum().item() for p in model.parameters()]}
+    out = {
+        "variant": variant,
+        "added_bytes": rss() - inference,
+        "step_ms": statistics.median(steady),
+        "step_times": times,
+        "conv_runs": conv_runs[0],
+        "params": [p.detach().cpu().double().sum().item() for p in model.parameters()],
+    }
     if dev.type == "cuda":
-        state = sum(t.numel() * t.element_size() for s in opt.state.values() for t in s.values()
-                    if torch.is_tensor(t) and t.is_cuda)
+        state = sum(
+            t.numel() * t.element_size()
+            for s in opt.state.values()
+            for t in s.values()
+            if torch.is_tensor(t) and t.is_cuda
+        )
         out["peak_bytes"] = torch.cuda.max_memory_allocated() - state - y.numel() * y.element_size()
     if plan is not None:
         out["plan_peak_bytes"] = plan.peak_bytes
@@ -247,7 +299,9 @@ def interleaved(spec: dict, steps: int) -> dict:
     plan = _sequential_plan(model, x, spec["segments"])
 
     def sequential() -> None:
-        nn.functional.cross_entropy(checkpoint_sequential(model, spec["segments"], x, use_reentrant=False), y).backward()
+        nn.functional.cross_entropy(
+            checkpoint_sequential(model, spec["segments"], x, use_reentrant=False), y
+        ).backward()
 
     def planned() -> None:
         with execute_plan(model, plan):
@@ -265,8 +319,13 @@ def interleaved(spec: dict, steps: int) -> dict:
 
 def spawn(spec: dict) -> dict:
     env = dict(os.environ)
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", json.dumps(spec)],
-                          capture_output=True, text=True, env=env)
+    proc = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), "--child", json.dumps(spec)],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+    )
     if proc.returncode != 0:
         return {"variant": spec["variant"], "error": proc.stderr.strip().splitlines()[-1] if proc.stderr else "failed"}
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -299,6 +358,11 @@ def _mib(b: float) -> str:
     return f"{b / 2**20:.1f}"
 
 
+def _vs(run: dict, plain: dict, key: str) -> str:
+    """A variant's figure over plain's ("" where plain failed)."""
+    return "" if "error" in plain else f"{run[key] / plain[key]:.2f}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--chain", action="store_true", help="the CPU conv-chain experiment")
@@ -308,15 +372,23 @@ def main() -> None:
     ap.add_argument("--models", default="", help="comma-separated: vgg16, resnet50")
     ap.add_argument("--policies", default="vdnn-all,vdnn-conv", help="ucudnn policies for --models")
     ap.add_argument("--memory-limit", default=None, help="planner limit for --models (default: half of plain's)")
-    ap.add_argument("--cap", action="store_true",
-                    help="CUDA: hold every variant to --memory-limit (plus SGD's momentum), plain PyTorch included")
+    ap.add_argument(
+        "--cap",
+        action="store_true",
+        help="CUDA: hold every variant to --memory-limit (plus SGD's momentum), plain PyTorch included",
+    )
     ap.add_argument("--profile", default=None, help="device profile for the planner (default: the device's)")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--size", type=int, default=48)
     ap.add_argument("--steps", type=int, default=3, help="SGD steps per process; the first is left out of ms/step")
     ap.add_argument("--rounds", type=int, default=1, help="--chain: fresh processes per variant, interleaved")
-    ap.add_argument("--interleaved", type=int, default=0, metavar="STEPS",
-                    help="--chain: also time checkpoint_sequential and ucudnn:sequential alternating in one process")
+    ap.add_argument(
+        "--interleaved",
+        type=int,
+        default=0,
+        metavar="STEPS",
+        help="--chain: also time checkpoint_sequential and ucudnn:sequential alternating in one process",
+    )
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--child", help=argparse.SUPPRESS)
@@ -328,8 +400,16 @@ def main() -> None:
         return
     results = {}
     if args.chain:
-        base = {"model": "chain", "layers": args.layers, "channels": args.channels, "batch": args.batch,
-                "size": args.size, "steps": args.steps, "device": args.device, "segments": args.segments}
+        base = {
+            "model": "chain",
+            "layers": args.layers,
+            "channels": args.channels,
+            "batch": args.batch,
+            "size": args.size,
+            "steps": args.steps,
+            "device": args.device,
+            "segments": args.segments,
+        }
         variants = ("plain", "checkpoint_sequential", "ucudnn:sequential", "ucudnn:checkpoint")
         rows, runs = [], spawn_rounds([{**base, "variant": v} for v in variants], args.rounds)
         plain = runs[0]
@@ -339,40 +419,83 @@ def main() -> None:
                 continue
             cut = 1 - r["added_bytes"] / plain["added_bytes"]
             same = max(abs(a - b) / max(1.0, abs(b)) for a, b in zip(r["params"], plain["params"]))
-            rows.append([r["variant"], _mib(r["added_bytes"]),
-                         f"{-cut:+.0%}" if r is not plain else "", f"{r['conv_runs']:.0f}", f"{r['step_ms']:.0f}",
-                         f"{r['step_ms'] / plain['step_ms']:.2f}", f"{same:.1e}"])
-        print(f"conv chain: {args.layers} layers, {args.channels} channels, batch {args.batch}, "
-              f"{args.size}x{args.size}, {args.steps} SGD steps x {args.rounds} round(s), {args.device}")
-        print(table(["variant", "training adds (MiB RSS)", "vs plain", "conv runs/step", "ms/step", "vs plain",
-                     "params rel. diff"], rows))
+            rows.append(
+                [
+                    r["variant"],
+                    _mib(r["added_bytes"]),
+                    f"{-cut:+.0%}" if r is not plain else "",
+                    f"{r['conv_runs']:.0f}",
+                    f"{r['step_ms']:.0f}",
+                    f"{r['step_ms'] / plain['step_ms']:.2f}",
+                    f"{same:.1e}",
+                ]
+            )
+        print(
+            f"conv chain: {args.layers} layers, {args.channels} channels, batch {args.batch}, "
+            f"{args.size}x{args.size}, {args.steps} SGD steps x {args.rounds} round(s), {args.device}"
+        )
+        print(
+            table(
+                [
+                    "variant",
+                    "training adds (MiB RSS)",
+                    "vs plain",
+                    "conv runs/step",
+                    "ms/step",
+                    "vs plain",
+                    "params rel. diff",
+                ],
+                rows,
+            )
+        )
         results["chain"] = runs
         if args.interleaved:
             ms = interleaved(base, args.interleaved)
             cs, ours = ms["checkpoint_sequential"], ms["ucudnn:sequential"]
-            print(f"in one process, {args.interleaved} steps each, interleaved: checkpoint_sequential {cs:.0f} ms, "
-                  f"ucudnn:sequential {ours:.0f} ms ({ours / cs:.2f}x)")
+            print(
+                f"in one process, {args.interleaved} steps each, interleaved: checkpoint_sequential {cs:.0f} ms, "
+                f"ucudnn:sequential {ours:.0f} ms ({ours / cs:.2f}x)"
+            )
             results["interleaved"] = ms
     for name in [m for m in args.models.split(",") if m]:
-        base = {"model": name, "batch": args.batch, "size": args.size, "steps": args.steps, "device": args.device,
-                "segments": args.segments, "profile": args.profile, "cap": args.cap}
+        base = {
+            "model": name,
+            "batch": args.batch,
+            "size": args.size,
+            "steps": args.steps,
+            "device": args.device,
+            "segments": args.segments,
+            "profile": args.profile,
+            "cap": args.cap,
+        }
         if args.cap:
             base["memory_limit"] = parse_size(args.memory_limit)
         plain = spawn({**base, "variant": "plain"})
         measure = "peak_bytes" if args.device.startswith("cuda") else "added_bytes"
         limit = parse_size(args.memory_limit) if args.memory_limit else int(plain.get(measure, 2**30) // 2)
-        runs = [plain] + [spawn({**base, "variant": v, "memory_limit": limit}) for v in
-                          ["save_on_cpu", "checkpoint_sequential"] + [f"ucudnn:{p}" for p in args.policies.split(",")]]
+        runs = [plain] + [
+            spawn({**base, "variant": v, "memory_limit": limit})
+            for v in ["save_on_cpu", "checkpoint_sequential"] + [f"ucudnn:{p}" for p in args.policies.split(",")]
+        ]
         rows = []
         for r in runs:
             if "error" in r:
                 rows.append([r["variant"], "error: " + r["error"][:80], "", "", "", ""])
                 continue
-            ratio = (lambda key: f"{r[key] / plain[key]:.2f}") if "error" not in plain else (lambda key: "")
-            rows.append([r["variant"], _mib(r[measure]), ratio(measure), f"{r['step_ms']:.0f}", ratio("step_ms"),
-                         _mib(r["plan_peak_bytes"]) if "plan_peak_bytes" in r else ""])
+            rows.append(
+                [
+                    r["variant"],
+                    _mib(r[measure]),
+                    _vs(r, plain, measure),
+                    f"{r['step_ms']:.0f}",
+                    _vs(r, plain, "step_ms"),
+                    _mib(r["plan_peak_bytes"]) if "plan_peak_bytes" in r else "",
+                ]
+            )
         what = "peak, as a plan counts (MiB)" if measure == "peak_bytes" else "training adds (MiB RSS)"
-        print(f"\n{name}: batch {args.batch}, {args.size}x{args.size}, {args.device}, planner limit {_mib(int(limit))} MiB")
+        print(
+            f"\n{name}: batch {args.batch}, {args.size}x{args.size}, {args.device}, planner limit {_mib(int(limit))} MiB"
+        )
         print(table(["variant", what, "vs plain", "ms/step", "vs plain", "plan peak (MiB)"], rows))
         results[name] = runs
     if args.json:

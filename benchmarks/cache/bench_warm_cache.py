@@ -9,7 +9,7 @@ A cold run of every CPU algorithm over ResNet-50 takes hours on 2 cores, so `--a
 candidates (default: native); the warm figures depend on the number of cached rows, not on which
 algorithms they hold.
 
-    python benchmarks/bench_warm_cache.py [--algos native] [--reps 1]
+    python benchmarks/cache/bench_warm_cache.py [--algos native] [--reps 1]
 """
 
 from __future__ import annotations
@@ -24,13 +24,13 @@ import time
 from datetime import date
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import table  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py, models.py
+from common import table
 
 
 def run(argv: list[str]) -> tuple[float, dict]:
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "ucudnn.cli.main", *argv], capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, "-m", "ucudnn.cli.main", *argv], capture_output=True, text=True, check=False)
     seconds = time.perf_counter() - start
     if proc.returncode != 0:
         raise SystemExit(f"ucudnn {' '.join(argv)} failed ({proc.returncode}): {proc.stderr.strip()}")
@@ -45,8 +45,22 @@ def main() -> int:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         db = str(Path(tmp) / "cache.db")
-        common = ["--network", "resnet50", "--policy", "powerOfTwo", "--backend", "cpu", "--algos", args.algos,
-                  "--reps", args.reps, "--db", db, "--json", "--quiet"]
+        common = [
+            "--network",
+            "resnet50",
+            "--policy",
+            "powerOfTwo",
+            "--backend",
+            "cpu",
+            "--algos",
+            args.algos,
+            "--reps",
+            args.reps,
+            "--db",
+            db,
+            "--json",
+            "--quiet",
+        ]
         wr = ["bench", "--batch", "64", *common]
         wd = ["bench", "--batch", "32", "--total-workspace", "1GiB", *common]
         cold_s, cold = run(wr)
@@ -55,12 +69,16 @@ def main() -> int:
     warm_s = sorted(s for s, _ in warm)[len(warm) // 2]
     wd_s = sorted(s for s, _ in warm_wd)[len(warm_wd) // 2]
     assert all(r["benchmark"]["measured"] == 0 for _, r in warm + warm_wd), "a warm run measured something"
-    rows = [["cold WR, batch 64", f"{cold_s:.2f}", cold["benchmark"]["measured"], cold["benchmark"]["cached"], ""],
-            ["warm WR, batch 64", f"{warm_s:.2f}", 0, warm[0][1]["benchmark"]["cached"], f"{cold_s / warm_s:.0f}x"],
-            ["warm WD, batch 32, 1 GiB", f"{wd_s:.2f}", 0, warm_wd[0][1]["benchmark"]["cached"], ""]]
-    print(f"# ResNet-50 end to end, CPU backend, algos {args.algos}, reps {args.reps} "
-          f"({platform.processor() or platform.machine()}, {date.today()}); "
-          f"command: python benchmarks/bench_warm_cache.py --algos {args.algos}")
+    rows = [
+        ["cold WR, batch 64", f"{cold_s:.2f}", cold["benchmark"]["measured"], cold["benchmark"]["cached"], ""],
+        ["warm WR, batch 64", f"{warm_s:.2f}", 0, warm[0][1]["benchmark"]["cached"], f"{cold_s / warm_s:.0f}x"],
+        ["warm WD, batch 32, 1 GiB", f"{wd_s:.2f}", 0, warm_wd[0][1]["benchmark"]["cached"], ""],
+    ]
+    print(
+        f"# ResNet-50 end to end, CPU backend, algos {args.algos}, reps {args.reps} "
+        f"({platform.processor() or platform.machine()}, {date.today()}); "
+        f"command: python benchmarks/cache/bench_warm_cache.py --algos {args.algos}"
+    )
     print(table(["run", "seconds", "measured", "cached", "cold / warm"], rows))
     return 0
 

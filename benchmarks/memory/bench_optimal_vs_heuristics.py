@@ -4,25 +4,31 @@ For each network and each limit (a fraction of the everything-resident plan's pe
 on the device profile; a row says whether `optimal` fits and its step, and the fastest fitting heuristic.
 ``beaten`` counts the cases where a heuristic fits and `optimal` does not, or is faster.
 
-    python benchmarks/bench_optimal_vs_heuristics.py --device h100
+    python benchmarks/memory/bench_optimal_vs_heuristics.py --device h100
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
+from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import table  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py, models.py
+from common import table
 
-from ucudnn.devices import load_profile  # noqa: E402
-from ucudnn.memory.graph import from_network  # noqa: E402
-from ucudnn.memory.planner import available_policies, make_plan  # noqa: E402
+from ucudnn.devices import load_profile
+from ucudnn.memory.graph import from_network
+from ucudnn.memory.planner import available_policies, make_plan
 
-NETWORKS = [("alexnet", 256), ("vgg16", 128), ("resnet50", 128), ("googlenet", 128), ("densenet40", 64),
-            ("resnet18", 128)]
+NETWORKS = [
+    ("alexnet", 256),
+    ("vgg16", 128),
+    ("resnet50", 128),
+    ("googlenet", 128),
+    ("densenet40", 64),
+    ("resnet18", 128),
+]
 
 
 def main() -> None:
@@ -44,12 +50,37 @@ def main() -> None:
             lost = best is not None and (not optimal.fits or optimal.step_ms > best.step_ms * (1 + 1e-9))
             beaten += lost
             cases += 1
-            rows.append([network, batch, f"{limit / 2**30:.2f}", "yes" if optimal.fits else "no",
-                         f"{optimal.step_ms:.1f}", optimal.search or "", best.policy if best else "-",
-                         f"{best.step_ms:.1f}" if best else "-", "BEATEN" if lost else "",
-                         f"{time.perf_counter() - start:.1f}"])
-    print(table(["network", "batch", "limit GiB", "optimal fits", "optimal ms", "optimal's search",
-                 "best heuristic", "its ms", "", "s (all policies)"], rows))
+            rows.append(
+                [
+                    network,
+                    batch,
+                    f"{limit / 2**30:.2f}",
+                    "yes" if optimal.fits else "no",
+                    f"{optimal.step_ms:.1f}",
+                    optimal.search or "",
+                    best.policy if best else "-",
+                    f"{best.step_ms:.1f}" if best else "-",
+                    "BEATEN" if lost else "",
+                    f"{time.perf_counter() - start:.1f}",
+                ]
+            )
+    print(
+        table(
+            [
+                "network",
+                "batch",
+                "limit GiB",
+                "optimal fits",
+                "optimal ms",
+                "optimal's search",
+                "best heuristic",
+                "its ms",
+                "",
+                "s (all policies)",
+            ],
+            rows,
+        )
+    )
     print(f"optimal beaten in {beaten} of {cases} cases")
 
 

@@ -15,7 +15,7 @@ prediction at halfway and smallest. ``--predict-only``: the predictions alone, n
 does not train in reasonable time: the plans are made on fake tensors).
 
     pip install '.[models]'
-    OMP_NUM_THREADS=1 python benchmarks/bench_copy_timing.py [--models hf-resnet50,hf-mobilenet-v2,monai-unet]
+    OMP_NUM_THREADS=1 python benchmarks/memory/bench_copy_timing.py [--models hf-resnet50,hf-mobilenet-v2,monai-unet]
         [--batch 4] [--size 64] [--policy optimal] [--device h100] [--predict-only] [--json FILE]
 """
 
@@ -24,22 +24,19 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import json
-import os
 import sys
 from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import plan_fields, table  # noqa: E402
-from models import NAMES, build, loss  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py, models.py
+import torch
+from common import plan_fields, table, write_json
+from models import NAMES, build, loss
 
-import torch  # noqa: E402
-
-from ucudnn.devices import load_profile  # noqa: E402
-from ucudnn.memory.planner import make_plan  # noqa: E402
-from ucudnn.torch import plan_memory  # noqa: E402
-from ucudnn.torch.checking.check import check_plan  # noqa: E402
-from ucudnn.torch.running.offload import late_copies  # noqa: E402
+from ucudnn.devices import load_profile
+from ucudnn.memory.planner import make_plan
+from ucudnn.torch import plan_memory
+from ucudnn.torch.checking.check import check_plan
+from ucudnn.torch.running.offload import late_copies
 
 MODELS = ("hf-resnet50", "hf-mobilenet-v2", "monai-unet")
 BAND = (0.95, 1.05)
@@ -68,15 +65,27 @@ def bench(name: str, args) -> list[dict]:
         return plan_memory(model, x, memory_limit=limit, policy=args.policy, device=args.device, loss=labelled)
 
     everything, smallest = planned(2**40), planned(1)
-    plans = {"everything kept": everything, "halfway": planned((everything.peak_bytes + smallest.peak_bytes) // 2),
-             "smallest": smallest}
+    plans = {
+        "everything kept": everything,
+        "halfway": planned((everything.peak_bytes + smallest.peak_bytes) // 2),
+        "smallest": smallest,
+    }
     rows = []
     for label, plan in plans.items():
         step = plan.capture
-        own = dataclasses.replace(make_plan(step.graph, load_profile(args.device), plan.memory_limit, args.policy),
-                                  capture=step)
-        row = {"model": name, "batch": args.batch, "size": args.size, "policy": args.policy, "device": args.device,
-               "plan": label, **plan_fields(plan), "policy_predicted_bytes": own.peak_bytes}
+        own = dataclasses.replace(
+            make_plan(step.graph, load_profile(args.device), plan.memory_limit, args.policy), capture=step
+        )
+        row = {
+            "model": name,
+            "batch": args.batch,
+            "size": args.size,
+            "policy": args.policy,
+            "device": args.device,
+            "plan": label,
+            **plan_fields(plan),
+            "policy_predicted_bytes": own.peak_bytes,
+        }
         if not args.predict_only:
             row["prompt_bytes"] = counted(model, plan, x, y, late=False)
             row["late_bytes"] = counted(model, plan, x, y, late=True)
@@ -84,8 +93,12 @@ def bench(name: str, args) -> list[dict]:
             row["prompt_ratio"] = row["prompt_bytes"] / row["predicted_bytes"]
             row["late_ratio"] = row["late_bytes"] / row["predicted_bytes"]
             row["policy_late_ratio"] = row["policy_late_bytes"] / row["policy_predicted_bytes"]
-            print(f"[{name}] {label}: late copies {row['late_ratio']:.3f} of predicted (the policy's own timing: "
-                  f"{row['policy_late_ratio']:.3f})", file=sys.stderr, flush=True)
+            print(
+                f"[{name}] {label}: late copies {row['late_ratio']:.3f} of predicted (the policy's own timing: "
+                f"{row['policy_late_ratio']:.3f})",
+                file=sys.stderr,
+                flush=True,
+            )
         rows.append(row)
     return rows
 
@@ -106,20 +119,59 @@ def main(argv=None) -> int:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads", file=sys.stderr)
     rows = [row for name in args.models.split(",") for row in bench(name, args)]
     if args.predict_only:
-        print(table(["model", "plan", "offl./recomp.", "predicted MiB", "policy's own: pred. MiB", "pred. / own"],
-                    [[r["model"], r["plan"], f"{r['offloaded']}/{r['recomputed']}", f"{r['predicted_bytes'] / MIB:.1f}",
-                      f"{r['policy_predicted_bytes'] / MIB:.1f}",
-                      f"{r['predicted_bytes'] / r['policy_predicted_bytes']:.3f}"] for r in rows]))
+        print(
+            table(
+                ["model", "plan", "offl./recomp.", "predicted MiB", "policy's own: pred. MiB", "pred. / own"],
+                [
+                    [
+                        r["model"],
+                        r["plan"],
+                        f"{r['offloaded']}/{r['recomputed']}",
+                        f"{r['predicted_bytes'] / MIB:.1f}",
+                        f"{r['policy_predicted_bytes'] / MIB:.1f}",
+                        f"{r['predicted_bytes'] / r['policy_predicted_bytes']:.3f}",
+                    ]
+                    for r in rows
+                ],
+            )
+        )
     else:
-        print(table(["model", "plan", "offl./recomp.", "predicted MiB", "prompt MiB", "late MiB", "prompt / pred.",
-                     "late / pred.", f"target {BAND[0]}-{BAND[1]}", "policy's own: pred. MiB", "late MiB",
-                     "late / pred."],
-                    [[r["model"], r["plan"], f"{r['offloaded']}/{r['recomputed']}", f"{r['predicted_bytes'] / MIB:.2f}",
-                      f"{r['prompt_bytes'] / MIB:.2f}", f"{r['late_bytes'] / MIB:.2f}", f"{r['prompt_ratio']:.3f}",
-                      f"{r['late_ratio']:.3f}", target(r), f"{r['policy_predicted_bytes'] / MIB:.2f}",
-                      f"{r['policy_late_bytes'] / MIB:.2f}", f"{r['policy_late_ratio']:.3f}"] for r in rows]))
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=2))
+        print(
+            table(
+                [
+                    "model",
+                    "plan",
+                    "offl./recomp.",
+                    "predicted MiB",
+                    "prompt MiB",
+                    "late MiB",
+                    "prompt / pred.",
+                    "late / pred.",
+                    f"target {BAND[0]}-{BAND[1]}",
+                    "policy's own: pred. MiB",
+                    "late MiB",
+                    "late / pred.",
+                ],
+                [
+                    [
+                        r["model"],
+                        r["plan"],
+                        f"{r['offloaded']}/{r['recomputed']}",
+                        f"{r['predicted_bytes'] / MIB:.2f}",
+                        f"{r['prompt_bytes'] / MIB:.2f}",
+                        f"{r['late_bytes'] / MIB:.2f}",
+                        f"{r['prompt_ratio']:.3f}",
+                        f"{r['late_ratio']:.3f}",
+                        target(r),
+                        f"{r['policy_predicted_bytes'] / MIB:.2f}",
+                        f"{r['policy_late_bytes'] / MIB:.2f}",
+                        f"{r['policy_late_ratio']:.3f}",
+                    ]
+                    for r in rows
+                ],
+            )
+        )
+    write_json(args.json, rows)
     return 0
 
 

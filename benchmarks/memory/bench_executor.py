@@ -33,9 +33,9 @@ The same script runs against another checkout of the package (``PYTHONPATH=<chec
 before this executor.
 
     pip install '.[models]'
-    OMP_NUM_THREADS=1 python benchmarks/bench_executor.py [--models hf-resnet50,hf-mobilenet-v2,monai-unet]
+    OMP_NUM_THREADS=1 python benchmarks/memory/bench_executor.py [--models hf-resnet50,hf-mobilenet-v2,monai-unet]
         [--batch 4] [--size 64] [--policy optimal] [--rounds 5] [--reps 5] [--convert] [--json FILE]
-    OMP_NUM_THREADS=1 python benchmarks/bench_executor.py --host [--rounds 5]
+    OMP_NUM_THREADS=1 python benchmarks/memory/bench_executor.py --host [--rounds 5]
 """
 
 from __future__ import annotations
@@ -43,29 +43,27 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import json
-import os
 import statistics
 import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import keep_freed_memory, table  # noqa: E402
-from models import NAMES, build, loss  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py, models.py
+import torch
+from common import keep_freed_memory, table, write_json
+from models import NAMES, build, loss
 
-import torch  # noqa: E402
+import ucudnn
+from ucudnn.torch import convert, execute_plan, plan_memory
 
-import ucudnn  # noqa: E402
-from ucudnn.torch import convert, execute_plan, plan_memory  # noqa: E402
-
-EXECUTOR_FILES = tuple(str(Path(ucudnn.__file__).parent / "torch" / "running" / f)
-                       for f in ("executor.py", "offload.py", "recompute.py"))
+EXECUTOR_FILES = tuple(
+    str(Path(ucudnn.__file__).parent / "torch" / "running" / f) for f in ("executor.py", "offload.py", "recompute.py")
+)
 MODELS = ("hf-resnet50", "hf-mobilenet-v2", "monai-unet")
-KEPT_TARGET = 1.02       # everything kept: the executor's own cost, at most 2% of a plain step
-HALFWAY_SLACK = 0.05     # halfway: the plan's predicted ratio plus 5%
-CONVERTED_WARMUP = 8     # --convert: steps before planning (TRIAL_RUNS each way, and the first plans)
+KEPT_TARGET = 1.02  # everything kept: the executor's own cost, at most 2% of a plain step
+HALFWAY_SLACK = 0.05  # halfway: the plan's predicted ratio plus 5%
+CONVERTED_WARMUP = 8  # --convert: steps before planning (TRIAL_RUNS each way, and the first plans)
 HOST_BLOCKS, HOST_DROPPED, HOST_REPS = 16, 8, 200  # --host: the chain, the maps dropped, steps per round
 
 
@@ -78,7 +76,7 @@ def interleaved(fns: dict, reps: int) -> dict[str, list[tuple[float, float]]]:
         fn()
     samples: dict[str, list[tuple[float, float]]] = {name: [] for name in names}
     for rep in range(reps):
-        for name in (names if rep % 2 == 0 else names[::-1]):
+        for name in names if rep % 2 == 0 else names[::-1]:
             wall, cpu = time.perf_counter(), time.process_time()
             fns[name]()
             samples[name].append(((time.perf_counter() - wall) * 1e3, (time.process_time() - cpu) * 1e3))
@@ -113,9 +111,13 @@ def planning_parts() -> Iterator[dict[str, float]]:
     from ucudnn.torch.planning import planner as planning
 
     spent = {"capture": 0.0, "profile": 0.0, "timed steps": 0.0, "conv options": 0.0, "solve": 0.0}
-    parts = [(planning, "_captured", "capture"), (planning, "_profile_for", "profile"),
-             (planning, "_timed_ops", "timed steps"), (planning, "_conv_fronts", "conv options"),
-             (planner, "make_plan", "solve")]
+    parts = [
+        (planning, "_captured", "capture"),
+        (planning, "_profile_for", "profile"),
+        (planning, "_timed_ops", "timed steps"),
+        (planning, "_conv_fronts", "conv options"),
+        (planner, "make_plan", "solve"),
+    ]
 
     running: set[str] = set()
 
@@ -130,6 +132,7 @@ def planning_parts() -> Iterator[dict[str, float]]:
             finally:
                 running.discard(part)
                 spent[part] += time.perf_counter() - start
+
         return run
 
     originals = [(module, attr, getattr(module, attr)) for module, attr, _ in parts]
@@ -160,8 +163,9 @@ def bench(name: str, args) -> dict:
     with planning_parts() as spent:
         everything = plan_memory(model, x, memory_limit=2**40, policy=args.policy, loss=labelled)
         smallest = plan_memory(model, x, memory_limit=1, policy=args.policy, loss=labelled)
-        halfway = plan_memory(model, x, memory_limit=(everything.peak_bytes + smallest.peak_bytes) // 2,
-                              policy=args.policy, loss=labelled)
+        halfway = plan_memory(
+            model, x, memory_limit=(everything.peak_bytes + smallest.peak_bytes) // 2, policy=args.policy, loss=labelled
+        )
     planning_s = time.perf_counter() - start
     plans = {"everything kept": everything, "halfway": halfway, "smallest": smallest}
     last_stats = {}
@@ -176,6 +180,7 @@ def bench(name: str, args) -> dict:
             with execute_plan(model, plans[label]) as stats:
                 loss(model(x), y).backward()
             last_stats[label] = stats
+
         return step
 
     if args.convert:  # under a plan's budgets a layer's kernels are planned (and tried against torch's) again
@@ -189,13 +194,17 @@ def bench(name: str, args) -> dict:
     converted = {"wall": [], "cpu": []}  # the converted step against torch's own model's
     for _ in range(args.rounds):
         if torch_model is not None:
+
             def torch_step():
                 torch_model.zero_grad(set_to_none=True)
                 loss(torch_model(x), y).backward()
+
             samples = interleaved({"torch": torch_step, "converted": plain}, args.reps)
             for c, clock in enumerate(("wall", "cpu")):
-                converted[clock].append(statistics.median(s[c] for s in samples["converted"])
-                                        / statistics.median(s[c] for s in samples["torch"]))
+                converted[clock].append(
+                    statistics.median(s[c] for s in samples["converted"])
+                    / statistics.median(s[c] for s in samples["torch"])
+                )
         for label in plans:
             samples = interleaved({"plain": plain, label: planned(label)}, args.reps)
             for c, clock in enumerate(("wall", "cpu")):
@@ -203,31 +212,53 @@ def bench(name: str, args) -> dict:
                 plain_ms[clock].append(base)
                 ratios[clock][label].append(statistics.median(s[c] for s in samples[label]) / base)
     step = halfway.capture
-    row = {"model": name, "batch": args.batch, "size": args.size, "policy": args.policy,
-           "plain_ms": statistics.median(plain_ms["wall"]), "plain_cpu_ms": statistics.median(plain_ms["cpu"]),
-           "model_ops": step.model_ops, "saves": len(getattr(step, "saves", ())), "plans": {},
-           "planning_s": planning_s, "planning_parts_s": dict(spent), "converted": bool(args.convert)}
+    row = {
+        "model": name,
+        "batch": args.batch,
+        "size": args.size,
+        "policy": args.policy,
+        "plain_ms": statistics.median(plain_ms["wall"]),
+        "plain_cpu_ms": statistics.median(plain_ms["cpu"]),
+        "model_ops": step.model_ops,
+        "saves": len(getattr(step, "saves", ())),
+        "plans": {},
+        "planning_s": planning_s,
+        "planning_parts_s": dict(spent),
+        "converted": bool(args.convert),
+    }
     if args.convert:
         row["converted_ratio"] = statistics.median(converted["wall"])
         row["converted_cpu_ratio"] = statistics.median(converted["cpu"])
-        print(f"[{name}] converted: {row['converted_ratio']:.3f}x torch's own model (wall), "
-              f"{row['converted_cpu_ratio']:.3f}x (CPU)", file=sys.stderr, flush=True)
+        print(
+            f"[{name}] converted: {row['converted_ratio']:.3f}x torch's own model (wall), "
+            f"{row['converted_cpu_ratio']:.3f}x (CPU)",
+            file=sys.stderr,
+            flush=True,
+        )
     for label, plan in plans.items():
         stats = last_stats[label]
         row["plans"][label] = {
-            "ratio": statistics.median(ratios["wall"][label]), "ratio_min": min(ratios["wall"][label]),
-            "ratio_max": max(ratios["wall"][label]), "cpu_ratio": statistics.median(ratios["cpu"][label]),
-            "cpu_ratio_min": min(ratios["cpu"][label]), "cpu_ratio_max": max(ratios["cpu"][label]),
+            "ratio": statistics.median(ratios["wall"][label]),
+            "ratio_min": min(ratios["wall"][label]),
+            "ratio_max": max(ratios["wall"][label]),
+            "cpu_ratio": statistics.median(ratios["cpu"][label]),
+            "cpu_ratio_min": min(ratios["cpu"][label]),
+            "cpu_ratio_max": max(ratios["cpu"][label]),
             "predicted": plan.step_ms / plan.baseline_step_ms,
             "peak_mib": plan.peak_bytes / 2**20,
             "offloaded": sum(t.action == "offload" for t in plan.tensors),
             "recomputed": sum(t.action == "recompute" for t in plan.tensors),
             "entries": entries(planned(label)),
-            "hook_calls": getattr(stats, "hook_calls", None), "acting_calls": getattr(stats, "acting_calls", None),
-            "followed_ops": getattr(stats, "followed_ops", None)}
+            "hook_calls": getattr(stats, "hook_calls", None),
+            "acting_calls": getattr(stats, "acting_calls", None),
+            "followed_ops": getattr(stats, "followed_ops", None),
+        }
         p = row["plans"][label]
-        print(f"[{name}] {label}: {p['ratio']:.3f}x plain (wall), {p['cpu_ratio']:.3f}x (CPU)", file=sys.stderr,
-              flush=True)
+        print(
+            f"[{name}] {label}: {p['ratio']:.3f}x plain (wall), {p['cpu_ratio']:.3f}x (CPU)",
+            file=sys.stderr,
+            flush=True,
+        )
     return row
 
 
@@ -250,18 +281,35 @@ def host_cost(reps: int, rounds: int) -> dict:
 
     def plan(k: int) -> MemoryPlan:
         dropped = set(relus[:k])
-        tensors = tuple(TensorAction(s, graph.bytes_of(s), "recompute" if s in dropped else "keep")
-                        for s in graph.storages)
-        return MemoryPlan(network=graph.network, batch=1, device="host", devices=1, memory_limit=2**30,
-                          policy="hand", fits=True, peak_bytes=0, average_bytes=0, baseline_peak_bytes=0,
-                          step_ms=1.0, baseline_step_ms=1.0, stall_ms=0.0, bytes_offloaded=0, tensors=tensors,
-                          conv_workspace=(), capture=step)
+        tensors = tuple(
+            TensorAction(s, graph.bytes_of(s), "recompute" if s in dropped else "keep") for s in graph.storages
+        )
+        return MemoryPlan(
+            network=graph.network,
+            batch=1,
+            device="host",
+            devices=1,
+            memory_limit=2**30,
+            policy="hand",
+            fits=True,
+            peak_bytes=0,
+            average_bytes=0,
+            baseline_peak_bytes=0,
+            step_ms=1.0,
+            baseline_step_ms=1.0,
+            stall_ms=0.0,
+            bytes_offloaded=0,
+            tensors=tensors,
+            conv_workspace=(),
+            capture=step,
+        )
 
     def run(p: MemoryPlan | None):
         def one():
             model.zero_grad(set_to_none=True)
             with execute_plan(model, p) if p is not None else contextlib.nullcontext():
                 model(x).square().mean().backward()
+
         return one
 
     fns = {"plain": run(None), "none dropped": run(plan(0)), f"{HOST_DROPPED} dropped": run(plan(HOST_DROPPED))}
@@ -271,8 +319,13 @@ def host_cost(reps: int, rounds: int) -> dict:
         us = {name: statistics.median(cpu for _, cpu in v) * 1e3 for name, v in samples.items()}
         block.append(us["none dropped"] - us["plain"])
         per_map.append((us[f"{HOST_DROPPED} dropped"] - us["none dropped"]) / HOST_DROPPED)
-    return {"plain_us": us["plain"], "block_us": statistics.median(block), "block_range": (min(block), max(block)),
-            "per_dropped_map_us": statistics.median(per_map), "per_dropped_map_range": (min(per_map), max(per_map))}
+    return {
+        "plain_us": us["plain"],
+        "block_us": statistics.median(block),
+        "block_range": (min(block), max(block)),
+        "per_dropped_map_us": statistics.median(per_map),
+        "per_dropped_map_range": (min(per_map), max(per_map)),
+    }
 
 
 def main(argv=None) -> int:
@@ -283,31 +336,40 @@ def main(argv=None) -> int:
     ap.add_argument("--policy", default="optimal")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--convert", action="store_true",
-                    help="convert each model (ucudnn.torch.convert, backend cpu, its defaults) and time its plans "
-                         "against the converted model's own step (also timed against torch's own model)")
-    ap.add_argument("--host", action="store_true",
-                    help="only the executor's host time per block and per dropped map, on a chain of tiny layers "
-                         f"({HOST_REPS} interleaved steps in each of --rounds rounds)")
+    ap.add_argument(
+        "--convert",
+        action="store_true",
+        help="convert each model (ucudnn.torch.convert, backend cpu, its defaults) and time its plans "
+        "against the converted model's own step (also timed against torch's own model)",
+    )
+    ap.add_argument(
+        "--host",
+        action="store_true",
+        help="only the executor's host time per block and per dropped map, on a chain of tiny layers "
+        f"({HOST_REPS} interleaved steps in each of --rounds rounds)",
+    )
     ap.add_argument("--json", help="also write the rows to this file")
     args = ap.parse_args(argv)
     if args.host:
         torch.set_num_threads(1)
         cost = host_cost(HOST_REPS, args.rounds)
-        print(f"executor's host time (CPU us, median of {args.rounds} rounds, range): plain step "
-              f"{cost['plain_us']:.0f}; a block that acts on nothing +{cost['block_us']:.0f} "
-              f"({cost['block_range'][0]:.0f}-{cost['block_range'][1]:.0f}); per dropped map "
-              f"+{cost['per_dropped_map_us']:.0f} ({cost['per_dropped_map_range'][0]:.0f}-"
-              f"{cost['per_dropped_map_range'][1]:.0f})")
-        if args.json:
-            Path(args.json).write_text(json.dumps(cost, indent=2))
+        print(
+            f"executor's host time (CPU us, median of {args.rounds} rounds, range): plain step "
+            f"{cost['plain_us']:.0f}; a block that acts on nothing +{cost['block_us']:.0f} "
+            f"({cost['block_range'][0]:.0f}-{cost['block_range'][1]:.0f}); per dropped map "
+            f"+{cost['per_dropped_map_us']:.0f} ({cost['per_dropped_map_range'][0]:.0f}-"
+            f"{cost['per_dropped_map_range'][1]:.0f})"
+        )
+        write_json(args.json, cost)
         return 0
     unknown = [m for m in args.models.split(",") if m not in NAMES]
     if unknown:
         ap.error(f"unknown model(s) {', '.join(unknown)}: {', '.join(NAMES)}")
     keep_freed_memory()  # freed steps' memory stays with the process: the steps time compute, not page faults
-    print(f"ucudnn from {Path(ucudnn.__file__).parent}, torch {torch.__version__}, {torch.get_num_threads()} threads",
-          file=sys.stderr)
+    print(
+        f"ucudnn from {Path(ucudnn.__file__).parent}, torch {torch.__version__}, {torch.get_num_threads()} threads",
+        file=sys.stderr,
+    )
     rows = [bench(name, args) for name in args.models.split(",")]
 
     def target(label, p):
@@ -317,25 +379,59 @@ def main(argv=None) -> int:
             limit = p["predicted"] + HALFWAY_SLACK
         else:
             return ""
-        return f"<= {limit:.2f}: wall {'met' if p['ratio'] <= limit else 'NOT met'}, " \
-               f"CPU {'met' if p['cpu_ratio'] <= limit else 'NOT met'}"
+        return (
+            f"<= {limit:.2f}: wall {'met' if p['ratio'] <= limit else 'NOT met'}, "
+            f"CPU {'met' if p['cpu_ratio'] <= limit else 'NOT met'}"
+        )
 
-    print(table(["model", "plain ms (CPU ms)", "plan", "peak MiB", "offl./recomp.", "x plain wall (range)",
-                 "x plain CPU (range)", "predicted", "target", "executor entries", "hooks / acting / followed ops",
-                 "ops, saves"],
-                [[r["model"], f"{r['plain_ms']:.0f} ({r['plain_cpu_ms']:.0f})", label, f"{p['peak_mib']:.1f}",
-                  f"{p['offloaded']}/{p['recomputed']}",
-                  f"{p['ratio']:.3f} ({p['ratio_min']:.3f}-{p['ratio_max']:.3f})",
-                  f"{p['cpu_ratio']:.3f} ({p['cpu_ratio_min']:.3f}-{p['cpu_ratio_max']:.3f})", f"{p['predicted']:.3f}",
-                  target(label, p), p["entries"],
-                  "-" if p["hook_calls"] is None else f"{p['hook_calls']} / {p['acting_calls']} / {p['followed_ops']}",
-                  f"{r['model_ops']}, {r['saves'] or '-'}"]
-                 for r in rows for label, p in r["plans"].items()]))
-    print(table(["model", "3 plans s", *rows[0]["planning_parts_s"]],
-                [[r["model"], f"{r['planning_s']:.1f}", *(f"{v:.1f}" for v in r["planning_parts_s"].values())]
-                 for r in rows]))
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=2))
+    print(
+        table(
+            [
+                "model",
+                "plain ms (CPU ms)",
+                "plan",
+                "peak MiB",
+                "offl./recomp.",
+                "x plain wall (range)",
+                "x plain CPU (range)",
+                "predicted",
+                "target",
+                "executor entries",
+                "hooks / acting / followed ops",
+                "ops, saves",
+            ],
+            [
+                [
+                    r["model"],
+                    f"{r['plain_ms']:.0f} ({r['plain_cpu_ms']:.0f})",
+                    label,
+                    f"{p['peak_mib']:.1f}",
+                    f"{p['offloaded']}/{p['recomputed']}",
+                    f"{p['ratio']:.3f} ({p['ratio_min']:.3f}-{p['ratio_max']:.3f})",
+                    f"{p['cpu_ratio']:.3f} ({p['cpu_ratio_min']:.3f}-{p['cpu_ratio_max']:.3f})",
+                    f"{p['predicted']:.3f}",
+                    target(label, p),
+                    p["entries"],
+                    "-"
+                    if p["hook_calls"] is None
+                    else f"{p['hook_calls']} / {p['acting_calls']} / {p['followed_ops']}",
+                    f"{r['model_ops']}, {r['saves'] or '-'}",
+                ]
+                for r in rows
+                for label, p in r["plans"].items()
+            ],
+        )
+    )
+    print(
+        table(
+            ["model", "3 plans s", *rows[0]["planning_parts_s"]],
+            [
+                [r["model"], f"{r['planning_s']:.1f}", *(f"{v:.1f}" for v in r["planning_parts_s"].values())]
+                for r in rows
+            ],
+        )
+    )
+    write_json(args.json, rows)
     return 0
 
 

@@ -12,7 +12,7 @@
 4. Planning ResNet-152 (256) with optimal on this machine: <= 10 s (wall clock, everything included:
    graph, conv fronts from the shipped H100 measurements, program, simulation).
 
-    python benchmarks/bench_memory_plan.py
+    python benchmarks/memory/bench_memory_plan.py
 """
 
 from __future__ import annotations
@@ -21,18 +21,18 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py, models.py
 
-from common import table  # noqa: E402
+from common import table
 
-from ucudnn.devices import PROFILES  # noqa: E402
-from ucudnn.memory import make_plan  # noqa: E402
-from ucudnn.memory.graph import from_network  # noqa: E402
-from ucudnn.memory.optimal import search  # noqa: E402
-from ucudnn.memory.planner import baseline  # noqa: E402
-from ucudnn.memory.simulate import simulate  # noqa: E402
-from ucudnn.memory.timing import conv_fronts, step_costs  # noqa: E402
-from ucudnn.memory.vdnn import actions_for  # noqa: E402
+from ucudnn.devices import PROFILES
+from ucudnn.memory import make_plan
+from ucudnn.memory.graph import from_network
+from ucudnn.memory.optimal import search
+from ucudnn.memory.planner import baseline
+from ucudnn.memory.simulate import simulate
+from ucudnn.memory.timing import conv_fronts, step_costs
+from ucudnn.memory.vdnn import actions_for
 
 GB, GIB = 10**9, 2**30
 
@@ -52,11 +52,17 @@ def main() -> None:
         # vDNN's own count shares one dX and one dY buffer across layers; shown for comparison
         grads = max(t.bytes for t in g.tensors.values() if t.kind == "gradient")
         shared = g.feature_map_bytes + 2 * grads + 2 * g.weight_bytes + max(c.workspace for c in base.costs)
-        rows.append([batch, f"{base.peak_bytes / GB:.1f} GB ({base.peak_bytes / GIB:.1f} GiB)", paper_gb,
-                     f"{base.peak_bytes / GB / paper_gb - 1:+.1%}", f"{base.peak_bytes / GIB / paper_gb - 1:+.1%}",
-                     f"{shared / GIB:.1f} GiB"])
-    print(table(["batch", "ucudnn baseline", "paper GB", "vs paper (GB)", "vs paper (GiB)",
-                 "one shared dX, dY"], rows))
+        rows.append(
+            [
+                batch,
+                f"{base.peak_bytes / GB:.1f} GB ({base.peak_bytes / GIB:.1f} GiB)",
+                paper_gb,
+                f"{base.peak_bytes / GB / paper_gb - 1:+.1%}",
+                f"{base.peak_bytes / GIB / paper_gb - 1:+.1%}",
+                f"{shared / GIB:.1f} GiB",
+            ]
+        )
+    print(table(["batch", "ucudnn baseline", "paper GB", "vs paper (GB)", "vs paper (GiB)", "one shared dX, dY"], rows))
 
     print("\n2./3. VGG-16 (256) on the K40 profile, 12 GiB")
     g = from_network("vgg16", 256)
@@ -64,24 +70,58 @@ def main() -> None:
     for policy in ("vdnn-all", "vdnn-conv", "vdnn-dyn", "optimal"):
         start = time.perf_counter()
         p = make_plan(g, k40, 12 * GIB, policy)
-        rows.append([policy, "yes" if p.fits else "NO", f"{p.peak_bytes / GIB:.2f}",
-                     f"{1 - p.peak_bytes / p.baseline_peak_bytes:.1%}", f"{p.overhead:+.1%}", f"{p.stall_ms:.0f}",
-                     f"{p.bytes_offloaded / GIB:.1f}", f"{time.perf_counter() - start:.2f}", p.search])
-    print(table(["policy", "fits", "peak GiB", "cut vs baseline", "overhead", "stall ms", "offloaded GiB",
-                 "plan s", "vdnn-dyn pass"], rows))
+        rows.append(
+            [
+                policy,
+                "yes" if p.fits else "NO",
+                f"{p.peak_bytes / GIB:.2f}",
+                f"{1 - p.peak_bytes / p.baseline_peak_bytes:.1%}",
+                f"{p.overhead:+.1%}",
+                f"{p.stall_ms:.0f}",
+                f"{p.bytes_offloaded / GIB:.1f}",
+                f"{time.perf_counter() - start:.2f}",
+                p.search,
+            ]
+        )
+    print(
+        table(
+            [
+                "policy",
+                "fits",
+                "peak GiB",
+                "cut vs baseline",
+                "overhead",
+                "stall ms",
+                "offloaded GiB",
+                "plan s",
+                "vdnn-dyn pass",
+            ],
+            rows,
+        )
+    )
 
     print("\n2b. vdnn-dyn's passes, AlexNet (256) on the K40 profile, limits relative to pass (1)'s peak")
     g = from_network("alexnet", 256)
     fronts = conv_fronts(g, k40)
     smallest = {k: o[0].workspace for k, o in fronts.items()}
-    floor = simulate(g, k40, step_costs(g, k40, workspace=smallest, fronts=fronts), actions_for(g, "all"),
-                     timeline=False).peak_bytes
+    floor = simulate(
+        g, k40, step_costs(g, k40, workspace=smallest, fronts=fronts), actions_for(g, "all"), timeline=False
+    ).peak_bytes
     rows = []
     for fraction in (1.3, 1.1, 1.05, 1.03, 1.01, 1.0, 0.98):
         p = make_plan(g, k40, int(floor * fraction), "vdnn-dyn")
         downgraded = sum(c.bytes < max(o.workspace for o in fronts[(c.layer, c.kind)]) for c in p.conv_workspace)
-        rows.append([f"{fraction:.2f}", f"{floor * fraction / GIB:.2f}", p.search, "yes" if p.fits else "NO",
-                     f"{p.peak_bytes / GIB:.2f}", f"{p.overhead:+.1%}", f"{downgraded}/{len(fronts)}"])
+        rows.append(
+            [
+                f"{fraction:.2f}",
+                f"{floor * fraction / GIB:.2f}",
+                p.search,
+                "yes" if p.fits else "NO",
+                f"{p.peak_bytes / GIB:.2f}",
+                f"{p.overhead:+.1%}",
+                f"{downgraded}/{len(fronts)}",
+            ]
+        )
     print(table(["x floor", "limit GiB", "pass", "fits", "peak GiB", "overhead", "kernels below fastest"], rows))
 
     print("\n3. ResNet-50 (128) on the H100 profile at half the peak of keeping everything")
@@ -97,10 +137,22 @@ def main() -> None:
         else:
             p = make_plan(g, h100, limit, policy)
             extra = f"pass {p.search}" if p.search else ""
-        rows.append([policy, "yes" if p.fits else "NO", f"{p.peak_bytes / GIB:.2f}", f"{1 - p.peak_bytes / keep:.1%}",
-                     f"{p.overhead:+.1%}", f"{p.stall_ms:.1f}", f"{time.perf_counter() - start:.2f}", extra])
-    print(f"keeping everything: peak {keep / GIB:.2f} GiB (network-wide {baseline(g, h100).peak_bytes / GIB:.2f}"
-          f" GiB); limit {limit / GIB:.2f} GiB; baseline step {baseline(g, h100).step_ms:.1f} ms")
+        rows.append(
+            [
+                policy,
+                "yes" if p.fits else "NO",
+                f"{p.peak_bytes / GIB:.2f}",
+                f"{1 - p.peak_bytes / keep:.1%}",
+                f"{p.overhead:+.1%}",
+                f"{p.stall_ms:.1f}",
+                f"{time.perf_counter() - start:.2f}",
+                extra,
+            ]
+        )
+    print(
+        f"keeping everything: peak {keep / GIB:.2f} GiB (network-wide {baseline(g, h100).peak_bytes / GIB:.2f}"
+        f" GiB); limit {limit / GIB:.2f} GiB; baseline step {baseline(g, h100).step_ms:.1f} ms"
+    )
     print(table(["policy", "fits", "peak GiB", "cut vs keep", "overhead", "stall ms", "plan s", "search"], rows))
 
     print("\n4. Planning ResNet-152 (256) with optimal on the H100 profile, half the peak of keeping everything")
@@ -110,9 +162,23 @@ def main() -> None:
     found = search(g, h100, limit)
     elapsed = time.perf_counter() - start
     p = found.plan
-    print(table(["limit GiB", "fits", "peak GiB", "overhead", "MIP gap", "solver s", "rounds", "total s"],
-                [[f"{limit / GIB:.2f}", "yes" if p.fits else "NO", f"{p.peak_bytes / GIB:.2f}", f"{p.overhead:+.1%}",
-                  f"{found.mip_gap:.2%}", f"{found.solve_time_s:.2f}", found.rounds, f"{elapsed:.2f}"]]))
+    print(
+        table(
+            ["limit GiB", "fits", "peak GiB", "overhead", "MIP gap", "solver s", "rounds", "total s"],
+            [
+                [
+                    f"{limit / GIB:.2f}",
+                    "yes" if p.fits else "NO",
+                    f"{p.peak_bytes / GIB:.2f}",
+                    f"{p.overhead:+.1%}",
+                    f"{found.mip_gap:.2%}",
+                    f"{found.solve_time_s:.2f}",
+                    found.rounds,
+                    f"{elapsed:.2f}",
+                ]
+            ],
+        )
+    )
 
 
 if __name__ == "__main__":

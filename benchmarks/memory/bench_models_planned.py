@@ -16,7 +16,7 @@ undivided configuration within 8), and each policy (``--policies``):
     in real steps, the convolutions' fronts from the cache or measured), and a later one.
 
     pip install '.[models,bench]'
-    OMP_NUM_THREADS=2 python benchmarks/bench_models_planned.py [--models a,b] [--policies checkpoint,optimal]
+    OMP_NUM_THREADS=2 python benchmarks/memory/bench_models_planned.py [--models a,b] [--policies checkpoint,optimal]
         [--batch 2] [--size 32] [--workspace-limit 64MiB] [--json FILE]
 """
 
@@ -24,26 +24,25 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py, models.py
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))  # the repository's tests/
+from common import table, write_json
+from models import NAMES, build, loss
+from plain_training import memtracker_peak, train, trains_alike  # the tests' training and count
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from common import table  # noqa: E402
-from models import NAMES, build, loss  # noqa: E402
-from plain_training import memtracker_peak, train, trains_alike  # noqa: E402  (the tests' training and count)
-
-from ucudnn.sizes import parse_size  # noqa: E402
-from ucudnn.torch import convert, plan_memory  # noqa: E402
+from ucudnn.sizes import parse_size
+from ucudnn.torch import convert, plan_memory
 
 MiB = 2**20
 
 
 def bench(name: str, args, db: str) -> list[dict]:
     base, x, y = build(name, args.batch, args.size)
+
     def batch(step):
         return x, y
 
@@ -57,26 +56,40 @@ def bench(name: str, args, db: str) -> list[dict]:
     for variant in ("plain", "converted"):
         model = copy.deepcopy(base)
         if variant == "converted":
-            model = convert(model, backend="cpu", workspace_limit=args.workspace_limit, policy="undivided", reps=1, db=db)
+            model = convert(
+                model, backend="cpu", workspace_limit=args.workspace_limit, policy="undivided", reps=1, db=db
+            )
         for policy in args.policies:
             start = time.perf_counter()
             everything = plan_memory(model, x, memory_limit=2**40, policy=policy, loss=labelled)
             first = time.perf_counter() - start
             smallest = plan_memory(model, x, memory_limit=1, policy=policy, loss=labelled)
             start = time.perf_counter()
-            plan = plan_memory(model, x, memory_limit=(everything.peak_bytes + smallest.peak_bytes) // 2,
-                               policy=policy, loss=labelled)
+            plan = plan_memory(
+                model, x, memory_limit=(everything.peak_bytes + smallest.peak_bytes) // 2, policy=policy, loss=labelled
+            )
             later = time.perf_counter() - start
             ratios = [memtracker_peak(model, p, x, y, loss) / p.peak_bytes for p in (plan, smallest)]
             trained = train(copy.deepcopy(model), batch, plan, loss=loss)
-            rows.append({"model": name, "variant": variant, "policy": policy, "fits": plan.fits,
-                         "everything_mib": everything.peak_bytes / MiB, "smallest_mib": smallest.peak_bytes / MiB,
-                         "halfway_mib": plan.peak_bytes / MiB,
-                         "recomputed": sum(t.action == "recompute" for t in plan.tensors),
-                         "memtracker_halfway": ratios[0], "memtracker_smallest": ratios[1],
-                         "train_diff_over_noise": (trained - reference).norm().item() / max(noise, 1e-30),
-                         "trains_alike": trains_alike(trained, reference, noise),
-                         "noise": noise, "first_plan_s": first, "later_plan_s": later})
+            rows.append(
+                {
+                    "model": name,
+                    "variant": variant,
+                    "policy": policy,
+                    "fits": plan.fits,
+                    "everything_mib": everything.peak_bytes / MiB,
+                    "smallest_mib": smallest.peak_bytes / MiB,
+                    "halfway_mib": plan.peak_bytes / MiB,
+                    "recomputed": sum(t.action == "recompute" for t in plan.tensors),
+                    "memtracker_halfway": ratios[0],
+                    "memtracker_smallest": ratios[1],
+                    "train_diff_over_noise": (trained - reference).norm().item() / max(noise, 1e-30),
+                    "trains_alike": trains_alike(trained, reference, noise),
+                    "noise": noise,
+                    "first_plan_s": first,
+                    "later_plan_s": later,
+                }
+            )
             print(f"[{name}] {variant} {policy}: {rows[-1]['memtracker_halfway']:.3f}", file=sys.stderr, flush=True)
     return rows
 
@@ -96,17 +109,35 @@ def main(argv=None) -> int:
     if unknown:
         ap.error(f"unknown model(s) {', '.join(unknown)}: {', '.join(NAMES)}")
     rows = [row for name in args.models.split(",") for row in bench(name, args, args.db)]
-    print(table(["model", "variant", "policy", "keep-all / smallest / halfway MiB", "recomputed",
-                 "MemTracker/plan halfway, smallest", "train diff / noise (alike)", "plan s (first, later)"],
-                [[r["model"], r["variant"], r["policy"],
-                  f"{r['everything_mib']:.1f} / {r['smallest_mib']:.1f} / {r['halfway_mib']:.1f}"
-                  + ("" if r["fits"] else " (does not fit)"), r["recomputed"],
-                  f"{r['memtracker_halfway']:.3f}, {r['memtracker_smallest']:.3f}",
-                  f"{r['train_diff_over_noise']:.2f} ({'yes' if r['trains_alike'] else 'NO'})",
-                  f"{r['first_plan_s']:.1f}, {r['later_plan_s']:.1f}"]
-                 for r in rows]))
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=2))
+    print(
+        table(
+            [
+                "model",
+                "variant",
+                "policy",
+                "keep-all / smallest / halfway MiB",
+                "recomputed",
+                "MemTracker/plan halfway, smallest",
+                "train diff / noise (alike)",
+                "plan s (first, later)",
+            ],
+            [
+                [
+                    r["model"],
+                    r["variant"],
+                    r["policy"],
+                    f"{r['everything_mib']:.1f} / {r['smallest_mib']:.1f} / {r['halfway_mib']:.1f}"
+                    + ("" if r["fits"] else " (does not fit)"),
+                    r["recomputed"],
+                    f"{r['memtracker_halfway']:.3f}, {r['memtracker_smallest']:.3f}",
+                    f"{r['train_diff_over_noise']:.2f} ({'yes' if r['trains_alike'] else 'NO'})",
+                    f"{r['first_plan_s']:.1f}, {r['later_plan_s']:.1f}",
+                ]
+                for r in rows
+            ],
+        )
+    )
+    write_json(args.json, rows)
     return 0
 
 

@@ -18,7 +18,7 @@ plan: it is timed on its own and reported as a one-off cost. Then, after warm-up
 functions run alternately (the order swapped every repetition, so drift and cache effects hit both
 alike) and the medians are compared.
 
-    python benchmarks/bench_training.py [--models resnet20,alexnet] [--reps 10] [--workspace 64MiB]
+    python benchmarks/pytorch/bench_training.py [--models resnet20,alexnet] [--reps 10] [--workspace 64MiB]
                                         [--policy powerOfTwo] [--db URL] [--json FILE]
 """
 
@@ -26,30 +26,25 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import platform
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import interleaved_samples_ms, table  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py, models.py
+from common import interleaved_samples_ms, iqr, make_step, table, timed_ms, write_json
 
-from ucudnn.network.zoo import layers as network_layers  # noqa: E402
-from ucudnn.sizes import format_size, parse_size  # noqa: E402
-from ucudnn.torch import convert  # noqa: E402
-
-LEARNING_RATE = 0.01
-MOMENTUM = 0.9
-
+from ucudnn.network.zoo import layers as network_layers
+from ucudnn.sizes import format_size, parse_size
+from ucudnn.torch import convert
 
 # ---- models ------------------------------------------------------------------------------------
+
 
 class _CifarBlock(nn.Module):
     """Basic block with an option-A shortcut (He et al. 2016, section 4.2)."""
@@ -65,7 +60,7 @@ class _CifarBlock(nn.Module):
     def forward(self, x):
         out = F.relu(self.bn1(self.conv1(x)))
         out = self.bn2(self.conv2(out))
-        shortcut = x[:, :, ::self.stride, ::self.stride] if self.stride > 1 else x
+        shortcut = x[:, :, :: self.stride, :: self.stride] if self.stride > 1 else x
         if self.extra:
             shortcut = F.pad(shortcut, (0, 0, 0, 0, self.extra // 2, self.extra - self.extra // 2))
         return F.relu(out + shortcut)
@@ -100,8 +95,11 @@ class AlexNet(nn.Module):
         convs = []
         for layer in network_layers("alexnet", 1):
             p = layer.problem
-            convs.append(nn.Conv2d(p.c, p.k, (p.r, p.s), stride=(p.stride_h, p.stride_w),
-                                   padding=(p.pad_h, p.pad_w), groups=p.groups))
+            convs.append(
+                nn.Conv2d(
+                    p.c, p.k, (p.r, p.s), stride=(p.stride_h, p.stride_w), padding=(p.pad_h, p.pad_w), groups=p.groups
+                )
+            )
         self.conv1, self.conv2, self.conv3, self.conv4, self.conv5 = convs
         self.fc1 = nn.Linear(256 * 6 * 6, 256)
         self.fc2 = nn.Linear(256, num_classes)
@@ -119,52 +117,48 @@ MODELS = {"resnet20": (ResNet20, 128, 32), "alexnet": (AlexNet, 32, 227)}  # cla
 
 # ---- timing ------------------------------------------------------------------------------------
 
-def make_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor):
-    optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE, momentum=MOMENTUM)
-
-    def step() -> None:
-        optimizer.zero_grad(set_to_none=True)
-        F.cross_entropy(model(x), y).backward()
-        optimizer.step()
-
-    return step
-
-
-def timed_ms(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return (time.perf_counter() - start) * 1e3
-
-
-def iqr(values: list[float]) -> float:
-    if len(values) < 2:
-        return 0.0
-    q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive")
-    return q3 - q1
-
 
 def bench_model(name: str, args) -> dict:
     cls, batch, resolution = MODELS[name]
     torch.manual_seed(0)
     reference = cls()
-    model = convert(copy.deepcopy(reference), backend="cpu", workspace_limit=args.workspace, policy=args.policy,
-                    db=args.db, reps=args.measure_reps)
+    model = convert(
+        copy.deepcopy(reference),
+        backend="cpu",
+        workspace_limit=args.workspace,
+        policy=args.policy,
+        db=args.db,
+        reps=args.measure_reps,
+    )
     # The paper's baseline: cuDNN-style selection, the fastest single algorithm at the whole batch
     # within the same limit (the same handle machinery with policy "undivided").
-    undivided = convert(copy.deepcopy(reference), backend="cpu", workspace_limit=args.workspace, policy="undivided",
-                        db=args.db, reps=args.measure_reps)
+    undivided = convert(
+        copy.deepcopy(reference),
+        backend="cpu",
+        workspace_limit=args.workspace,
+        policy="undivided",
+        db=args.db,
+        reps=args.measure_reps,
+    )
     handle = model.conv1.handle
     g = torch.Generator().manual_seed(1)
     x = torch.randn(batch, 3, resolution, resolution, generator=g)
     y = torch.randint(0, 10, (batch,), generator=g)
-    steps = {"torch": make_step(reference, x, y), "ucudnn": make_step(model, x, y),
-             "undivided": make_step(undivided, x, y)}
+    steps = {
+        "torch": make_step(reference, x, y),
+        "ucudnn": make_step(model, x, y),
+        "undivided": make_step(undivided, x, y),
+    }
 
     print(f"[{name}] first ucudnn step (benchmarks every kernel) ...", file=sys.stderr, flush=True)
     first_ms = timed_ms(steps["ucudnn"])
     stats = handle.stats
-    print(f"[{name}] first step {first_ms / 1e3:.1f} s ({stats.measured} measured, {stats.cached} cached); "
-          f"first undivided step ...", file=sys.stderr, flush=True)
+    print(
+        f"[{name}] first step {first_ms / 1e3:.1f} s ({stats.measured} measured, {stats.cached} cached); "
+        f"first undivided step ...",
+        file=sys.stderr,
+        flush=True,
+    )
     timed_ms(steps["undivided"])
     print(f"[{name}] timing {args.reps} alternating steps ...", file=sys.stderr, flush=True)
     samples = interleaved_samples_ms(steps, args.reps, args.warmup)
@@ -174,54 +168,125 @@ def bench_model(name: str, args) -> dict:
     for c in sorted(handle.choices(), key=lambda c: (list(dict(model.named_modules())).index(c.layer), c.kind)):
         base = c.baseline
         if c.micro_batched or base is None or base.algo != c.config.micros[0].algo:
-            changed.append({"layer": c.layer, "kind": c.kind,
-                            "baseline": f"1x{base.batch}:{base.algo}" if base else "(none fits)",
-                            "baseline_ms": base.time if base else None,
-                            "config": c.config.describe(), "config_ms": c.config.time,
-                            "workspace": c.config.workspace})
-    return {"model": name, "batch": batch, "resolution": resolution,
-            "torch_ms": t_torch, "torch_iqr_ms": iqr(samples["torch"]),
-            "ucudnn_ms": t_ucudnn, "ucudnn_iqr_ms": iqr(samples["ucudnn"]),
-            "undivided_ms": t_undivided, "undivided_iqr_ms": iqr(samples["undivided"]),
-            "ratio": t_torch / t_ucudnn, "ratio_undivided": t_undivided / t_ucudnn,
-            "undivided_algos": sorted({m.algo for c in undivided.conv1.handle.choices() for m in c.config.micros}), "first_step_ms": first_ms,
-            "one_off_ms": first_ms - t_ucudnn, "benchmark_s": stats.seconds,
-            "measured": stats.measured, "cached": stats.cached,
-            "kernels": len(handle.choices()), "peak_workspace": handle.peak_workspace,
-            "algos": sorted({m.algo for c in handle.choices() for m in c.config.micros}),
-            "changed": changed, "samples": samples}
+            changed.append(
+                {
+                    "layer": c.layer,
+                    "kind": c.kind,
+                    "baseline": f"1x{base.batch}:{base.algo}" if base else "(none fits)",
+                    "baseline_ms": base.time if base else None,
+                    "config": c.config.describe(),
+                    "config_ms": c.config.time,
+                    "workspace": c.config.workspace,
+                }
+            )
+    return {
+        "model": name,
+        "batch": batch,
+        "resolution": resolution,
+        "torch_ms": t_torch,
+        "torch_iqr_ms": iqr(samples["torch"]),
+        "ucudnn_ms": t_ucudnn,
+        "ucudnn_iqr_ms": iqr(samples["ucudnn"]),
+        "undivided_ms": t_undivided,
+        "undivided_iqr_ms": iqr(samples["undivided"]),
+        "ratio": t_torch / t_ucudnn,
+        "ratio_undivided": t_undivided / t_ucudnn,
+        "undivided_algos": sorted({m.algo for c in undivided.conv1.handle.choices() for m in c.config.micros}),
+        "first_step_ms": first_ms,
+        "one_off_ms": first_ms - t_ucudnn,
+        "benchmark_s": stats.seconds,
+        "measured": stats.measured,
+        "cached": stats.cached,
+        "kernels": len(handle.choices()),
+        "peak_workspace": handle.peak_workspace,
+        "algos": sorted({m.algo for c in handle.choices() for m in c.config.micros}),
+        "changed": changed,
+        "samples": samples,
+    }
 
 
 def report(results: list[dict], args) -> str:
     threads = torch.get_num_threads()
     cpu = platform.processor() or platform.machine()
-    lines = [f"# one training step (forward + backward + SGD), CPU, {threads} torch threads, {cpu}, "
-             f"{os.cpu_count()} cores",
-             f"command: python benchmarks/bench_training.py --models {args.models} --reps {args.reps} "
-             f"--workspace {format_size(args.workspace)} --policy {args.policy}"
-             + (f" --db {args.db}" if args.db != "sqlite://" else "")
-             + (f" --threads {args.threads}" if args.threads else ""),
-             f"1-minute load average {args.load[0]:.1f} before, {args.load[1]:.1f} after (other work shares the machine)",
-             ""]
-    rows = [[r["model"], r["batch"], f"{r['torch_ms']:.1f} ± {r['torch_iqr_ms']:.1f}",
-             f"{r['undivided_ms']:.1f} ± {r['undivided_iqr_ms']:.1f}",
-             f"{r['ucudnn_ms']:.1f} ± {r['ucudnn_iqr_ms']:.1f}", f"{r['ratio']:.3f}", f"{r['ratio_undivided']:.3f}",
-             f"{r['one_off_ms'] / 1e3:.1f} s", f"{len(r['changed'])}/{r['kernels']}",
-             format_size(r["peak_workspace"])] for r in results]
-    lines.append(table(["model", "batch", "torch ms/step", "undivided ms/step", "ucudnn ms/step", "torch/ucudnn",
-                        "undivided/ucudnn", "one-off (1st step)", "kernels changed", "peak workspace"], rows))
-    lines.append("(ms: median of alternating steps ± interquartile range; a ratio > 1 means ucudnn is faster. "
-                 "undivided: cuDNN-style selection within the same limit, no micro-batches)")
+    lines = [
+        (
+            f"# one training step (forward + backward + SGD), CPU, {threads} torch threads, {cpu}, "
+            f"{os.cpu_count()} cores"
+        ),
+        (
+            f"command: python benchmarks/pytorch/bench_training.py --models {args.models} --reps {args.reps} "
+            f"--workspace {format_size(args.workspace)} --policy {args.policy}"
+            + (f" --db {args.db}" if args.db != "sqlite://" else "")
+            + (f" --threads {args.threads}" if args.threads else "")
+        ),
+        f"1-minute load average {args.load[0]:.1f} before, {args.load[1]:.1f} after (other work shares the machine)",
+        "",
+    ]
+    rows = [
+        [
+            r["model"],
+            r["batch"],
+            f"{r['torch_ms']:.1f} ± {r['torch_iqr_ms']:.1f}",
+            f"{r['undivided_ms']:.1f} ± {r['undivided_iqr_ms']:.1f}",
+            f"{r['ucudnn_ms']:.1f} ± {r['ucudnn_iqr_ms']:.1f}",
+            f"{r['ratio']:.3f}",
+            f"{r['ratio_undivided']:.3f}",
+            f"{r['one_off_ms'] / 1e3:.1f} s",
+            f"{len(r['changed'])}/{r['kernels']}",
+            format_size(r["peak_workspace"]),
+        ]
+        for r in results
+    ]
+    lines.append(
+        table(
+            [
+                "model",
+                "batch",
+                "torch ms/step",
+                "undivided ms/step",
+                "ucudnn ms/step",
+                "torch/ucudnn",
+                "undivided/ucudnn",
+                "one-off (1st step)",
+                "kernels changed",
+                "peak workspace",
+            ],
+            rows,
+        )
+    )
+    lines.append(
+        "(ms: median of alternating steps ± interquartile range; a ratio > 1 means ucudnn is faster. "
+        "undivided: cuDNN-style selection within the same limit, no micro-batches)"
+    )
     for r in results:
-        lines += ["", f"## {r['model']}: kernels whose plan differs from undivided cuDNN-style selection "
-                  f"(fastest single algorithm at the whole batch within {format_size(args.workspace)}); "
-                  f"algorithms used: {', '.join(r['algos'])} (undivided: {', '.join(r['undivided_algos'])})"]
+        lines += [
+            "",
+            (
+                f"## {r['model']}: kernels whose plan differs from undivided cuDNN-style selection "
+                f"(fastest single algorithm at the whole batch within {format_size(args.workspace)}); "
+                f"algorithms used: {', '.join(r['algos'])} (undivided: {', '.join(r['undivided_algos'])})"
+            ),
+        ]
         if not r["changed"]:
             lines.append("(none: every kernel runs its undivided fastest algorithm)")
             continue
-        lines.append(table(["layer", "kind", "undivided", "ms", "ucudnn plan", "ms", "workspace"], [
-            [c["layer"], c["kind"], c["baseline"], f"{c['baseline_ms']:.2f}" if c["baseline_ms"] else "-",
-             c["config"], f"{c['config_ms']:.2f}", format_size(c["workspace"])] for c in r["changed"]]))
+        lines.append(
+            table(
+                ["layer", "kind", "undivided", "ms", "ucudnn plan", "ms", "workspace"],
+                [
+                    [
+                        c["layer"],
+                        c["kind"],
+                        c["baseline"],
+                        f"{c['baseline_ms']:.2f}" if c["baseline_ms"] else "-",
+                        c["config"],
+                        f"{c['config_ms']:.2f}",
+                        format_size(c["workspace"]),
+                    ]
+                    for c in r["changed"]
+                ],
+            )
+        )
         lines.append("(ms here: the benchmark's per-kernel measurements, not the step timing)")
     return "\n".join(lines)
 
@@ -234,8 +299,11 @@ def main() -> int:
     parser.add_argument("--workspace", type=parse_size, default=64 * 2**20, help="WR limit per kernel (64MiB)")
     parser.add_argument("--policy", default="powerOfTwo")
     parser.add_argument("--measure-reps", type=int, default=3, help="timed runs per measurement")
-    parser.add_argument("--db", default="sqlite://",
-                        help="measurement cache (default: a fresh in-memory one, so that the one-off cost is real)")
+    parser.add_argument(
+        "--db",
+        default="sqlite://",
+        help="measurement cache (default: a fresh in-memory one, so that the one-off cost is real)",
+    )
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's own choice)")
     parser.add_argument("--json", help="also write the results to this JSON file")
     args = parser.parse_args()
@@ -249,8 +317,7 @@ def main() -> int:
     results = [bench_model(name, args) for name in names]
     args.load = (load_before, os.getloadavg()[0])
     print(report(results, args))
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2))
+    write_json(args.json, results)
     return 0
 
 

@@ -28,7 +28,7 @@ Printed: every point, the frontier checks (at each ckpt_seq peak, does ucudnn's 
 reach it and is it no slower; is any PyTorch point both smaller and faster than a ucudnn point by more
 than 5%), and ``--json`` / ``--plot`` write the figures and the frontier plot.
 
-    OMP_NUM_THREADS=2 python benchmarks/bench_frontier.py --rounds 5 --plot docs/frontier.png --json frontier.json
+    OMP_NUM_THREADS=2 python benchmarks/memory/bench_frontier.py --rounds 5 --plot docs/frontier.png --json frontier.json
 """
 
 from __future__ import annotations
@@ -36,22 +36,21 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import os
 import statistics
 import sys
 import time
+from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import keep_freed_memory, minor_faults, table  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py, models.py
+import torch
+import torch._functorch.config
+import torch._inductor.config
+from common import keep_freed_memory, minor_faults, table
+from torch import nn
+from torch.utils.checkpoint import checkpoint_sequential
 
-import torch  # noqa: E402
-import torch._functorch.config  # noqa: E402
-import torch._inductor.config  # noqa: E402
-from torch import nn  # noqa: E402
-from torch.utils.checkpoint import checkpoint_sequential  # noqa: E402
-
-from ucudnn.torch import execute_plan, plan_memory  # noqa: E402
-from ucudnn.torch.checking.tracker import StepTracker  # noqa: E402
+from ucudnn.torch import execute_plan, plan_memory
+from ucudnn.torch.checking.tracker import StepTracker
 
 MiB = 2**20
 SLACK = 0.05  # the issue's "by more than 5%": differences below this are noise on a shared machine
@@ -63,7 +62,7 @@ _CURRENT: list[StepTracker | None] = [None]
 def _hook_inductor_allocations() -> None:
     """Inductor's generated CPU code allocates its buffers with ``empty_strided_cpu``, bound when the code
     is loaded, outside PyTorch's dispatch: wrap it (before anything compiles) so the tracker sees them."""
-    import torch._C._dynamo.guards as guards
+    from torch._C._dynamo import guards
 
     original = guards._empty_strided_cpu
 
@@ -78,9 +77,14 @@ def _hook_inductor_allocations() -> None:
 
 
 def chain(layers: int, channels: int) -> nn.Sequential:
-    return nn.Sequential(nn.Conv2d(3, channels, 3, padding=1), nn.ReLU(),
-                         *[m for _ in range(layers - 1) for m in (nn.Conv2d(channels, channels, 3, padding=1), nn.ReLU())],
-                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(channels, 10))
+    return nn.Sequential(
+        nn.Conv2d(3, channels, 3, padding=1),
+        nn.ReLU(),
+        *[m for _ in range(layers - 1) for m in (nn.Conv2d(channels, channels, 3, padding=1), nn.ReLU())],
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(channels, 10),
+    )
 
 
 class BasicBlock(nn.Module):
@@ -102,9 +106,15 @@ class BasicBlock(nn.Module):
 def resnet(blocks: int, channels: int) -> nn.Sequential:
     # the stem's ReLU is not in place: checkpoint_sequential may start a segment with it, and an
     # in-place op on a segment's input changes what the checkpoint saved
-    return nn.Sequential(nn.Conv2d(3, channels, 3, padding=1, bias=False), nn.BatchNorm2d(channels), nn.ReLU(),
-                         *[BasicBlock(channels) for _ in range(blocks)],
-                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(channels, 10))
+    return nn.Sequential(
+        nn.Conv2d(3, channels, 3, padding=1, bias=False),
+        nn.BatchNorm2d(channels),
+        nn.ReLU(),
+        *[BasicBlock(channels) for _ in range(blocks)],
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(channels, 10),
+    )
 
 
 class Variant:
@@ -162,13 +172,20 @@ def pytorch_variants(base: nn.Module, args) -> list[Variant]:
     out = [Variant("plain", "plain", copy.deepcopy(base), lambda m, x, y: _loss(m(x), y).backward())]
     n = len(base)
     for k in sorted({s for s in args.segments if 1 <= s <= n}):
-        out.append(Variant(f"ckpt_seq({k})", "checkpoint_sequential", copy.deepcopy(base),
-                           lambda m, x, y, k=k: _loss(checkpoint_sequential(m, k, x, use_reentrant=False), y).backward()))
+        out.append(
+            Variant(
+                f"ckpt_seq({k})",
+                "checkpoint_sequential",
+                copy.deepcopy(base),
+                lambda m, x, y, k=k: _loss(checkpoint_sequential(m, k, x, use_reentrant=False), y).backward(),
+            )
+        )
     for b in args.budgets:
         model = copy.deepcopy(base)
         compiled = torch.compile(_fresh_forward(model))
+        state = {"first": True}
 
-        def run(m, x, y, compiled=compiled, b=b, state={"first": True}):
+        def run(m, x, y, compiled=compiled, b=b, state=state):
             if state["first"]:  # the forward and the backward graphs compile at the first step, under the budget
                 state["first"] = False
                 with torch._functorch.config.patch(activation_memory_budget=b):
@@ -203,8 +220,11 @@ def ucudnn_variant(base: nn.Module, x, y, policy: str, limit: int) -> Variant | 
 
 def frontier(points: list[Variant]) -> list[Variant]:
     """The points no other point beats in both peak and time."""
-    return [p for p in points if not any(q.peak <= p.peak and q.ms <= p.ms and (q.peak, q.ms) != (p.peak, p.ms)
-                                         for q in points)]
+    return [
+        p
+        for p in points
+        if not any(q.peak <= p.peak and q.ms <= p.ms and (q.peak, q.ms) != (p.peak, p.ms) for q in points)
+    ]
 
 
 def run_model(name: str, args) -> dict:
@@ -214,8 +234,9 @@ def run_model(name: str, args) -> dict:
     for v in variants:
         _measure_peak(v, x, y)
     plain = variants[0].peak
-    limits = sorted({v.peak for v in variants if v.tool == "checkpoint_sequential"} |
-                    {int(f * plain) for f in args.limits})  # above 1: everything resident, the executor's cost
+    limits = sorted(
+        {v.peak for v in variants if v.tool == "checkpoint_sequential"} | {int(f * plain) for f in args.limits}
+    )  # above 1: everything resident, the executor's cost
     targets = {v.peak: v for v in variants if v.tool == "checkpoint_sequential"}
     ours: list[Variant] = []
     by_limit: dict[tuple[str, int], Variant] = {}
@@ -238,38 +259,103 @@ def run_model(name: str, args) -> dict:
     rows = []
     for v in everything:
         pred = (f"{v.plan.peak_bytes / MiB:.1f}", f"{v.plan.step_ms:.1f}") if v.plan else ("", "")
-        rows.append([v.name, f"{v.peak / MiB:.1f}", f"{v.ms:.1f}", f"{v.wall_ms:.1f}",
-                     f"{statistics.median(v.faults):.0f}", *pred])
+        rows.append(
+            [
+                v.name,
+                f"{v.peak / MiB:.1f}",
+                f"{v.ms:.1f}",
+                f"{v.wall_ms:.1f}",
+                f"{statistics.median(v.faults):.0f}",
+                *pred,
+            ]
+        )
     print(f"\n{name}: batch {args.batch}, {args.size}x{args.size}")
-    print(table(["variant", "peak MiB (tracker)", "CPU ms/step", "wall ms/step", "page faults/step", "planned peak MiB",
-                 "planned ms"], rows))
+    print(
+        table(
+            [
+                "variant",
+                "peak MiB (tracker)",
+                "CPU ms/step",
+                "wall ms/step",
+                "page faults/step",
+                "planned peak MiB",
+                "planned ms",
+            ],
+            rows,
+        )
+    )
 
     # at each checkpoint_sequential peak: ucudnn's plan given that limit
     equal = []
     for peak, ref in sorted(targets.items()):
         for policy in args.policies:
             mine = by_limit.get((policy, peak))
-            row = {"checkpoint_sequential": ref.name, "limit_bytes": peak, "policy": policy, "ref_ms": ref.ms,
-                   "fits": mine is not None}
+            row = {
+                "checkpoint_sequential": ref.name,
+                "limit_bytes": peak,
+                "policy": policy,
+                "ref_ms": ref.ms,
+                "fits": mine is not None,
+            }
             if mine is not None:
-                row.update(peak_bytes=mine.peak, ms=mine.ms, reaches=mine.peak <= peak * (1 + SLACK),
-                           no_slower=mine.ms <= ref.ms * (1 + SLACK))
+                row.update(
+                    peak_bytes=mine.peak,
+                    ms=mine.ms,
+                    reaches=mine.peak <= peak * (1 + SLACK),
+                    no_slower=mine.ms <= ref.ms * (1 + SLACK),
+                )
             equal.append(row)
-    print(table(["at the peak of", "limit MiB", "policy", "fits", "peak MiB", "ms", "vs ckpt_seq ms"],
-                [[r["checkpoint_sequential"], f"{r['limit_bytes'] / MiB:.1f}", r["policy"], r["fits"],
-                  f"{r.get('peak_bytes', 0) / MiB:.1f}", f"{r.get('ms', float('nan')):.1f}",
-                  f"{r.get('ms', float('nan')) / r['ref_ms']:.2f}"] for r in equal]))
+    print(
+        table(
+            ["at the peak of", "limit MiB", "policy", "fits", "peak MiB", "ms", "vs ckpt_seq ms"],
+            [
+                [
+                    r["checkpoint_sequential"],
+                    f"{r['limit_bytes'] / MiB:.1f}",
+                    r["policy"],
+                    r["fits"],
+                    f"{r.get('peak_bytes', 0) / MiB:.1f}",
+                    f"{r.get('ms', float('nan')):.1f}",
+                    f"{r.get('ms', float('nan')) / r['ref_ms']:.2f}",
+                ]
+                for r in equal
+            ],
+        )
+    )
     ucudnn_front = frontier(ours + [variants[0]])
-    beaten = [(q.name, u.name) for u in ucudnn_front if u.tool.startswith("ucudnn") for q in variants
-              if q.tool != "plain" and q.peak < u.peak * (1 - SLACK) and q.ms < u.ms * (1 - SLACK)]
-    print(f"PyTorch points both smaller and faster than a ucudnn frontier point by more than {SLACK:.0%}: "
-          f"{beaten or 'none'}")
-    return {"model": name, "batch": args.batch, "size": args.size,
-            "points": [{"name": v.name, "tool": v.tool, "peak_bytes": v.peak, "step_ms": v.ms, "wall_ms": v.wall_ms,
-                        "cpu_times_ms": v.cpu_times, "times_ms": v.times, "page_faults": v.faults,
-                        "planned_peak_bytes": v.plan.peak_bytes if v.plan else None,
-                        "planned_step_ms": v.plan.step_ms if v.plan else None} for v in everything],
-            "equal_memory": equal, "beaten": beaten}
+    beaten = [
+        (q.name, u.name)
+        for u in ucudnn_front
+        if u.tool.startswith("ucudnn")
+        for q in variants
+        if q.tool != "plain" and q.peak < u.peak * (1 - SLACK) and q.ms < u.ms * (1 - SLACK)
+    ]
+    print(
+        f"PyTorch points both smaller and faster than a ucudnn frontier point by more than {SLACK:.0%}: "
+        f"{beaten or 'none'}"
+    )
+    return {
+        "model": name,
+        "batch": args.batch,
+        "size": args.size,
+        "points": [
+            {
+                "name": v.name,
+                "tool": v.tool,
+                "peak_bytes": v.peak,
+                "step_ms": v.ms,
+                "wall_ms": v.wall_ms,
+                "cpu_times_ms": v.cpu_times,
+                "times_ms": v.times,
+                "page_faults": v.faults,
+                "planned_peak_bytes": v.plan.peak_bytes if v.plan else None,
+                "planned_step_ms": v.plan.step_ms if v.plan else None,
+            }
+            for v in everything
+        ],
+        "equal_memory": equal,
+        "beaten": beaten,
+    }
 
 
 def time_rounds(variants: list, x, y, rounds: int) -> None:
@@ -284,12 +370,18 @@ def time_rounds(variants: list, x, y, rounds: int) -> None:
 
 
 # tool -> (colour, marker) in the plot
-STYLES = {"plain": ("k", "*"), "checkpoint_sequential": ("tab:blue", "o"), "torch.compile": ("tab:orange", "s"),
-          "ucudnn checkpoint": ("tab:green", "^"), "ucudnn optimal": ("tab:red", "v")}
+STYLES = {
+    "plain": ("k", "*"),
+    "checkpoint_sequential": ("tab:blue", "o"),
+    "torch.compile": ("tab:orange", "s"),
+    "ucudnn checkpoint": ("tab:green", "^"),
+    "ucudnn optimal": ("tab:red", "v"),
+}
 
 
-def plot(results: list[dict], path: str, styles: dict = STYLES,
-         joined: tuple[str, ...] = ("checkpoint_sequential",)) -> None:
+def plot(
+    results: list[dict], path: str, styles: dict = STYLES, joined: tuple[str, ...] = ("checkpoint_sequential",)
+) -> None:
     """Peak against step time per model, one marker per tool; ucudnn's points and those of the `joined` tools
     drawn as lines (fronts)."""
     import matplotlib
@@ -302,8 +394,14 @@ def plot(results: list[dict], path: str, styles: dict = STYLES,
         for tool in dict.fromkeys(p["tool"] for p in res["points"]):
             pts = sorted((p["peak_bytes"] / MiB, p["step_ms"]) for p in res["points"] if p["tool"] == tool)
             color, marker = styles.get(tool, ("gray", "x"))
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=marker, color=color, label=tool,
-                    linestyle="-" if tool.startswith("ucudnn") or tool in joined else "none")
+            ax.plot(
+                [p[0] for p in pts],
+                [p[1] for p in pts],
+                marker=marker,
+                color=color,
+                label=tool,
+                linestyle="-" if tool.startswith("ucudnn") or tool in joined else "none",
+            )
         ax.set_xlabel("peak memory, MiB (counted by StepTracker)")
         ax.set_ylabel("step CPU time, ms (median, interleaved)")
         ax.set_title(f"{res['model']}, batch {res['batch']}, {res['size']}x{res['size']} (CPU)")
@@ -326,8 +424,12 @@ def main() -> None:
     ap.add_argument("--policies", default="checkpoint,optimal")
     ap.add_argument("--limits", default="0.3,0.5,0.7,1.2", help="more ucudnn limits, as fractions of the plain peak")
     ap.add_argument("--rounds", type=int, default=7)
-    ap.add_argument("--malloc", choices=("default", "keep"), default="default",
-                    help="keep: glibc keeps what a step frees (no page faults to take it back)")
+    ap.add_argument(
+        "--malloc",
+        choices=("default", "keep"),
+        default="default",
+        help="keep: glibc keeps what a step frees (no page faults to take it back)",
+    )
     ap.add_argument("--json", dest="json_path")
     ap.add_argument("--plot", dest="plot_path")
     args = ap.parse_args()
@@ -344,8 +446,16 @@ def main() -> None:
     results = [run_model(m, args) for m in args.models.split(",")]
     if args.json_path:
         with open(args.json_path, "w", encoding="utf-8") as f:
-            json.dump({"results": results, "torch": torch.__version__, "threads": torch.get_num_threads(),
-                       "malloc": args.malloc}, f, indent=1)
+            json.dump(
+                {
+                    "results": results,
+                    "torch": torch.__version__,
+                    "threads": torch.get_num_threads(),
+                    "malloc": args.malloc,
+                },
+                f,
+                indent=1,
+            )
     if args.plot_path:
         plot(results, args.plot_path)
 

@@ -15,23 +15,22 @@ step (interleaved), gradients all-reduced by `allreduce_gradients`. Reported: th
 step time (rank 0, from before the forward pass to after the all-reduce, which waits for the
 slowest rank) and their ratio.
 
-    python benchmarks/bench_cluster.py [--reps 30] [--batch 32] [--slowdown 1,3] [--steps 8]
+    python benchmarks/cache/bench_cluster.py [--reps 30] [--batch 32] [--slowdown 1,3] [--steps 8]
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import statistics
 import sys
 import tempfile
 import time
+from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(__file__))
-from common import table  # noqa: E402
-
-from ucudnn.solver.cluster import best_batch_sizes, makespan  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py, models.py
+from common import table
+from ucudnn.solver.cluster import best_batch_sizes, makespan
 
 
 def solver_tables(seed: int) -> dict[str, dict[str, dict[int, float]]]:
@@ -58,24 +57,53 @@ def bench_solver(reps: int) -> None:
         milp = best_batch_sizes(times, batch, method="milp")
         milp_ms = (time.perf_counter() - start) * 1e3
         assert abs(makespan(times, out) - makespan(times, milp)) <= 1e-9 * makespan(times, out)
-        rows.append([name, "64 x 64", batch, f"{statistics.median(search_ms):.2f}", f"{min(search_ms):.2f}",
-                     f"{statistics.median(search_cpu_ms):.2f}", f"{milp_ms:.0f}",
-                     f"{milp_ms / statistics.median(search_ms):.0f}x", f"{makespan(times, out):.3f}"])
-    print(table(["table", "devices x sizes", "B", "search ms (median)", "search ms (min)",
-                 "search CPU ms (median)", "HiGHS ms (once)",
-                 "HiGHS/search",
-                 "makespan"], rows))
+        rows.append(
+            [
+                name,
+                "64 x 64",
+                batch,
+                f"{statistics.median(search_ms):.2f}",
+                f"{min(search_ms):.2f}",
+                f"{statistics.median(search_cpu_ms):.2f}",
+                f"{milp_ms:.0f}",
+                f"{milp_ms / statistics.median(search_ms):.0f}x",
+                f"{makespan(times, out):.3f}",
+            ]
+        )
+    print(
+        table(
+            [
+                "table",
+                "devices x sizes",
+                "B",
+                "search ms (median)",
+                "search ms (min)",
+                "search CPU ms (median)",
+                "HiGHS ms (once)",
+                "HiGHS/search",
+                "makespan",
+            ],
+            rows,
+        )
+    )
 
 
 # ---- part 2: training on ranks of unequal speed ------------------------------------------------------
+
 
 def make_model():
     import torch
 
     torch.manual_seed(0)
     return torch.nn.Sequential(
-        torch.nn.Conv2d(3, 32, 3, padding=1), torch.nn.ReLU(), torch.nn.Conv2d(32, 16, 3, padding=1),
-        torch.nn.ReLU(), torch.nn.AdaptiveAvgPool2d(4), torch.nn.Flatten(), torch.nn.Linear(256, 10))
+        torch.nn.Conv2d(3, 32, 3, padding=1),
+        torch.nn.ReLU(),
+        torch.nn.Conv2d(32, 16, 3, padding=1),
+        torch.nn.ReLU(),
+        torch.nn.AdaptiveAvgPool2d(4),
+        torch.nn.Flatten(),
+        torch.nn.Linear(256, 10),
+    )
 
 
 def rank_main(rank, world, init, args, results):
@@ -129,10 +157,13 @@ def rank_main(rank, world, init, args, results):
             step(plan[rank])
             samples[name].append((time.perf_counter() - start) * 1e3)
     if rank == 0:
-        predicted = {name: max(gathered[r][plan[r]] if plan[r] else 0.0 for r in range(world))
-                     for name, plan in (("even", even), ("optimised", optimised))}
-        results.put({"even": even, "optimised": optimised, "samples": samples, "predicted": predicted,
-                     "times": gathered})
+        predicted = {
+            name: max(gathered[r][plan[r]] if plan[r] else 0.0 for r in range(world))
+            for name, plan in (("even", even), ("optimised", optimised))
+        }
+        results.put(
+            {"even": even, "optimised": optimised, "samples": samples, "predicted": predicted, "times": gathered}
+        )
     dist.destroy_process_group()
 
 
@@ -143,21 +174,33 @@ def bench_training(args) -> None:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(rank_main, args=(world, f"file://{tmp}/rendezvous", args, results), nprocs=world,
-                           start_method="spawn", join=True)
+        mp.start_processes(
+            rank_main,
+            args=(world, f"file://{tmp}/rendezvous", args, results),
+            nprocs=world,
+            start_method="spawn",
+            join=True,
+        )
     r = results.get(timeout=5)
     rows = []
     for name in ("even", "optimised"):
         s = r["samples"][name]
         q = statistics.quantiles(s, n=4)
-        rows.append([name, ",".join(map(str, r[name])), f"{r['predicted'][name]:.1f}",
-                     f"{statistics.median(s):.1f} ± {q[2] - q[0]:.1f}"])
-    print(table(["split", "batches per rank", "predicted ms (slowest rank)", "measured ms/step (median ± IQR)"],
-                rows))
+        rows.append(
+            [
+                name,
+                ",".join(map(str, r[name])),
+                f"{r['predicted'][name]:.1f}",
+                f"{statistics.median(s):.1f} ± {q[2] - q[0]:.1f}",
+            ]
+        )
+    print(table(["split", "batches per rank", "predicted ms (slowest rank)", "measured ms/step (median ± IQR)"], rows))
     ratio = statistics.median(r["samples"]["even"]) / statistics.median(r["samples"]["optimised"])
-    print(f"even / optimised step time: {ratio:.2f}x measured, "
-          f"{r['predicted']['even'] / r['predicted']['optimised']:.2f}x predicted "
-          f"(ranks slowed {','.join(map(str, args.slowdown))}x, batch {args.batch}, {args.steps} steps each)")
+    print(
+        f"even / optimised step time: {ratio:.2f}x measured, "
+        f"{r['predicted']['even'] / r['predicted']['optimised']:.2f}x predicted "
+        f"(ranks slowed {','.join(map(str, args.slowdown))}x, batch {args.batch}, {args.steps} steps each)"
+    )
 
 
 def main() -> None:

@@ -22,7 +22,7 @@ interleaved the same way, and the table shows both the raw process time and the 
 start-up (the GLPK ratio uses the net time). glpsol's own "Time used" line has 0.1 s resolution,
 so it is not used.
 
-    python benchmarks/bench_wd_solver.py [--reps 15] [--json FILE]
+    python benchmarks/kernels/bench_wd_solver.py [--reps 15] [--json FILE]
 """
 
 from __future__ import annotations
@@ -41,10 +41,9 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import interleaved_medians_ms, table  # noqa: E402
-
-from ucudnn.solver import Configuration, MicroConfig, wd  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py, models.py
+from common import interleaved_medians_ms, table
+from ucudnn.solver import Configuration, MicroConfig, wd
 
 MIB = 2**20
 FRACTIONS = (0.1, 0.3, 0.6)
@@ -108,7 +107,8 @@ def network_fronts(n_kernels: int, n_members: int, seed: int) -> dict[str, list[
         times_ms = fast_ms + (slow_ms - fast_ms) * np.concatenate(([1.0], steps))
         fronts[f"conv{k // 3}.{kind}"] = [
             Configuration((MicroConfig(f"algo{j}", 1, float(t), int(w)),))
-            for j, (t, w) in enumerate(zip(times_ms, workspaces_B, strict=True))]
+            for j, (t, w) in enumerate(zip(times_ms, workspaces_B, strict=True))
+        ]
     return fronts
 
 
@@ -132,8 +132,7 @@ def write_cplex_lp(fronts, total_workspace: int, path: Path) -> list[tuple[str, 
             if config.workspace:
                 knapsack.append(f"{config.workspace} {name}")
         rows.append(f" onehot{k}: " + " + ".join(names) + " = 1")  # sum_c x_kc = 1
-    lines = ["Minimize",
-             " time: " + " + ".join(objective), "Subject To", *rows]
+    lines = ["Minimize", " time: " + " + ".join(objective), "Subject To", *rows]
     # sum_kc w_kc x_kc <= W, wrapped: CPLEX LP lines must stay short
     lines.append(" knapsack: " + (" + ".join(knapsack) or "0 x0") + f" <= {total_workspace}")
     text = "\n".join(_wrap(line) if line.startswith(" ") else line for line in lines)
@@ -231,36 +230,69 @@ def main() -> int:
                     if abs(value - ref) > SAME_OPTIMUM_REL * ref:
                         raise AssertionError(f"{name} W={total}: {m} found {value!r} ms, mckp {ref!r} ms")
                 result = {
-                    "instance": name, "kernels": len(fronts), "members": members,
-                    "total_workspace_B": total, "fraction": frac, "optimum_ms": ref,
-                    "mckp_ms": times["mckp"], "milp_ms": times["milp"],
-                    "glpk_process_ms": glpk_ms, "glpk_startup_ms": times.get("glpk_startup"),
+                    "instance": name,
+                    "kernels": len(fronts),
+                    "members": members,
+                    "total_workspace_B": total,
+                    "fraction": frac,
+                    "optimum_ms": ref,
+                    "mckp_ms": times["mckp"],
+                    "milp_ms": times["milp"],
+                    "glpk_process_ms": glpk_ms,
+                    "glpk_startup_ms": times.get("glpk_startup"),
                     "glpk_net_ms": glpk_net_ms,
                 }
                 results.append(result)
-                rows.append([
-                    f"{name} ({len(fronts)} k, {members} m)", f"{frac:.0%}", f"{total / MIB:.0f}",
-                    f"{ref:.3f}", f"{times['mckp']:.2f}", f"{times['milp']:.1f}",
-                    f"{times['milp'] / times['mckp']:.0f}x",
-                    "-" if glpk_ms is None else f"{glpk_ms:.1f}",
-                    "-" if glpk_net_ms is None else f"{glpk_net_ms:.1f}",
-                    "-" if glpk_net_ms is None else f"{glpk_net_ms / times['mckp']:.1f}x",
-                ])
+                rows.append(
+                    [
+                        f"{name} ({len(fronts)} k, {members} m)",
+                        f"{frac:.0%}",
+                        f"{total / MIB:.0f}",
+                        f"{ref:.3f}",
+                        f"{times['mckp']:.2f}",
+                        f"{times['milp']:.1f}",
+                        f"{times['milp'] / times['mckp']:.0f}x",
+                        "-" if glpk_ms is None else f"{glpk_ms:.1f}",
+                        "-" if glpk_net_ms is None else f"{glpk_net_ms:.1f}",
+                        "-" if glpk_net_ms is None else f"{glpk_net_ms / times['mckp']:.1f}x",
+                    ]
+                )
     startup_ms = statistics.median(startups_ms) if startups_ms else None
     startup = "glpsol missing" if startup_ms is None else f"glpsol start-up {startup_ms:.1f} ms (median)"
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-    print(f"WD solve time on {platform.machine()} ({platform.node()}, {os.cpu_count()} CPUs, load {load}), "
-          f"Python {platform.python_version()}, {startup}")
-    print(table(["instance", "W frac", "W MiB", "optimum ms", "mckp ms", "milp ms", "milp/mckp",
-                 "glpsol ms", "glpsol-startup ms", "glpk net/mckp"], rows))
+    print(
+        f"WD solve time on {platform.machine()} ({platform.node()}, {os.cpu_count()} CPUs, load {load}), "
+        f"Python {platform.python_version()}, {startup}"
+    )
+    print(
+        table(
+            [
+                "instance",
+                "W frac",
+                "W MiB",
+                "optimum ms",
+                "mckp ms",
+                "milp ms",
+                "milp/mckp",
+                "glpsol ms",
+                "glpsol-startup ms",
+                "glpk net/mckp",
+            ],
+            rows,
+        )
+    )
     for name, limit_ms in target_ms.items():
         worst = max(r["mckp_ms"] for r in results if r["instance"] == name)
-        print(f"{name}: slowest mckp {worst:.2f} ms (target <= {limit_ms:.0f} ms): "
-              f"{'met' if worst <= limit_ms else 'MISSED'}")
+        print(
+            f"{name}: slowest mckp {worst:.2f} ms (target <= {limit_ms:.0f} ms): "
+            f"{'met' if worst <= limit_ms else 'MISSED'}"
+        )
     if startup_ms is not None:
         least = min(r["glpk_net_ms"] / r["mckp_ms"] for r in results)
-        print(f"GLPK (net of start-up) / mckp: at least {least:.1f}x (target >= {GLPK_TARGET_RATIO:.0f}x): "
-              f"{'met' if least >= GLPK_TARGET_RATIO else 'MISSED'}")
+        print(
+            f"GLPK (net of start-up) / mckp: at least {least:.1f}x (target >= {GLPK_TARGET_RATIO:.0f}x): "
+            f"{'met' if least >= GLPK_TARGET_RATIO else 'MISSED'}"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps({"glpsol_startup_ms": startup_ms, "results": results}, indent=2))
     return 0

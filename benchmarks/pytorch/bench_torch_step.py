@@ -22,7 +22,7 @@ the contender's own handle holds (WR's buffer, WD's arena of W bytes); ucudnn's 
 from torch's allocator, so it sees everything. On the CPU, ucudnn's peak workspace (torch's own CPU allocations are not
 counted).
 
-    OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 python benchmarks/bench_torch_step.py \\
+    OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 python benchmarks/pytorch/bench_torch_step.py \\
         [--models tiny,resnet50,vgg16] [--batch N] [--resolution R] [--device cpu|cuda] [--reps 20]
         [--policy powerOfTwo] [--algos native,...] [--wd-total SIZE]
 """
@@ -31,11 +31,9 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import statistics
 import sys
-import time
 import warnings
 from pathlib import Path
 
@@ -43,12 +41,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import make_step, table  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py, models.py
+from common import iqr, make_step, table, timed_ms, write_json
 
-from ucudnn.handle import SEGMENT_ALIGN_BYTES  # noqa: E402
-from ucudnn.sizes import format_size, parse_size  # noqa: E402
-from ucudnn.torch import convert, zoo  # noqa: E402
+from ucudnn.handle import SEGMENT_ALIGN_BYTES
+from ucudnn.sizes import format_size, parse_size
+from ucudnn.torch import convert, zoo
 
 
 class Tiny(nn.Module):
@@ -62,20 +60,12 @@ class Tiny(nn.Module):
         return self.fc(F.relu(self.conv2(F.relu(self.conv1(x)))).mean((2, 3)))
 
 
-MODELS = {"tiny": (Tiny, 2, 8, 4), "resnet50": (lambda: zoo.build("resnet50"), 2, 64, 1000),
-          "vgg16": (lambda: zoo.build("vgg16"), 2, 32, 1000)}
+MODELS = {
+    "tiny": (Tiny, 2, 8, 4),
+    "resnet50": (lambda: zoo.build("resnet50"), 2, 64, 1000),
+    "vgg16": (lambda: zoo.build("vgg16"), 2, 32, 1000),
+}
 # (class, CPU batch, CPU resolution, classes); on CUDA the defaults are batch 64 at 224x224.
-
-
-def timed_ms(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return (time.perf_counter() - start) * 1e3
-
-
-def iqr(values: list[float]) -> float:
-    q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive") if len(values) > 1 else (0, 0, 0)
-    return q3 - q1
 
 
 def bench(name: str, args) -> dict:
@@ -86,8 +76,13 @@ def bench(name: str, args) -> dict:
     device = torch.device(args.device)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     backend = "cudnn" if cuda else "cpu"
-    options = {"backend": backend, "policy": args.policy, "db": args.db, "reps": args.measure_reps,
-               "algos": args.algos.split(",") if args.algos else None}
+    options = {
+        "backend": backend,
+        "policy": args.policy,
+        "db": args.db,
+        "reps": args.measure_reps,
+        "algos": args.algos.split(",") if args.algos else None,
+    }
     torch.manual_seed(0)
     reference = cls().to(device)
     g = torch.Generator().manual_seed(1)
@@ -96,8 +91,11 @@ def bench(name: str, args) -> dict:
 
     wr = convert(copy.deepcopy(reference), workspace_limit=args.workspace, **options)
     steps = {"torch": make_step(reference, x, y, sync), "WR": make_step(wr, x, y, sync)}
-    print(f"[{name}] b{batch} {resolution}x{resolution}: first WR step (plans every kernel) ...", file=sys.stderr,
-          flush=True)
+    print(
+        f"[{name}] b{batch} {resolution}x{resolution}: first WR step (plans every kernel) ...",
+        file=sys.stderr,
+        flush=True,
+    )
     first = {"WR": timed_ms(steps["WR"])}
     wr_handle = next(m.handle for m in wr.modules() if hasattr(m, "handle"))
     # WD can at least give every kernel its WR configuration (segments start 256-byte aligned)
@@ -132,21 +130,31 @@ def bench(name: str, args) -> dict:
     names = list(steps)
     print(f"[{name}] timing {args.reps} alternating steps ...", file=sys.stderr, flush=True)
     for rep in range(args.reps):
-        for key in (names if rep % 2 == 0 else names[::-1]):
+        for key in names if rep % 2 == 0 else names[::-1]:
             samples[key].append(timed_ms(steps[key]))
     med = {key: statistics.median(v) for key, v in samples.items()}
     plans = {key: h.choices() for key, h in (("WR", wr_handle), ("WD", wd_handle))}
-    return {"model": name, "batch": batch, "resolution": resolution, "device": args.device,
-            "ms": med, "iqr_ms": {k: iqr(v) for k, v in samples.items()},
-            "ratio": {k: med[k] / med["torch"] for k in ("WR", "WD")},
-            "first_step_ms": first, "wd_total": total, "wd_late_warnings": late,
-            "peak_workspace": {"WR": wr_handle.peak_workspace, "WD": wd_handle.peak_workspace},
-            "peak_memory": peaks,
-            "torch_kernels": {k: sum(len(c.config.micros) == 1 and c.config.micros[0].algo == "native"
-                                     for c in v) for k, v in plans.items()},
-            "call_overhead_ms": wr_handle.call_overhead,
-            "kernels": {k: len(v) for k, v in plans.items()},
-            "micro_batched": {k: sum(c.micro_batched for c in v) for k, v in plans.items()}}
+    return {
+        "model": name,
+        "batch": batch,
+        "resolution": resolution,
+        "device": args.device,
+        "ms": med,
+        "iqr_ms": {k: iqr(v) for k, v in samples.items()},
+        "ratio": {k: med[k] / med["torch"] for k in ("WR", "WD")},
+        "first_step_ms": first,
+        "wd_total": total,
+        "wd_late_warnings": late,
+        "peak_workspace": {"WR": wr_handle.peak_workspace, "WD": wd_handle.peak_workspace},
+        "peak_memory": peaks,
+        "torch_kernels": {
+            k: sum(len(c.config.micros) == 1 and c.config.micros[0].algo == "native" for c in v)
+            for k, v in plans.items()
+        },
+        "call_overhead_ms": wr_handle.call_overhead,
+        "kernels": {k: len(v) for k, v in plans.items()},
+        "micro_batched": {k: sum(c.micro_batched for c in v) for k, v in plans.items()},
+    }
 
 
 def main() -> int:
@@ -173,28 +181,57 @@ def main() -> int:
         parser.error(f"unknown model(s) {', '.join(unknown)}; choose from {', '.join(MODELS)}")
     load = os.getloadavg()[0]
     results = [bench(name, args) for name in names]
-    print(f"# one training step, torch vs ucudnn WR ({format_size(args.workspace)}/kernel) and WD, {args.device}, "
-          f"{torch.get_num_threads()} torch thread(s); 1-min load {load:.1f} -> {os.getloadavg()[0]:.1f}")
-    print("command: python benchmarks/bench_torch_step.py " + " ".join(sys.argv[1:]))
+    print(
+        f"# one training step, torch vs ucudnn WR ({format_size(args.workspace)}/kernel) and WD, {args.device}, "
+        f"{torch.get_num_threads()} torch thread(s); 1-min load {load:.1f} -> {os.getloadavg()[0]:.1f}"
+    )
+    print("command: python benchmarks/pytorch/bench_torch_step.py " + " ".join(sys.argv[1:]))
     rows = []
     for r in results:
         mem = r["peak_memory"]
-        rows.append([r["model"], f"{r['batch']}x{r['resolution']}", f"{r['ms']['torch']:.2f}",
-                     f"{r['ms']['WR']:.2f}", f"{r['ms']['WD']:.2f}", f"{r['ratio']['WR']:.2f}", f"{r['ratio']['WD']:.2f}",
-                     format_size(r["peak_workspace"]["WR"]), f"{format_size(r['peak_workspace']['WD'])} of "
-                     f"{format_size(r['wd_total'])}",
-                     " / ".join(format_size(mem[k]) for k in ("torch", "WR", "WD")) if mem else "-",
-                     f"{r['torch_kernels']['WR']}/{r['kernels']['WR']}, {r['torch_kernels']['WD']}/{r['kernels']['WD']}",
-                     f"{r['call_overhead_ms'] * 1e3:.0f}",
-                     r["wd_late_warnings"]])
-    print(table(["model", "batch", "torch ms", "WR ms", "WD ms", "WR/torch", "WD/torch", "WR workspace",
-                 "WD workspace", "peak torch/WR/WD", "torch-run kernels WR, WD", "charge us", "WD late warnings"],
-                rows))
-    print("(ms: median of alternating steps; a ratio below 1 means ucudnn is faster; torch-run kernels: those whose "
-          "plan is torch's own convolution on the whole batch, which torch runs itself; charge: the host cost per "
-          "kernel call charged to every other plan, Handle.call_overhead)")
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2))
+        rows.append(
+            [
+                r["model"],
+                f"{r['batch']}x{r['resolution']}",
+                f"{r['ms']['torch']:.2f}",
+                f"{r['ms']['WR']:.2f}",
+                f"{r['ms']['WD']:.2f}",
+                f"{r['ratio']['WR']:.2f}",
+                f"{r['ratio']['WD']:.2f}",
+                format_size(r["peak_workspace"]["WR"]),
+                (f"{format_size(r['peak_workspace']['WD'])} of {format_size(r['wd_total'])}"),
+                " / ".join(format_size(mem[k]) for k in ("torch", "WR", "WD")) if mem else "-",
+                f"{r['torch_kernels']['WR']}/{r['kernels']['WR']}, {r['torch_kernels']['WD']}/{r['kernels']['WD']}",
+                f"{r['call_overhead_ms'] * 1e3:.0f}",
+                r["wd_late_warnings"],
+            ]
+        )
+    print(
+        table(
+            [
+                "model",
+                "batch",
+                "torch ms",
+                "WR ms",
+                "WD ms",
+                "WR/torch",
+                "WD/torch",
+                "WR workspace",
+                "WD workspace",
+                "peak torch/WR/WD",
+                "torch-run kernels WR, WD",
+                "charge us",
+                "WD late warnings",
+            ],
+            rows,
+        )
+    )
+    print(
+        "(ms: median of alternating steps; a ratio below 1 means ucudnn is faster; torch-run kernels: those whose "
+        "plan is torch's own convolution on the whole batch, which torch runs itself; charge: the host cost per "
+        "kernel call charged to every other plan, Handle.call_overhead)"
+    )
+    write_json(args.json, results)
     return 0
 
 

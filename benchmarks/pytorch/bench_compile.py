@@ -22,10 +22,10 @@ Figures, each a ratio ucudnn / torch measured in this process:
   synchronisation, medians (what CUDA graphs remove: with `--mode reduce-overhead` the converted
   convolutions run inside the graphs, so their launches cost no host time per micro-batch).
 
-    OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 python benchmarks/bench_compile.py --threads 1 [--algos native]
+    OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 python benchmarks/pytorch/bench_compile.py --threads 1 [--algos native]
         [--batch 8] [--resolution 64] [--reps 20] [--policy undivided] [--compile-rounds 2]
         [--model hf-mobilenet-v2 [--channels-last] [--no-layout-optimization]]
-    python benchmarks/bench_compile.py --device cuda --mode reduce-overhead --batch 64 --resolution 224
+    python benchmarks/pytorch/bench_compile.py --device cuda --mode reduce-overhead --batch 64 --resolution 224
 """
 
 from __future__ import annotations
@@ -41,12 +41,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import interleaved_medians_ms, make_step, table  # noqa: E402
-from models import NAMES, build, loss  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py, models.py
+from common import interleaved_medians_ms, make_step, table
+from models import NAMES, build, loss
 
-from ucudnn.torch import convert, zoo  # noqa: E402
-from ucudnn.torch.converting.layer import TRIAL_STEPS, ConvLayer  # noqa: E402
+from ucudnn.torch import convert, zoo
+from ucudnn.torch.converting.layer import TRIAL_STEPS, ConvLayer
 
 
 def first_step_s(model: nn.Module, x, y, mode: str, sync) -> float:
@@ -62,18 +62,25 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=("resnet18", *NAMES), default="resnet18")
     parser.add_argument("--channels-last", action="store_true", help="model and input channels-last")
-    parser.add_argument("--no-layout-optimization", action="store_true",
-                        help="Inductor's layout optimization off (it makes convolutions channels-last where its "
-                             "heuristics say so, and sees aten.convolution only, not ucudnn's operators)")
+    parser.add_argument(
+        "--no-layout-optimization",
+        action="store_true",
+        help="Inductor's layout optimization off (it makes convolutions channels-last where its "
+        "heuristics say so, and sees aten.convolution only, not ucudnn's operators)",
+    )
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--resolution", type=int, default=64)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--mode", default=None, help="torch.compile mode (default: torch's; 'reduce-overhead' "
-                                                     "for CUDA graphs)")
+    parser.add_argument(
+        "--mode", default=None, help="torch.compile mode (default: torch's; 'reduce-overhead' for CUDA graphs)"
+    )
     parser.add_argument("--policy", default="undivided")
-    parser.add_argument("--algos", help="comma-separated candidate algorithms (default: the backend's all); "
-                                        "'native' alone routes every kernel through ucudnn's operators with "
-                                        "torch computing it: the cost of the integration itself")
+    parser.add_argument(
+        "--algos",
+        help="comma-separated candidate algorithms (default: the backend's all); "
+        "'native' alone routes every kernel through ucudnn's operators with "
+        "torch computing it: the cost of the integration itself",
+    )
     parser.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's)")
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--compile-rounds", type=int, default=2, help="0: time the steps only")
@@ -115,42 +122,65 @@ def main() -> int:
 
     compile_s: dict[str, list[float]] = {name: [] for name in models}
     for r in range(args.compile_rounds):
-        for name in (models if r % 2 == 0 else reversed(list(models))):
+        for name in models if r % 2 == 0 else reversed(list(models)):
             compile_s[name].append(first_step_s(models[name], x, y, args.mode, sync))
     torch._dynamo.reset()
     compiled = {name: make_step(torch.compile(m, mode=args.mode), x, y, sync, loss) for name, m in models.items()}
     eager = {f"{name} eager": make_step(m, x, y, sync, loss) for name, m in models.items()}
     steps = interleaved_medians_ms({**compiled, **eager}, reps=args.reps, warmup=3)
-    results = {"model": args.model, "channels_last": args.channels_last,
-               "layout_optimization": not args.no_layout_optimization, "batch": args.batch,
-               "resolution": args.resolution, "device": args.device, "mode": args.mode, "policy": args.policy,
-               "algos": args.algos, "threads": torch.get_num_threads(), "plan_s": plan_s,
-               "compile_s": {name: statistics.median(v) for name, v in compile_s.items() if v},
-               "step_ms": steps}
+    results = {
+        "model": args.model,
+        "channels_last": args.channels_last,
+        "layout_optimization": not args.no_layout_optimization,
+        "batch": args.batch,
+        "resolution": args.resolution,
+        "device": args.device,
+        "mode": args.mode,
+        "policy": args.policy,
+        "algos": args.algos,
+        "threads": torch.get_num_threads(),
+        "plan_s": plan_s,
+        "compile_s": {name: statistics.median(v) for name, v in compile_s.items() if v},
+        "step_ms": steps,
+    }
     if cuda:  # host time: the step returns before the device finishes
-        no_sync = {name: make_step(torch.compile(m, mode=args.mode), x, y, lambda: None, loss)
-                   for name, m in models.items()}
+        no_sync = {
+            name: make_step(torch.compile(m, mode=args.mode), x, y, lambda: None, loss) for name, m in models.items()
+        }
         host = interleaved_medians_ms(no_sync, reps=args.reps, warmup=3)
         torch.cuda.synchronize()
         results["host_ms"] = host
-    routed = sum(k is not None for m in ours.modules() if isinstance(m, ConvLayer) for r in m._routes.values()
-                 for k in (r.fwd, r.bwd_data, r.bwd_filter))
+    routed = sum(
+        k is not None
+        for m in ours.modules()
+        if isinstance(m, ConvLayer)
+        for r in m._routes.values()
+        for k in (r.fwd, r.bwd_data, r.bwd_filter)
+    )
     results["kernels_through_ucudnn"] = routed
 
     def row(figure: str, values: dict, digits: int) -> list[str]:
-        return [figure, f"{values['torch']:.{digits}f}", f"{values['ucudnn']:.{digits}f}",
-                f"{values['ucudnn'] / values['torch']:.3f}x"]
+        return [
+            figure,
+            f"{values['torch']:.{digits}f}",
+            f"{values['ucudnn']:.{digits}f}",
+            f"{values['ucudnn'] / values['torch']:.3f}x",
+        ]
 
     rows = [row("compile (first step), s", results["compile_s"], 1)] if args.compile_rounds else []
-    rows += [row("compiled step, ms", steps, 1),
-             row("eager step, ms", {name: steps[f"{name} eager"] for name in models}, 1)]
+    rows += [
+        row("compiled step, ms", steps, 1),
+        row("eager step, ms", {name: steps[f"{name} eager"] for name in models}, 1),
+    ]
     if cuda:
         rows.append(row("compiled step host time, ms", results["host_ms"], 2))
-    print(f"# {args.model}{' channels-last' if args.channels_last else ''}"
-          f"{', no layout optimization' if args.no_layout_optimization else ''}, batch {args.batch}, "
-          f"{args.resolution}x{args.resolution}, {args.device}, "
-          f"mode={args.mode}, policy {args.policy}, algos {args.algos or 'all'}, {torch.get_num_threads()} "
-          f"thread(s); {routed} kernel(s) routed through ucudnn; planning {plan_s:.1f} s")
+    print(
+        f"# {args.model}{' channels-last' if args.channels_last else ''}"
+        f"{', no layout optimization' if args.no_layout_optimization else ''}, batch {args.batch}, "
+        f"{args.resolution}x{args.resolution}, {args.device}, "
+        f"mode={args.mode}, policy {args.policy}, algos {args.algos or 'all'}, {torch.get_num_threads()} "
+        f"thread(s); {routed} kernel(s) routed through ucudnn; planning {plan_s:.1f} s"
+    )
     print(table(["figure", "torch", "ucudnn", "ucudnn/torch"], rows))
     if args.json:
         with open(args.json, "w") as f:
