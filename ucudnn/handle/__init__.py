@@ -1,9 +1,10 @@
 """`Handle`: what a framework holds instead of a cuDNN handle (see `ucudnn.handle.handle`).
 
 The handle's parts, each its own module: `arguments` (checking a call, inferring its shapes),
-`planning` (WR and WD plans), `arena` (where each kernel's workspace lives), `kernel` (the prepared
-kernel and its launch, the hot path), `replan` (a plan that cannot run, planned again), `trials`
-(a plan against torch's own convolution inside the caller's step); `handle` ties them together.
+`calls` (the kernel calls and their lookup), `planning` (WR and WD plans), `arena` (where each kernel's
+workspace lives), `kernel` (the prepared kernel and its launch, the hot path), `replan` (a plan that cannot
+run, planned again), `trials` (a plan against torch's own convolution inside the caller's step); `handle`
+ties them together.
 """
 
 from ucudnn.handle.arena import SEGMENT_ALIGN_BYTES

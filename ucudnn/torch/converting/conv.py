@@ -62,17 +62,14 @@ from torch.nn.modules.lazy import LazyModuleMixin
 from ucudnn.errors import InvalidInput
 from ucudnn.handle import Handle
 from ucudnn.torch.converting.layer import (
-    TRIAL_RUNS,
-    TRIAL_STEPS,
     ConvLayer,
     ConvTransposeLayer,
     _EndLearning,
     _Learning,
-    _new_handle,
     as_torch,
-    route_overhead_ms,
     through_operators,
 )
+from ucudnn.torch.converting.route_cost import TRIAL_RUNS, TRIAL_STEPS, _new_handle, route_overhead_ms
 
 __all__ = [
     "TRIAL_RUNS",

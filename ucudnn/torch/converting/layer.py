@@ -5,7 +5,8 @@ A layer keeps a route per input signature (shape, dtype, device, layout, geometr
 needed): the handle's prepared `Kernel` of each kind, planned together at the first call. Later calls only
 launch. Where every needed kernel's plan is `native` on the whole batch, the layer is torch's own
 convolution (PyTorch's autograd, no Python Function in between); any other plan routes it through
-`_ConvFunction` and the handle. Under torch.compile, in a dispatch mode's capture, on fake tensors and
+`_ConvFunction` and the handle (`ucudnn.torch.converting.route`; the handle a layer makes for itself comes from
+`ucudnn.torch.converting.route_cost`). Under torch.compile, in a dispatch mode's capture, on fake tensors and
 inside `through_operators` it is the operator `torch.ops.ucudnn.convolution` (`ucudnn.torch.converting.ops`), which
 plans when it runs on real tensors (and is torch's own convolution there where the layer's route is).
 """
@@ -15,36 +16,23 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-import functools
 import warnings
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor
-from torch.autograd.function import once_differentiable
 
-from ucudnn.backends import get_backend
-from ucudnn.backends.cpu import NATIVE, CpuBackend
 from ucudnn.errors import InvalidInput, UnsupportedProblem
-from ucudnn.handle import Handle, Kernel, Turns, native_only
-from ucudnn.kernel.measure import interleaved_medians_ms
+from ucudnn.handle import Handle, Turns, native_only
 from ucudnn.problem import ConvProblem
 from ucudnn.sizes import format_size
 from ucudnn.solver.types import Infeasible
 from ucudnn.torch.converting import ops as _ops
-from ucudnn.torch.converting.launch import (
-    Geometry,
-    _dtype_name,
-    _in_format,
-    _on_device,
-    _result_format,
-    geometry,
-    run_backward,
-    run_forward,
-)
+from ucudnn.torch.converting.launch import Geometry, _dtype_name, _on_device, geometry
+from ucudnn.torch.converting.route import _BackwardTrial, _ConvFunction, _Route, _Routes
+from ucudnn.torch.converting.route_cost import TRIAL_RUNS, TRIAL_STEPS, _new_handle, route_overhead_ms
 
 __all__ = [
     "TRIAL_RUNS",
@@ -93,80 +81,6 @@ def _layout_name(t: torch.Tensor) -> str:
     return "NCHW"
 
 
-@dataclass(frozen=True, slots=True)
-class _Route:
-    """How one layer runs at one input: the handle's prepared kernel of each kind, or None where torch runs
-    the kernel itself (the plan is `native` on the whole batch, or the kind is not needed). `direct`: every
-    needed kind is torch's own, so the layer is torch's convolution."""
-
-    handle: Handle  # the route belongs to this handle (a plan's executor may swap a layer's handle)
-    generation: int
-    backend: str
-    layout: str
-    fwd: Kernel | None
-    bwd_data: Kernel | None
-    bwd_filter: Kernel | None
-    direct: bool
-    budgets: dict | None = None  # the memory plan's workspace per kind it was planned under (execute_plan)
-    trial: _BackwardTrial | None = None  # its backward against torch's fused one, for its first backward passes
-    problem: ConvProblem | None = None  # the forward problem it runs (None: a geometry only torch expresses)
-    asked: tuple[str, ...] = ()  # the kinds it was planned for (the others are not needed)
-
-    @property
-    def left_to_torch(self) -> set[str]:
-        """The kinds it was planned for that torch's own convolution runs."""
-        return {kind for kind in self.asked if getattr(self, kind) is None}
-
-    def backward(self, dy, x, w, g: Geometry, need_dx: bool, need_dw: bool) -> tuple:
-        """(dx, dw) of this route, each None where not needed; the backward trial's turn while it is open."""
-        if self.trial is not None and self.trial.open and need_dx and need_dw:
-            return self.trial.run(self, dy, x, w, g)
-        return run_backward(self, dy, x, w, g, need_dx, need_dw)
-
-
-@dataclass(slots=True)
-class _BackwardTrial:
-    """A route's backward pass against torch's own, timed in the step, for routes that run a planned backward
-    kernel where torch would compute dx and dw in one fused call. The kernels' own trials (`Handle`'s
-    trial_runs) time a planned kernel against torch's kernel of that kind alone, which costs more than its
-    share of the fused call: a kernel that wins its trial can lose the layer's backward pass (on the CPU,
-    ResNet-18's last stage's weight gradients). The two take turns once the kernels' trials have closed (the
-    first run of each untimed); then, unless the route won by more than the handle's call overhead per
-    routed kernel, the layer's route becomes torch's for the backward pass."""
-
-    routes: dict  # the layer's routes, and this route's key in them: the verdict replaces it there
-    key: tuple
-    overhead_ms: float  # charged to the route
-    turns: Turns  # first the route's backward, second torch's fused call
-
-    @property
-    def open(self) -> bool:
-        return self.turns.open
-
-    def run(self, route: _Route, dy, x, w, g: Geometry) -> tuple[torch.Tensor, torch.Tensor]:
-        if any(k is not None and k.trying for k in (route.bwd_data, route.bwd_filter)):
-            return run_backward(route, dy, x, w, g, True, True)
-        dx, dw = self.turns.take(
-            lambda: run_backward(route, dy, x, w, g, True, True), lambda: g.torch_backward(dy, x, w, True, True)
-        )
-        if not self.open and self.routes.get(self.key) is route and not self.turns.first_won_by(self.overhead_ms):
-            self.routes[self.key] = dataclasses.replace(
-                route, bwd_data=None, bwd_filter=None, direct=route.fwd is None, trial=None
-            )
-        return dx, dw
-
-
-class _Routes(dict):
-    """A layer's routes by input signature. Copies and pickles start empty: the kernels belong to the
-    handle, and a copied model gets a fresh handle."""
-
-    def __reduce__(self):
-        return (_Routes, ())
-
-    def __deepcopy__(self, memo):
-        return _Routes()
-
-
 class _Learning:
     """WD without `announce`: while active, converted layers register themselves with the handle and compute
     with torch's own convolution; the model's first forward pass that registers a layer ends it (a pass on
@@ -195,116 +109,6 @@ def _autocast(t: torch.Tensor | None, low: torch.dtype) -> torch.Tensor | None:
     if t is None or not t.is_floating_point() or t.dtype == torch.float64:
         return t
     return t.to(low)
-
-
-class _ConvFunction(torch.autograd.Function):
-    """A convolution whose three kernels run as `route` says: through the handle's prepared kernels, or,
-    where the plan is `native` on the whole batch, as torch's own call on the tensors (going through the
-    handle would compute the same thing into a temporary and copy it)."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, route: _Route, geometry: Geometry):
-        # the operands are made the route's layout by the kernels that need it, not before (`run_forward`,
-        # `run_backward`): a copy made outside would be an operation of the step (an autograd node) that the
-        # operator path, which copies inside, does not have; one made for torch's own kernel would be memory
-        # no plan holds; and each planned kernel's copies are gone before its result is made torch's format,
-        # as a plan holds them (`launch.forward_copies`, `launch.backward_copies`)
-        ctx.result_format = _result_format(x, weight, route.layout)
-        ctx.save_for_backward(x, weight)  # as they came: the storage its producer made (a plan may drop it)
-        ctx.route, ctx.geometry, ctx.has_bias = route, geometry, bias is not None
-        return _in_format(run_forward(route, x, weight, bias, geometry), ctx.result_format)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, dy):
-        x, weight = ctx.saved_tensors
-        # the bias's gradient first: a plan holds it through the step's kernels (aten's fused call makes it with them)
-        db = dy.sum((0, *range(2, dy.dim()))) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        dx, dw = ctx.route.backward(dy, x, weight, ctx.geometry, ctx.needs_input_grad[0], ctx.needs_input_grad[1])
-        return (None if dx is None else _in_format(dx, ctx.result_format)), dw, db, None, None
-
-
-# Timed runs of each side in a kernel's in-step trial against torch's own convolution (CPU handles)
-TRIAL_RUNS = 3
-# Training steps until every trial of a converted model has closed: the kernels' (each side's first run
-# untimed), then the layers' backward passes (`_BackwardTrial`) as many again
-TRIAL_STEPS = 4 * (TRIAL_RUNS + 1)
-
-
-@functools.cache
-def route_overhead_ms() -> float:
-    """Host time (ms) that routing one kernel of a CPU convolution through ucudnn costs beyond
-    torch running it itself, measured once per process on a tiny layer (forward and backward,
-    the three contenders alternately, medians):
-
-    - direct: plain F.conv2d;
-    - function: the layer as ucudnn's autograd Function with torch running every kernel in it;
-    - routed: the same with all three kernels `native` through the handle (NumPy views, output
-      tensors, the handle's launch, the launcher's copy).
-
-    A kernel routed through ucudnn takes its layer off F.conv2d onto the Function, so it is
-    charged the Function's whole cost plus one kernel's share of routing: (function - direct) +
-    (routed - function) / 3. That is its marginal cost where torch runs the layer's other kernels
-    (a layer with several routed kernels pays the Function once, so there it is charged more than
-    it pays: the charge errs towards torch's own convolution). Rounded to 10 us, so that plans
-    keyed by it recur across processes. Handles made by this module charge it
-    (`Handle(call_overhead=...)`)."""
-    # the probe needs autograd in float32, whatever mode its caller is in (convert under no_grad, ...)
-    with torch.inference_mode(False), torch.enable_grad(), torch.autocast("cpu", enabled=False):
-        times = _probe_route()
-    function = max(0.0, times["function"] - times["direct"])
-    return round(function + max(0.0, times["routed"] - times["function"]) / 3, 2)
-
-
-def _probe_route() -> dict[str, float]:
-    """Median ms of `route_overhead_ms`'s three contenders (forward and backward, alternately)."""
-    handle = Handle(backend="cpu", policy="undivided", algos=[NATIVE], reps=1, db=False)
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(1, 4, 6, 6, generator=g, requires_grad=True)
-    w = torch.randn(4, 4, 3, 3, generator=g, requires_grad=True)
-    dy = torch.randn(1, 4, 6, 6, generator=g)
-    conv = {"stride": (1, 1), "padding": (1, 1), "dilation": (1, 1), "groups": 1, "dtype": "float32", "layer": "probe"}
-    kernels = [
-        handle.kernel(kind, tuple(x.shape), tuple(w.shape), **conv) for kind in ("fwd", "bwd_data", "bwd_filter")
-    ]
-    routes = {
-        "function": _Route(handle, handle.generation, "cpu", "NCHW", None, None, None, direct=False),
-        "routed": _Route(handle, handle.generation, "cpu", "NCHW", *kernels, direct=False),
-    }
-    geometry = Geometry((1, 1), (1, 1), (1, 1), False, (0, 0), 1)
-
-    def through(route: _Route):
-        return lambda: _ConvFunction.apply(x, w, None, route, geometry).backward(dy)
-
-    return interleaved_medians_ms(
-        {
-            "direct": lambda: F.conv2d(x, w, None, 1, 1, 1, 1).backward(dy),
-            **{name: through(route) for name, route in routes.items()},
-        },
-        reps=51,
-        warmup=5,
-    )
-
-
-def _new_handle(**options: Any) -> Handle:
-    """A Handle for torch layers. On the CPU its NumPy algorithms run on one thread (they run
-    between torch's operations, whose thread pool owns the cores: `CpuBackend`'s docstring says
-    why), each kernel planned as one of them is confirmed against torch's own convolution inside
-    the first training steps (`Handle`'s ``trial_runs``), and it charges the measured
-    `route_overhead_ms` unless the options give a `call_overhead` themselves."""
-    backend = options.get("backend", "auto")
-    if isinstance(backend, str):
-        backend = get_backend(backend)
-        if backend.name == "cpu":
-            backend = CpuBackend(numpy_threads=1)
-        options = {**options, "backend": backend}
-    if backend.name != "cpu":
-        return Handle(**options)
-    # kernels measured alone are confirmed in the step: see Handle's trial_runs
-    options = {"trial_runs": TRIAL_RUNS, **options}
-    if "call_overhead" not in options:
-        options["call_overhead"] = route_overhead_ms()
-    return Handle(**options)
 
 
 class PlanBudgets(dict):
