@@ -2,9 +2,9 @@
 test_model_convs.py compare converted and planned training against.
 
 Equality of training is judged as the model's own rounding noise allows: the norm of all parameters' difference
-from plain training, against the difference plain training itself shows between one thread and two (batch-norm
-over small maps amplifies rounding; a single tensor's difference says nothing: a bias before a normalisation has
-a gradient that is zero in exact arithmetic and holds only noise)."""
+from plain training, against how far plain training's float32 result itself may land (`rounding_noise`: another
+summation order's, one thread against two, or float64 training's, whichever lies further). Not per tensor: a bias
+before a normalisation has a gradient that is zero in exact arithmetic and holds only noise."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 import torch
 from torch.nn import functional as F
+from torch.utils._pytree import tree_map
 
 from ucudnn.torch import execute_plan
 
@@ -44,9 +45,24 @@ def train(model, batch: Callable[[int], tuple], plan=None, threads: int = 1, los
     return torch.cat([p.detach().flatten() for p in model.parameters()])
 
 
+def rounding_noise(model, batch: Callable[[int], tuple], reference: torch.Tensor, loss: Callable = loss) -> float:
+    """How far plain training's float32 parameters (`reference`) may lie from another float32 run's: the further of
+    another summation order's (two threads against one) and float64 training's. A converted layer may run another
+    algorithm (ucudnn picks by time, so by the machine's load), whose sums round otherwise: threads alone can say
+    far too little (MONAI's 2-D UNet, two steps: two threads move the parameters 4e-9 of their norm, float64
+    1.4e-6, and shift_gemm's convolutions as far as float64)."""
+    threads = (reference - train(copy.deepcopy(model), batch, threads=2, loss=loss)).norm().item()
+    exact = train(copy.deepcopy(model).double(), lambda step: tree_map(_double, batch(step)), loss=loss)
+    return max(threads, (reference.double() - exact).norm().item())
+
+
+def _double(value):
+    return value.double() if isinstance(value, torch.Tensor) and value.is_floating_point() else value
+
+
 def plain_runs(tmp_path_factory, build: Callable[[str], torch.nn.Module], batch: Callable[[str, int], tuple]):
-    """A getter: per model name, made once, the model, plain training's parameters, their rounding noise (one
-    thread against two) and a measurement cache URL its converted copies share."""
+    """A getter: per model name, made once, the model, plain training's parameters, their rounding noise
+    (`rounding_noise`) and a measurement cache URL its converted copies share."""
     made = {}
 
     def get(name: str):
@@ -54,7 +70,7 @@ def plain_runs(tmp_path_factory, build: Callable[[str], torch.nn.Module], batch:
             torch.manual_seed(0)
             model = build(name)
             reference = train(copy.deepcopy(model), lambda step: batch(name, step))
-            noise = (reference - train(copy.deepcopy(model), lambda step: batch(name, step), threads=2)).norm().item()
+            noise = rounding_noise(model, lambda step: batch(name, step), reference)
             made[name] = (model, reference, noise, f"sqlite:///{tmp_path_factory.mktemp(name)}/cache.db")
         return made[name]
 

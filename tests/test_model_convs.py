@@ -64,12 +64,15 @@ MODELS = {
     "hf-efficientnet": (_efficientnet, (2, 3, 32, 32), 10, True),
 }
 
-# handle options: WR and WD where the limit does not bind, and ucudnn's NumPy kernels forced in one-sample
-# micro-batches (so that every converted kernel runs ucudnn's code rather than torch's)
+# handle options: WR and WD where the limit does not bind (what they pick depends on the machine's load), ucudnn's
+# NumPy kernels forced in one-sample micro-batches (so that every converted kernel runs ucudnn's code rather than
+# torch's), and the shifted GEMM forced (its sums round furthest from torch's: a load-slowed measurement let WR
+# pick it once, and training equality must hold whichever algorithm is picked)
 HANDLES = {
     "wr": {"workspace_limit": "64MiB"},
     "wd": {"total_workspace": "1GiB"},
     "numpy-micro": {"policy": (1,), "algos": ["im2col_gemm"], "call_overhead": 0},
+    "shift-gemm": {"algos": ["shift_gemm"], "call_overhead": 0},
 }
 
 
