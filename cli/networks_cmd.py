@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
+from typing import Any
 
 import click
 
@@ -20,10 +22,10 @@ def _batch_of(name: str, batch: int | None) -> int | None:
     return batch if batch is not None else DEFAULT_BATCH[name]
 
 
-def _table(header: tuple[str, ...], rows: list[tuple[str, ...]], right: set[int]) -> str:
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]], right: set[int]) -> str:
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
 
-    def line(row: tuple[str, ...]) -> str:
+    def line(row: Sequence[str]) -> str:
         cells = [
             cell.rjust(width) if i in right else cell.ljust(width) for i, (cell, width) in enumerate(zip(row, widths))
         ]
@@ -33,7 +35,7 @@ def _table(header: tuple[str, ...], rows: list[tuple[str, ...]], right: set[int]
 
 
 def _summary(batch: int | None, as_json: bool) -> None:
-    entries = []
+    entries: list[dict[str, Any]] = []  # JSON objects, one per network
     for name, description in NETWORKS.items():
         net = layers(name, batch)
         entries.append(

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Iterator
 from datetime import datetime, timedelta
 from typing import Any, Self, TypeVar
 
-from sqlalchemy import Connection, and_, delete, exists, func, select
+from sqlalchemy import ColumnElement, Connection, and_, delete, exists, func, select
 from sqlalchemy import exc as sa_exc
 from ucudnn.db.location import ENV_VAR, _resolve_url, _sqlite_file, default_url
 from ucudnn.db.merge import (
@@ -147,10 +147,12 @@ class Cache:
 
     def _insert(self, table: Any) -> Any:
         if self._is_sqlite:
-            from sqlalchemy.dialects.sqlite import insert
-        else:
-            from sqlalchemy.dialects.postgresql import insert
-        return insert(table)
+            from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+
+            return sqlite_insert(table)
+        from sqlalchemy.dialects.postgresql import insert as postgresql_insert
+
+        return postgresql_insert(table)
 
     # -- devices and problems -----------------------------------------------------------------
 
@@ -404,7 +406,7 @@ class Cache:
         for column, value in ((d.model, device), (d.backend, backend), (d.versions, versions)):
             if value is not None:
                 conditions.append(column == value)
-        measurement_where = []
+        measurement_where: list[ColumnElement[bool]] = []
         if conditions:
             measurement_where.append(m.device_id.in_(select(d.id).where(and_(*conditions))))
         cutoff = None

@@ -50,7 +50,7 @@ class MeasurementRecord:
         return (
             self.created_at,
             usable,
-            -(self.time_ms if usable else 0.0),
+            -(self.time_ms if self.time_ms is not None else 0.0),
             -self.spread_ms,
             -self.workspace_bytes,
             self.reason,

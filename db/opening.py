@@ -78,7 +78,7 @@ def _precheck_sqlite_file(path: Path, *, readonly: bool) -> str | None:
         if readonly:
             raise DatabaseError(f"no cache at {path}; run a benchmark to create one, or pass --db")
         _check_writable_dir(path.parent, path)
-        return
+        return None
     try:
         with open(path, "rb") as fp:
             header = fp.read(100)

@@ -277,16 +277,15 @@ def _measurement(obj: dict[str, Any], now: datetime) -> MeasurementRecord:
     spread_ms = obj.get("spread_ms", 0.0)
     if isinstance(spread_ms, bool) or not isinstance(spread_ms, (int, float)):
         raise ValueError(f"spread_ms must be a number, got {spread_ms!r:.80}")  # noqa: TRY004
+    # the file's values as they are (None where missing): check_measurement checks the record's fields below
+    stored: dict[str, Any] = {
+        name: obj.get(name)
+        for name in ("device", "backend", "versions", "problem_key", "algo", "batch", "workspace_bytes")
+    }
     record = MeasurementRecord(
-        device=obj.get("device"),
-        backend=obj.get("backend"),
-        versions=obj.get("versions"),
-        problem_key=obj.get("problem_key"),
-        algo=obj.get("algo"),
-        batch=obj.get("batch"),
+        **stored,
         time_ms=None if time_ms is None else float(time_ms),
         spread_ms=float(spread_ms),
-        workspace_bytes=obj.get("workspace_bytes"),
         reason=obj.get("reason", ""),
         created_at=_parse_timestamp(obj.get("created_at")),
     )
@@ -298,8 +297,7 @@ def _measurement(obj: dict[str, Any], now: datetime) -> MeasurementRecord:
 
 
 def _plan(obj: dict[str, Any], now: datetime) -> PlanRecord:
-    key = obj.get("key")
-    _check_text("plan key", key)
+    key = _check_text("plan key", obj.get("key"))
     try:
         text = _plan_json(key, obj.get("plan"))
     except InvalidInput as exc:
@@ -411,11 +409,11 @@ def _import_cache(cache: Cache, source: Cache) -> MergeReport:
                 raise InvalidInput(
                     f"{source.url} measurement {number} ({record.algo!r:.60} at batch {record.batch}): {exc}"
                 ) from None
-        for record in source.plan_records():
+        for plan in source.plan_records():
             try:
-                check_plan(record, now)
+                check_plan(plan, now)
             except ValueError as exc:
-                raise InvalidInput(f"{source.url} plan {record.key!r:.60}: {exc}") from None
+                raise InvalidInput(f"{source.url} plan {plan.key!r:.60}: {exc}") from None
         return cache.merge(source.measurement_records, source.plan_records)
     finally:
         source.close()

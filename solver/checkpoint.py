@@ -228,7 +228,9 @@ def frontier(
     f = _check_costs(costs, len(s))
     kept_s = _check_kept(kept_sizes, s)
     allowed = sorted({*range(len(s) - 1)} if candidates is None else {c for c in candidates if 0 <= c < len(s) - 1})
-    bound_of = {}  # each candidate's peak is at most its kept bytes plus its bound
+    bound_of: dict[
+        tuple[int, ...], tuple[float, float]
+    ] = {}  # each candidate's peak is at most its kept bytes plus its bound
     scale = sum(s) / max(sum(f), 1e-300)  # bytes per unit of cost, chain-wide
     for price in PRICES:
         for bound, lasts in _least_kept(s, f, candidates, kept_s, price * scale):

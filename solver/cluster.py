@@ -235,7 +235,7 @@ def _solve_milp(table: dict[str, dict[int, float]], batch: int) -> dict[str, int
     lower[-1] = upper[-1] = batch
     c = np.zeros(n)
     c[-1] = 1.0
-    integrality = np.ones(n)
+    integrality = np.ones(n, dtype=np.int8)  # 1: integer, 0: continuous
     integrality[-1] = 0
     ub = np.ones(n)
     ub[-1] = np.inf

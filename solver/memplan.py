@@ -222,11 +222,11 @@ def solve(
         entries = [(q_var[r], 1.0)] + ([(q_var[r - 1], -1.0)] if r else []) + queued.get(r, [])
         row(entries, -float(drain_bytes[r]), np.inf)
 
-    A = coo_matrix((vals, (rows_i, cols)), shape=(len(lo), n)).tocsr()
+    A = coo_matrix((np.asarray(vals), (np.asarray(rows_i), np.asarray(cols))), shape=(len(lo), n)).tocsr()
     continuous = [*w_var.values(), *q_var.values(), *m_var]
     if peak_var is not None:
         continuous.append(peak_var)
-    integrality = np.ones(n)
+    integrality = np.ones(n, dtype=np.int8)  # 1: integer, 0: continuous
     integrality[continuous] = 0
     upper = np.ones(n)
     upper[continuous] = np.inf

@@ -135,11 +135,12 @@ def front(bench: Mapping[int, Sequence[MicroConfig]], batch: int, workspace_limi
 
     # The front store: members of F(1), F(2), ... appended in order of b, with back-pointers.
     capacity = _FIRST_MEMBER + 64 * batch
-    f_b = np.zeros(capacity, dtype=np.int64)  # b of the member
-    f_rank = np.zeros(capacity, dtype=np.int64)  # k: its workspace is W_k
-    f_time = np.zeros(capacity, dtype=np.float64)  # T_b(k)
-    f_micro = np.full(capacity, -1, dtype=np.int64)  # first micro-config (index into micros)
-    f_rest = np.full(capacity, -1, dtype=np.int64)  # member of F(b - s) that follows it
+    # (plain ndarrays: the store grows by concatenation, which numpy's stubs type by a union of the dtypes)
+    f_b: np.ndarray = np.zeros(capacity, dtype=np.int64)  # b of the member
+    f_rank: np.ndarray = np.zeros(capacity, dtype=np.int64)  # k: its workspace is W_k
+    f_time: np.ndarray = np.zeros(capacity, dtype=np.float64)  # T_b(k)
+    f_micro: np.ndarray = np.full(capacity, -1, dtype=np.int64)  # first micro-config (index into micros)
+    f_rest: np.ndarray = np.full(capacity, -1, dtype=np.int64)  # member of F(b - s) that follows it
     f_time[_NONE] = np.inf
     n_members = _FIRST_MEMBER
     # owner_of[b, k]: the member of F(b) in effect at workspace W_k (its T_b(k)); F(0) is 0 everywhere.

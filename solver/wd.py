@@ -120,6 +120,7 @@ def solve(
     if method not in METHODS:
         raise InvalidInput(f"method must be one of {', '.join(METHODS)}, got {method!r}")
     instance = _instance(fronts, total_workspace)
+    chosen: np.ndarray | None
     if method == "milp":
         chosen = _solve_milp(instance)
     else:
@@ -251,7 +252,11 @@ def _solve_milp(instance: _Instance) -> np.ndarray:
             # sum_k sum_c (w_kc - w_k0) x_kc <= W - sum_k w_k0, scaled to a right-hand side of 1
             constraints.append(LinearConstraint((extra_B / capacity_B)[np.newaxis, :], -np.inf, 1.0))
         result = milp(
-            cost, integrality=np.ones(n), bounds=Bounds(0, 1), constraints=constraints, options={"mip_rel_gap": 0.0}
+            cost,
+            integrality=np.ones(n, dtype=np.int8),
+            bounds=Bounds(0, 1),
+            constraints=constraints,
+            options={"mip_rel_gap": 0.0},
         )
         if result.status != 0 or result.x is None:
             raise UcudnnError(f"HiGHS did not solve the WD program: {result.message}")

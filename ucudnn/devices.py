@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
+from typing import TypedDict
 
 from ucudnn.errors import InvalidInput
 
@@ -101,10 +102,18 @@ class DeviceProfile:
         return cls(**data)
 
 
+class _HostLink(TypedDict):
+    """A host link's bandwidths, as `DeviceProfile` names them."""
+
+    h2d_gbps: float
+    d2h_gbps: float
+    duplex_gbps: float
+
+
 # PCIe 3.0 x16 moves about 12 GB/s each way with pinned memory (16 GB/s raw), about 20 GB/s both ways.
-_PCIE3 = {"h2d_gbps": 12.0, "d2h_gbps": 12.0, "duplex_gbps": 20.0}
+_PCIE3: _HostLink = {"h2d_gbps": 12.0, "d2h_gbps": 12.0, "duplex_gbps": 20.0}
 # PCIe 2.0 x16: about 6 GB/s each way (8 GB/s raw).
-_PCIE2 = {"h2d_gbps": 6.0, "d2h_gbps": 6.0, "duplex_gbps": 10.0}
+_PCIE2: _HostLink = {"h2d_gbps": 6.0, "d2h_gbps": 6.0, "duplex_gbps": 10.0}
 
 PROFILES: dict[str, DeviceProfile] = {
     p.name: p

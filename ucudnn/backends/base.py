@@ -105,6 +105,11 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def device(self) -> DeviceInfo: ...
 
+    @property
+    def device_id(self) -> int | None:
+        """The CUDA device it runs on (`CudnnBackend`'s); None for a backend that runs on none."""
+        return None
+
     def settings(self) -> dict[str, str]:
         """This instance's options that change its timings (e.g. the CPU backend's thread count),
         which plans solved from its measurements are keyed by; none by default."""

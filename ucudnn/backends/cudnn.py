@@ -274,6 +274,7 @@ class CudnnBackend(Backend):
             return found
         config, reason = static_reason(conv, algo)
         if config is None:
+            assert reason is not None  # static_reason gives the config, or why there is none
             return reason
         plan = build_plan(cudnn, conv, algo, config, self._enumerations.get((conv, config.promoted)), self._handle)
         self._plans.put(key, plan)

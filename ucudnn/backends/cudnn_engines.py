@@ -209,6 +209,7 @@ def build_plan(
     try:
         if enumeration is not None and algo in enumeration.indices:
             declared, index = enumeration.declared, enumeration.indices[algo]
+            assert declared is not None  # an enumeration that offered engine configs holds their graph
             graph = declared.graph
         else:
             declared = declare_graph(cudnn, problem, promoted=config.promoted, handle=handle)

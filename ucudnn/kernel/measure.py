@@ -136,7 +136,8 @@ def measure_table(
         raise InvalidInput(f"benchmark_limit must be a non-negative integer or None, got {benchmark_limit!r}")
     start = time.perf_counter()
     candidates = list(algos) if algos is not None else backend.algorithms(problem)
-    pruning = bool(benchmark_limit)
+    limit = benchmark_limit or 0  # 0: every candidate is timed
+    pruning = limit > 0
     found = {}
     by_versions: dict[str, list[str]] = {}  # algorithms grouped by their versions key
     for algo in candidates:
@@ -190,7 +191,8 @@ def measure_table(
             if larger is None or size == ascending[0]
             else {algo: why for algo, why in losses[larger].items() if algo in losses[ascending[0]]}
         )
-        timed, kept_losses = [], {}
+        timed: list[str] = []
+        kept_losses: dict[str, dict[str, str]] = {}
         for algo in runnable:
             winners = [
                 f"{why} and at micro-batch {ascending[0]}"
@@ -200,7 +202,7 @@ def measure_table(
             if winners:
                 row[algo] = MicroConfig(algo, size, float("inf"), 0, reason=PRUNED + winners[0])
                 kept_losses[algo] = lost_both[algo]  # still lost, for the next smaller size
-            elif pruning and len(timed) >= benchmark_limit:
+            elif pruning and len(timed) >= limit:
                 row[algo] = MicroConfig(
                     algo,
                     size,

@@ -40,7 +40,7 @@ class PreparedConfiguration:
             steps.append((part, micro.algo, slice(start, start + micro.batch)))
             start += micro.batch
         self._steps: tuple[tuple[ConvProblem, str, slice], ...] = tuple(steps)
-        self._launches: tuple[Callable, ...] | None = None  # built after the checked first run
+        self._launches: tuple[Callable, ...] = ()  # built after the checked first run
         self._checked = False
 
     @property

@@ -27,7 +27,7 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypedDict
 
 from ucudnn.backends.base import UNWRITTEN_WORKSPACE_BYTE, Backend
 from ucudnn.errors import UcudnnError
@@ -222,9 +222,32 @@ class SelftestReport:
 
 
 # ---- the runner -------------------------------------------------------------------------------
+class _Named(TypedDict):
+    """What names a check, as `Check` takes it."""
+
+    problem: str
+    kind: str
+    algo: str
+    tolerance: float
+
+
+def _made(base: _Named, status: str, sizes: tuple[int, ...], reason: str, errors: dict[str, float]) -> Check:
+    """The check with the errors measured before it ended (`Check`'s `error_*` fields; None: not compared)."""
+    return Check(
+        status=status,
+        micro_batches=sizes,
+        reason=reason,
+        **base,
+        error_reference=errors.get("error_reference"),
+        error_alpha_beta=errors.get("error_alpha_beta"),
+        error_micro_reference=errors.get("error_micro_reference"),
+        error_micro_undivided=errors.get("error_micro_undivided"),
+    )
+
+
 def _check(backend: Backend, problem: ConvProblem, algo: str, seed: int) -> Check:
     tolerance = TOLERANCE[problem.dtype]
-    base = {"problem": _problem_text(problem), "kind": problem.kind, "algo": algo, "tolerance": tolerance}
+    base: _Named = {"problem": _problem_text(problem), "kind": problem.kind, "algo": algo, "tolerance": tolerance}
     reason = backend.unsupported_reason(problem, algo)
     if reason is not None:
         return Check(status="skip", reason=reason, **base)
@@ -262,9 +285,9 @@ def _check(backend: Backend, problem: ConvProblem, algo: str, seed: int) -> Chec
             errors["error_micro_undivided"] = relative_error(micro, undivided)
     except Exception as exc:  # noqa: BLE001 -- an offered algorithm that cannot run is a failed check, reported
         message = " ".join(str(exc).split())
-        return Check(status="fail", micro_batches=sizes, reason=f"{type(exc).__name__}: {message}", **base, **errors)
+        return _made(base, "fail", sizes, f"{type(exc).__name__}: {message}", errors)
     status = "pass" if all(e <= tolerance for e in errors.values()) else "fail"
-    return Check(status=status, micro_batches=sizes, reason="; ".join(notes), **base, **errors)
+    return _made(base, status, sizes, "; ".join(notes), errors)
 
 
 def _exclude_rejected(backend: Backend, problem: ConvProblem, checks: list[Check]) -> list[Check]:

@@ -334,7 +334,7 @@ def optimize(
             )
             stats += s
 
-    baseline_limit = total_workspace // len(kernels) if mode == "WD" else workspace_limit
+    baseline_limit = total_workspace // len(kernels) if total_workspace is not None else workspace_limit
     batch = next(iter(batches))
     for tk, table in tables.items():  # a fallback baseline the benchmark skipped: measure it without the limit
         algo = _least_workspace_unmeasured(table, tk[1], baseline_limit)

@@ -111,6 +111,7 @@ def prefill(
             env=envs[i],
             text=True,
         )
+        assert proc.stdin is not None  # stdin=PIPE
         proc.stdin.write(json.dumps(spec))
         proc.stdin.close()
         reader = threading.Thread(target=_forward_lines, args=(proc.stdout, messages), daemon=True)

@@ -265,11 +265,12 @@ _UNET3D_LABELS = 3
 
 
 def _unet3d(n: int) -> list[Layer]:
-    def conv(name: str, c: int, dhw: tuple[int, int, int], k: int, size: int) -> Layer:
+    def conv(name: str, c: int, dhw: tuple[int, ...], k: int, size: int) -> Layer:
         d, h, w = dhw
         return Layer(name, ConvProblem(n=n, c=c, d=d, h=h, w=w, k=k, t=size, r=size, s=size))
 
     out: list[Layer] = []
+    dhw: tuple[int, ...]  # (z, y, x): the tile, then each level's output
     c, dhw = 3, _UNET3D_TILE
     skips = []
     for level, (k1, k2) in enumerate(_UNET3D_DOWN, start=1):

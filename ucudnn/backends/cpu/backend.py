@@ -18,6 +18,7 @@ import os
 import platform
 import time
 import weakref
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -50,7 +51,7 @@ _RANK = {algo: i for i, algo in enumerate((NATIVE, IM2COL_GEMM, WINOGRAD, SHIFT_
 _RUNS = {IM2COL_GEMM: _run_im2col, SHIFT_GEMM: _run_shift, FFT: _run_fft, WINOGRAD: _run_winograd}
 
 
-def _blas_version(config: dict) -> str:
+def _blas_version(config: Mapping[str, Any]) -> str:
     blas = config.get("Build Dependencies", {}).get("blas", {})
     return f"{blas.get('name', 'unknown')} {blas.get('version', 'unknown')}"
 
@@ -111,8 +112,9 @@ def _device_info() -> DeviceInfo:
         "numpy-blas": _blas_version(np.show_config(mode="dicts")),
         "scipy-blas": _blas_version(scipy.show_config(mode="dicts")),
     }
-    if _torch_version() is not None:
-        versions["torch"] = _torch_version()
+    torch_version = _torch_version()
+    if torch_version is not None:
+        versions["torch"] = torch_version
     # Thread counts change every timing, so measurements taken under other settings are not reused.
     for var in _THREAD_VARIABLES:
         versions[var] = os.environ.get(var, "default")

@@ -97,6 +97,7 @@ def _image_spectrum(
     rows = a.shape[2:-1]
     src = a
     if steps[-1] != 1:
+        assert real is not None, "a last step over 1 spreads the samples out in `real`"
         src = real
         src[...] = 0
         np.copyto(src[..., : (a.shape[-1] - 1) * steps[-1] + 1 : steps[-1]], a)
@@ -106,7 +107,8 @@ def _image_spectrum(
         mask = np.ones(grid[i], bool)
         mask[placed[i]] = False
         if mask.any():
-            spectrum[(*placed[:i], np.flatnonzero(mask))] = 0
+            unplaced: tuple[slice | np.ndarray, ...] = (*placed[:i], np.flatnonzero(mask))
+            spectrum[unplaced] = 0
     np.copyto(spectrum[placed], half.transpose(_to_spectrum_order(lead)))
     column_fft = scipy.fft.ifftn if conjugate else scipy.fft.fftn
     _in_place(column_fft(spectrum, axes=tuple(range(lead)), norm="ortho", overwrite_x=True), spectrum)
@@ -182,7 +184,8 @@ def _filter_spectrum(
     wc = ws["wc"].reshape(w_t.shape)  # a (taps..., k, c/g) slot, the same size in either order
     np.copyto(wc, w_t)
     pq = math.prod(w_t.shape[len(axes) :])
-    src, done = wc, ()
+    src: np.ndarray = wc
+    done: tuple[int, ...] = ()
     for i in reversed(range(len(axes))):  # src: (freqs of the axes done..., taps of axis i, the rest)
         a, e = axes[i], ws[f"e{i}"]
         _dft_rows(e, freqs[i], a.filter, a.dilation, -a.pad, grid[i], sign, ws["phase"])
@@ -216,7 +219,8 @@ def _filter_inverse(
     if lw % 2 == 0:
         weights[-1] = 1.0
     kc = math.prod(spectrum.shape[len(axes) :])
-    src, done = spectrum, ()
+    src: np.ndarray = spectrum
+    done: tuple[int, ...] = ()
     for i, a in enumerate(axes):  # src: (taps of the axes done..., freqs of axis i, the rest)
         last = i == len(axes) - 1
         inverse = ws[f"inv{i}"]
