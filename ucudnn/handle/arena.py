@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from ucudnn.backends.base import Backend
 from ucudnn.handle.kernel import _Prepared, native_only
 from ucudnn.solver.types import Configuration
 
@@ -34,6 +35,15 @@ def _place_segments(configs: Sequence[Configuration]) -> tuple[list[int], int]:
 class _Workspaces:
     """The Handle's workspace for each run (a mixin of `Handle`, whose buffer and arena it holds)."""
 
+    # the Handle's state it uses (`Handle.__init__` says what each is)
+    _backend: Backend
+    _total_workspace: int | None
+    _buffer: Any
+    _buffer_bytes: int
+    _arena: Any
+    _slices: tuple[Any, dict]
+    _peak_bytes: int
+
     def _workspace(self, prep: _Prepared) -> Any:
         need = prep.config.workspace
         if native_only(prep.config):  # torch allocates its own temporaries: its declared size is an estimate
@@ -45,6 +55,7 @@ class _Workspaces:
             return self._backend.empty_workspace(need)
         if prep.offset is not None:
             if self._arena is None:  # freed by close(); the plans still hold
+                assert self._total_workspace is not None  # an offset is a WD segment
                 self._arena = self._backend.empty_workspace(self._total_workspace)
             return self._slice(self._arena, prep.offset, need)
         if self._buffer is None or need > self._buffer_bytes:

@@ -15,11 +15,12 @@ _Pair = int | Sequence[int]
 
 
 def _pair(name: str, value: _Pair, minimum: int) -> tuple[int, int]:
+    pair: tuple[int, ...]
     if isinstance(value, int) and not isinstance(value, bool):
         pair = (value, value)
     else:
         try:
-            pair = tuple(value)  # type: ignore[arg-type]
+            pair = tuple(value)  # type: ignore[arg-type]  # a bool gets here, and tuple() refuses it: caught below
         except TypeError:
             raise InvalidInput(f"{name} must be an integer or a pair of integers, got {value!r}") from None
         if len(pair) != 2:
@@ -28,7 +29,7 @@ def _pair(name: str, value: _Pair, minimum: int) -> tuple[int, int]:
         if not isinstance(v, int) or isinstance(v, bool) or v < minimum:
             rule = "non-negative" if minimum == 0 else "positive"
             raise InvalidInput(f"{name} must hold {rule} integers, got {value!r}")
-    return pair  # type: ignore[return-value]
+    return pair
 
 
 def _shape4(name: str, array_or_shape: Any) -> tuple[int, int, int, int]:
@@ -43,7 +44,7 @@ def _shape4(name: str, array_or_shape: Any) -> tuple[int, int, int, int]:
     try:
         shape = tuple(operator.index(v) for v in shape if not isinstance(v, bool))
         if len(shape) == 4:
-            return shape  # type: ignore[return-value]
+            return shape
     except TypeError:
         pass
     raise InvalidInput(

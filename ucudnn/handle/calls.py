@@ -5,7 +5,7 @@ arguments into what runs: a dict hit on repeated calls, else the problem built, 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ucudnn.errors import InvalidInput
 from ucudnn.handle.arguments import (
@@ -30,6 +30,18 @@ from ucudnn.solver.types import Configuration
 
 class _Calls:
     """The Handle's public kernel calls and their lookup (a mixin of `Handle`)."""
+
+    # the Handle's state it uses (`Handle.__init__` says what each is)
+    _prepared: dict[tuple, _Prepared]
+    _generation: int
+
+    if TYPE_CHECKING:  # the Handle's planning of a call, and its launch's (`_Launching`)
+
+        def _prepare(self, layer: str | None, problem: ConvProblem, budget: int | None = None) -> _Prepared: ...
+
+        def _run(
+            self, prep: _Prepared, *, x: Any = None, w: Any = None, dy: Any = None, out: Any, alpha: float, beta: float
+        ) -> None: ...
 
     def conv_forward(
         self,
@@ -254,7 +266,7 @@ class _Calls:
         output_padding: _Pair = 0,
     ) -> _Prepared:
         """What to run for this call: a dict hit on repeated calls, else the problem is built and planned."""
-        signature = (kind, layer, x_shape, w_shape, stride, padding, dilation, groups, dtype, layout, budget)
+        signature: tuple = (kind, layer, x_shape, w_shape, stride, padding, dilation, groups, dtype, layout, budget)
         if transposed or output_padding != 0:  # the eager 2-D calls keep their signature (the hot path)
             signature += (transposed, output_padding)
         try:
@@ -286,7 +298,19 @@ class _Calls:
                 dtype=dtype,
                 layout=layout,
             )
-            normalised = (kind, layer, x_shape, w_shape, stride, padding, dilation, groups, dtype, layout, budget)
+            normalised: tuple = (
+                kind,
+                layer,
+                x_shape,
+                w_shape,
+                stride,
+                padding,
+                dilation,
+                groups,
+                dtype,
+                layout,
+                budget,
+            )
         else:  # 1-D, 3-D or transposed: the problem checks every value and names what is wrong
             _positive_groups(groups)
             if not isinstance(transposed, bool):

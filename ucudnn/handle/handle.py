@@ -139,7 +139,7 @@ class Handle(_Calls, _Planning, _Trials, _Recovery, _Workspaces, _Launching):
         trial_runs: int = 0,
         benchmark_limit: int | None = DEFAULT_BENCHMARK_LIMIT,
     ) -> None:
-        self._options = {
+        self._options: dict[str, Any] = {  # what `__reduce__` makes the handle again from
             "backend": backend,
             "policy": policy,
             "workspace_limit": workspace_limit,
@@ -175,7 +175,8 @@ class Handle(_Calls, _Planning, _Trials, _Recovery, _Workspaces, _Launching):
         if isinstance(trial_runs, bool) or not isinstance(trial_runs, int) or trial_runs < 0:
             raise InvalidInput(f"trial_runs must be a non-negative integer, got {trial_runs!r}")
         self._trial_runs = trial_runs
-        self._trials_kept: set = set()  # (problem key, batch, configuration) that won its in-step trial
+        # (problem key, batch, configuration) that won its in-step trial
+        self._trials_kept: set[tuple[str, int, Configuration]] = set()
         if benchmark_limit is not None and (
             isinstance(benchmark_limit, bool) or not isinstance(benchmark_limit, int) or benchmark_limit < 0
         ):

@@ -7,15 +7,15 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ucudnn.backends.base import Backend
 from ucudnn.backends.cpu import NATIVE
 from ucudnn.kernel.run import PreparedConfiguration
 from ucudnn.problem import ConvProblem
-from ucudnn.solver.types import Configuration
+from ucudnn.solver.types import Configuration, MicroConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,7 +26,7 @@ class _Prepared:
     config: Configuration
     offset: int | None  # WD segment offset; None in WR (the shared buffer)
     kernels: PreparedConfiguration  # micro-batch problems, rows and launchers, made once
-    out_shape: tuple[int, int, int, int]  # problem.out_shape, which is derived per access
+    out_shape: tuple[int, ...]  # problem.out_shape, which is derived per access
     budget: int | None = None  # planned within a caller's budget: its workspace is taken per run
     trial: _Trial | None = None  # timed against native undivided where it runs, for its first runs
 
@@ -89,6 +89,14 @@ def _prepared(
     )
 
 
+class _Runs(Protocol):
+    """What a `Kernel` runs through: its handle's launch (`_Launching._run`)."""
+
+    def _run(
+        self, prep: _Prepared, *, x: Any = None, w: Any = None, dy: Any = None, out: Any, alpha: float, beta: float
+    ) -> None: ...
+
+
 class Kernel:
     """One planned kernel, prepared to run again and again without a lookup (`Handle.kernel`).
 
@@ -99,7 +107,7 @@ class Kernel:
 
     __slots__ = ("_handle", "_prep", "generation")
 
-    def __init__(self, handle: _Launching, prep: _Prepared, generation: int) -> None:
+    def __init__(self, handle: _Runs, prep: _Prepared, generation: int) -> None:
         self._handle, self._prep, self.generation = handle, prep, generation
 
     @property
@@ -131,6 +139,22 @@ class Kernel:
 
 class _Launching:
     """The Handle's launch of a prepared kernel (a mixin of `Handle`, whose state it reads)."""
+
+    # the Handle's state it uses (`Handle.__init__` says what each is)
+    _backend: Backend
+    workspace_listener: Any
+
+    if TYPE_CHECKING:  # its workspaces' (`_Workspaces`), trials' (`_Trials`) and re-planning's (`_Recovery`)
+
+        def _workspace(self, prep: _Prepared) -> Any: ...
+
+        def _run_trial(self, prep: _Prepared, trial: _Trial, **call: Any) -> None: ...
+
+        def _candidate_failures(self) -> tuple[type[BaseException], ...]: ...
+
+        def _run_first(self, prep: _Prepared, *, out: Any, beta: float, **operands: Any) -> None: ...
+
+        def _replan(self, prep: _Prepared, exc: BaseException, failures: Sequence[MicroConfig] = ()) -> _Prepared: ...
 
     def _run_kernels(self, prep: _Prepared, **operands: Any) -> None:
         workspace = self._workspace(prep)

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
+from ucudnn.backends.base import Backend
 from ucudnn.errors import InvalidInput
 from ucudnn.handle.arena import _place_segments
 from ucudnn.kernel.call_overhead import charged_fronts, native_undivided
-from ucudnn.kernel.measure import PRUNED, batch_sizes, confirm_faster, measure_table, policy_name
+from ucudnn.kernel.measure import PRUNED, BenchStats, Policy, batch_sizes, confirm_faster, measure_table, policy_name
 from ucudnn.kernel.plans import micro_from_json, micro_to_json, pareto_fronts, plan_key, undivided_baseline
 from ucudnn.kernel.resources import check_can_run
 from ucudnn.problem import ConvProblem
@@ -43,6 +45,31 @@ def _pruned(table: dict[int, list[MicroConfig]]) -> list[list]:
 
 class _Planning:
     """The Handle's planning (a mixin of `Handle`, whose plans and cache it keeps)."""
+
+    # the Handle's state it uses (`Handle.__init__` says what each is)
+    _backend: Backend
+    _algos: tuple[str, ...] | None
+    _policy: Policy
+    _reps: int
+    _benchmark_limit: int
+    _call_overhead: float
+    _workspace_limit: int | None
+    _total_workspace: int | None
+    _db: str | bool | None
+    _cache: Any
+    _cache_open: bool
+    _stats: BenchStats
+    _failed: dict[tuple[str, str, int], MicroConfig]
+    _wr_plans: dict[tuple[str, int, int | None], _Plan]
+    _layers: dict[str, tuple[ConvProblem, frozenset[str]]]
+    _wd_plans: dict[int, dict[tuple[str, str], tuple[ConvProblem, _Plan]]]
+    _wd_solved: bool
+    _arena: Any
+    _peak_bytes: int
+
+    if TYPE_CHECKING:  # the Handle's
+
+        def front(self, problem: ConvProblem) -> list[Configuration]: ...
 
     def _candidates(self, problem: ConvProblem) -> list[str]:
         if self._algos is None:

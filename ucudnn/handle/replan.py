@@ -6,13 +6,17 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ucudnn.backends.base import one_line
+from ucudnn.backends.base import Backend, one_line
 from ucudnn.errors import UnsupportedProblem
 from ucudnn.handle.kernel import _Prepared, _prepared
-from ucudnn.kernel.measure import batch_sizes, device_key
+from ucudnn.kernel.measure import Policy, batch_sizes, device_key
 from ucudnn.solver.types import MicroConfig
+
+if TYPE_CHECKING:
+    from ucudnn.handle.planning import _Plan
+    from ucudnn.problem import ConvProblem
 
 
 class PlanFailureWarning(UserWarning):
@@ -26,6 +30,31 @@ _MAX_REPLANS = 16
 
 class _Recovery:
     """The Handle's re-planning (a mixin of `Handle`, whose plans it replaces)."""
+
+    # the Handle's state it uses (`Handle.__init__` says what each is)
+    _backend: Backend
+    _policy: Policy
+    _failed: dict[tuple[str, str, int], MicroConfig]
+    _warned_failure: bool
+    _prepared: dict[tuple, _Prepared]
+    _generation: int
+    _wr_plans: dict[tuple[str, int, int | None], _Plan]
+    _wd_plans: dict[int, dict[tuple[str, str], tuple[ConvProblem, _Plan]]]
+
+    if TYPE_CHECKING:  # the Handle's, its planning's (`_Planning`) and its launch's (`_Launching`)
+
+        @property
+        def mode(self) -> str: ...
+
+        def _open_cache(self) -> Any: ...
+
+        def _wr_limit(self, budget: int | None) -> int | None: ...
+
+        def _plan_wr(self, problem: ConvProblem, fresh: bool = False, budget: int | None = None) -> _Plan: ...
+
+        def _solve_wd(self, batch: int, fresh: bool = False) -> dict[tuple[str, str], tuple[ConvProblem, _Plan]]: ...
+
+        def _run_kernels(self, prep: _Prepared, **operands: Any) -> None: ...
 
     def _candidate_failures(self) -> tuple[type[BaseException], ...]:
         return (UnsupportedProblem, MemoryError, *self._backend.candidate_failures())

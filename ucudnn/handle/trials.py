@@ -11,15 +11,35 @@ it reads what wall time reads."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from ucudnn.backends.base import Backend
 from ucudnn.backends.cpu import NATIVE
 from ucudnn.handle.kernel import Turns, _Prepared, _prepared, _Trial, native_only
 from ucudnn.solver.types import Configuration, MicroConfig
 
+if TYPE_CHECKING:
+    from ucudnn.problem import ConvProblem
+
 
 class _Trials:
     """The Handle's trials (a mixin of `Handle`; `Handle(trial_runs=...)` asks for them)."""
+
+    # the Handle's state it uses (`Handle.__init__` says what each is)
+    _backend: Backend
+    _trial_runs: int
+    _call_overhead: float
+    _trials_kept: set[tuple[str, int, Configuration]]
+    _prepared: dict[tuple, _Prepared]
+    _generation: int
+
+    if TYPE_CHECKING:  # its planning's (`_Planning`) and launch's (`_Launching`)
+
+        def _candidates(self, problem: ConvProblem) -> list[str]: ...
+
+        def _run(
+            self, prep: _Prepared, *, x: Any = None, w: Any = None, dy: Any = None, out: Any, alpha: float, beta: float
+        ) -> None: ...
 
     def _with_trial(self, prep: _Prepared, limit: int | None) -> _Prepared:
         """`prep` with a trial against native undivided, where trials are asked for and native can
