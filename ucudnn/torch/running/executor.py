@@ -60,7 +60,6 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -78,37 +77,9 @@ from ucudnn.torch.converting.layer import ConvLayer, through_operators
 from ucudnn.torch.running.offload import _HostBuffers, _Offloaded, _OffloadHooks, _Pass, _PrefetchHook
 from ucudnn.torch.running.prepared_plan import _Prepared, _prepared, _Scope
 from ucudnn.torch.running.recompute import _Dropped, _Rebuilds, _Recompute
+from ucudnn.torch.running.stats import ExecutionStats
 
 __all__ = ["ExecutionStats", "execute_plan"]
-
-
-# ---- what a run did ------------------------------------------------------------------------------
-@dataclass
-class ExecutionStats:
-    """What `execute_plan` did, summed over the forward and backward passes run in its block.
-    `recomputed` counts the storages rebuilt in backward passes.
-
-    `events` is the order of copies and uses: ``("offload", name)``, ``("prefetch", name)`` and
-    ``("unpack", name)``.
-
-    What the executor's Python cost: `hook_calls` counts every call of its hooks (each tensor autograd
-    saves or unpacks in the model's forward and backward passes, the model's forward hooks, the module hooks
-    where a recomputed map is made, the backward pass's first prefetch), `acting_calls` those that did
-    something (offload, drop, fetch, rebuild, follow a module call), `followed_ops` the operations the
-    dispatch mode saw inside the module calls it followed.
-    """
-
-    offloaded: int = 0
-    bytes_offloaded: int = 0
-    prefetched: int = 0
-    late_prefetches: int = 0
-    recomputed: int = 0
-    host_buffers_allocated: int = 0
-    kept_released: set[str] = field(default_factory=set)
-    events: list[tuple[str, str]] = field(default_factory=list)
-    hook_calls: int = 0
-    acting_calls: int = 0
-    followed_ops: int = 0
 
 
 # ---- the executor --------------------------------------------------------------------------------
@@ -200,7 +171,8 @@ class _Executor(_OffloadHooks, _Recompute):
     offloads or drops it as the plan says; follows operations only where a dropped map is made."""
 
     def __init__(self, model: nn.Module, prep: _Prepared, prefetch_ahead: int) -> None:
-        self.model, self.prep, self.prefetch_ahead = model, prep, prefetch_ahead
+        self.model, self.prefetch_ahead = model, prefetch_ahead
+        self.prep: _Prepared = prep
         self.stats = ExecutionStats()
         self.step: CapturedStep | None = None
         self.saved = 0  # saves packed in the forward pass so far
@@ -237,7 +209,7 @@ class _Executor(_OffloadHooks, _Recompute):
             step = self.step = prep.ready(self.model, args, kwargs)
         finally:
             self.preparing = False
-        self._check_inputs(args, kwargs)
+        self._check_inputs(step, args, kwargs)
         if autocast_state() != step.autocast:
             raise UnsupportedProblem(
                 f"the plan was made {_autocast_words(step.autocast)}, the step runs "
@@ -273,24 +245,26 @@ class _Executor(_OffloadHooks, _Recompute):
         self._release(None)
         if self.diverged:
             return  # (that error is on its way)
-        if torch._C._autograd._get_sequence_nr() - self.nodes != self.step.model_nodes:
-            self._check_nodes((args, kwargs), output)
+        step, pass_ = self.step, self.pass_
+        assert step is not None and pass_ is not None  # set where the forward pass started running
+        if torch._C._autograd._get_sequence_nr() - self.nodes != step.model_nodes:
+            self._check_nodes(step, (args, kwargs), output)
         self.stats.kept_released |= self.prep.kept_released
-        if self.prep.offloading and self.pass_.entries:  # the backward pass's first step prefetches ahead
-            hook, seen = _PrefetchHook(self, self.pass_, self.step.model_ops), set()
+        if self.prep.offloading and pass_.entries:  # the backward pass's first step prefetches ahead
+            hook, seen = _PrefetchHook(self, pass_, step.model_ops), set()
             for t in tensors_in(output):
                 if t.grad_fn is not None and id(t.grad_fn) not in seen:
                     seen.add(id(t.grad_fn))
                     t.grad_fn.register_prehook(hook)
 
-    def _check_nodes(self, inputs: Any, output: Any) -> None:
+    def _check_nodes(self, step: CapturedStep, inputs: Any, output: Any) -> None:
         """The forward pass made another number of autograd nodes than the captured one. A watcher's (a module's
         full backward hook; MemTracker) are not the model's, nor are those its output does not reach or that lead to
         its inputs alone (an input that requires grad): the step is refused where the model made another number
         of its own, in one line naming the first that differs. (The number, not their kinds: a watcher's view of a
         module's output turns a view's node made after an in-place change into an AsStridedBackward.)"""
         ran = [kind for _, kind in model_nodes(tensors_in(output), self.nodes, tensors_in(inputs))]
-        captured = self.step.node_kinds
+        captured = step.node_kinds
         if len(ran) == len(captured):
             return
         self.diverged = True
@@ -300,9 +274,7 @@ class _Executor(_OffloadHooks, _Recompute):
             f"made {ran[i] if i < len(ran) else 'no more'} as its autograd node {i} where the captured one made "
             f"{captured[i][0] if i < len(captured) else 'no more'}{where}"
         )
-        raise UnsupportedProblem(
-            f"the step diverged from the captured one: its forward pass {what}; {_remedy(self.step)}"
-        )
+        raise UnsupportedProblem(f"the step diverged from the captured one: its forward pass {what}; {_remedy(step)}")
 
     def _scope_starts(self, name: str, module: nn.Module, args: tuple) -> None:
         self.stats.hook_calls += 1
@@ -356,8 +328,8 @@ class _Executor(_OffloadHooks, _Recompute):
         if self.pending and scope is not None:  # (on a GPU) offloaded maps this call read last go
             self._release(scope.end)
 
-    def _check_inputs(self, args: tuple, kwargs: dict) -> None:
-        step, plan = self.step, self.prep.plan
+    def _check_inputs(self, step: CapturedStep, args: tuple, kwargs: dict) -> None:
+        plan = self.prep.plan
         leaves = input_leaves(self.model, args, kwargs, self.prep.signature_of(self.model))
         given = {path: t for path, t in leaves if isinstance(t, torch.Tensor)}
         if set(given) != set(step.inputs):
@@ -397,6 +369,7 @@ class _Executor(_OffloadHooks, _Recompute):
             return t.detach()
         if action == "release":  # autograd saves it: kept (named in the stats at the forward pass's end)
             return t.detach()
+        assert name is not None  # the plan acts on feature maps only (`_Prepared._action`)
         self.stats.acting_calls += 1
         self.quiet += 1
         try:
@@ -428,18 +401,19 @@ class _Executor(_OffloadHooks, _Recompute):
     def _refuse(self, k: int, t: torch.Tensor) -> None:
         """The forward pass's save `k` is not the captured one's: the step is refused, in one line."""
         self.diverged = True
-        saves = self.prep.saves
+        step, saves = self.step, self.prep.saves
+        assert step is not None  # a save in the forward pass: the step is the captured one
         if k >= len(saves):
             raise UnsupportedProblem(
                 f"the step diverged from the captured one: its forward pass saved more tensors "
-                f"for backward than the captured one ({len(saves)}); {_remedy(self.step)}"
+                f"for backward than the captured one ({len(saves)}); {_remedy(step)}"
             )
         name, shape, dtype, op, _ = saves[k]
-        where = f" in {self.step.ops[op].module}" if self.step.ops[op].module else ""
+        where = f" in {step.ops[op].module}" if step.ops[op].module else ""
         raise UnsupportedProblem(
             f"the step diverged from the captured one at operation {op}{where}: it saved a {tuple(t.shape)} "
             f"{t.dtype} tensor{'' if name is None else ' of another storage'} where the captured one saved "
-            f"{tuple(shape)} {dtype}{'' if name is None else f' ({name})'}; {_remedy(self.step)}"
+            f"{tuple(shape)} {dtype}{'' if name is None else f' ({name})'}; {_remedy(step)}"
         )
 
     # -- workspaces ---------------------------------------------------------------------------------

@@ -31,12 +31,16 @@ import contextlib
 import contextvars
 import weakref
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from ucudnn.errors import UnsupportedProblem
 from ucudnn.torch.running.labels import allocated_as
+
+if TYPE_CHECKING:
+    from ucudnn.torch.capturing.graph import CapturedStep
+    from ucudnn.torch.running.stats import ExecutionStats
 
 
 class _HostBuffers:
@@ -209,7 +213,8 @@ class _Offloaded:
     def __init__(
         self, name: str, key: tuple, host: torch.Tensor, d2h: Any, device: torch.device, use: int, storage
     ) -> None:
-        self.name, self.key, self.host, self.d2h, self.device, self.use = name, key, host, d2h, device, use
+        self.name, self.key, self.d2h, self.device, self.use = name, key, d2h, device, use
+        self.host: torch.Tensor | None = host  # None once every save was unpacked (the buffer went back)
         self.storage = storage  # weak reference: the dedup key is valid while the storage lives
         self.saves = 0  # packed handles not yet unpacked
         self.dev: torch.Tensor | None = None
@@ -227,27 +232,48 @@ class _Pass:
         self.cursor = 0
 
 
+class _Copies(Protocol):
+    """What the offloads ask of the executor's prepared plan (`ucudnn.torch.running.prepared_plan._Prepared`,
+    whose module imports this one)."""
+
+    def copies_for(self, device: torch.device) -> tuple[Any, _HostBuffers]: ...
+
+
 class _OffloadHooks:
     """The executor's offloads (`_offload`, `_fetch`, called from its saved-tensor hooks) and prefetches.
-    A base of `ucudnn.torch.running.executor._Executor`, whose state they share: `prep`, `stats`, `pass_`,
-    `current`, `step`, `prefetch_ahead`, `copier`, `buffers` and `pending`."""
+    A base of `ucudnn.torch.running.executor._Executor`, whose state they share (as annotated here)."""
+
+    prep: _Copies
+    stats: ExecutionStats
+    step: CapturedStep | None
+    pass_: _Pass | None
+    current: int  # what an offloaded tensor's use is counted against
+    prefetch_ahead: int
+    copier: Any
+    buffers: _HostBuffers | None
+    pending: list[tuple[Any, torch.Tensor, int]]  # device tensors whose host copy may be in flight
+    quiet: int  # inside the executor's own hooks
 
     # -- what the saved-tensor hooks do with a tensor planned offload -------------------------------
     def _offload(self, name: str, t: torch.Tensor, uses: int = 1) -> _Offloaded:
         """Copy `t` out (once per storage view and forward pass); its handle, to be unpacked `uses` times."""
         p = self.pass_
+        assert p is not None  # set where the forward pass started, before any save
         storage = t.untyped_storage()
         key = (storage.data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
         entry = p.by_key.get(key)
         if entry is None or entry.storage() is not storage:
             if self.copier is None:
                 self.copier, self.buffers = self.prep.copies_for(t.device)
-            allocated = self.buffers.allocated
-            host, free_after = self.buffers.take(t)
-            self.stats.host_buffers_allocated += self.buffers.allocated - allocated
+            buffers = self.buffers
+            assert buffers is not None  # taken with the copier
+            allocated = buffers.allocated
+            host, free_after = buffers.take(t)
+            self.stats.host_buffers_allocated += buffers.allocated - allocated
             event = self.copier.to_host(t, host, free_after)
             entry = _Offloaded(name, _HostBuffers.key(t), host, event, t.device, self.current, weakref.ref(storage))
             if event is not None:  # the copy reads it until its storage's last forward reader: see _release
+                assert self.step is not None  # (the step is running)
                 self.pending.append((event, t, self.step.last_read.get(name, self.current)))
             p.by_key[key] = entry
             p.entries.append(entry)
@@ -271,10 +297,11 @@ class _OffloadHooks:
             self._prefetch(saved)
         self.copier.wait(saved.ready, saved.device)
         self.stats.events.append(("unpack", saved.name))
-        t = saved.dev
+        t, buffers = saved.dev, self.buffers
+        assert t is not None and buffers is not None  # prefetched above, into a buffer taken at the offload
         saved.saves -= 1
         if saved.saves == 0:  # the last save is unpacked: autograd holds the tensor, the host buffer is free
-            self.buffers.give(saved.key, saved.host, saved.ready)
+            buffers.give(saved.key, saved.host, saved.ready)
             saved.dev = saved.host = None
         return t
 

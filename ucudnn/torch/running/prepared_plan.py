@@ -51,6 +51,7 @@ class _Prepared:
         """The captured step, captured now (on fake tensors) where the plan came without one."""
         if self.step is None:
             self._adopt(model, capture(model, _example(args, kwargs), name=self.plan.network), check=True)
+        assert self.step is not None  # _adopt sets it
         return self.step
 
     def _adopt(self, model: nn.Module, step: CapturedStep, check: bool = False) -> None:
@@ -112,8 +113,10 @@ class _Prepared:
         )
         self.unread = step.unread
         # autograd saves these maps: kept (it must), and named in the stats
-        self.kept_released = {name for name, *_ in step.saves if self.actions.get(name) == "release"}
-        offloaded = {name for name, *_, action in self.saves if action == "offload"}
+        self.kept_released = {
+            name for name, *_ in step.saves if name is not None and self.actions.get(name) == "release"
+        }
+        offloaded = {name for name, *_, action in self.saves if name is not None and action == "offload"}
         last_reads = [step.last_read[name] for name in offloaded if name in step.last_read]
         self.root, self.scopes = _scopes(step, self.saves, self.programs_at, last_reads)
         self.scoped = [(name, modules[name]) for name in self.scopes]  # hooked in each block

@@ -26,13 +26,20 @@ after the operation read it is refused: the rebuilt storage would differ.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch.utils._pytree import tree_leaves
 
 from ucudnn.errors import UnsupportedProblem
+
+if TYPE_CHECKING:
+    from ucudnn.torch.capturing.graph import CapturedStep
+    from ucudnn.torch.running.offload import _Offloaded, _Pass
+    from ucudnn.torch.running.stats import ExecutionStats
 
 __all__ = ["Program", "programs_for"]
 
@@ -88,7 +95,7 @@ class _View:
     storage: str
     size: tuple
     stride: tuple
-    offset: int
+    offset: int | torch.SymInt  # (an int, as the step runs eagerly)
 
 
 class _Source:
@@ -125,12 +132,34 @@ class _Rebuilds:
         self.done: set[str] = set()  # storages rebuilt in this backward pass
 
 
+class _Sources(Protocol):
+    """What recomputation asks of the executor's prepared plan (`ucudnn.torch.running.prepared_plan._Prepared`,
+    whose module imports this one): the storages of the model's parameters, and each map's action."""
+
+    @property
+    def params(self) -> AbstractSet[int]: ...
+
+    @property
+    def actions(self) -> Mapping[str, str]: ...
+
+
 class _Recompute:
     """The executor's recomputation. A base of `ucudnn.torch.running.executor._Executor`, whose state and hooks
-    it uses: `prep` (and its `params`), `step`, `stats`, `unpack`, `reached` and `_offload`; `rebuilds` is the forward
-    pass's (a handle keeps its own: two forward passes may precede their backward passes)."""
+    it uses (as annotated here); `rebuilds` is the forward pass's (a handle keeps its own: two forward passes may
+    precede their backward passes)."""
 
+    prep: _Sources
+    step: CapturedStep | None
+    stats: ExecutionStats
     rebuilds: _Rebuilds
+
+    if TYPE_CHECKING:  # the executor's saved-tensor hook, and its offloads' (`_OffloadHooks`)
+
+        def unpack(self, saved: Any) -> torch.Tensor: ...
+
+        def reached(self, p: _Pass, i: int) -> None: ...
+
+        def _offload(self, name: str, t: torch.Tensor, uses: int = 1) -> _Offloaded: ...
 
     # -- the forward pass ---------------------------------------------------------------------------
     def _drop(self, name: str, t: torch.Tensor, uses: int = 1, at: int | None = None) -> _Dropped:
@@ -147,6 +176,7 @@ class _Recompute:
         the non-feature-map arguments, whose versions are taken once the operation has run. Which argument
         is which feature map, the capture says (`CapturedOp.args`)."""
         others: list[_Other] = []
+        assert self.step is not None  # (recorded while the step runs)
         roles = iter(self.step.ops[index].args)
 
         def keep(a: Any) -> Any:
@@ -201,6 +231,7 @@ class _Recompute:
 
         def value(a: Any) -> Any:
             if isinstance(a, _View):
+                assert base is not None  # the program's first operation made the storage its views read
                 return base.as_strided(a.size, a.stride, a.offset)
             if isinstance(a, _Source):
                 got = self.unpack(a.saved)
@@ -244,6 +275,7 @@ class _Recompute:
                     _set_rng(before)
             if base is None:  # the owner
                 base = tree_leaves(out)[program.leaf]
+        assert base is not None  # (a program replays at least its owner)
         self.stats.recomputed += 1
         return base
 
