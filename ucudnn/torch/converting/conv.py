@@ -136,7 +136,7 @@ SWAPS: dict[type, type] = {
 }
 
 
-def _counterpart(cls: type) -> tuple[type | None, str]:
+def _counterpart(cls: type) -> tuple[type[ConvLayer] | None, str]:
     """The ucudnn class that takes over a module of torch class `cls` (or of a subclass of one), or None and
     why not. A subclass is taken over when its forward is torch's own: a class made of ucudnn's and it
     (`_swapped_class`) keeps everything else it adds (parametrizations, attributes, methods)."""
@@ -154,11 +154,12 @@ def _counterpart(cls: type) -> tuple[type | None, str]:
     ]
     if own:
         return None, f"overrides {' and '.join(own)}"
-    return _swapped_class(SWAPS[torch_class], cls), ""
+    # (the checker does not count a class as Hashable, which the cache asks of its arguments)
+    return _swapped_class(SWAPS[torch_class], cls), ""  # type: ignore[arg-type]
 
 
 @functools.cache
-def _swapped_class(ours: type, theirs: type) -> type:
+def _swapped_class(ours: type, theirs: type) -> type[ConvLayer]:
     """The class of a converted `theirs` (a subclass of a torch convolution class): ucudnn's class first,
     then theirs. Pickles and copies name the two classes, not this one (which exists only in this process)."""
     return type(theirs.__name__, (ours, theirs), {"__module__": theirs.__module__, "__reduce_ex__": _reduce_swapped})

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor  # (named so inside `Geometry`, whose method `torch` hides the module there)
 from torch._prims_common import (
     make_channels_last_strides_for,
     make_contiguous_strides_for,
@@ -160,7 +161,7 @@ class Geometry:
             )
         return _PLAIN[x.dim()](x, w, bias, self.stride, self.padding, self.dilation, self.groups)
 
-    def torch_backward(self, dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, dx: bool, dw: bool) -> tuple:
+    def torch_backward(self, dy: Tensor, x: Tensor, w: Tensor, dx: bool, dw: bool) -> tuple:
         """PyTorch's own backward call of this geometry: (dx, dw), each None where not asked for."""
         out = torch.ops.aten.convolution_backward(
             dy,
@@ -363,11 +364,12 @@ def backward_copies(
     fmt = _memory_format(layout, dy.dim())
     out = []
     if "bwd_data" in kinds:
-        converts = fused and x is not None and _result_format(x, w, layout) != fmt
-        out.append(
-            ("bwd_data", _copy_bytes(dy, fmt) + _copy_bytes(w, fmt), x.numel() * dy.element_size() if converts else 0)
+        converted = (
+            x.numel() * dy.element_size() if fused and x is not None and _result_format(x, w, layout) != fmt else 0
         )
+        out.append(("bwd_data", _copy_bytes(dy, fmt) + _copy_bytes(w, fmt), converted))
     if "bwd_filter" in kinds:
+        assert x is not None  # bwd_filter reads x (None: bwd_data alone)
         out.append(("bwd_filter", _copy_bytes(dy, fmt) + _copy_bytes(x, fmt), 0))
     return tuple(out)
 

@@ -17,8 +17,8 @@ import contextlib
 import contextvars
 import dataclasses
 import warnings
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -121,10 +121,28 @@ class PlanBudgets(dict):
         self.torch_kinds = frozenset(torch_kinds)
 
 
-class ConvLayer:
+if TYPE_CHECKING:  # every ConvLayer is one: its classes put it before a torch convolution module's
+    _Module = torch.nn.Module
+else:
+    _Module = object
+
+
+class ConvLayer(_Module):
     """The ucudnn part of a converted convolution module; the torch class after it in the bases gives the
     parameters, `state_dict`, `repr` and initialisation. Attributes: `handle` (the `ucudnn.Handle` that
     plans its kernels), `layer` (the id it plans under; None: ``conv@<id(self) in hex>``)."""
+
+    # the torch class's (`torch.nn.modules.conv._ConvNd`), which this class uses
+    kernel_size: tuple[int, ...]
+    stride: tuple[int, ...]
+    padding: str | tuple[int, ...]
+    dilation: tuple[int, ...]
+    transposed: bool
+    groups: int
+    padding_mode: Literal["zeros", "reflect", "replicate", "circular"]
+    _reversed_padding_repeated_twice: list[int]
+    weight: torch.Tensor
+    bias: torch.Tensor | None
 
     def __init__(self, *args: Any, handle: Handle | None = None, layer: str | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)  # the torch class's own arguments
@@ -378,17 +396,7 @@ class ConvLayer:
             )
         dtype = _dtype_name(input, backend)
         kinds = ("fwd",) + (("bwd_data",) if need_dx else ()) + (("bwd_filter",) if need_dw else ())
-        conv = {
-            "stride": g.stride,
-            "padding": g.padding,
-            "dilation": g.dilation,
-            "groups": g.groups,
-            "transposed": g.transposed,
-            "output_padding": g.output_padding,
-            "dtype": dtype,
-            "layout": layout,
-            "layer": self.layer_id,
-        }
+        layer_id = self.layer_id
         # Under a memory plan's budgets, a kind that the layer's own route leaves to torch stays torch's: its
         # in-step trials settled on torch's convolution on the whole batch, which holds no workspace the plan
         # counts (its options hold none), so it is within every budget; the handle, asked within a budget,
@@ -401,7 +409,7 @@ class ConvLayer:
             if self._budgets is None
             else self._known(self._route_key(input, weight, g, layout, need_dx, need_dw, None), None)
         )
-        planned_torch = getattr(self._budgets, "torch_kinds", frozenset())
+        planned_torch: frozenset[str] = getattr(self._budgets, "torch_kinds", frozenset())
         asked = [kind for kind in kinds if kind not in planned_torch and (own is None or kind not in own.left_to_torch)]
         problem = self._problem(input, weight, g, dtype, layout)
         with _on_device(input):  # a WD solve allocates the arena: from torch's allocator on CUDA
@@ -409,7 +417,21 @@ class ConvLayer:
             budgets = self._budgets or {}
             try:
                 kernels = {
-                    kind: handle.kernel(kind, tuple(input.shape), tuple(weight.shape), budget=budgets.get(kind), **conv)
+                    kind: handle.kernel(
+                        kind,
+                        tuple(input.shape),
+                        tuple(weight.shape),
+                        stride=g.stride,
+                        padding=g.padding,
+                        dilation=g.dilation,
+                        groups=g.groups,
+                        transposed=g.transposed,
+                        output_padding=g.output_padding,
+                        dtype=dtype,
+                        layout=layout,
+                        layer=layer_id,
+                        budget=budgets.get(kind),
+                    )
                     for kind in asked
                 }
             except Infeasible as exc:
@@ -461,6 +483,19 @@ class ConvLayer:
 
 class ConvTransposeLayer(ConvLayer):
     """`ConvLayer` for the transposed kinds, whose torch forward takes an `output_size`."""
+
+    if TYPE_CHECKING:  # the torch class's (`torch.nn.modules.conv._ConvTransposeNd`)
+
+        def _output_padding(
+            self,
+            input: torch.Tensor,
+            output_size: list[int] | None,
+            stride: Sequence[int],
+            padding: Sequence[int] | str,
+            kernel_size: Sequence[int],
+            num_spatial_dims: int,
+            dilation: Sequence[int] | None = None,
+        ) -> list[int]: ...
 
     def forward(self, input: torch.Tensor, output_size: list[int] | None = None) -> torch.Tensor:
         if self.padding_mode != "zeros":  # as torch's own modules refuse it

@@ -46,9 +46,9 @@ import functools
 import itertools
 import weakref
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
-from torch import nn
 
 from ucudnn.errors import InvalidInput
 from ucudnn.torch.converting.launch import (
@@ -61,6 +61,9 @@ from ucudnn.torch.converting.launch import (
     run_forward,
 )
 
+if TYPE_CHECKING:
+    from ucudnn.torch.converting.route import _Route
+
 __all__ = [
     "convolution",
     "convolution_backward",
@@ -70,24 +73,50 @@ __all__ = [
     "register_layer",
 ]
 
-# Layers are ucudnn's converted convolutions, named here by torch's base class: the layer module imports this one.
-_LAYERS: dict[int, weakref.ref] = {}
+
+class _Layer(Protocol):
+    """What the operators ask of a converted convolution (`ucudnn.torch.converting.layer.ConvLayer`, named here by
+    what it does: the layer module imports this one)."""
+
+    _key: int
+    _budgets: dict[str, int] | None
+
+    def _learning_now(self) -> bool: ...
+
+    def _announce(self, input: Any, weight: Any, g: Geometry, need_dx: bool, need_dw: bool) -> None: ...
+
+    def _planned(self, input: Any, weight: Any, g: Geometry, layout: str, need_dx: bool, need_dw: bool) -> _Route: ...
+
+    def _route_key(
+        self, input: Any, weight: Any, g: Geometry, layout: str, need_dx: bool, need_dw: bool, budgets: dict | None
+    ) -> tuple: ...
+
+    def _known(self, key: tuple, budgets: dict | None) -> _Route | None: ...
+
+    def _eager(self, input: Any, weight: Any, bias: Any, route: _Route, g: Geometry) -> torch.Tensor: ...
+
+
+_LAYERS: dict[int, weakref.ref[_Layer]] = {}
 _KEYS = itertools.count(1)
 
 
-def register_layer(conv: nn.Module) -> int:
+def register_layer(conv: _Layer) -> int:
     """A new key for `conv`, valid until the module is collected."""
     key = next(_KEYS)
-    _LAYERS[key] = weakref.ref(conv, lambda _, key=key: _LAYERS.pop(key, None))
+
+    def forget(_: object) -> None:  # the layer was collected
+        _LAYERS.pop(key, None)
+
+    _LAYERS[key] = weakref.ref(conv, forget)
     return key
 
 
-def layer_key(conv: nn.Module) -> int:
+def layer_key(conv: _Layer) -> int:
     """The key the operators name `conv` by."""
     return conv._key
 
 
-def _layer(key: int) -> nn.Module:
+def _layer(key: int) -> _Layer:
     ref = _LAYERS.get(key)
     conv = ref() if ref is not None else None
     if conv is None:
@@ -242,6 +271,7 @@ def convolution_backward_data(
     x = _shaped(dy, x_shape)  # (the planned kernel's operands in the layout: `run_backward` copies them)
     route = conv._planned(x, weight, g, layout, True, need_dw)
     dx, _ = run_backward(route, dy, x, weight, g, True, False)
+    assert dx is not None  # (asked for)
     return _in_format(dx, fmt)
 
 
@@ -278,6 +308,7 @@ def convolution_backward_filter(
     conv, fmt = _layer(layer), _memory_format(layout, x.dim())
     route = conv._planned(x, weight, g, layout, need_dx, True)  # (`run_backward` copies the planned kernel's operands)
     _, dw = run_backward(route, dy, x, weight, g, False, True)
+    assert dw is not None  # (asked for)
     return _in_format(dw, fmt)
 
 

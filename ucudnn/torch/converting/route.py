@@ -65,7 +65,7 @@ class _BackwardTrial:
     def open(self) -> bool:
         return self.turns.open
 
-    def run(self, route: _Route, dy, x, w, g: Geometry) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(self, route: _Route, dy, x, w, g: Geometry) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         if any(k is not None and k.trying for k in (route.bwd_data, route.bwd_filter)):
             return run_backward(route, dy, x, w, g, True, True)
         dx, dw = self.turns.take(
@@ -78,7 +78,7 @@ class _BackwardTrial:
         return dx, dw
 
 
-class _Routes(dict):
+class _Routes(dict[tuple, _Route]):
     """A layer's routes by input signature. Copies and pickles start empty: the kernels belong to the
     handle, and a copied model gets a fresh handle."""
 

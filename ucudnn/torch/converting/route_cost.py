@@ -59,13 +59,23 @@ def _probe_route() -> dict[str, float]:
     x = torch.randn(1, 4, 6, 6, generator=g, requires_grad=True)
     w = torch.randn(4, 4, 3, 3, generator=g, requires_grad=True)
     dy = torch.randn(1, 4, 6, 6, generator=g)
-    conv = {"stride": (1, 1), "padding": (1, 1), "dilation": (1, 1), "groups": 1, "dtype": "float32", "layer": "probe"}
-    kernels = [
-        handle.kernel(kind, tuple(x.shape), tuple(w.shape), **conv) for kind in ("fwd", "bwd_data", "bwd_filter")
-    ]
+    fwd, bwd_data, bwd_filter = (
+        handle.kernel(
+            kind,
+            tuple(x.shape),
+            tuple(w.shape),
+            stride=(1, 1),
+            padding=(1, 1),
+            dilation=(1, 1),
+            groups=1,
+            dtype="float32",
+            layer="probe",
+        )
+        for kind in ("fwd", "bwd_data", "bwd_filter")
+    )
     routes = {
         "function": _Route(handle, handle.generation, "cpu", "NCHW", None, None, None, direct=False),
-        "routed": _Route(handle, handle.generation, "cpu", "NCHW", *kernels, direct=False),
+        "routed": _Route(handle, handle.generation, "cpu", "NCHW", fwd, bwd_data, bwd_filter, direct=False),
     }
     geometry = Geometry((1, 1), (1, 1), (1, 1), False, (0, 0), 1)
 
