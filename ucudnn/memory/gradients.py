@@ -115,6 +115,7 @@ def captured_lives(graph: TrainingGraph, steps: Sequence) -> list[tuple[str, int
     Where weight gradients persist between steps (`weight_grads="step"`), a parameter's new gradient is
     added into the one it has, so the buffer lives in its own step only (the persistent gradient is in
     `TrainingGraph.persistent_bytes`)."""
+    assert graph.captured is not None, "captured_lives reads a captured graph"
     at = [k for k, s in enumerate(steps) if s.phase == "bwd"]  # the captured backward steps, in order
     out = []
     for life in graph.captured.lives:

@@ -326,15 +326,15 @@ class TrainingGraph:
                 )
             )
         if self.captured is not None:
-            return tuple(steps) + self._captured_backward(len(steps), held)
+            return tuple(steps) + self._captured_backward(self.captured, len(steps), held)
         needs = self._needs_grad
         for op in reversed(self.ops):
             if not self._has_backward(op):
                 continue
             out_storage = self._storage[op.name]
-            reads = [self._storage[s] for s in op.saves]
+            saved = [self._storage[s] for s in op.saves]
             if needs.get(out_storage):
-                reads.append(f"grad:{out_storage}")
+                saved.append(f"grad:{out_storage}")
             writes = [f"grad:{self._storage[i]}" for i in op.inputs if needs[self._storage[i]]]
             if op.weight_bytes:
                 writes.append(f"wgrad:{op.name}")
@@ -343,14 +343,13 @@ class TrainingGraph:
                 takes_dx = needs[self._storage[op.inputs[0]]]
                 kernels = ("bwd_data", "bwd_filter") if takes_dx else ("bwd_filter",)
             steps.append(
-                Step(len(steps), op.name, "bwd", tuple(dict.fromkeys(reads)), tuple(dict.fromkeys(writes)), kernels)
+                Step(len(steps), op.name, "bwd", tuple(dict.fromkeys(saved)), tuple(dict.fromkeys(writes)), kernels)
             )
         return tuple(steps)
 
-    def _captured_backward(self, first: int, held: dict[int, list[str]]) -> tuple[Step, ...]:
-        """The backward steps a captured step ran: each reads what autograd saved for it (and what the
-        program held through it) and writes the buffers it allocated."""
-        cap = self.captured
+    def _captured_backward(self, cap: Captured, first: int, held: dict[int, list[str]]) -> tuple[Step, ...]:
+        """The backward steps a captured step ran (`cap`, the graph's `captured`): each reads what autograd saved
+        for it (and what the program held through it) and writes the buffers it allocated."""
         born: dict[int, list[str]] = {}
         for life in cap.lives:
             born.setdefault(life.start, []).append(life.name)

@@ -201,9 +201,9 @@ def replay(trace: Sequence[Event], pool: BestFitPool | GTBMPool) -> PoolReport:
     failed = incremental = incremental_peak = 0
     for event in trace:
         if isinstance(event, Free):
-            placed = where.pop(event.name, None)
-            if placed is not None:
-                arena, address, size = placed
+            held = where.pop(event.name, None)
+            if held is not None:
+                arena, address, size = held
                 if arena == "incremental":
                     incremental -= size
                 pool.release(arena, address, size)

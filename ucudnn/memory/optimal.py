@@ -38,7 +38,7 @@ from ucudnn.memory.gradients import gradient_lives
 from ucudnn.memory.graph import TrainingGraph
 from ucudnn.memory.plan import MemoryPlan
 from ucudnn.memory.planner import baseline, to_plan
-from ucudnn.memory.simulate import simulate
+from ucudnn.memory.simulate import StepCost, simulate
 from ucudnn.memory.timing import KernelOption, conv_fronts, fastest, step_costs
 from ucudnn.solver import memplan
 from ucudnn.solver.types import Infeasible
@@ -82,14 +82,14 @@ def _tables(graph: TrainingGraph, device: DeviceProfile, costs, fronts):
     first_write: dict[str, int] = {}
     last_fwd: dict[str, int] = {}
     bwd_uses: dict[str, list[int]] = {}
-    for s in steps:
-        for name in s.writes:
-            first_write.setdefault(name, s.index)
-        for name in (*s.reads, *s.writes):
-            if s.phase == "fwd":
-                last_fwd[name] = s.index
-            elif name in s.reads:
-                bwd_uses.setdefault(name, []).append(s.index)
+    for step in steps:
+        for name in step.writes:
+            first_write.setdefault(name, step.index)
+        for name in (*step.reads, *step.writes):
+            if step.phase == "fwd":
+                last_fwd[name] = step.index
+            elif name in step.reads:
+                bwd_uses.setdefault(name, []).append(step.index)
     fixed = [graph.persistent_bytes] * T
     ms = [c.ms for c in costs]
 
@@ -166,8 +166,10 @@ def _triggers(graph: TrainingGraph, actions: dict[str, str], prefetch_at: dict[s
     inserts steps)."""
     from ucudnn.memory.simulate import expand
 
-    position = {}
-    first_read = {}  # each storage's first read after the forward pass: a rebuild reading it may come before its row
+    position: dict[int, int] = {}
+    first_read: dict[
+        str, int
+    ] = {}  # each storage's first read after the forward pass: a rebuild reading it may come before its row
     for i, st in enumerate(expand(graph, actions)):
         if st.phase != "recompute":
             position.setdefault(st.step, i)
@@ -236,6 +238,7 @@ def search(
                 log.info("optimal: the least peak: %s", exc)
                 break
             solve_s += least.solve_time_s
+            assert least.peak_bytes is not None  # minimise_peak: the least peak is the answer
             target = math.ceil(least.peak_bytes * (1 + PEAK_REL_GAP / 10)) + 1
             try:
                 sol = memplan.solve(
@@ -302,18 +305,20 @@ def search(
     small = {k: v[0].workspace for k, v in fronts.items()}
     fast_costs = step_costs(graph, device, workspace=fast, fronts=fronts)
     static = None
+    statics: tuple[tuple[str, dict[tuple[str, str], int], tuple[StepCost, ...] | None], ...]
     statics = (("none", fast, fast_costs), ("conv", fast, fast_costs), ("all", fast, fast_costs), ("all", small, None))
     if device.shares_host_memory:
         statics = (("none", fast, fast_costs), ("none", small, None))
-    for mode, workspace, costs in statics:
+    for mode, workspace, static_costs in statics:
         actions = actions_for(graph, mode)
-        if costs is None:
-            costs = step_costs(graph, device, workspace=workspace, fronts=fronts)
+        if static_costs is None:
+            static_costs = step_costs(graph, device, workspace=workspace, fronts=fronts)
         result = simulate(
-            graph, device, costs, actions, memory_limit=memory_limit, prefetch="adaptive", devices=devices
+            graph, device, static_costs, actions, memory_limit=memory_limit, prefetch="adaptive", devices=devices
         )
         if static is None or _better(result, static[2]):
             static = (actions, workspace, result)
+    assert static is not None  # (statics is never empty)
     if best is None or _better(static[2], best[2]):
         actions, workspace, result = static
         p = to_plan(graph, device, memory_limit, "optimal", actions, workspace, result, devices=devices, base=base)

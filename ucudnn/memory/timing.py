@@ -226,12 +226,12 @@ def kernel_front(
         if front:
             return front
     if device.name in _DATA_FILES and (PROFILES.get(device.name) == device or calibration(device) is not None):
-        measured = _measured_front(device.name, key, problem.kind, problem.n)
-        if measured:
+        own = _measured_front(device.name, key, problem.kind, problem.n)
+        if own:
             cal = calibration(device)
             if cal is None:
-                return measured
-            return tuple(KernelOption(o.time_ms * cal.conv_scale, o.workspace, o.config, o.source) for o in measured)
+                return own
+            return tuple(KernelOption(o.time_ms * cal.conv_scale, o.workspace, o.config, o.source) for o in own)
     for ref in _DATA_FILES:
         shape = _measured_front(ref, key, problem.kind, problem.n)
         if shape:
