@@ -95,7 +95,7 @@ class VGG16(nn.Module):
         layers: list[nn.Module] = []
         c_in = 3
         for v in self.CONFIG:
-            if v == "M":
+            if isinstance(v, str):  # "M"
                 layers.append(nn.MaxPool2d(2, 2))
             else:
                 layers += [nn.Conv2d(c_in, v, 3, padding=1), nn.ReLU(inplace=True)]

@@ -297,7 +297,7 @@ def _changed_sources(rec: Any, ops: tuple[Op, ...]) -> set[str]:
     for i, raw in enumerate(rec.raw):
         if raw.writes is not None:
             written_after[raw.writes.name] = i
-    out = set()
+    out: set[str] = set()
     for i, raw in enumerate(rec.raw):
         target = raw.made[0] if raw.made else raw.writes
         if target is not None and any(written_after.get(a.name, -1) > i for a in raw.reads if a is not target):

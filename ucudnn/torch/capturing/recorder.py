@@ -138,7 +138,7 @@ class _Recorder(TorchDispatchMode):
             return None  # alive to the step's end
         return ("bwd", max(self.step, 0)) if self.phase == "backward" else ("fwd", len(self.raw))
 
-    def _watch(self, storage: Any, on_death: Callable[[], None]) -> None:
+    def _watch(self, storage: Any, on_death: Callable[[], object]) -> None:
         self._refs.append(weakref.ref(storage, lambda _: on_death()))
 
     def input(self, t: torch.Tensor) -> _Act:

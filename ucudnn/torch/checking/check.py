@@ -60,7 +60,7 @@ class PlanCheck:
     bytes_moved: int  # offloaded bytes out and back
     host_peak_bytes: int  # the executor's host copies at their highest
     tracker: TrackerReport
-    plan: MemoryPlan | None = None
+    plan: MemoryPlan  # the plan checked
 
     @property
     def peak_ratio(self) -> float:

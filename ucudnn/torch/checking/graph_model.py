@@ -34,6 +34,7 @@ class ZooModel(nn.Module):
         for op in graph.ops:
             if op.type == "conv":
                 p = op.conv
+                assert p is not None  # a conv op holds its problem
                 self.layers[_key(op.name)] = nn.Conv2d(
                     p.c,
                     p.k,

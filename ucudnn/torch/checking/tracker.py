@@ -49,7 +49,7 @@ from __future__ import annotations
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any, Self
 
 import torch
 from torch import nn
@@ -58,6 +58,9 @@ from torch.utils._pytree import tree_leaves
 
 from ucudnn.errors import InvalidInput
 from ucudnn.torch.running.labels import CATEGORIES, current_label
+
+if TYPE_CHECKING:
+    from ucudnn.torch.converting.layer import ConvLayer
 
 __all__ = ["DEVICE_CATEGORIES", "StepTracker", "TrackerReport"]
 
@@ -127,7 +130,7 @@ class StepTracker(TorchDispatchMode):
         self._memory: list[tuple[float, int]] = []
         self._host_memory: list[tuple[float, int]] = []
         self._start = 0.0
-        self._convs: list[nn.Module] = []
+        self._convs: list[ConvLayer] = []
         self._hooks: list[Any] = []
         self._listening: list[Any] = []  # handles whose per-run workspaces report to this tracker
         self._transient = 0  # bytes of those workspaces held now

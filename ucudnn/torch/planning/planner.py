@@ -115,7 +115,12 @@ def _measure_cuda(dev: torch.device) -> DeviceProfile:  # pragma: no cover - nee
 
     def timed(fn) -> float:
         torch.cuda.synchronize(dev)  # measuring, not training: waiting on the host is the point
-        return _best_ms(lambda: (fn(), torch.cuda.synchronize(dev)))
+
+        def run() -> None:
+            fn()
+            torch.cuda.synchronize(dev)
+
+        return _best_ms(run)
 
     def both() -> None:
         d.copy_(host, non_blocking=True)
@@ -349,12 +354,21 @@ def _conv_fronts(model: nn.Module, graph: TrainingGraph, native: Handle | None) 
     fronts = {}
     for step in graph.steps:
         op = convs.get(step.op)
-        conv = modules.get(op.module) if op is not None else None
+        if op is None:
+            continue
+        conv = modules.get(op.module)
         converted = isinstance(conv, ConvLayer)
-        handle = conv.handle if converted else native if isinstance(conv, nn.modules.conv._ConvNd) else None
+        handle = (
+            conv.handle
+            if isinstance(conv, ConvLayer)
+            else native
+            if isinstance(conv, nn.modules.conv._ConvNd)
+            else None
+        )
         if handle is None:
             continue
-        torch_kinds = conv._torch_kinds(op.conv) if converted else set()
+        assert op.conv is not None  # a conv op holds its problem
+        torch_kinds = conv._torch_kinds(op.conv) if isinstance(conv, ConvLayer) else set()
         copies = {kind: (copied, converted) for kind, copied, converted in op.layout_copies}
         for kind in step.kernels:
             problem = op.conv.with_kind(kind)
@@ -388,9 +402,10 @@ def _fuse_native_backward(fronts: dict, layer: str, problem, fused_ms: float | N
         next((o for o in fronts[(layer, kind)] if o.config == f"1x{problem.n}:{NATIVE}"), None)
         for kind in ("bwd_data", "bwd_filter")
     ]
-    if None in options or fused_ms is None:
+    found = [o for o in options if o is not None]
+    if len(found) < len(options) or fused_ms is None:
         return
-    scale = fused_ms / sum(o.time_ms for o in options)
+    scale = fused_ms / sum(o.time_ms for o in found)
     if scale >= 1:
         return
     for kind in ("bwd_data", "bwd_filter"):  # a cheaper native option may now dominate others
