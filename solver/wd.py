@@ -29,7 +29,7 @@ a multiple-choice knapsack problem (MCKP). Two exact solvers:
   real networks' only a few dozen kernels ever reach the DP.
 
 `method="auto"` runs `mckp`, which measured well over an order of magnitude faster than `milp`
-and than GLPK on ResNet-shaped instances (`python benchmarks/bench_wd_solver.py`), and hands the
+and than GLPK on ResNet-shaped instances (`python benchmarks/kernels/bench_wd_solver.py`), and hands the
 instance to `milp` only if the DP would hold more than `_AUTO_MAX_STATES` partial choices at once.
 """
 
@@ -66,7 +66,7 @@ _MILP_TIGHTEN_ROUNDS = 3
 # with a choice (but at least (U - L) / _GAP_MIN_DIVISOR of reduced cost); each next round doubles
 # the gap, and jumps to U - L once the doubled gap exceeds _GAP_JUMP of it. A round costs more as
 # its gap grows, and the greedy incumbent U is often far above the optimum, which lies near L.
-# Tuned on the instances of benchmarks/bench_wd_solver.py by counting Python and NumPy calls.
+# Tuned on the instances of benchmarks/kernels/bench_wd_solver.py by counting Python and NumPy calls.
 _FIRST_ROUND_FREE = 24
 _GAP_MIN_DIVISOR = 64.0
 _GAP_JUMP = 0.5

@@ -304,6 +304,6 @@ def test_a_plan_offers_the_kinds_a_layer_leaves_to_torch_torchs_option_alone():
 
 
 def test_trial_steps_hold_both_trials():
-    from ucudnn.torch.converting.layer import TRIAL_RUNS, TRIAL_STEPS
+    from ucudnn.torch.converting.route_cost import TRIAL_RUNS, TRIAL_STEPS
 
     assert TRIAL_STEPS == 4 * (TRIAL_RUNS + 1)

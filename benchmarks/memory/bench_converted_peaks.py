@@ -24,7 +24,8 @@ from common import plan_fields, table, write_json
 from models import NAMES, build, loss
 
 from ucudnn.torch import check_plan, convert, plan_memory
-from ucudnn.torch.converting.layer import TRIAL_STEPS, ConvLayer
+from ucudnn.torch.converting.layer import ConvLayer
+from ucudnn.torch.converting.route_cost import TRIAL_STEPS
 
 MODELS = ("hf-mobilenet-v2", "hf-resnet50", "monai-unet")
 MIB = 2**20

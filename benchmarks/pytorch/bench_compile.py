@@ -46,7 +46,8 @@ from common import interleaved_medians_ms, make_step, table
 from models import NAMES, build, loss
 
 from ucudnn.torch import convert, zoo
-from ucudnn.torch.converting.layer import TRIAL_STEPS, ConvLayer
+from ucudnn.torch.converting.layer import ConvLayer
+from ucudnn.torch.converting.route_cost import TRIAL_STEPS
 
 
 def first_step_s(model: nn.Module, x, y, mode: str, sync) -> float:

@@ -43,7 +43,8 @@ from models import build, loss
 
 from ucudnn.backends.cpu import NATIVE
 from ucudnn.torch import convert, zoo
-from ucudnn.torch.converting.layer import TRIAL_STEPS, ConvLayer
+from ucudnn.torch.converting.layer import ConvLayer
+from ucudnn.torch.converting.route_cost import TRIAL_STEPS
 
 # name -> (batch, size): a step of a second or less on a 2-core CPU
 SHAPES = {

@@ -37,7 +37,7 @@ from common import interleaved_medians_ms, make_step, table, write_json
 from ucudnn.handle import SEGMENT_ALIGN_BYTES
 from ucudnn.sizes import format_size, parse_size
 from ucudnn.torch import Conv2d, StepTracker, convert, execute_plan, plan_memory, zoo
-from ucudnn.torch.converting.conv import TRIAL_STEPS
+from ucudnn.torch.converting.route_cost import TRIAL_STEPS
 
 MIB = 2**20
 

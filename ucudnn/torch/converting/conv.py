@@ -69,11 +69,9 @@ from ucudnn.torch.converting.layer import (
     as_torch,
     through_operators,
 )
-from ucudnn.torch.converting.route_cost import TRIAL_RUNS, TRIAL_STEPS, _new_handle, route_overhead_ms
+from ucudnn.torch.converting.route_cost import _new_handle, route_overhead_ms
 
 __all__ = [
-    "TRIAL_RUNS",
-    "TRIAL_STEPS",
     "Conv1d",
     "Conv2d",
     "Conv3d",

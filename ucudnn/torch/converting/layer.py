@@ -32,16 +32,13 @@ from ucudnn.solver.types import Infeasible
 from ucudnn.torch.converting import ops as _ops
 from ucudnn.torch.converting.launch import Geometry, _dtype_name, _on_device, geometry
 from ucudnn.torch.converting.route import _BackwardTrial, _ConvFunction, _Route, _Routes
-from ucudnn.torch.converting.route_cost import TRIAL_RUNS, TRIAL_STEPS, _new_handle, route_overhead_ms
+from ucudnn.torch.converting.route_cost import _new_handle
 
 __all__ = [
-    "TRIAL_RUNS",
-    "TRIAL_STEPS",
     "ConvLayer",
     "ConvTransposeLayer",
     "PlanBudgets",
     "as_torch",
-    "route_overhead_ms",
     "through_operators",
 ]
 
