@@ -56,8 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     except click.exceptions.Abort:
         click.echo("ucudnn: aborted", err=True)
         return EXIT_FAILED
-    except click.ClickException as exc:  # bad usage: click's own message, on one line
-        click.echo(f"ucudnn: {exc.format_message()}", err=True)
+    except click.ClickException as exc:  # bad usage: click's own message, on one line, as every error starts
+        click.echo(f"ucudnn: error: {exc.format_message()}", err=True)
         return EXIT_USAGE
     except _USAGE_ERRORS as exc:
         click.echo(f"ucudnn: error: {exc}", err=True)

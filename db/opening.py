@@ -140,6 +140,8 @@ def _immutable(path: Path, header: bytes, unwritable: str | None) -> bool:
 
 
 def _check_writable_dir(folder: Path, path: Path) -> None:
+    if not folder.exists():
+        raise DatabaseError(f"cannot create cache {path}: the folder {folder} does not exist; create it first")
     if not folder.is_dir():
         raise DatabaseError(f"cannot create cache {path}: {folder} is not a directory")
     # SQLite writes -wal and -shm files beside the database, so the folder must be writable.

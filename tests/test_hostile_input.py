@@ -36,10 +36,12 @@ def run(capsys: pytest.CaptureFixture, *args: str) -> tuple[int, str, str]:
 
 
 def refused(result: tuple[int, str, str], *words: str) -> None:
-    """Exit 2, exactly one line on stderr, no traceback, and the words that say why."""
+    """Exit 2, exactly one line on stderr that starts as every refusal does, no traceback, and the words that say
+    why."""
     code, _, err = result
     assert code == 2, err
     assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith("ucudnn: error: "), err
     for word in words:
         assert word in err, (word, err)
 
@@ -314,7 +316,8 @@ def test_sizes_read_exactly(text: str, value: int) -> None:
         ("2g", ["ambiguous"]),
         ("1k", ["ambiguous"]),
         ("99999999999TB", ["over the largest"]),
-        ("-1", []),
+        ("-1", ["must not be negative"]),
+        ("-8MiB", ["must not be negative"]),
         ("1e9", []),
         ("64 MiBs", []),
         ("", []),
@@ -345,6 +348,28 @@ def test_sizes_that_cannot_be_are_refused(
 )
 def test_huge_sizes_print_sanely(nbytes: int, text: str) -> None:
     assert format_size(nbytes) == text
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--nope"], ["No such option", "--nope"]),
+        (["--layer", SMALL, "--reps", "abc"], ["--reps", "abc"]),
+        (["--layer", SMALL, "--backend", "sideways"], ["--backend", "sideways"]),
+    ],
+)
+def test_what_click_refuses_reads_like_every_other_refusal(
+    argv: list[str], words: list[str], capsys: pytest.CaptureFixture
+) -> None:
+    refused(run(capsys, "bench", *argv), *words)
+
+
+def test_a_cache_in_a_folder_that_does_not_exist_says_so(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    missing = tmp_path / "no-such-folder"
+    refused(
+        run(capsys, "bench", "--layer", SMALL, *FAST, "--db", str(missing / "c.db")), str(missing), "does not exist"
+    )
+    assert not missing.exists()
 
 
 # ---- 4. unsupported is said as such (exit 2); exit 1 stays for a limit nothing fits ---------------

@@ -51,6 +51,8 @@ def parse_size(text: str | int, *, round_down: bool = False) -> int:
             f"{match.group(1)}{_AMBIGUOUS[unit]} (powers of 1024) or "
             f"{match.group(1)}{_AMBIGUOUS[unit][0].upper()}B (powers of 1000)"
         )
+    if not match and str(text).strip().startswith("-") and _SIZE.match(str(text).strip()[1:]):
+        raise InvalidInput(f"size must not be negative, got {text!r}")
     if not match or unit not in _UNITS:
         raise InvalidInput(f"cannot read size {text!r}; write e.g. 64MiB, 1GiB, 100MB or a number of bytes")
     value = Decimal(match.group(1)) * _UNITS[unit]  # exact: 0.1GiB is not rounded through a float
