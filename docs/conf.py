@@ -24,8 +24,6 @@ exclude_patterns = [
     "_build",
     "Thumbs.db",
     ".DS_Store",
-    # Being written by another engineer: it joins the toctree in index.md, and leaves this list, when it lands.
-    "results.md",
 ]
 
 # The docstrings write code as `name` (Markdown's habit): show it as code, not as italics.
