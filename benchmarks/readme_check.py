@@ -1,10 +1,12 @@
 """Run every command and code block of README.md as a newcomer would; time each; exit 1 if one fails.
 
-    python benchmarks/readme_check.py [--fresh-clone] [--only fast|all] [--json FILE]
+    python benchmarks/readme_check.py [--fresh-clone] [--only fast|all] [--json FILE] [--files FILE ...]
 
+--files checks other Markdown files instead, in the order given: the guide pages (`--files docs/guide-*.md`;
+a pattern the shell left unexpanded is expanded from the repository root); README.md alone by default.
 Blocks are fenced ```bash (each line one command, run by bash in a scratch folder) and ```python (those
-of one `## ` section in one interpreter, in README order, as if pasted one after another into it;
-each section starts afresh). An HTML
+of one `## ` section of one file in one interpreter, in file order, as if pasted one after another into it;
+each section starts afresh). A fence indented inside a list item is not run. An HTML
 comment on the line just before a block tags it:
 
     <!-- readme-check: setup -->        the fresh-machine set-up: run only with --fresh-clone, in a
@@ -18,7 +20,8 @@ comment on the line just before a block tags it:
 The scratch folder has its own user cache ($XDG_CACHE_HOME; $UCUDNN_DB unset), so every benchmark
 starts from an empty cache, as on a new machine. The Python blocks use names a reader brings
 (`model`, `example_input`, `x`, `y`, `criterion`, `optimizer`, as the README says): PRELUDE gives
-them a small CNN. Without --fresh-clone the commands run with this interpreter's `ucudnn`.
+them a small CNN; the guide pages say the same. Without --fresh-clone the commands run with this interpreter's
+`ucudnn`. The bash blocks of every file given run in one scratch folder, in order.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,17 +62,25 @@ optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
 class Block:
     language: str  # "bash" or "python"
     tag: str  # one of TAGS, or "" (quick, always run)
-    line: int  # README line of the opening fence
+    line: int  # line of the opening fence in its file
     text: str
     section: str = ""  # the `## ` heading it is under
+    source: str = "README.md"  # the file, relative to the repository root
 
     def commands(self) -> list[str]:
         """A bash block's commands: its lines without blank and comment-only ones."""
         return [c for c in (raw.strip() for raw in self.text.splitlines()) if c and not c.startswith("#")]
 
 
+def _source(path: Path) -> str:
+    path = path.resolve()
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
+
 def blocks(readme: Path = README) -> list[Block]:
-    """Every ```bash and ```python block, with the tag on the line before it."""
+    """Every ```bash and ```python block of a Markdown file (README.md by default), with the tag on the line
+    before it."""
+    source = _source(readme)
     found, lines = [], readme.read_text(encoding="utf-8").splitlines()
     i, section = 0, ""
     while i < len(lines):
@@ -82,9 +94,9 @@ def blocks(readme: Path = README) -> list[Block]:
         tag_match = _TAG.match(lines[i - 1]) if i else None
         tag = tag_match.group(1) if tag_match else ""
         if tag and tag not in TAGS:
-            raise ValueError(f"README.md line {i}: unknown readme-check tag {tag!r}; known: {', '.join(TAGS)}")
+            raise ValueError(f"{source} line {i}: unknown readme-check tag {tag!r}; known: {', '.join(TAGS)}")
         if match.group(1) in ("bash", "python"):
-            found.append(Block(match.group(1), tag, i + 1, "\n".join(lines[i + 1 : end]), section))
+            found.append(Block(match.group(1), tag, i + 1, "\n".join(lines[i + 1 : end]), section, source))
         i = end + 1
     return found
 
@@ -96,6 +108,7 @@ class Result:
     seconds: float
     code: int
     tail: str = ""
+    source: str = "README.md"
 
 
 def has_gpu() -> bool:
@@ -151,7 +164,7 @@ def run_bash(block: Block, cwd: Path, env: dict[str, str], timeout_s: float) -> 
             code, tail = proc.returncode, proc.stdout[-4000:]
         except subprocess.TimeoutExpired:
             code, tail = 124, f"timed out after {timeout_s:.0f} s"
-        results.append(Result(command, block.line, time.perf_counter() - start, code, tail))
+        results.append(Result(command, block.line, time.perf_counter() - start, code, tail, block.source))
         if code:
             break
     return results
@@ -165,38 +178,55 @@ def run_python(chosen: list[Block], cwd: Path, env: dict[str, str], python: str,
     # still find the reader's (PRELUDE's)
     driver = (
         "import json, sys, time, traceback\nns = {'__name__': '__main__'}\nexec(PRELUDE, ns)\n"
-        "for line, text, alone in BLOCKS:\n"
+        "for source, line, text, alone in BLOCKS:\n"
         "    start = time.perf_counter()\n"
-        "    try:\n        exec(compile(text, f'README.md:{line}', 'exec'), dict(ns) if alone else ns)\n"
+        "    try:\n        exec(compile(text, f'{source}:{line}', 'exec'), dict(ns) if alone else ns)\n"
         "        code, tail = 0, ''\n"
         "    except BaseException:\n        code, tail = 1, traceback.format_exc()[-2000:]\n"
         "    print('@@' + json.dumps([line, time.perf_counter() - start, code, tail]), flush=True)\n"
         "    if code:\n        break\n"
     )
-    script = f"PRELUDE = {PRELUDE!r}\nBLOCKS = {[(b.line, b.text, b.tag == 'models') for b in chosen]!r}\n{driver}"
+    blocks_ = [(b.source, b.line, b.text, b.tag == "models") for b in chosen]
+    script = f"PRELUDE = {PRELUDE!r}\nBLOCKS = {blocks_!r}\n{driver}"
     start = time.perf_counter()
     try:
         proc = subprocess.run(
             [python, "-c", script], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout_s, check=False
         )
     except subprocess.TimeoutExpired:
-        return [Result("python blocks", chosen[0].line, time.perf_counter() - start, 124, "timed out")]
+        return [
+            Result("python blocks", chosen[0].line, time.perf_counter() - start, 124, "timed out", chosen[0].source)
+        ]
     results = []
     for out_line in proc.stdout.splitlines():
         if out_line.startswith("@@"):
             line, seconds, code, tail = json.loads(out_line[2:])
-            results.append(Result(f"python block at README.md:{line}", line, seconds, code, tail))
+            source = chosen[0].source
+            results.append(Result(f"python block at {source}:{line}", line, seconds, code, tail, source))
     if proc.returncode and not any(r.code for r in results):
         results.append(
-            Result("python blocks", chosen[0].line, time.perf_counter() - start, proc.returncode, proc.stderr[-2000:])
+            Result(
+                "python blocks",
+                chosen[0].line,
+                time.perf_counter() - start,
+                proc.returncode,
+                proc.stderr[-2000:],
+                chosen[0].source,
+            )
         )
     return results
 
 
 def check(
-    *, only: str = "all", fresh_clone: bool = False, timeout_s: float = 1800.0, readme: Path = README
+    *,
+    only: str = "all",
+    fresh_clone: bool = False,
+    timeout_s: float = 1800.0,
+    readme: Path = README,
+    files: Sequence[Path] | None = None,
 ) -> tuple[list[Result], list[tuple[Block, str]]]:
-    """Run what the README shows; returns the results (in order) and the blocks left out, with why."""
+    """Run what the README (or each of `files`, in order) shows; returns the results (in order) and the blocks
+    left out, with why."""
     scratch = Path(tempfile.mkdtemp(prefix="ucudnn-readme-"))
     try:
         env = {k: v for k, v in os.environ.items() if k not in ("UCUDNN_DB", "VIRTUAL_ENV", "PYTHONPATH")}
@@ -214,7 +244,7 @@ def check(
         python = str(bin_dir / "python")
         results: list[Result] = []
         left_out: list[tuple[Block, str]] = []
-        all_blocks = blocks(readme)
+        all_blocks = [b for path in (files or [readme]) for b in blocks(path)]
         for block in all_blocks:  # the set-up first: everything else runs in what it built
             if block.tag == "setup" and fresh_clone:
                 results += run_bash(block, work, env, timeout_s)
@@ -229,11 +259,30 @@ def check(
                 results += run_bash(block, work, env, timeout_s)
             elif block.language == "python":
                 python_blocks.append(block)
-        for section in dict.fromkeys(b.section for b in python_blocks):
-            results += run_python([b for b in python_blocks if b.section == section], work, env, python, timeout_s)
+        for source, section in dict.fromkeys((b.source, b.section) for b in python_blocks):
+            chosen = [b for b in python_blocks if (b.source, b.section) == (source, section)]
+            results += run_python(chosen, work, env, python, timeout_s)
         return results, left_out
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def markdown_files(names: Sequence[str]) -> list[Path]:
+    """The files named, in order: each as given (from the current folder) or from the repository root; a glob
+    pattern (`docs/guide-*.md`, when the shell did not expand it) from the repository root, sorted."""
+    found: list[Path] = []
+    for name in names:
+        if any(c in name for c in "*?["):
+            matches = sorted(ROOT.glob(name))
+            if not matches:
+                raise FileNotFoundError(f"--files: nothing matches {name!r} under {ROOT}")
+            found += matches
+            continue
+        path = Path(name) if Path(name).exists() else ROOT / name
+        if not path.is_file():
+            raise FileNotFoundError(f"--files: no file {name!r}")
+        found.append(path)
+    return list(dict.fromkeys(p.resolve() for p in found))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -245,22 +294,34 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--only", choices=("fast", "all"), default="all")
     parser.add_argument("--json", dest="json_path", help="also write the results to this file")
+    parser.add_argument(
+        "--files",
+        nargs="+",
+        metavar="FILE",
+        help="the Markdown files to check, in order (default README.md), e.g. README.md docs/guide-*.md",
+    )
     args = parser.parse_args(argv)
-    results, left_out = check(only=args.only, fresh_clone=args.fresh_clone)
+    try:
+        files = markdown_files(args.files) if args.files else None
+    except FileNotFoundError as error:
+        parser.error(str(error))
+    results, left_out = check(only=args.only, fresh_clone=args.fresh_clone, files=files)
     for r in results:
         status = "ok" if r.code == 0 else f"EXIT {r.code}"
-        print(f"{r.seconds:8.1f} s  {status:<7}  README.md:{r.line}  {r.what}")
+        print(f"{r.seconds:8.1f} s  {status:<7}  {r.source}:{r.line}  {r.what}")
     for block, why in left_out:
-        print(f"{'-':>8}    left out  README.md:{block.line}  {block.language} block: {why}")
+        print(f"{'-':>8}    left out  {block.source}:{block.line}  {block.language} block: {why}")
     failed = [r for r in results if r.code]
     for r in failed:
-        print(f"\nfailed: {r.what} (README.md:{r.line}), exit {r.code}:\n{r.tail}", file=sys.stderr)
+        print(f"\nfailed: {r.what} ({r.source}:{r.line}), exit {r.code}:\n{r.tail}", file=sys.stderr)
     if args.json_path:
         Path(args.json_path).write_text(
             json.dumps(
                 {
                     "results": [r.__dict__ for r in results],
-                    "left_out": [{"line": b.line, "language": b.language, "why": why} for b, why in left_out],
+                    "left_out": [
+                        {"source": b.source, "line": b.line, "language": b.language, "why": why} for b, why in left_out
+                    ],
                 },
                 indent=2,
             )

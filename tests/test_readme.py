@@ -1,5 +1,6 @@
-"""README.md as a newcomer pastes it: every `ucudnn` command parses, every Python block compiles, and
-(slow) every block runs, through benchmarks/readme_check.py, the script that times them on a fresh clone."""
+"""README.md and the guide pages (docs/guide-*.md) as a newcomer pastes them: every `ucudnn` command parses,
+every Python block compiles, and (slow) every block runs, through benchmarks/readme_check.py, the script that
+times them on a fresh clone."""
 
 from __future__ import annotations
 
@@ -27,19 +28,23 @@ def _load_checker():
 
 checker = _load_checker()
 BLOCKS = checker.blocks()
+# The guide: what moved out of the README (issue 45), checked as the README is.
+GUIDES = sorted((checker.ROOT / "docs").glob("guide-*.md"))
+GUIDE_BLOCKS = [b for path in GUIDES for b in checker.blocks(path)]
 
 
-def ucudnn_commands() -> list[tuple[int, list[str]]]:
-    """(README line of the block, argv) of every `ucudnn ...` in every bash block, `&&` chains included."""
+def ucudnn_commands() -> list[tuple[str, list[str]]]:
+    """(file:line of the block, argv) of every `ucudnn ...` in every bash block of the README and the guide,
+    `&&` chains included."""
     found = []
-    for block in BLOCKS:
+    for block in BLOCKS + GUIDE_BLOCKS:
         if block.language != "bash":
             continue
         for command in block.commands():
             for part in command.split("&&"):
                 words = shlex.split(part, comments=True)
                 if words and Path(words[0]).name == "ucudnn":
-                    found.append((block.line, words[1:]))
+                    found.append((f"{block.source}:{block.line}", words[1:]))
     return found
 
 
@@ -59,10 +64,23 @@ def test_the_readme_has_blocks_of_every_kind_and_known_tags():
     # The set-up block is the fresh-machine one; the benchmarks are long, the rest quick.
     (setup,) = [b for b in BLOCKS if b.tag == "setup"]
     assert setup.commands()[0].startswith("python3 -m venv .venv")
-    assert all("ucudnn bench" in c for b in BLOCKS if b.tag == "slow" for c in b.commands())
+    assert all("ucudnn bench" in c for b in BLOCKS + GUIDE_BLOCKS if b.tag == "slow" for c in b.commands())
 
 
-@pytest.mark.parametrize("line, argv", ucudnn_commands(), ids=lambda v: v if isinstance(v, int) else " ".join(v)[:60])
+def test_the_guide_pages_have_blocks_and_known_tags_and_are_linked():
+    """Each guide page holds runnable blocks with known tags (no set-up: that is the README's), and is reached
+    from the README and from the site's table of contents."""
+    assert len(GUIDES) >= 4, "the README's details live in docs/guide-*.md"
+    assert {b.language for b in GUIDE_BLOCKS} == {"bash", "python"}
+    assert {b.tag for b in GUIDE_BLOCKS} <= set(checker.TAGS) - {"setup"} | {""}
+    toctree = (checker.ROOT / "docs" / "index.md").read_text(encoding="utf-8")
+    for path in GUIDES:
+        assert [b for b in GUIDE_BLOCKS if b.source == f"docs/{path.name}"], path.name
+        assert f"](docs/{path.name})" in README_TEXT, f"README.md does not link {path.name}"
+        assert f"\n{path.stem}\n" in toctree, f"docs/index.md's toctree lacks {path.stem}"
+
+
+@pytest.mark.parametrize("line, argv", ucudnn_commands(), ids=lambda v: v if isinstance(v, str) else " ".join(v)[:60])
 def test_every_ucudnn_command_in_the_readme_parses(line, argv, capsys):
     parse_only(argv)  # a misspelt option, `[--json]` or a bad size raises here
 
@@ -74,9 +92,11 @@ def test_a_command_that_would_not_parse_is_caught():
         parse_only(["plan", "--network", "vgg16", "--memory", "12g"])
 
 
-@pytest.mark.parametrize("block", [b for b in BLOCKS if b.language == "python"], ids=lambda b: f"line{b.line}")
+@pytest.mark.parametrize(
+    "block", [b for b in BLOCKS + GUIDE_BLOCKS if b.language == "python"], ids=lambda b: f"{b.source}:{b.line}"
+)
 def test_every_python_block_compiles(block):
-    compile(block.text, f"README.md:{block.line}", "exec")
+    compile(block.text, f"{block.source}:{block.line}", "exec")
 
 
 @pytest.mark.slow
@@ -84,6 +104,15 @@ def test_every_readme_block_runs():
     """Each block that can run here (not the set-up, GPU or missing-torchvision ones) exits 0."""
     results, left_out = checker.check(only="all")
     failed = [(r.what, r.code, r.tail) for r in results if r.code]
+    assert not failed, failed
+    assert results and all(why for _, why in left_out)
+
+
+@pytest.mark.slow
+def test_every_guide_block_runs():
+    """The same for the guide pages, in one scratch folder, in order."""
+    results, left_out = checker.check(only="all", files=GUIDES)
+    failed = [(r.what, r.source, r.line, r.code, r.tail) for r in results if r.code]
     assert not failed, failed
     assert results and all(why for _, why in left_out)
 
