@@ -57,7 +57,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from ucudnn.errors import InvalidInput
-from ucudnn.torch.running.labels import CATEGORIES, current_label
+from ucudnn.torch.running.labels import CATEGORIES, check_category, current_label
 
 if TYPE_CHECKING:
     from ucudnn.torch.converting.layer import ConvLayer
@@ -211,8 +211,8 @@ class StepTracker(TorchDispatchMode):
     # ---- counting --------------------------------------------------------------------------------
     def track(self, t: torch.Tensor, category: str | None = None) -> None:
         """Count `t`'s storage (a tensor alive before the block) under `category` (default: by its device)."""
-        if category is not None and category not in CATEGORIES:
-            raise InvalidInput(f"category must be one of {', '.join(CATEGORIES)}, got {category!r}")
+        if category is not None:
+            check_category(category)
         self._see(t, category)
         self._sample()
 

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 from ucudnn.errors import InvalidInput
 
-__all__ = ["CATEGORIES", "allocated_as", "current_label"]
+__all__ = ["CATEGORIES", "allocated_as", "check_category", "current_label"]
 
 CATEGORIES = ("weight", "weight_grad", "tensor", "workspace", "host")
 
@@ -23,13 +23,18 @@ _LABEL: contextvars.ContextVar[str | None] = contextvars.ContextVar("ucudnn_trac
 @contextlib.contextmanager
 def allocated_as(category: str) -> Iterator[None]:
     """File the storages allocated inside this block under `category` (one of `CATEGORIES`)."""
-    if category not in CATEGORIES:
-        raise InvalidInput(f"category must be one of {', '.join(CATEGORIES)}, got {category!r}")
+    check_category(category)
     token = _LABEL.set(category)
     try:
         yield
     finally:
         _LABEL.reset(token)
+
+
+def check_category(category: str) -> None:
+    """Refuse a category that is not one of `CATEGORIES`, in one line."""
+    if category not in CATEGORIES:
+        raise InvalidInput(f"category must be one of {', '.join(CATEGORIES)}, got {category!r}")
 
 
 def current_label() -> str | None:
