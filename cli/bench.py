@@ -308,7 +308,13 @@ def format_report(report, verbose: bool = False, layer_specs=None) -> str:
     lines.append(
         f"benchmark: {s.candidates} candidates (an algorithm at a micro-batch size), {s.measured} measured now, "
         f"{s.cached} from the cache, {s.over_limit} not run (workspace over the limit), {s.pruned} pruned "
-        f"(--benchmark-limit; --exhaustive times them); {s.seconds:.1f} s"
+        f"(--benchmark-limit; --exhaustive times them); {s.seconds:.1f} s wall time ("
+        + (
+            f"measuring, re-measuring {report.remeasured} outlier{'' if report.remeasured == 1 else 's'}: "
+            f"{report.remeasure_seconds:.1f} s, solving)"
+            if report.remeasured
+            else "measuring and solving)"
+        )
     )
     if report.noise_text:
         lines.append(f"note: {report.noise_text}")

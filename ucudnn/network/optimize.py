@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ucudnn.backends.base import NOISY_SPREAD_FRACTION, Backend, is_noisy
@@ -30,6 +31,8 @@ REMEASURE_ATTEMPTS = 3
 # Re-measuring can change what the solver picks, which brings other times into a ratio: check those
 # too, a bounded number of times (each time is re-measured at most once anyway).
 MAX_REMEASURE_ROUNDS = 3
+# The clock `optimize` reads its wall time and its re-measuring phase by, at each call: a test puts a stand-in here.
+clock: Callable[[], float] = time.perf_counter
 
 
 def configuration_notation(example: Configuration | None = None) -> str:
@@ -83,11 +86,12 @@ class Report:
     total_workspace: int | None
     batch: int | None  # None when WR kernels have different batch sizes (each kernel's problem has its n)
     kernels: tuple[KernelPlan, ...]
-    stats: BenchStats
+    stats: BenchStats  # its `seconds`: the wall time of `optimize`, measuring, re-measuring and solving
     # WD only: the Pareto front of each distinct problem (by ConvProblem.key), for plots.
     fronts: Mapping[str, Sequence[Configuration]] = field(default_factory=dict)
     baseline_limit: int | None = None  # the limit baselines were chosen within (WD: the equal share)
     remeasured: int = 0  # times a ratio rests on that were measured again (looks_like_outlier)
+    remeasure_seconds: float = 0.0  # the wall time of measuring them again, a part of `stats.seconds`
     noisy_now: int = 0  # noisy timings among those measured by this run (the rest came from the cache)
     reps: int = 3  # timed runs per measurement
 
@@ -232,6 +236,7 @@ class Report:
                 "over_limit": self.stats.over_limit,
                 "pruned": self.stats.pruned,
                 "remeasured": self.remeasured,
+                "remeasure_seconds": round(self.remeasure_seconds, 3),
             },
             "legend": {
                 "configuration": configuration_notation(self.example_configuration),
@@ -299,7 +304,10 @@ def optimize(
     Every kernel has a baseline (`choose_baseline`). A time measured now that a speedup rests on
     (the baseline's, or one of the chosen configuration's) and that looks like an outlier
     (`looks_like_outlier`) is measured again before the ratio is taken, and the solve is redone.
+    `progress` (a tqdm bar) is advanced once per candidate, and once per re-measurement, its total
+    growing by each; the report's `stats.seconds` is the wall time of all of it.
     """
+    start = clock()
     if not kernels:
         raise InvalidInput("no kernels to optimise")
     if workspace_limit is not None and total_workspace is not None:
@@ -368,6 +376,7 @@ def optimize(
     # A ratio is only as good as its two times: re-measure the suspicious ones it rests on, then solve
     # again (a re-measured time can change what is fastest). Each time gets one round of tries.
     remeasured: set[tuple[tuple[str, int], str, int]] = set()
+    remeasure_seconds = 0.0
     for _ in range(MAX_REMEASURE_ROUNDS):
         baselines, configs, fronts = solve()
         suspects = {}
@@ -380,16 +389,23 @@ def optimize(
                     suspects[key] = m
         if not suspects:
             break
-        if progress is not None:
+        began = clock()
+        if progress is not None:  # one step per re-measurement, so that the bar moves while they run
+            progress.total += len(suspects)
             progress.set_description(f"re-measuring {len(suspects)} outliers")
         for key, m in suspects.items():
             tk = key[0]
-            for _ in range(REMEASURE_ATTEMPTS):
+            for attempt in range(REMEASURE_ATTEMPTS):
+                if attempt and progress is not None:
+                    progress.total += 1
                 m = remeasure(backend, problem_of[tk], m, reps=REMEASURE_REPS_FACTOR * reps, cache=cache)
                 tables[tk][m.batch] = [m if (x.algo, x.batch) == (m.algo, m.batch) else x for x in tables[tk][m.batch]]
+                if progress is not None:
+                    progress.update(1)
                 if not looks_like_outlier(m, tables[tk]):
                     break
             remeasured.add(key)
+        remeasure_seconds += clock() - began
     else:
         baselines, configs, fronts = solve()
 
@@ -423,10 +439,11 @@ def optimize(
         total_workspace=total_workspace,
         batch=batch if len(batches) == 1 else None,
         kernels=tuple(plans),
-        stats=stats,
+        stats=dataclasses.replace(stats, seconds=clock() - start),
         fronts=fronts,
         baseline_limit=baseline_limit,
         remeasured=len(remeasured),
+        remeasure_seconds=remeasure_seconds,
         noisy_now=noisy_now,
         reps=reps,
     )
