@@ -4,7 +4,7 @@ A memory plan's timeline against the plain step's
 
 `ucudnn.torch.plan_memory` plans where each feature map of a training step lives (kept, offloaded to
 host memory, recomputed) so that the step's peak fits a memory limit. Here a small CNN is planned twice:
-with no limit (every map kept: the plain step) and at 75% of that plan's peak, which forces some maps
+with no limit (every map that the backward pass reads kept: the plain step) and at 75% of that plan's peak, which forces some maps
 out. The planner's simulation of each plan (`MemoryPlan.simulation`) gives the memory in use over the
 step; the two are drawn one over the other. Then `ucudnn.torch.check_plan` runs the limited plan for
 real under `execute_plan` and counts its peak with `ucudnn.torch.StepTracker`, to show the prediction held.
@@ -51,26 +51,36 @@ db = str(Path(folder.name) / "cache.db")
 # %%
 # Two plans
 # ---------
-# Without a limit the plan keeps every map: its simulation is the plain step's memory. At 75% of its
-# peak, ``policy="optimal"`` (an integer program) chooses what to offload or recompute at the least cost
-# in step time.
+# Without a limit the plan keeps every map that the backward pass reads and releases the others, as PyTorch's
+# autograd does: its simulation is the plain step's memory. At 75% of its peak, ``policy="optimal"`` (an
+# integer program) chooses what to offload or recompute at the least cost in step time.
 
 plain = ucudnn.torch.plan_memory(model, x, policy="optimal", loss=loss, db=db)
 limit = int(0.75 * plain.peak_bytes)
 plan = ucudnn.torch.plan_memory(model, x, memory_limit=limit, policy="optimal", loss=loss, db=db)
 
-actions: dict[str, int] = {}
-for t in plan.tensors:
-    actions[t.action] = actions.get(t.action, 0) + 1
-print(f"plain step:   peak {plain.peak_bytes / MiB:6.2f} MiB, {plain.step_ms:6.2f} ms (predicted)")
-print(f"limit {limit / MiB:.2f} MiB: peak {plan.peak_bytes / MiB:6.2f} MiB, {plan.step_ms:6.2f} ms, fits: {plan.fits}")
-print("feature maps:", ", ".join(f"{n} {a}" for a, n in sorted(actions.items())))
+
+def actions(p):
+    """How many feature maps the plan keeps, offloads, recomputes or releases."""
+    counts: dict[str, int] = {}
+    for t in p.tensors:
+        counts[t.action] = counts.get(t.action, 0) + 1
+    return ", ".join(f"{n} {a}" for a, n in sorted(counts.items()))
+
+
+print(f"no limit:    peak {plain.peak_bytes / MiB:5.2f} MiB, {plain.step_ms:6.1f} ms predicted; {actions(plain)}")
+print(
+    f"{limit / MiB:.2f} MiB:   peak {plan.peak_bytes / MiB:5.2f} MiB, {plan.step_ms:6.1f} ms predicted; {actions(plan)}"
+)
+print(f"fits the limit: {plan.fits}")
 
 # %%
 # The plan, run for real
 # ----------------------
 # `check_plan` runs warm-up steps under `execute_plan`, then one step under a `StepTracker` (which counts
-# every live tensor storage by category), then timed steps. The model is left as it was.
+# every live tensor storage by category), then timed steps. The model is left as it was. The peaks are counts
+# of bytes, which no other work on the machine changes; the step times are timings (the prediction's from the
+# operations timed while planning), which it moves.
 
 check = ucudnn.torch.check_plan(model, plan, x, y, loss=loss)
 print(
@@ -102,7 +112,7 @@ print(f"plain step: predicted peak {plain.peak_bytes / MiB:.2f} MiB, counted {pl
 # the real steps.
 
 fig, ax = plt.subplots(figsize=(8, 4.5))
-for p, label, color in ((plain, "plain (every map kept)", "tab:gray"), (plan, "ucudnn optimal", "tab:red")):
+for p, label, color in ((plain, "no limit (the plain step)", "tab:gray"), (plan, "ucudnn optimal", "tab:red")):
     times, used = zip(*p.simulation.memory)
     ax.step(
         times, [b / MiB for b in used], where="post", color=color, label=f"{label}: peak {p.peak_bytes / MiB:.1f} MiB"
