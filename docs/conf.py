@@ -33,7 +33,7 @@ exclude_patterns = [
 # The worked examples run in this process, a failing one failing the build. sphinx-gallery keeps each one's output
 # in auto_examples/ with its script's hash and runs it again only when the script changed: a clean checkout (CI's)
 # runs all three. Measured on the 2-core VM, 2026-11-28, never idle (other benchmarks kept the load at 4-6): the three
-# together 84-130 s (the WR table 39-89 s, 22 s run alone; the memory timeline 8-14 s; the frontier 30-47 s), the
+# together 84-130 s (the WR table 39-89 s, 22 s run alone; the memory timeline 8-16 s; the frontier 30-47 s), the
 # whole build from a clean checkout 91-138 s; with their output kept, 7.5 s. Their times move with the load.
 sphinx_gallery_conf = {
     "examples_dirs": "examples",
