@@ -7,6 +7,7 @@ that what the report says can be compared with what they took, whatever the mach
 
 import io
 import re
+from typing import NamedTuple
 
 import pytest
 from tqdm import tqdm
@@ -23,17 +24,24 @@ PROBLEM = ConvProblem.parse(LAYER)
 REPS = 1
 
 
+class Measured(NamedTuple):
+    what: tuple  # (kind, micro-batch size, algorithms)
+    reps: int
+    seconds: float
+    n: int | None  # the bar's count and total as it began, when the backend has one
+    total: int | None
+
+
 class StalledFirstUndivided(CpuBackend):
     """Every timing is a steady 100 ms per sample, except the first undivided one of each kernel and
     algorithm, 50 times that (a busy machine): an outlier to re-measure. Each measurement moves
-    `self.now` (seconds) by the time its timed runs add up to, and is logged as (reps, seconds, bar's
-    count, bar's total) when `self.bar` is set."""
+    `self.now` (seconds) by the time its timed runs add up to, and is logged (`Measured`)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.now = 0.0
         self.stalled: set[tuple[str, str]] = set()
-        self.log: list[tuple[int, float, int | None, int | None]] = []
+        self.log: list[Measured] = []
         self.bar = None
 
     def time_run_ms(self, problem, algo, operands, workspace, reps, beta=0.0):
@@ -49,7 +57,8 @@ class StalledFirstUndivided(CpuBackend):
         seconds = sum(m.time for m in out if m.usable) * reps / 1e3
         self.now += seconds
         bar = self.bar
-        self.log.append((reps, seconds, bar.n if bar else None, bar.total if bar else None))
+        what = (problem.kind, problem.n, tuple(algos))
+        self.log.append(Measured(what, reps, seconds, bar.n if bar else None, bar.total if bar else None))
         return out
 
 
@@ -62,15 +71,15 @@ def test_the_bar_counts_each_re_measurement_and_the_time_includes_them(monkeypat
     with tqdm(total=candidates, file=io.StringIO()) as bar:
         backend.bar = bar
         report = optimize(backend, kernels, policy="powerOfTwo", algos=algos, reps=REPS, progress=bar)
-    again = [(n, total) for reps, _, n, total in backend.log if reps == REMEASURE_REPS_FACTOR * REPS]
-    assert report.remeasured >= 1 and len(again) >= report.remeasured
+    again = [m for m in backend.log if m.reps == REMEASURE_REPS_FACTOR * REPS]
+    assert report.remeasured == len({m.what for m in again}) >= 1
     # Each re-measurement is a step of the bar, which grew to count it and was short of its end while it ran.
     assert bar.total == candidates + len(again) and bar.n == bar.total
-    assert all(n < total for n, total in again)
-    assert [n for n, _ in again] == list(range(candidates, candidates + len(again)))
+    assert all(m.n < m.total for m in again)
+    assert [m.n for m in again] == list(range(candidates, candidates + len(again)))
     # The time is the benchmark's wall time, measuring and re-measuring (the clock moves in nothing else).
-    assert report.stats.seconds == pytest.approx(sum(seconds for _, seconds, _, _ in backend.log))
-    remeasuring = sum(seconds for reps, seconds, _, _ in backend.log if reps == REMEASURE_REPS_FACTOR * REPS)
+    assert report.stats.seconds == pytest.approx(sum(m.seconds for m in backend.log))
+    remeasuring = sum(m.seconds for m in again)
     assert report.remeasure_seconds == pytest.approx(remeasuring)
     assert 0 < remeasuring < report.stats.seconds
 
@@ -83,14 +92,15 @@ def test_the_benchmark_line_and_the_bar_of_the_command(tmp_path, capsys, monkeyp
     code = main([*argv, "--reps", str(REPS), "--db", str(tmp_path / "c.db")])
     out, err = capsys.readouterr()
     assert code == 0, err
-    again = [seconds for reps, seconds, _, _ in backend.log if reps == REMEASURE_REPS_FACTOR * REPS]
-    total = sum(seconds for _, seconds, _, _ in backend.log)
+    again = [m for m in backend.log if m.reps == REMEASURE_REPS_FACTOR * REPS]
+    count, total = len({m.what for m in again}), sum(m.seconds for m in backend.log)
     (line,) = [line for line in out.splitlines() if line.startswith("benchmark: ")]
-    outliers = "outlier" if len(again) == 1 else "outliers"
+    outliers = "outlier" if count == 1 else "outliers"
+    remeasuring = sum(m.seconds for m in again)
     assert line.endswith(
-        f"; {total:.1f} s wall time (measuring, re-measuring {len(again)} {outliers}: {sum(again):.1f} s, solving)"
+        f"; {total:.1f} s wall time (measuring, re-measuring {count} {outliers}: {remeasuring:.1f} s, solving)"
     )
-    # The bar (on stderr, a test's stand-in for the terminal) showed the re-measuring phase short of its end.
+    # The bar (on stderr, a test's stand-in for the terminal) is drawn when the re-measuring phase starts: past
+    # the 8 candidates (2 algorithms at 4 sizes), its total grown by one step per outlier.
     shown = re.findall(r"re-measuring (\d+) outliers?:.*?\| *(\d+)/(\d+)", err)
-    assert shown and all(int(n) < int(of) for _, n, of in shown)
-    assert int(shown[0][2]) == 8 + int(shown[0][0])  # 8 candidates (2 algorithms at 4 sizes), then the re-measured
+    assert shown and (int(shown[0][1]), int(shown[0][2])) == (8, 8 + int(shown[0][0]))
