@@ -75,6 +75,9 @@ class MemoryPlan:
     # layers over the GPUs of a switch); empty when every device does what `tensors` says, which is
     # then device 0's. `device_actions()` gives every device's either way.
     device_tensors: tuple[tuple[TensorAction, ...], ...] = ()
+    # Planned for a compiled step (`ucudnn.torch.plan_memory(..., compiled=True)`): nothing offloaded, and
+    # `peak_bytes` the compiled step's (`ucudnn.torch.planning.compiled_step`); in the JSON only when set.
+    compiled: bool = False
     # The planner's simulation of this plan (`ucudnn.memory.simulate.SimResult`: timeline, memory over
     # the step), for plots; not part of the plan's JSON or of equality.
     simulation: Any = field(default=None, compare=False, repr=False)
@@ -113,6 +116,8 @@ class MemoryPlan:
         data = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("simulation", "capture")}
         if not self.search:
             del data["search"]
+        if not self.compiled:
+            del data["compiled"]
         data["overhead"] = self.overhead
         data["tensors"] = _tensors_json(self.tensors)
         data["device_tensors"] = [_tensors_json(ts) for ts in self.device_actions()]

@@ -57,7 +57,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from ucudnn.errors import InvalidInput
-from ucudnn.torch.running.labels import CATEGORIES, check_category, current_label
+from ucudnn.torch.running.labels import (
+    CATEGORIES,
+    check_category,
+    current_label,
+    watch_inductor_buffers,
+    watching,
+)
 
 if TYPE_CHECKING:
     from ucudnn.torch.converting.layer import ConvLayer
@@ -138,12 +144,15 @@ class StepTracker(TorchDispatchMode):
         self._params: set[int] = set()
         self._report: TrackerReport | None = None
         self._used = False
+        self._inductor: Any = None
+        watch_inductor_buffers()  # (before the code to count is compiled, where the tracker is made first)
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
         """Let `torch.compile`d code run compiled while tracked (by default Dynamo falls back to eager
-        under a dispatch mode): its aten calls are counted; the buffers its generated kernels allocate
-        themselves (Inductor's ``empty_strided_cpu``) bypass dispatch and are not, unless `track`ed."""
+        under a dispatch mode): its aten calls are counted, and the buffers its generated CPU kernels allocate
+        themselves (Inductor's ``empty_strided_cpu``, outside dispatch) where that code was compiled after
+        the first tracker was made or `with_plan` called (`running.labels.watch_inductor_buffers`)."""
         return True
 
     # ---- entering and leaving ------------------------------------------------------------------
@@ -172,10 +181,13 @@ class StepTracker(TorchDispatchMode):
             for b in self.model.buffers():
                 self.track(b, "weight")
         self._sample()
+        self._inductor = watching(self.track)
+        self._inductor.__enter__()
         return super().__enter__()
 
     def __exit__(self, *exc: object) -> None:
         super().__exit__(*exc)
+        self._inductor.__exit__(*exc)
         for h in self._hooks:
             h.remove()
         self._hooks = []

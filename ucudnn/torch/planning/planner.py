@@ -53,6 +53,7 @@ from ucudnn.torch.capturing.model_call import batched_call, call_args, default_l
 from ucudnn.torch.capturing.operations import counted, same_op
 from ucudnn.torch.converting.launch import held_with_copies
 from ucudnn.torch.converting.layer import ConvLayer, as_torch
+from ucudnn.torch.planning.compiled_step import compiled_costs, compiled_peak, recompute_fused
 from ucudnn.torch.planning.replay_cost import replay_host_ms
 
 __all__ = ["measure_profile", "plan_memory"]
@@ -173,6 +174,7 @@ def plan_memory(
     weight_grads: str = "backward",
     loss: Callable[[Any], torch.Tensor] | None = None,
     fake: bool | None = None,
+    compiled: bool = False,
 ) -> MemoryPlan:
     """The planner's `MemoryPlan` for training `model` on batches shaped like `example_input`.
 
@@ -186,6 +188,10 @@ def plan_memory(
     device (see the module docstring). `memory_limit` (bytes or ``"2GiB"``) defaults to the device's memory;
     a limit below every plan (``1``) gives the policy's plan of least peak, and ``optimal``'s is the smallest
     plan there is. Unknown policies raise `InvalidInput` naming the available ones.
+    `compiled`: plan for the step `torch.compile` makes of ``with_plan(model, plan)`` (see
+    `ucudnn.torch.planning.compiled_step`): maps kept or recomputed, never offloaded, the recomputation of what
+    Inductor fuses almost free, and the peak the compiled step's; the example inputs must be real ones on this
+    machine (the step is traced once per plan made).
     `weight_grads` is ``"backward"`` where the training loop frees the weight gradients between steps
     (PyTorch's `optimizer.zero_grad()` does by default), ``"step"`` where they persist
     (`zero_grad(set_to_none=False)`, gradient accumulation): see `TrainingGraph`. The plan carries its
@@ -213,8 +219,51 @@ def plan_memory(
         )
         graph = holder[-1]
         fronts = _fronts_for(model, step, graph, db, first.device.type == "cpu")
-    plan = make_executed_plan(graph, profile, limit, policy, devices=devices, db=db, fronts=fronts)
-    return dataclasses.replace(plan, capture=step)
+    if not compiled:
+        plan = make_executed_plan(graph, profile, limit, policy, devices=devices, db=db, fronts=fronts)
+        return dataclasses.replace(plan, capture=step)
+    if not real:
+        raise InvalidInput("compiled=True plans from a compiled step on real example inputs, got fake tensors")
+    return _compiled_plan(
+        model,
+        step,
+        compiled_costs(graph),
+        dataclasses.replace(profile, shares_host_memory=True),
+        limit,
+        policy,
+        lambda target, g, p: make_executed_plan(g, p, target, policy, devices=devices, db=db, fronts=fronts),
+        lambda plan: compiled_peak(model, plan, args, kwargs, loss_of),
+    )
+
+
+def _compiled_plan(
+    model: nn.Module,
+    step: CapturedStep,
+    graph: TrainingGraph,
+    profile: DeviceProfile,
+    limit: int,
+    policy: str,
+    make: Callable[[int, TrainingGraph, DeviceProfile], MemoryPlan],
+    peak_of: Callable[[MemoryPlan], int],
+) -> MemoryPlan:
+    """The plan for a compiled step within `limit`: made as an eager one is on the compiled step's costs (`graph`)
+    and on a profile that offloads nothing (a device whose memory is the host's has nowhere to copy to), then
+    its compiled step's peak counted (`peak_of`); where that does not fit, planned again within the limit
+    lowered by the overflow, as `make_executed_plan` does. The first that fits, else the one of least peak."""
+    from ucudnn.memory.planner import EXECUTED_ROUNDS
+
+    made = []
+    target = limit
+    for _ in range(EXECUTED_ROUNDS):
+        plan = dataclasses.replace(make(target, graph, profile), capture=step, memory_limit=limit, compiled=True)
+        plan = recompute_fused(plan, graph)
+        peak = peak_of(plan)
+        plan = dataclasses.replace(plan, peak_bytes=peak, fits=peak <= limit)
+        made.append(plan)
+        if plan.fits or target <= 1:
+            break
+        target = max(1, target - (peak - limit))
+    return next((p for p in made if p.fits), min(made, key=lambda p: p.peak_bytes))
 
 
 # model -> {(its modules, the inputs' shapes, the loss, fake, weight_grads): its captured step}, weak on the

@@ -1,0 +1,219 @@
+"""ucudnn's plans inside torch.compile against compile's own memory budget (issue 43), CPU.
+
+Models (``--models``; the `models` extra): Hugging Face MobileNetV2 and ResNet-50, MONAI's 2-D UNet and its 3-D
+BasicUNet, from their configs, dropout off (its random draws are not what is compared). Variants, each compiled
+with Inductor once:
+
+- ``plain``: `torch.compile(model)`;
+- ``compile(b)``: the same under `torch._functorch.config.activation_memory_budget` = b, b in ``--budgets``;
+- ``ucudnn@compile(b)``: `plan_memory(..., compiled=True)` at the peak ``compile(b)`` reached (equal memory),
+  trained as `torch.compile(with_plan(model, plan))`.
+
+Per point: the counted peak of one step after two warm-up steps (`StepTracker`, which also counts the buffers
+Inductor's generated kernels allocate), every compile from nothing (no cached graphs), the step time (median CPU ms over ``--rounds``
+interleaved rounds), for a plan its predicted peak and counted / predicted, and the parameters after ``--steps``
+SGD steps on one batch against plain compiled training's (relative to their norm), beside the noise of
+compiling itself (plain compiled against plain eager). Planning time: the three plans' `plan_memory` calls
+against one compile (the plain variant's first step less a later step).
+
+    pip install '.[models]'
+    OMP_NUM_THREADS=2 python benchmarks/pytorch/bench_compiled_plans.py --models monai-unet --json compiled.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: common.py, models.py
+import torch
+import torch._functorch.config
+import torch._inductor.config
+from common import table
+from models import build, loss
+from torch import nn
+
+from ucudnn.torch import StepTracker, plan_memory, with_plan
+from ucudnn.torch.planning.compiled_step import fresh_call
+from ucudnn.torch.running.labels import watch_inductor_buffers
+
+MiB = 2**20
+DEFAULTS = {  # (batch, size): small enough that four models compile and run on 2 cores
+    "hf-mobilenet-v2": (4, 64),
+    "hf-resnet50": (2, 64),
+    "monai-unet": (4, 64),
+    "monai-basic-unet-3d": (1, 32),
+}
+
+
+class Point:
+    def __init__(self, name: str, model: nn.Module, module: nn.Module, y, plan=None) -> None:
+        self.name, self.model, self.plan, self.y = name, model, plan, y
+        self.compiled = torch.compile(fresh_call(module))  # compiled anew, not shared with another variant's
+        self.peak, self.cpu_ms, self.first_s = 0, [], 0.0
+
+    def step(self, x) -> None:
+        for p in self.model.parameters():
+            p.grad = None
+        loss(self.compiled(x), self.y).backward()
+
+
+def _no_dropout(model: nn.Module) -> nn.Module:
+    for m in model.modules():
+        if isinstance(m, nn.Dropout):
+            m.p = 0.0
+    return model
+
+
+def _measure(point: Point, x, budget: float | None) -> None:
+    with torch._functorch.config.patch(activation_memory_budget=1.0 if budget is None else budget):
+        start = time.perf_counter()
+        point.step(x)  # compiles
+        point.first_s = time.perf_counter() - start
+        point.step(x)
+        tracker = StepTracker(point.model)
+        with tracker:
+            tracker.track(x)
+            point.step(x)
+    point.peak = tracker.report().peak_bytes
+
+
+def _trained(module: nn.Module, model: nn.Module, x, y, steps: int, budget: float | None = None) -> torch.Tensor:
+    """The parameters after `steps` SGD steps on one batch, flattened."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    with torch._functorch.config.patch(activation_memory_budget=1.0 if budget is None else budget):
+        for _ in range(steps):
+            opt.zero_grad()
+            loss(module(x), y).backward()
+            opt.step()
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+def run_model(name: str, args) -> dict:
+    batch, size = DEFAULTS[name]
+    base, x, y = build(name, batch, size)
+    _no_dropout(base)
+    torch._dynamo.reset()
+    points = [Point("plain", m := copy.deepcopy(base), m, y)]
+    _measure(points[0], x, None)
+    for b in args.budgets:
+        points.append(Point(f"compile({b})", m := copy.deepcopy(base), m, y))
+        _measure(points[-1], x, b)
+    planning = []
+    for b in args.budgets:
+        model = copy.deepcopy(base)
+        reached = next(p.peak for p in points if p.name == f"compile({b})")
+        start = time.perf_counter()
+        plan = plan_memory(model, x, memory_limit=reached, compiled=True, loss=lambda out: loss(out, y))
+        planning.append(time.perf_counter() - start)
+        points.append(Point(f"ucudnn@compile({b})", model, with_plan(model, plan), y, plan))
+        _measure(points[-1], x, None)
+        print(f"{name}: planned at compile({b})'s {reached / MiB:.1f} MiB in {planning[-1]:.0f} s", flush=True)
+    for _ in range(args.rounds):  # interleaved
+        for p in points:
+            with torch._functorch.config.patch(
+                activation_memory_budget=float(p.name[8:-1]) if p.name.startswith("compile(") else 1.0
+            ):
+                cpu = time.process_time()
+                p.step(x)
+                p.cpu_ms.append((time.process_time() - cpu) * 1e3)
+    # training equality: each plan's parameters against plain compiled training's, beside compile's own noise
+    plain_eager = _trained(m := copy.deepcopy(base), m, x, y, args.steps)
+    plain = _trained(torch.compile(fresh_call(m := copy.deepcopy(base))), m, x, y, args.steps)
+    norm = plain.norm().item()
+    rows = []
+    for p in points:
+        row = {
+            "model": name,
+            "variant": p.name,
+            "peak_mib": p.peak / MiB,
+            "step_ms": statistics.median(p.cpu_ms),
+            "first_step_s": p.first_s,
+        }
+        if p.plan is not None:
+            model = copy.deepcopy(base)
+            fresh = plan_memory(model, x, memory_limit=p.plan.memory_limit, compiled=True, loss=lambda o: loss(o, y))
+            trained = _trained(torch.compile(fresh_call(with_plan(model, fresh))), model, x, y, args.steps)
+            row |= {
+                "predicted_mib": p.plan.peak_bytes / MiB,
+                "counted_over_predicted": p.peak / p.plan.peak_bytes,
+                "params_vs_plain_compiled": (trained - plain).norm().item() / norm,
+                "recomputed": sum(t.action == "recompute" for t in p.plan.tensors),
+            }
+        rows.append(row)
+    compile_s = points[0].first_s - statistics.median(points[0].cpu_ms) / 1e3
+    return {
+        "model": name,
+        "batch": batch,
+        "size": size,
+        "rows": rows,
+        "noise_compiled_vs_eager": (plain - plain_eager).norm().item() / norm,
+        "planning_s": planning,
+        "compile_s": compile_s,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", default=",".join(DEFAULTS), help="comma-separated: " + ", ".join(DEFAULTS))
+    parser.add_argument("--budgets", default="0.25,0.5,0.75", help="compile's activation_memory_budget values")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds")
+    parser.add_argument("--steps", type=int, default=3, help="SGD steps for the training-equality check")
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args()
+    args.budgets = [float(b) for b in args.budgets.split(",")]
+    models = args.models.split(",")
+    unknown = [m for m in models if m not in DEFAULTS]
+    if unknown:
+        sys.exit(f"bench_compiled_plans: error: unknown model(s) {', '.join(unknown)}; known: {', '.join(DEFAULTS)}")
+    watch_inductor_buffers()  # before anything compiles: the trackers count Inductor's own buffers
+    # every variant compiles from nothing: a cached graph would skip compile's own budget (its key does not hold
+    # it) and make the compile time a cache read
+    torch._functorch.config.enable_autograd_cache = False
+    torch._inductor.config.fx_graph_cache = False
+    results = []
+    for name in models:
+        r = run_model(name, args)
+        results.append(r)
+        plain_ms = r["rows"][0]["step_ms"]
+        print(
+            f"\n{name} (batch {r['batch']}, {r['size']} px): compiling took {r['compile_s']:.0f} s, three plans "
+            f"{sum(r['planning_s']):.0f} s; compile's own noise {r['noise_compiled_vs_eager']:.1e}"
+        )
+        print(
+            table(
+                [
+                    "variant",
+                    "peak MiB",
+                    "x plain step",
+                    "predicted MiB",
+                    "counted/pred",
+                    "params vs plain",
+                    "recomputed",
+                ],
+                [
+                    [
+                        row["variant"],
+                        f"{row['peak_mib']:.2f}",
+                        f"{row['step_ms'] / plain_ms:.3f}",
+                        f"{row['predicted_mib']:.2f}" if "predicted_mib" in row else "",
+                        f"{row['counted_over_predicted']:.3f}" if "predicted_mib" in row else "",
+                        f"{row['params_vs_plain_compiled']:.1e}" if "predicted_mib" in row else "",
+                        str(row.get("recomputed", "")),
+                    ]
+                    for row in r["rows"]
+                ],
+            ),
+            flush=True,
+        )
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

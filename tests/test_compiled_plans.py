@@ -1,0 +1,210 @@
+"""Memory plans inside torch.compile (`plan_memory(..., compiled=True)`, `with_plan`): the plan's decisions reach
+the compiled graph's partitioner, a compiled planned step's counted peak is the predicted one's, it trains as
+plain compiled training does, and what a compiled step cannot do is refused in one line.
+
+Most compiles trace only (AOTAutograd with Inductor's own decompositions and partitioner, `compiled_step._graphs`,
+no code generation); one test compiles with Inductor itself (about a minute on 2 cores)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+torch = pytest.importorskip("torch")
+from plain_training import assert_trains_alike, rounding_noise, train
+from torch import nn
+from torch.nn import functional as F
+
+from ucudnn.errors import InvalidInput, UnsupportedProblem
+from ucudnn.memory.plan import MemoryPlan
+from ucudnn.torch import StepTracker, plan_memory, with_plan
+from ucudnn.torch.planning import compiled_step
+
+BATCH, SIZE = 4, 16
+
+
+class Net(nn.Module):
+    """Three conv + batch-norm + ReLU layers, an instance-normalised one (eager PyTorch runs it as a batch-norm;
+    a compiler's trace as another operation and a copy), a classifier."""
+
+    def __init__(self, extra: bool = True) -> None:
+        super().__init__()
+        self.extra = extra
+        self.body = nn.Sequential(
+            *(
+                m
+                for i, o in ((3, 16), (16, 16), (16, 16))
+                for m in (nn.Conv2d(i, o, 3, padding=1), nn.BatchNorm2d(o), nn.ReLU())
+            )
+        )
+        self.conv = nn.Conv2d(16, 16, 3, padding=1)
+        self.norm = nn.InstanceNorm2d(16, affine=True)
+        self.head = nn.Linear(16, 10)
+
+    def forward(self, x):
+        x = self.body(x)
+        if self.extra:
+            x = F.relu(self.norm(self.conv(x)))
+        return self.head(x.mean((2, 3)))
+
+
+def _batch(step: int):
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(BATCH, 3, SIZE, SIZE, generator=g), torch.randint(0, 10, (BATCH,), generator=g)
+
+
+X, Y = _batch(0)
+
+
+def _loss(out):
+    return F.cross_entropy(out, Y)
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return Net()
+
+
+@pytest.fixture(scope="module")
+def plans(model):
+    """A compiled plan that keeps what it may, and the compiled plan at a limit below every plan (it recomputes
+    convolutions' outputs, not only what compile fuses)."""
+    everything = plan_memory(model, X, loss=_loss, compiled=True)
+    smallest = plan_memory(model, X, memory_limit=1, loss=_loss, compiled=True)
+    return everything, smallest
+
+
+def _saved_and_recomputed(model, plan) -> tuple[int, int]:
+    """(bytes the compiled forward graph saves for the backward pass, convolutions the backward graph runs
+    forward again) under `plan`, traced as Inductor would compile it."""
+    from torch.utils._pytree import tree_leaves
+
+    planned = with_plan(copy.deepcopy(model), plan)
+    forward, backward = compiled_step._graphs(planned, lambda m: _loss(m(X)).backward())
+    saved = {}
+    for node in forward.graph.find_nodes(op="output")[0].all_input_nodes:
+        if node.op != "placeholder":  # (a parameter saved for the backward pass is no activation)
+            for t in tree_leaves(node.meta.get("val")):
+                if isinstance(t, torch.Tensor):
+                    saved[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
+    convs = sum(1 for n in backward.graph.nodes if n.target is torch.ops.aten.convolution.default)
+    return sum(saved.values()), convs
+
+
+def test_a_compiled_plan_keeps_or_recomputes_and_says_it_was_planned_compiled(plans):
+    smallest = plans[1]
+    for plan in plans:
+        assert plan.compiled and plan.capture is not None
+        assert {t.action for t in plan.tensors} <= {"keep", "recompute", "release"}
+        assert MemoryPlan.from_json(plan.to_json()).compiled
+    assert any(t.action == "recompute" for t in smallest.tensors)
+    assert "compiled" not in plan_memory(Net(), X, loss=_loss, device="h100").to_json()
+
+
+def test_the_partitioner_saves_what_the_plan_keeps_and_recomputes_the_rest(model, plans):
+    """The smallest plan recomputes convolutions: the backward graph runs them again, and the forward graph saves
+    fewer bytes than under the plan that keeps what it may."""
+    everything, smallest = plans
+    kept_saved, kept_convs = _saved_and_recomputed(model, everything)
+    small_saved, small_convs = _saved_and_recomputed(model, smallest)
+    recomputed_convs = sum(
+        t.action == "recompute" and everything.capture.graph.op(t.name).conv is not None
+        for t in smallest.tensors
+        if t.name in everything.capture.graph.op_index
+    )
+    assert recomputed_convs > 0
+    assert kept_convs == 0
+    assert small_convs >= recomputed_convs
+    assert small_saved < kept_saved
+
+
+def test_an_offloading_plan_is_refused_in_one_line_naming_the_policy_that_would_carry_it(model):
+    offloading = plan_memory(model, X, memory_limit=1, loss=_loss, device="h100")
+    assert any(t.action == "offload" for t in offloading.tensors)
+    with pytest.raises(UnsupportedProblem, match="MUST_CPU_OFFLOAD") as info:
+        with_plan(model, offloading)
+    assert "\n" not in str(info.value) and "compiled=True" in str(info.value)
+    compiled = plan_memory(model, X, memory_limit=1, loss=_loss, device="h100", compiled=True)
+    assert "offload" not in {t.action for t in compiled.tensors}
+
+
+def test_a_plan_without_its_captured_step_is_refused(plans, model):
+    with pytest.raises(InvalidInput, match="plan again"):
+        with_plan(model, MemoryPlan.from_json(plans[1].to_json()))
+
+
+def test_an_eager_plan_without_offloads_runs_under_with_plan(model):
+    plan = plan_memory(model, X, memory_limit=1, loss=_loss)
+    assert "offload" not in {t.action for t in plan.tensors}  # (on a CPU: nothing to offload to)
+    planned = copy.deepcopy(model)
+    _loss(with_plan(planned, plan)(X)).backward()
+    assert all(p.grad is not None for p in planned.parameters())
+
+
+def test_with_plan_called_eagerly_computes_plain_gradients(model, plans):
+    """Eager selective checkpointing replays the region: the same operations on the same inputs give the same
+    gradients, and batch-norm's running statistics are updated once, as plain PyTorch's."""
+    plain = copy.deepcopy(model)
+    _loss(plain(X)).backward()
+    planned = copy.deepcopy(model)
+    _loss(with_plan(planned, plans[1])(X)).backward()
+    for (name, p), q in zip(plain.named_parameters(), planned.parameters(), strict=True):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-6, msg=name)
+    for (name, b), c in zip(plain.named_buffers(), planned.buffers(), strict=True):
+        torch.testing.assert_close(c, b, msg=name)
+
+
+def test_a_forward_pass_that_runs_fewer_operations_than_the_plan_is_refused(model, plans):
+    changed = copy.deepcopy(model)
+    planned = with_plan(changed, plans[1])
+    changed.extra = False  # the forward pass now skips the last conv and its norm
+    with pytest.raises(UnsupportedProblem, match="plan again with plan_memory") as info:
+        _loss(planned(X)).backward()
+    assert "\n" not in str(info.value)
+
+
+def _compiled_peak(module, model) -> int:
+    """The counted peak of a compiled step (after the compiling one), Inductor's own buffers included."""
+    step = torch.compile(compiled_step.fresh_call(module))
+    _loss(step(X)).backward()  # compiles
+    for p in model.parameters():
+        p.grad = None
+    with StepTracker(model) as tracker:
+        tracker.track(X)
+        _loss(step(X)).backward()
+    return tracker.report().peak_bytes
+
+
+def test_inductor_runs_the_smallest_plan_in_less_memory_than_plain_compiled_training_and_trains_alike(model, plans):
+    """Inductor itself, compiling plain training and training under the smallest plan: the planned step's counted
+    peak is below the plain compiled step's, and two SGD steps under it land where plain compiled training's do,
+    within the model's rounding noise. (How near the counted peak lies to the prediction is a benchmark's:
+    benchmarks/pytorch/bench_compiled_plans.py.)"""
+    torch._dynamo.reset()
+    plan = plans[1]
+    plain = _compiled_peak(m := copy.deepcopy(model), m)
+    planned = _compiled_peak(with_plan(m := copy.deepcopy(model), plan), m)
+    assert planned < plain
+
+    # the noise: plain eager training's own (threads, float64), or how far compiling alone moves it
+    eager = train(copy.deepcopy(model), _batch)
+    compiled = _compiled_training(copy.deepcopy(model))
+    noise = max(rounding_noise(model, _batch, eager), (compiled - eager).norm().item())
+    assert_trains_alike(_compiled_training(copy.deepcopy(model), plan), compiled, noise)
+
+
+def _compiled_training(model, plan=None):
+    """`plain_training.train` of `model` compiled (under `plan`: with_plan), compiled anew."""
+    step = torch.compile(compiled_step.fresh_call(model if plan is None else with_plan(model, plan)))
+
+    class Compiled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, x):
+            return step(x)
+
+    return train(Compiled(), _batch)
