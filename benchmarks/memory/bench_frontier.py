@@ -15,8 +15,8 @@ basic residual blocks with batch-norm and in-place ReLUs, a classifier), both `n
 Peak memory is counted by `ucudnn.torch.checking.tracker.StepTracker` over one step after warm-up steps
 (weights, weight gradients freed between steps as zero_grad() does, feature maps, gradients and
 temporaries; host copies too, as a CPU has one memory). Compiled code runs compiled under the tracker (it ignores compile
-internals); the buffers Inductor's generated C++ kernels allocate themselves bypass PyTorch's dispatch,
-so this script counts them by wrapping Inductor's allocation function before anything compiles.
+internals), the buffers Inductor's generated C++ kernels allocate themselves included
+(`ucudnn.torch.running.labels.watch_inductor_buffers`, before anything compiles).
 Step time: the median over ``--rounds`` rounds in which every variant runs one step, interleaved in
 one process (forward, backward, no optimizer step), as CPU time of this process (all its threads):
 on a machine shared with other work, wall time moved by 2x between identical plans in one run; wall
@@ -51,29 +51,10 @@ from torch.utils.checkpoint import checkpoint_sequential
 
 from ucudnn.torch import execute_plan, plan_memory
 from ucudnn.torch.checking.tracker import StepTracker
+from ucudnn.torch.running.labels import watch_inductor_buffers
 
 MiB = 2**20
 SLACK = 0.05  # the issue's "by more than 5%": differences below this are noise on a shared machine
-
-# The tracker counting now, for the Inductor allocation hook (one tracked step at a time).
-_CURRENT: list[StepTracker | None] = [None]
-
-
-def _hook_inductor_allocations() -> None:
-    """Inductor's generated CPU code allocates its buffers with ``empty_strided_cpu``, bound when the code
-    is loaded, outside PyTorch's dispatch: wrap it (before anything compiles) so the tracker sees them."""
-    from torch._C._dynamo import guards
-
-    original = guards._empty_strided_cpu
-
-    def counted(*args, **kwargs):
-        t = original(*args, **kwargs)
-        tracker = _CURRENT[0]
-        if tracker is not None:
-            tracker.track(t)
-        return t
-
-    guards._empty_strided_cpu = counted
 
 
 def chain(layers: int, channels: int) -> nn.Sequential:
@@ -148,14 +129,9 @@ def _loss(out, y):
 def _measure_peak(v: Variant, x, y, warmup: int = 2) -> None:
     for _ in range(warmup):
         v.step(x, y)
-    tracker = StepTracker(v.model)
-    _CURRENT[0] = tracker
-    try:
-        with tracker:
-            tracker.track(x)
-            v.step(x, y)
-    finally:
-        _CURRENT[0] = None
+    with StepTracker(v.model) as tracker:
+        tracker.track(x)
+        v.step(x, y)
     v.peak = tracker.report().total_peak_bytes
 
 
@@ -439,7 +415,7 @@ def main() -> None:
     args.budgets = [float(b) for b in args.budgets.split(",")]
     args.policies = args.policies.split(",")
     args.limits = [float(f) for f in args.limits.split(",") if f]
-    _hook_inductor_allocations()
+    watch_inductor_buffers()  # before anything compiles: the trackers count Inductor's own buffers
     # every budget compiles its own graphs: no compiled artifact is taken from an on-disk cache
     torch._functorch.config.enable_autograd_cache = False
     torch._inductor.config.fx_graph_cache = False

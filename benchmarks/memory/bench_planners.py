@@ -52,7 +52,6 @@ from bench_frontier import (
     MiB,
     Variant,
     _fresh_forward,
-    _hook_inductor_allocations,
     _measure_peak,
     frontier,
     time_rounds,
@@ -63,6 +62,7 @@ from models import build, loss
 from torch import nn
 
 from ucudnn.torch import execute_plan, measure_profile, plan_memory
+from ucudnn.torch.running.labels import watch_inductor_buffers
 
 FRACTIONS = (0.25, 0.5, 0.75)  # of the way from ucudnn's smallest peak to keeping everything
 BUDGETS = (0.25, 0.5, 0.75)  # torch.compile's activation_memory_budget
@@ -353,7 +353,7 @@ def main() -> None:
     ap.add_argument("--plot", dest="plot_path")
     args = ap.parse_args()
     args.policies = args.policies.split(",")
-    _hook_inductor_allocations()
+    watch_inductor_buffers()  # before anything compiles: the trackers count Inductor's own buffers
     # sac_ilp logs each module where its two estimators disagree and each infeasible budget; what this benchmark
     # needs of that (a budget with no plan) it prints itself (a filter: torch's logging resets levels)
     logging.getLogger("torch.distributed._tools.sac_ilp").addFilter(lambda record: False)

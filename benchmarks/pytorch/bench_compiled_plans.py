@@ -18,6 +18,7 @@ against one compile (the plain variant's first step less a later step).
 
     pip install '.[models]'
     OMP_NUM_THREADS=2 python benchmarks/pytorch/bench_compiled_plans.py --models monai-unet --json compiled.json
+    python benchmarks/pytorch/bench_compiled_plans.py --device cuda --models hf-resnet50 --batch 64 --size 224
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ class Point:
     def __init__(self, name: str, model: nn.Module, module: nn.Module, y, plan=None) -> None:
         self.name, self.model, self.plan, self.y = name, model, plan, y
         self.compiled = torch.compile(fresh_call(module))  # compiled anew, not shared with another variant's
-        self.peak, self.cpu_ms, self.first_s = 0, [], 0.0
+        self.peak, self.ms, self.first_s = 0, [], 0.0
 
     def step(self, x) -> None:
         for p in self.model.parameters():
@@ -83,6 +84,20 @@ def _measure(point: Point, x, budget: float | None) -> None:
     point.peak = tracker.report().peak_bytes
 
 
+def _timed_ms(point: Point, x, device: torch.device) -> float:
+    """One step's CPU time of this process (on a shared CPU, steadier than wall time); on a GPU, wall time to
+    the device's end of the step."""
+    if device.type == "cuda":  # pragma: no cover - needs a GPU
+        torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        point.step(x)
+        torch.cuda.synchronize(device)  # measuring: the step's end on the device
+        return (time.perf_counter() - start) * 1e3
+    cpu = time.process_time()
+    point.step(x)
+    return (time.process_time() - cpu) * 1e3
+
+
 def _trained(module: nn.Module, model: nn.Module, x, y, steps: int, budget: float | None = None) -> torch.Tensor:
     """The parameters after `steps` SGD steps on one batch, flattened."""
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -96,7 +111,10 @@ def _trained(module: nn.Module, model: nn.Module, x, y, steps: int, budget: floa
 
 def run_model(name: str, args) -> dict:
     batch, size = DEFAULTS[name]
+    batch, size = args.batch or batch, args.size or size
     base, x, y = build(name, batch, size)
+    device = torch.device(args.device)
+    base, x, y = base.to(device), x.to(device), y.to(device)
     _no_dropout(base)
     torch._dynamo.reset()
     points = [Point("plain", m := copy.deepcopy(base), m, y)]
@@ -119,9 +137,7 @@ def run_model(name: str, args) -> dict:
             with torch._functorch.config.patch(
                 activation_memory_budget=float(p.name[8:-1]) if p.name.startswith("compile(") else 1.0
             ):
-                cpu = time.process_time()
-                p.step(x)
-                p.cpu_ms.append((time.process_time() - cpu) * 1e3)
+                p.ms.append(_timed_ms(p, x, device))
     # training equality: each plan's parameters against plain compiled training's, beside compile's own noise
     plain_eager = _trained(m := copy.deepcopy(base), m, x, y, args.steps)
     plain = _trained(torch.compile(fresh_call(m := copy.deepcopy(base))), m, x, y, args.steps)
@@ -132,7 +148,7 @@ def run_model(name: str, args) -> dict:
             "model": name,
             "variant": p.name,
             "peak_mib": p.peak / MiB,
-            "step_ms": statistics.median(p.cpu_ms),
+            "step_ms": statistics.median(p.ms),
             "first_step_s": p.first_s,
         }
         if p.plan is not None:
@@ -146,7 +162,7 @@ def run_model(name: str, args) -> dict:
                 "recomputed": sum(t.action == "recompute" for t in p.plan.tensors),
             }
         rows.append(row)
-    compile_s = points[0].first_s - statistics.median(points[0].cpu_ms) / 1e3
+    compile_s = points[0].first_s - statistics.median(points[0].ms) / 1e3
     return {
         "model": name,
         "batch": batch,
@@ -164,13 +180,16 @@ def main() -> None:
     parser.add_argument("--budgets", default="0.25,0.5,0.75", help="compile's activation_memory_budget values")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds")
     parser.add_argument("--steps", type=int, default=3, help="SGD steps for the training-equality check")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:i] (a GPU: step time is wall time)")
+    parser.add_argument("--batch", type=int, help="batch size for every model (default: each model's own)")
+    parser.add_argument("--size", type=int, help="input size for every model (default: each model's own)")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
     args.budgets = [float(b) for b in args.budgets.split(",")]
     models = args.models.split(",")
     unknown = [m for m in models if m not in DEFAULTS]
     if unknown:
-        sys.exit(f"bench_compiled_plans: error: unknown model(s) {', '.join(unknown)}; known: {', '.join(DEFAULTS)}")
+        parser.error(f"unknown model(s) {', '.join(unknown)}; known: {', '.join(DEFAULTS)}")
     watch_inductor_buffers()  # before anything compiles: the trackers count Inductor's own buffers
     # every variant compiles from nothing: a cached graph would skip compile's own budget (its key does not hold
     # it) and make the compile time a cache read

@@ -39,13 +39,15 @@ import torch._inductor.config
 sys.path.insert(0, str(Path("../../benchmarks/memory").resolve()))
 import bench_frontier  # from the repository's benchmarks, found through the path just set
 
+from ucudnn.torch.running.labels import watch_inductor_buffers
+
 folder = tempfile.TemporaryDirectory()
 saved_db = os.environ.get("UCUDNN_DB")
 os.environ["UCUDNN_DB"] = str(Path(folder.name) / "cache.db")
 saved_caches = torch._functorch.config.enable_autograd_cache, torch._inductor.config.fx_graph_cache
 torch._functorch.config.enable_autograd_cache = False
 torch._inductor.config.fx_graph_cache = False
-bench_frontier._hook_inductor_allocations()  # count the buffers Inductor's generated kernels allocate
+watch_inductor_buffers()  # count the buffers Inductor's generated kernels allocate
 
 # %%
 # The run
