@@ -143,7 +143,7 @@ def _graphs(module: PlannedModule, call: Callable[[Any], Any]) -> tuple[Any, Any
         torch._functorch.config.patch(enable_autograd_cache=False),
         torch._inductor.config.patch(fx_graph_cache=False),
     ):
-        call(torch.compile(fresh_call(module), backend=backend))
+        call(torch.compile(fresh_call(module), backend=backend, dynamic=False))  # (static: sizes are counted)
     return graphs[False], graphs[True]
 
 
