@@ -9,9 +9,10 @@ its partitioner decides, and PyTorch lets a program steer that decision per oper
 checkpointing (`torch.utils.checkpoint.create_selective_checkpoint_contexts`) tags each operation of a
 checkpointed region `MUST_SAVE` or `MUST_RECOMPUTE`, and AOTAutograd's partitioner obeys the tags. So
 `with_plan` runs the model's forward pass as one checkpointed region whose policy says, operation by operation,
-what the plan does with the feature map it makes: kept maps are saved, recomputed ones recomputed (where
-Inductor fuses a pointwise recomputation into its consumer, almost for free); an operation that makes no map
-of the plan's is left to the partitioner (`PREFER_RECOMPUTE`). Converted convolutions run within the plan's
+what the plan does with the feature map it makes: kept maps are saved (`MUST_SAVE`), recomputed ones recomputed
+(`MUST_RECOMPUTE`; where Inductor fuses a pointwise recomputation into its consumer, almost for free). An operation
+that makes no map of the plan's (on parameters alone) or only maps the backward pass does not read is
+`PREFER_RECOMPUTE`, which 2.13's partitioner treats as `MUST_RECOMPUTE`. Converted convolutions run within the plan's
 workspace budgets: the budgets are the layers' from `with_plan` on (the compiled graph reads them when it runs,
 the backward pass's kernels too, which run after the forward call has returned).
 
@@ -127,7 +128,7 @@ class _Policy:
 
 def _policies(step: CapturedStep, plan: MemoryPlan) -> tuple[CheckpointPolicy, ...]:
     """Each captured model operation's policy: recompute where the plan recomputes a map it makes (or writes in
-    place), save where the plan keeps one, leave the rest to the partitioner."""
+    place), save where the plan keeps one, else `PREFER_RECOMPUTE` (see the module docstring)."""
     actions = {t.name: t.action for t in plan.tensors}
     graph = step.graph
     out = []
@@ -148,7 +149,7 @@ def _storage(graph: Any, feature: str) -> str:
     graph op's (a batch-norm's saved statistics, ``<op>.<leaf>``) is its own."""
     try:
         return graph.storage_of(feature)
-    except (KeyError, InvalidInput):
+    except InvalidInput:
         return feature
 
 
