@@ -35,6 +35,7 @@ NAMES = (
     "diffusers-vae",
     "monai-unet",
     "monai-basic-unet-3d",
+    "monai-unet-3d",
 )
 
 
@@ -143,6 +144,11 @@ def _model(name: str, size: int) -> tuple[nn.Module, tuple[int, ...], int, bool]
             num_res_units=2,
         )
         return model, (1, size, size), 2, False
+    if name == "monai-unet-3d":  # the 2-D UNet's layers in three dimensions (BasicUNet breaks Dynamo's graph)
+        model = UNet(
+            spatial_dims=3, in_channels=1, out_channels=2, channels=(8, 16, 32, 64), strides=(2, 2, 2), num_res_units=2
+        )
+        return model, (1, size, size, size), 2, False
     if name == "monai-basic-unet-3d":
         return BasicUNet(spatial_dims=3, in_channels=1, out_channels=2), (1, size, size, size), 2, False
     raise SystemExit(f"unknown model {name!r}: {', '.join(NAMES)}")

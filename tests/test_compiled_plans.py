@@ -208,3 +208,20 @@ def _compiled_training(model, plan=None):
             return step(x)
 
     return train(Compiled(), _batch)
+
+
+class Broken(Net):
+    """`Net` whose forward pass breaks Dynamo's graph in the middle."""
+
+    def forward(self, x):
+        x = self.body(x)
+        torch._dynamo.graph_break()
+        return self.head(x.mean((2, 3)))
+
+
+def test_a_model_that_breaks_dynamos_graph_is_refused_in_one_line_at_planning():
+    """Dynamo would run the checkpointed region eagerly: the plan's decisions would not reach a compiled graph."""
+    torch.manual_seed(0)
+    with pytest.raises(UnsupportedProblem, match="graph break") as info:
+        plan_memory(Broken(), X, loss=_loss, compiled=True)
+    assert "\n" not in str(info.value)

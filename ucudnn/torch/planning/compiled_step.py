@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ucudnn.errors import UnsupportedProblem
 from ucudnn.memory.graph import TrainingGraph
 from ucudnn.memory.plan import MemoryPlan
 from ucudnn.torch.capturing.capture import state_kept
@@ -144,6 +145,12 @@ def _graphs(module: PlannedModule, call: Callable[[Any], Any]) -> tuple[Any, Any
         torch._inductor.config.patch(fx_graph_cache=False),
     ):
         call(torch.compile(fresh_call(module), backend=backend, dynamic=False))  # (static: sizes are counted)
+    if set(graphs) != {False, True}:  # Dynamo ran the checkpointed region eagerly
+        raise UnsupportedProblem(
+            f"torch.compile does not trace {module.plan.network}'s forward pass whole (a graph break: see "
+            "torch._dynamo.explain), so its plan would run eagerly; mend the break, or run the plan eagerly "
+            "(execute_plan)"
+        )
     return graphs[False], graphs[True]
 
 
