@@ -82,7 +82,8 @@ def _saved_and_recomputed(model, plan) -> tuple[int, int]:
     from torch.utils._pytree import tree_leaves
 
     planned = with_plan(copy.deepcopy(model), plan)
-    forward, backward = compiled_step._graphs(planned, lambda m: _loss(m(X)).backward())
+    graphs = compiled_step._graphs(planned, lambda m: _loss(m(X)).backward())
+    forward, backward = graphs[False][0], graphs[True][0]
     saved = {}
     for node in forward.graph.find_nodes(op="output")[0].all_input_nodes:
         if node.op != "placeholder":  # (a parameter saved for the backward pass is no activation)

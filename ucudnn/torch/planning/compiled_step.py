@@ -6,15 +6,15 @@ the kernel that consumes its result, so running or recomputing it costs almost n
 matrix product costs what it measures (`compiled_costs`).
 
 **Memory.** A compiled step's memory is not the eager step's: the partitioner saves its own set of tensors for
-the backward pass (the plan's tags steer it), and Inductor never materialises a pointwise result that only
-other pointwise code reads. So the peak of a compiled plan is counted on the graphs Inductor itself would
-compile (`compiled_peak`): the model is traced once under the plan (`with_plan`) through Inductor's own
-decompositions and partitioner, stopping before code generation (the costly part of a compile), and its
-forward and backward graphs are walked in order. A node's result is held from the node to its last reader where
-Inductor materialises it (a kernel it does not generate itself, such as a convolution or a matrix product; a
-reduction; what such a kernel reads; a graph output), and not at all where it fuses it. What the forward pass
-saves stays until the backward pass ends (AOTAutograd frees it with the step's autograd node). The largest
-workspace budget of the plan's converted convolutions is added, as it is held while its kernel runs.
+the backward pass (the plan's tags steer it), and Inductor fuses pointwise results away and reuses buffers. So the
+peak of a compiled plan is Inductor's own (`compiled_peak`): the model is traced once under the plan
+(`with_plan`) through Inductor's decompositions, partitioner, lowering and scheduler, stopping before code
+generation (the costly part of a compile), and each graph's peak is the estimate Inductor's scheduler makes of
+its own buffers (`torch._inductor.memory.estimate_peak_memory`, which its peak-memory reordering uses). The step's
+peak adds what lives beside them: the parameters, buffers and inputs, and during the backward graph what the
+forward graph saved for it, held to its end (AOTAutograd releases them with the step's autograd node; a bound
+that errs on the side of fitting). The largest workspace budget of the plan's converted convolutions is added,
+as it is held while its kernel runs. The graphs themselves run uncompiled for the one traced step.
 """
 
 from __future__ import annotations
@@ -35,9 +35,6 @@ from ucudnn.torch.converting.layer import ConvLayer
 from ucudnn.torch.running.compiled import PlannedModule, with_plan
 
 __all__ = ["compiled_costs", "compiled_peak", "fresh_call", "fused", "recompute_fused"]
-
-# The operations Inductor calls as library kernels rather than generating: their inputs and outputs exist.
-_EXTERN = frozenset({"convolution", "convolution_backward", "mm", "addmm", "bmm", "baddbmm"})
 
 
 def fused(op: Any) -> bool:
@@ -65,52 +62,43 @@ def recompute_fused(plan: MemoryPlan, graph: TrainingGraph) -> MemoryPlan:
     return dataclasses.replace(plan, tensors=tensors)
 
 
-def _name(node: Any) -> str:
-    return getattr(node.target, "__name__", str(node.target)).split(".")[0]
+def _saved_bytes(forward: Any) -> int:
+    """The bytes of the activations a forward graph saves for the backward pass (its outputs that are not its
+    inputs, each storage once)."""
+    sizes = {}
+    for node in forward.graph.find_nodes(op="output")[0].all_input_nodes:
+        if node.op == "placeholder":  # a parameter or input saved as it is: resident anyway
+            continue
+        value = node.meta.get("val")
+        for t in value if isinstance(value, (tuple, list)) else (value,):
+            if isinstance(t, torch.Tensor):
+                sizes[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
+    return sum(sizes.values())
 
 
-def _bytes(node: Any, seen: set[int]) -> int:
-    """The bytes of the storages a node makes, each storage once."""
-    value = node.meta.get("val")
-    total = 0
-    for t in value if isinstance(value, (tuple, list)) else (value,):
-        if isinstance(t, torch.Tensor):
-            key = t.untyped_storage()._cdata
-            if key not in seen:
-                seen.add(key)
-                total += t.untyped_storage().nbytes()
-    return total
+class _Estimated(Exception):
+    """Raised in place of Inductor's code generation, with its scheduler's peak estimate of the graph."""
 
 
-def _walk(graph: torch.fx.Graph, start: int) -> tuple[int, int]:
-    """(peak, bytes at the end) of running `graph` from `start` bytes (see the module docstring): its inputs (the
-    saved tensors of a backward graph among them) are held throughout, its outputs from where they are made."""
-    nodes = list(graph.nodes)
-    outputs = set(nodes[-1].all_input_nodes)
-    last: dict[Any, int] = {}
-    for i, n in enumerate(nodes):
-        for a in n.all_input_nodes:
-            last[a] = i
+def _estimate_instead_of_codegen(graph: Any) -> Any:
+    """`GraphLowering.codegen` stood in for: the scheduler Inductor would generate code from, and the peak of the
+    buffers it allocates (the graph's inputs are the caller's, not counted)."""
+    from torch._inductor.memory import estimate_peak_memory
+    from torch.utils._ordered_set import OrderedSet
 
-    def materialised(n: Any) -> bool:
-        if n.op != "call_function" or _name(n) == "getitem":
-            return False
-        if _name(n) in _EXTERN or n in outputs or any(_name(u) in _EXTERN for u in n.users):
-            return True
-        return torch.Tag.pointwise not in getattr(n.target, "tags", ())
+    graph.init_wrapper_code()
+    graph._update_scheduler()
+    peak, _ = estimate_peak_memory(graph.scheduler.nodes, {}, OrderedSet(graph.get_output_names()))
+    raise _Estimated(peak)
 
-    now = peak = start
-    alive: dict[Any, int] = {}
-    seen: set[int] = set()
-    for i, n in enumerate(nodes):
-        if materialised(n):
-            alive[n] = _bytes(n, seen)
-            now += alive[n]
-            peak = max(peak, now)
-        for a in n.all_input_nodes:
-            if last.get(a) == i and a in alive and a not in outputs:
-                now -= alive.pop(a)
-    return peak, now
+
+def _estimated(exc: BaseException) -> int | None:
+    """The estimate an exception carries, where Inductor's wrappers raised it from `_Estimated`."""
+    while exc is not None:
+        if isinstance(exc, _Estimated):
+            return exc.args[0]
+        exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
+    return None
 
 
 def fresh_call(module: nn.Module) -> Callable[..., Any]:
@@ -124,17 +112,33 @@ def fresh_call(module: nn.Module) -> Callable[..., Any]:
     return types.FunctionType(call.__code__.replace(), call.__globals__, closure=call.__closure__)
 
 
-def _graphs(module: PlannedModule, call: Callable[[Any], Any]) -> tuple[Any, Any]:
-    """The forward and backward graphs Inductor would compile for `module`, traced by one step (`call`) that
-    runs them as they are, uncompiled."""
-    from torch._functorch.aot_autograd import make_boxed_func
-    from torch._inductor.compile_fx import compile_fx
+def _graphs(module: PlannedModule, call: Callable[[Any], Any]) -> dict[bool, tuple[Any, int]]:
+    """The forward (False) and backward (True) graphs Inductor would compile for `module`, each with its
+    scheduler's peak estimate, traced by one step (`call`) that runs them as they are, uncompiled."""
+    import copy
 
-    graphs: dict[bool, Any] = {}
+    from torch._functorch.aot_autograd import make_boxed_func
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+    from torch._inductor.graph import GraphLowering
+
+    graphs: dict[bool, tuple[Any, int]] = {}
 
     def record(gm: Any, example_inputs: Any, **kwargs: Any) -> Any:
-        graphs[bool(kwargs.get("is_backward"))] = gm
-        return make_boxed_func(gm.forward)
+        graph = copy.deepcopy(gm)  # (Inductor's passes rewrite `gm`: this one runs)
+        codegen = GraphLowering.codegen
+        GraphLowering.codegen = _estimate_instead_of_codegen  # type: ignore[method-assign]
+        try:
+            compile_fx_inner(gm, example_inputs, **kwargs)
+        except Exception as exc:  # (the estimate, raised through Inductor's wrappers)
+            peak = _estimated(exc)
+            if peak is None:
+                raise
+        else:
+            raise AssertionError("Inductor generated code: the estimate did not stand in for its codegen")
+        finally:
+            GraphLowering.codegen = codegen  # type: ignore[method-assign]
+        graphs[bool(kwargs.get("is_backward"))] = graph, peak
+        return make_boxed_func(graph.forward)
 
     def backend(gm: Any, example_inputs: Any) -> Any:
         return compile_fx(gm, example_inputs, inner_compile=record)
@@ -151,7 +155,7 @@ def _graphs(module: PlannedModule, call: Callable[[Any], Any]) -> tuple[Any, Any
             "torch._dynamo.explain), so its plan would run eagerly; mend the break, or run the plan eagerly "
             "(execute_plan)"
         )
-    return graphs[False], graphs[True]
+    return graphs
 
 
 def compiled_peak(model: nn.Module, plan: MemoryPlan, args: tuple, kwargs: dict, loss: Callable) -> int:
@@ -166,7 +170,7 @@ def compiled_peak(model: nn.Module, plan: MemoryPlan, args: tuple, kwargs: dict,
 
     try:
         with state_kept(model):
-            forward, backward = _graphs(with_plan(model, plan), step)
+            graphs = _graphs(with_plan(model, plan), step)
     finally:  # (with_plan gave the model's converted layers the plan's budgets)
         for conv, before in budgets:
             conv._budgets = before
@@ -175,7 +179,6 @@ def compiled_peak(model: nn.Module, plan: MemoryPlan, args: tuple, kwargs: dict,
         for t in (*model.parameters(), *model.buffers(), *inputs)
     }
     resident = sum(storages.values())
-    fwd_peak, after = _walk(forward.graph, resident)
-    bwd_peak, _ = _walk(backward.graph, after)
+    (forward, forward_peak), (_, backward_peak) = graphs[False], graphs[True]
     workspace = max((c.bytes for c in plan.conv_workspace if not c.torch_own), default=0)
-    return max(fwd_peak, bwd_peak) + workspace
+    return resident + max(forward_peak, _saved_bytes(forward) + backward_peak) + workspace
