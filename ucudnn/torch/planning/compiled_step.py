@@ -126,7 +126,7 @@ def _graphs(module: PlannedModule, call: Callable[[Any], Any]) -> dict[bool, tup
     def record(gm: Any, example_inputs: Any, **kwargs: Any) -> Any:
         graph = copy.deepcopy(gm)  # (Inductor's passes rewrite `gm`: this one runs)
         codegen = GraphLowering.codegen
-        GraphLowering.codegen = _estimate_instead_of_codegen  # type: ignore[method-assign]
+        GraphLowering.codegen = _estimate_instead_of_codegen  # type: ignore[method-assign, assignment]
         try:
             compile_fx_inner(gm, example_inputs, **kwargs)
         except Exception as exc:  # (the estimate, raised through Inductor's wrappers)
