@@ -85,6 +85,21 @@ def test_the_api_page_documents_the_first_names(site):
         assert re.search(rf"\b{re.escape(name)}\s*\(", text), f"{name} is not documented on the API page"
 
 
+def test_every_public_name_has_an_entry(site):
+    """Every name `ucudnn` and `ucudnn.torch` export, and every public member of `ucudnn.Handle`, is an entry
+    (an anchor) of the API page."""
+    import inspect
+
+    import ucudnn
+    import ucudnn.torch
+
+    ids = set(re.findall(r'id="([^"]+)"', (site / "api.html").read_text()))
+    names = [f"ucudnn.{n}" for n in ucudnn.__all__]
+    names += [f"ucudnn.torch.{n}" for n in ucudnn.torch.__all__ if n != "zoo"]  # (a module of models: its page)
+    names += [f"ucudnn.Handle.{n}" for n, _ in inspect.getmembers(ucudnn.Handle) if not n.startswith("_")]
+    assert [n for n in names if n not in ids] == []
+
+
 def _images(page: Path, html: str) -> list[Path]:
     """The files of a page's <img> tags, resolved in the build (missing ones included, to be reported)."""
     return [(page.parent / unescape(src)).resolve() for src in re.findall(r'<img\b[^>]*\bsrc="([^"]+)"', html)]
