@@ -160,7 +160,7 @@ def _graphs(module: PlannedModule, call: Callable[[Any], Any]) -> dict[bool, tup
 
 def compiled_peak(model: nn.Module, plan: MemoryPlan, args: tuple, kwargs: dict, loss: Callable) -> int:
     """The peak bytes of `model`'s training step compiled under `plan` (see the module docstring): its
-    parameters and buffers, the inputs, and the graphs' walk. The model's state is as it was."""
+    parameters and buffers, the inputs, and Inductor's estimates of its graphs. The model's state is as it was."""
     convs = [m for m in model.modules() if isinstance(m, ConvLayer)]
     budgets = [(c, c._budgets) for c in convs]
     inputs = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
