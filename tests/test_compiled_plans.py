@@ -79,19 +79,11 @@ def plans(model):
 def _saved_and_recomputed(model, plan) -> tuple[int, int]:
     """(bytes the compiled forward graph saves for the backward pass, convolutions the backward graph runs
     forward again) under `plan`, traced as Inductor would compile it."""
-    from torch.utils._pytree import tree_leaves
-
     planned = with_plan(copy.deepcopy(model), plan)
     graphs = compiled_step._graphs(planned, lambda m: _loss(m(X)).backward())
     forward, backward = graphs[False][0], graphs[True][0]
-    saved = {}
-    for node in forward.graph.find_nodes(op="output")[0].all_input_nodes:
-        if node.op != "placeholder":  # (a parameter saved for the backward pass is no activation)
-            for t in tree_leaves(node.meta.get("val")):
-                if isinstance(t, torch.Tensor):
-                    saved[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
     convs = sum(1 for n in backward.graph.nodes if n.target is torch.ops.aten.convolution.default)
-    return sum(saved.values()), convs
+    return compiled_step._saved_bytes(forward), convs
 
 
 def test_a_compiled_plan_keeps_or_recomputes_and_says_it_was_planned_compiled(plans):

@@ -225,24 +225,20 @@ def plan_memory(
     if not real:
         raise InvalidInput("compiled=True plans from a compiled step on real example inputs, got fake tensors")
     return _compiled_plan(
-        model,
         step,
         compiled_costs(graph),
         dataclasses.replace(profile, shares_host_memory=True),
         limit,
-        policy,
         lambda target, g, p: make_executed_plan(g, p, target, policy, devices=devices, db=db, fronts=fronts),
         lambda plan: compiled_peak(model, plan, args, kwargs, loss_of),
     )
 
 
 def _compiled_plan(
-    model: nn.Module,
     step: CapturedStep,
     graph: TrainingGraph,
     profile: DeviceProfile,
     limit: int,
-    policy: str,
     make: Callable[[int, TrainingGraph, DeviceProfile], MemoryPlan],
     peak_of: Callable[[MemoryPlan], int],
 ) -> MemoryPlan:
