@@ -54,15 +54,18 @@ DEFAULTS = {  # (batch, size): small enough that four models compile and run on 
 
 
 class Point:
-    def __init__(self, name: str, model: nn.Module, module: nn.Module, y, plan=None) -> None:
-        self.name, self.model, self.plan, self.y = name, model, plan, y
+    def __init__(self, name: str, model: nn.Module, module: nn.Module, y, plan=None, budget: float = 1.0) -> None:
+        self.name, self.model, self.plan, self.y, self.budget = name, model, plan, y, budget
         self.compiled = torch.compile(fresh_call(module))  # compiled anew, not shared with another variant's
         self.peak, self.ms, self.first_s = 0, [], 0.0
 
     def step(self, x) -> None:
+        """One step (forward, backward), compiled under the point's activation_memory_budget (1: compile's own
+        partitioning unbudgeted)."""
         for p in self.model.parameters():
             p.grad = None
-        loss(self.compiled(x), self.y).backward()
+        with torch._functorch.config.patch(activation_memory_budget=self.budget):
+            loss(self.compiled(x), self.y).backward()
 
 
 def _no_dropout(model: nn.Module) -> nn.Module:
@@ -72,16 +75,14 @@ def _no_dropout(model: nn.Module) -> nn.Module:
     return model
 
 
-def _measure(point: Point, x, budget: float | None) -> None:
-    with torch._functorch.config.patch(activation_memory_budget=1.0 if budget is None else budget):
-        start = time.perf_counter()
-        point.step(x)  # compiles
-        point.first_s = time.perf_counter() - start
+def _measure(point: Point, x) -> None:
+    start = time.perf_counter()
+    point.step(x)  # compiles
+    point.first_s = time.perf_counter() - start
+    point.step(x)
+    with StepTracker(point.model) as tracker:
+        tracker.track(x)
         point.step(x)
-        tracker = StepTracker(point.model)
-        with tracker:
-            tracker.track(x)
-            point.step(x)
     point.peak = tracker.report().peak_bytes
 
 
@@ -99,14 +100,13 @@ def _timed_ms(point: Point, x, device: torch.device) -> float:
     return (time.process_time() - cpu) * 1e3
 
 
-def _trained(module: nn.Module, model: nn.Module, x, y, steps: int, budget: float | None = None) -> torch.Tensor:
+def _trained(module: nn.Module, model: nn.Module, x, y, steps: int) -> torch.Tensor:
     """The parameters after `steps` SGD steps on one batch, flattened."""
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    with torch._functorch.config.patch(activation_memory_budget=1.0 if budget is None else budget):
-        for _ in range(steps):
-            opt.zero_grad()
-            loss(module(x), y).backward()
-            opt.step()
+    for _ in range(steps):
+        opt.zero_grad()
+        loss(module(x), y).backward()
+        opt.step()
     return torch.cat([p.detach().flatten() for p in model.parameters()])
 
 
@@ -119,10 +119,10 @@ def run_model(name: str, args) -> dict:
     _no_dropout(base)
     torch._dynamo.reset()
     points = [Point("plain", m := copy.deepcopy(base), m, y)]
-    _measure(points[0], x, None)
+    _measure(points[0], x)
     for b in args.budgets:
-        points.append(Point(f"compile({b})", m := copy.deepcopy(base), m, y))
-        _measure(points[-1], x, b)
+        points.append(Point(f"compile({b})", m := copy.deepcopy(base), m, y, budget=b))
+        _measure(points[-1], x)
     planning = []
     for b in args.budgets:
         model = copy.deepcopy(base)
@@ -131,14 +131,11 @@ def run_model(name: str, args) -> dict:
         plan = plan_memory(model, x, memory_limit=reached, compiled=True, loss=lambda out: loss(out, y))
         planning.append(time.perf_counter() - start)
         points.append(Point(f"ucudnn@compile({b})", model, with_plan(model, plan), y, plan))
-        _measure(points[-1], x, None)
+        _measure(points[-1], x)
         print(f"{name}: planned at compile({b})'s {reached / MiB:.1f} MiB in {planning[-1]:.0f} s", flush=True)
     for _ in range(args.rounds):  # interleaved
         for p in points:
-            with torch._functorch.config.patch(
-                activation_memory_budget=float(p.name[8:-1]) if p.name.startswith("compile(") else 1.0
-            ):
-                p.ms.append(_timed_ms(p, x, device))
+            p.ms.append(_timed_ms(p, x, device))
     # training equality: each plan's parameters against plain compiled training's, beside compile's own noise
     plain_eager = _trained(m := copy.deepcopy(base), m, x, y, args.steps)
     plain = _trained(torch.compile(fresh_call(m := copy.deepcopy(base))), m, x, y, args.steps)
@@ -152,10 +149,9 @@ def run_model(name: str, args) -> dict:
             "step_ms": statistics.median(p.ms),
             "first_step_s": p.first_s,
         }
-        if p.plan is not None:
+        if p.plan is not None:  # the plan measured above, on a fresh copy of the model
             model = copy.deepcopy(base)
-            fresh = plan_memory(model, x, memory_limit=p.plan.memory_limit, compiled=True, loss=lambda o: loss(o, y))
-            trained = _trained(torch.compile(fresh_call(with_plan(model, fresh))), model, x, y, args.steps)
+            trained = _trained(torch.compile(fresh_call(with_plan(model, p.plan))), model, x, y, args.steps)
             row |= {
                 "predicted_mib": p.plan.peak_bytes / MiB,
                 "counted_over_predicted": p.peak / p.plan.peak_bytes,
