@@ -69,8 +69,8 @@ def model():
 
 @pytest.fixture(scope="module")
 def plans(model):
-    """A compiled plan that keeps what it may, and the compiled plan at a limit below every plan (it recomputes
-    convolutions' outputs, not only what compile fuses)."""
+    """A compiled plan that keeps what it may, and the compiled plan at a limit below every plan (the one of least
+    compiled peak among those tried)."""
     everything = plan_memory(model, X, loss=_loss, compiled=True)
     smallest = plan_memory(model, X, memory_limit=1, loss=_loss, compiled=True)
     return everything, smallest
@@ -97,9 +97,11 @@ def test_a_compiled_plan_keeps_or_recomputes_and_says_it_was_planned_compiled(pl
 
 
 def test_the_partitioner_saves_what_the_plan_keeps_and_recomputes_the_rest(model, plans):
-    """The smallest plan recomputes convolutions: the backward graph runs them again, and the forward graph saves
-    fewer bytes than under the plan that keeps what it may."""
-    everything, smallest = plans
+    """A plan that recomputes convolutions (checkpointing's at the least memory, which offloads nothing; compiled
+    plans rarely do: recomputing a convolution does not lower this model's compiled peak): the backward graph runs
+    them again, and the forward graph saves fewer bytes than under the plan that keeps what it may."""
+    everything = plans[0]
+    smallest = plan_memory(model, X, memory_limit=1, policy="checkpoint", device="h100", loss=_loss)
     kept_saved, kept_convs = _saved_and_recomputed(model, everything)
     small_saved, small_convs = _saved_and_recomputed(model, smallest)
     recomputed_convs = sum(
@@ -111,6 +113,22 @@ def test_the_partitioner_saves_what_the_plan_keeps_and_recomputes_the_rest(model
     assert kept_convs == 0
     assert small_convs >= recomputed_convs
     assert small_saved < kept_saved
+
+
+def test_a_limit_the_plan_keeping_what_it_may_fits_gets_that_plan_without_tracing_it_again(model, plans, monkeypatch):
+    """The plan that keeps what it may is the fastest, so it is tried first; at a limit it fits, it is the plan,
+    and its peak, traced for an earlier limit of the same model, is not traced again."""
+    from ucudnn.torch.planning import planner
+
+    traced = []
+    monkeypatch.setattr(
+        planner, "compiled_peak", lambda *args: traced.append(args) or compiled_step.compiled_peak(*args)
+    )
+    everything = plans[0]
+    plan = plan_memory(model, X, memory_limit=everything.peak_bytes, loss=_loss, compiled=True)
+    assert plan.fits and plan.peak_bytes == everything.peak_bytes
+    assert [(t.name, t.action) for t in plan.tensors] == [(t.name, t.action) for t in everything.tensors]
+    assert traced == []
 
 
 def test_an_offloading_plan_is_refused_in_one_line_naming_the_policy_that_would_carry_it(model):
@@ -166,6 +184,7 @@ def _compiled_peak(module, model) -> int:
         p.grad = None
     with StepTracker(model) as tracker:
         tracker.track(X)
+        tracker.track(Y)
         _loss(step(X)).backward()
     return tracker.report().peak_bytes
 
@@ -173,8 +192,8 @@ def _compiled_peak(module, model) -> int:
 def test_inductor_runs_the_smallest_plan_in_less_memory_than_plain_compiled_training_and_trains_alike(model, plans):
     """Inductor itself, compiling plain training and training under the smallest plan: the planned step's counted
     peak is below the plain compiled step's, and two SGD steps under it land where plain compiled training's do,
-    within the model's rounding noise. (How near the counted peak lies to the prediction is a benchmark's:
-    benchmarks/pytorch/bench_compiled_plans.py.)"""
+    within the model's rounding noise. (How near the counted peak lies to the prediction is a benchmark's,
+    benchmarks/pytorch/bench_compiled_plans.py: on this small model one feature map, about 10%, either way.)"""
     torch._dynamo.reset()
     plan = plans[1]
     plain = _compiled_peak(m := copy.deepcopy(model), m)

@@ -82,6 +82,7 @@ def _measure(point: Point, x) -> None:
     point.step(x)
     with StepTracker(point.model) as tracker:
         tracker.track(x)
+        tracker.track(point.y)  # (the target is the step's from its start, as the prediction counts it)
         point.step(x)
     point.peak = tracker.report().peak_bytes
 
@@ -124,13 +125,18 @@ def run_model(name: str, args) -> dict:
         points.append(Point(f"compile({b})", m := copy.deepcopy(base), m, y, budget=b))
         _measure(points[-1], x)
     planning = []
+    model = copy.deepcopy(base)  # planned as a user would: one model, one loss, three limits
+
+    def criterion(out):
+        return loss(out, y)
+
     for b in args.budgets:
-        model = copy.deepcopy(base)
         reached = next(p.peak for p in points if p.name == f"compile({b})")
         start = time.perf_counter()
-        plan = plan_memory(model, x, memory_limit=reached, compiled=True, loss=lambda out: loss(out, y))
+        plan = plan_memory(model, x, memory_limit=reached, compiled=True, loss=criterion)
         planning.append(time.perf_counter() - start)
-        points.append(Point(f"ucudnn@compile({b})", model, with_plan(model, plan), y, plan))
+        planned = copy.deepcopy(base)
+        points.append(Point(f"ucudnn@compile({b})", planned, with_plan(planned, plan), y, plan))
         _measure(points[-1], x)
         print(f"{name}: planned at compile({b})'s {reached / MiB:.1f} MiB in {planning[-1]:.0f} s", flush=True)
     for _ in range(args.rounds):  # interleaved
