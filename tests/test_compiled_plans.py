@@ -118,12 +118,9 @@ def test_the_partitioner_saves_what_the_plan_keeps_and_recomputes_the_rest(model
 def test_a_limit_the_plan_keeping_what_it_may_fits_gets_that_plan_without_tracing_it_again(model, plans, monkeypatch):
     """The plan that keeps what it may is the fastest, so it is tried first; at a limit it fits, it is the plan,
     and its peak, traced for an earlier limit of the same model, is not traced again."""
-    from ucudnn.torch.planning import planner
-
     traced = []
-    monkeypatch.setattr(
-        planner, "compiled_peak", lambda *args: traced.append(args) or compiled_step.compiled_peak(*args)
-    )
+    trace = compiled_step.compiled_peak
+    monkeypatch.setattr(compiled_step, "compiled_peak", lambda *args: traced.append(args) or trace(*args))
     everything = plans[0]
     plan = plan_memory(model, X, memory_limit=everything.peak_bytes, loss=_loss, compiled=True)
     assert plan.fits and plan.peak_bytes == everything.peak_bytes

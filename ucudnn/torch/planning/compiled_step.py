@@ -1,5 +1,5 @@
-"""Planning for a compiled step (`plan_memory(..., compiled=True)`): what `torch.compile` makes cheap, and the peak
-of the step it compiles under a plan.
+"""Planning for a compiled step (`plan_memory(..., compiled=True)`): what `torch.compile` makes cheap, the peak
+of the step it compiles under a plan, and which plan to take.
 
 **Time.** Inductor fuses a pointwise operation (an activation, a batch-norm's normalisation, an addition) into
 the kernel that consumes its result, so running or recomputing it costs almost nothing; a convolution or a
@@ -19,12 +19,16 @@ converted convolutions is added, as it is held while its kernel runs. The graphs
 one traced step. Counted against this, the compiled steps of four library models lay within 0.91-1.07 of it
 (benchmarks/pytorch/bench_compiled_plans.py); on the test suite's small CNN it is one feature map off either way
 (0.90 or 1.12, by plan), not yet taken apart.
+
+**Which plan** (`compiled_plan`): the fastest first, then plans within the limit, each traced once per model and
+decisions (`traced_peak`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import types
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -33,14 +37,15 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from ucudnn.devices import DeviceProfile
 from ucudnn.errors import UnsupportedProblem
 from ucudnn.memory.graph import TrainingGraph
 from ucudnn.memory.plan import MemoryPlan
-from ucudnn.torch.capturing.capture import state_kept
+from ucudnn.torch.capturing.capture import CapturedStep, state_kept
 from ucudnn.torch.converting.layer import ConvLayer
 from ucudnn.torch.running.compiled import PlannedModule, with_plan
 
-__all__ = ["compiled_costs", "compiled_peak", "fresh_call", "fused", "recompute_fused"]
+__all__ = ["compiled_costs", "compiled_peak", "compiled_plan", "fresh_call", "fused", "recompute_fused", "traced_peak"]
 
 
 def fused(op: Any) -> bool:
@@ -249,3 +254,51 @@ def compiled_peak(model: nn.Module, plan: MemoryPlan, args: tuple, kwargs: dict,
     resident = sum(storages.values())
     workspace = max((c.bytes for c in plan.conv_workspace if not c.torch_own), default=0)
     return resident + max(graphs[False][1], graphs[True][1]) + workspace
+
+
+# model -> {(its capture's key, a compiled plan's decisions): its compiled step's peak}: plans at several limits
+# often decide alike, and each peak is a trace through Inductor
+_PEAKS: weakref.WeakKeyDictionary[nn.Module, dict[tuple, int]] = weakref.WeakKeyDictionary()
+
+
+def traced_peak(model: nn.Module, key: tuple, plan: MemoryPlan, args: tuple, kwargs: dict, loss: Callable) -> int:
+    """`compiled_peak` of `plan`, traced once per model, capture (`key`) and decisions."""
+    decisions = (key, tuple((t.name, t.action) for t in plan.tensors), plan.conv_workspace)
+    peaks = _PEAKS.setdefault(model, {})
+    if decisions not in peaks:
+        peaks[decisions] = compiled_peak(model, plan, args, kwargs, loss)
+    return peaks[decisions]
+
+
+_NO_LIMIT = 2**62  # bytes: a limit no plan reaches
+
+
+def compiled_plan(
+    step: CapturedStep,
+    graph: TrainingGraph,
+    profile: DeviceProfile,
+    limit: int,
+    make: Callable[[int, TrainingGraph, DeviceProfile], MemoryPlan],
+    peak_of: Callable[[MemoryPlan], int],
+) -> MemoryPlan:
+    """The plan for a compiled step within `limit`: made as an eager one is on the compiled step's costs (`graph`)
+    and on a profile that offloads nothing (a device whose memory is the host's has nowhere to copy to), then
+    its compiled step's peak counted (`peak_of`). First the plan that keeps what it may: the fastest, so where it
+    fits nothing is better (a compiled step often fits where its eager plan would not, and its peak does not always
+    fall as the plan recomputes more: a recomputed chain lives from the backward graph's start). Then the plan
+    within the limit, and, where that does not fit, within the limit lowered by the overflow, as
+    `make_executed_plan` does. The first that fits, else the one of least peak."""
+    from ucudnn.memory.planner import EXECUTED_ROUNDS
+
+    made = []
+    target = None  # (None: no limit)
+    for _ in range(EXECUTED_ROUNDS + 1):
+        plan = make(_NO_LIMIT if target is None else target, graph, profile)
+        plan = recompute_fused(dataclasses.replace(plan, capture=step, memory_limit=limit, compiled=True), graph)
+        peak = peak_of(plan)
+        plan = dataclasses.replace(plan, peak_bytes=peak, fits=peak <= limit)
+        made.append(plan)
+        if plan.fits or target == 1:
+            break
+        target = limit if target is None else max(1, target - (peak - limit))
+    return next((p for p in made if p.fits), min(made, key=lambda p: p.peak_bytes))

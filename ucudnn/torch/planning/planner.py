@@ -53,7 +53,7 @@ from ucudnn.torch.capturing.model_call import batched_call, call_args, default_l
 from ucudnn.torch.capturing.operations import counted, same_op
 from ucudnn.torch.converting.launch import held_with_copies
 from ucudnn.torch.converting.layer import ConvLayer, as_torch
-from ucudnn.torch.planning.compiled_step import compiled_costs, compiled_peak, recompute_fused
+from ucudnn.torch.planning.compiled_step import compiled_costs, compiled_plan, traced_peak
 from ucudnn.torch.planning.replay_cost import replay_host_ms
 
 __all__ = ["measure_profile", "plan_memory"]
@@ -224,67 +224,19 @@ def plan_memory(
         return dataclasses.replace(plan, capture=step)
     if not real:
         raise InvalidInput("compiled=True plans from a compiled step on real example inputs, got fake tensors")
-    return _compiled_plan(
+    return compiled_plan(
         step,
         compiled_costs(graph),
         dataclasses.replace(profile, shares_host_memory=True),
         limit,
         lambda target, g, p: make_executed_plan(g, p, target, policy, devices=devices, db=db, fronts=fronts),
-        lambda plan: _compiled_peak(model, key, plan, args, kwargs, loss_of),
+        lambda plan: traced_peak(model, key, plan, args, kwargs, loss_of),
     )
-
-
-def _compiled_peak(model: nn.Module, key: tuple, plan: MemoryPlan, args: tuple, kwargs: dict, loss: Callable) -> int:
-    """`compiled_peak` of `plan`, traced once per model, capture and decisions (`_COMPILED_PEAKS`)."""
-    decisions = (key, tuple((t.name, t.action) for t in plan.tensors), plan.conv_workspace)
-    peaks = _COMPILED_PEAKS.setdefault(model, {})
-    if decisions not in peaks:
-        peaks[decisions] = compiled_peak(model, plan, args, kwargs, loss)
-    return peaks[decisions]
-
-
-_NO_LIMIT = 2**62  # bytes: a limit no plan reaches
-
-
-def _compiled_plan(
-    step: CapturedStep,
-    graph: TrainingGraph,
-    profile: DeviceProfile,
-    limit: int,
-    make: Callable[[int, TrainingGraph, DeviceProfile], MemoryPlan],
-    peak_of: Callable[[MemoryPlan], int],
-) -> MemoryPlan:
-    """The plan for a compiled step within `limit`: made as an eager one is on the compiled step's costs (`graph`)
-    and on a profile that offloads nothing (a device whose memory is the host's has nowhere to copy to), then
-    its compiled step's peak counted (`peak_of`). First the plan that keeps what it may: the fastest, so where it
-    fits nothing is better (a compiled step often fits where its eager plan would not, and its peak does not always
-    fall as the plan recomputes more: a recomputed chain lives from the backward graph's start). Then the plan
-    within the limit, and, where that does not fit, within the limit lowered by the overflow, as
-    `make_executed_plan` does. The first that fits, else the one of least peak."""
-    from ucudnn.memory.planner import EXECUTED_ROUNDS
-
-    made = []
-    target = None  # (None: no limit)
-    for _ in range(EXECUTED_ROUNDS + 1):
-        plan = make(_NO_LIMIT if target is None else target, graph, profile)
-        plan = recompute_fused(dataclasses.replace(plan, capture=step, memory_limit=limit, compiled=True), graph)
-        peak = peak_of(plan)
-        plan = dataclasses.replace(plan, peak_bytes=peak, fits=peak <= limit)
-        made.append(plan)
-        if plan.fits or target == 1:
-            break
-        target = limit if target is None else max(1, target - (peak - limit))
-    return next((p for p in made if p.fits), min(made, key=lambda p: p.peak_bytes))
 
 
 # model -> {(its modules, the inputs' shapes, the loss, fake, weight_grads): its captured step}, weak on the
 # model: plans at several limits (a search for the smallest peak, a sweep) capture the model once
 _CAPTURES: weakref.WeakKeyDictionary[nn.Module, dict[tuple, CapturedStep]] = weakref.WeakKeyDictionary()
-
-
-# model -> {(a key of `_CAPTURES`, a compiled plan's decisions): its compiled step's peak}: plans at several limits
-# often decide alike, and each peak is a trace through Inductor
-_COMPILED_PEAKS: weakref.WeakKeyDictionary[nn.Module, dict[tuple, int]] = weakref.WeakKeyDictionary()
 
 
 # model -> the keys of `_CAPTURES` whose step a real step on this machine followed (the timed steps, `_follow`)
