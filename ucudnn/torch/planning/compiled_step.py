@@ -37,7 +37,6 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from ucudnn.devices import DeviceProfile
 from ucudnn.errors import UnsupportedProblem
 from ucudnn.memory.graph import TrainingGraph
 from ucudnn.memory.plan import MemoryPlan
@@ -71,20 +70,6 @@ def recompute_fused(plan: MemoryPlan, graph: TrainingGraph) -> MemoryPlan:
         for t in plan.tensors
     )
     return dataclasses.replace(plan, tensors=tensors)
-
-
-def _saved_bytes(forward: Any) -> int:
-    """The bytes of the activations a forward graph saves for the backward pass (its outputs that are not its
-    inputs, each storage once)."""
-    sizes = {}
-    for node in forward.graph.find_nodes(op="output")[0].all_input_nodes:
-        if node.op == "placeholder":  # a parameter or input saved as it is: resident anyway
-            continue
-        value = node.meta.get("val")
-        for t in value if isinstance(value, (tuple, list)) else (value,):
-            if isinstance(t, torch.Tensor):
-                sizes[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
-    return sum(sizes.values())
 
 
 class _Estimated(Exception):
@@ -135,12 +120,12 @@ def _freeable(gm: Any, example_inputs: Any, made: list[bool]) -> dict[str, int]:
     """A backward graph's inputs that it frees as it goes, with their bytes: the tensors the forward graph made and
     saved (`made`: per forward output, the saved ones last), and the incoming gradients."""
     placeholders = [n.name for n in gm.graph.find_nodes(op="placeholder")]
-    saved = [i for i, name in enumerate(placeholders) if not name.startswith("tangents")]
-    first = len(made) - len(saved)  # (the forward's outputs: the user's, then the saved ones)
+    saved = [name for name in placeholders if not name.startswith("tangents")]
+    made_here = dict(zip(saved, made[len(made) - len(saved) :], strict=True))  # (the user's outputs come first)
     return {
         name: int(t.untyped_storage().nbytes())  # (int: a symbolic size, where the fake tensor's storage has one)
-        for i, (name, t) in enumerate(zip(placeholders, example_inputs, strict=True))
-        if isinstance(t, torch.Tensor) and (i not in saved or made[first + saved.index(i)])
+        for name, t in zip(placeholders, example_inputs, strict=True)
+        if isinstance(t, torch.Tensor) and made_here.get(name, True)
     }
 
 
@@ -276,14 +261,13 @@ _NO_LIMIT = 2**62  # bytes: a limit no plan reaches
 def compiled_plan(
     step: CapturedStep,
     graph: TrainingGraph,
-    profile: DeviceProfile,
     limit: int,
-    make: Callable[[int, TrainingGraph, DeviceProfile], MemoryPlan],
+    make: Callable[[int], MemoryPlan],
     peak_of: Callable[[MemoryPlan], int],
 ) -> MemoryPlan:
-    """The plan for a compiled step within `limit`: made as an eager one is on the compiled step's costs (`graph`)
-    and on a profile that offloads nothing (a device whose memory is the host's has nowhere to copy to), then
-    its compiled step's peak counted (`peak_of`). First the plan that keeps what it may: the fastest, so where it
+    """The plan for a compiled step within `limit`: made (`make(target)`) as an eager one is on the compiled step's
+    costs (`graph`) and on a profile that offloads nothing (a device whose memory is the host's has nowhere to copy
+    to), then its compiled step's peak counted (`peak_of`). First the plan that keeps what it may: the fastest, so where it
     fits nothing is better (a compiled step often fits where its eager plan would not, and its peak does not always
     fall as the plan recomputes more: a recomputed chain lives from the backward graph's start). Then the plan
     within the limit, and, where that does not fit, within the limit lowered by the overflow, as
@@ -293,7 +277,7 @@ def compiled_plan(
     made = []
     target = None  # (None: no limit)
     for _ in range(EXECUTED_ROUNDS + 1):
-        plan = make(_NO_LIMIT if target is None else target, graph, profile)
+        plan = make(_NO_LIMIT if target is None else target)
         plan = recompute_fused(dataclasses.replace(plan, capture=step, memory_limit=limit, compiled=True), graph)
         peak = peak_of(plan)
         plan = dataclasses.replace(plan, peak_bytes=peak, fits=peak <= limit)

@@ -191,7 +191,7 @@ def plan_memory(
     `compiled`: plan for the step `torch.compile` makes of ``with_plan(model, plan)`` (see
     `ucudnn.torch.planning.compiled_step`): maps kept or recomputed, never offloaded, the recomputation of what
     Inductor fuses almost free, and the peak the compiled step's; the example inputs must be real ones on this
-    machine (the step is traced once per plan made).
+    machine (the step is traced once per distinct plan tried).
     `weight_grads` is ``"backward"`` where the training loop frees the weight gradients between steps
     (PyTorch's `optimizer.zero_grad()` does by default), ``"step"`` where they persist
     (`zero_grad(set_to_none=False)`, gradient accumulation): see `TrainingGraph`. The plan carries its
@@ -224,12 +224,12 @@ def plan_memory(
         return dataclasses.replace(plan, capture=step)
     if not real:
         raise InvalidInput("compiled=True plans from a compiled step on real example inputs, got fake tensors")
+    costs, host = compiled_costs(graph), dataclasses.replace(profile, shares_host_memory=True)
     return compiled_plan(
         step,
-        compiled_costs(graph),
-        dataclasses.replace(profile, shares_host_memory=True),
+        costs,
         limit,
-        lambda target, g, p: make_executed_plan(g, p, target, policy, devices=devices, db=db, fronts=fronts),
+        lambda target: make_executed_plan(costs, host, target, policy, devices=devices, db=db, fronts=fronts),
         lambda plan: traced_peak(model, key, plan, args, kwargs, loss_of),
     )
 
