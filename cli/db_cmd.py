@@ -56,6 +56,34 @@ def info(db_url: str | None, as_json: bool) -> None:
         click.echo(f"  {d['measurements']:>8}  {d['device']} [{d['backend']}] {d['versions']}")
 
 
+@db.command("check")
+@_db_option
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@click.pass_context
+def check(ctx: click.Context, db_url: str | None, as_json: bool) -> None:
+    """List the damaged rows: measurements and plans that break the rules a fresh row keeps.
+
+    A damaged row (a time stored as text or negative, a negative workspace, a failed candidate with no
+    reason, a plan whose micro-batches do not sum to its batch, ...) is ignored wherever it is read and
+    replaced when it is measured or planned again; `ucudnn db prune --invalid` removes all of them at once.
+    Exit status 0 when the cache is clean, 1 when it holds damaged rows.
+    """
+    with Cache(db_url, readonly=True) as cache:
+        found = cache.check()
+        url = cache.url
+    if as_json:
+        click.echo(json.dumps({"url": url, "damaged": [r.to_json() for r in found]}, sort_keys=True))
+    elif not found:
+        click.echo(f"{url}: no damaged rows")
+    else:
+        width = max(len(r.kind) for r in found)
+        click.echo(f"{'kind':<{width}}  key  rule")
+        for r in found:
+            click.echo(f"{r.kind:<{width}}  {r.key}  {r.rule}")
+        click.echo(f"{len(found)} damaged rows; `ucudnn db prune --invalid` removes them")
+    ctx.exit(1 if found else 0)
+
+
 @db.command("export")
 @_db_option
 @click.argument("file", metavar="FILE")
@@ -109,6 +137,7 @@ def _counts(c: Any) -> dict[str, int]:
     metavar="DAYS",
     help="Only rows written more than DAYS days ago.",
 )
+@click.option("--invalid", is_flag=True, help="Remove the damaged rows that `ucudnn db check` lists (and no filter).")
 @click.option("--all", "everything", is_flag=True, help="Remove everything (and no filter).")
 @click.option("--dry-run", is_flag=True, help="Count what would be removed; remove nothing.")
 def prune(
@@ -117,13 +146,14 @@ def prune(
     backend: str | None,
     versions: str | None,
     older_than: float | None,
+    invalid: bool,
     everything: bool,
     dry_run: bool,
 ) -> None:
     """Remove measurements matching every filter given (AND), and print how many rows went.
 
-    Plans carry no device, so they go only with --older-than alone, or with --all. Devices and
-    problems left without measurements are removed too.
+    Plans carry no device, so they go only with --older-than alone, with --invalid (the damaged
+    ones), or with --all. Devices and problems left without measurements are removed too.
     """
     with Cache(db_url, create=False) as cache:
         removed = cache.prune(
@@ -132,6 +162,7 @@ def prune(
             versions=versions,
             older_than_days=older_than,
             everything=everything,
+            invalid=invalid,
             dry_run=dry_run,
         )
     verb = "would remove" if dry_run else "removed"

@@ -11,17 +11,15 @@ own module.
 
 from __future__ import annotations
 
-import json
 import logging
-import math
 import os
 from collections.abc import Callable, Iterable, Iterator
-from datetime import datetime, timedelta
 from typing import Any, Self, TypeVar
 
-from sqlalchemy import ColumnElement, Connection, and_, delete, exists, func, select
+from sqlalchemy import Connection, delete, exists, func, select
 from sqlalchemy import exc as sa_exc
-from ucudnn.db.location import ENV_VAR, _resolve_url, _sqlite_file, default_url
+from ucudnn.db import maintenance
+from ucudnn.db.location import ENV_VAR, _resolve_url, _sqlite_file, default_url, mask_password
 from ucudnn.db.merge import (
     MERGE_RULE,
     MeasurementRecord,
@@ -34,7 +32,17 @@ from ucudnn.db.merge import (
 from ucudnn.db.models import SCHEMA_VERSION_KEY, TABLES
 from ucudnn.db.opening import _precheck_sqlite_file, enable_wal, open_engine
 from ucudnn.db.retry import _reason, retry
-from ucudnn.db.rows import _check_micro, _key_sha256, _kind_of, _micro_from_row, _now, _plan_json, _text
+from ucudnn.db.rows import (
+    PLAN_JSON,
+    _check_micro,
+    _key_sha256,
+    _kind_of,
+    _micro_from_row,
+    _now,
+    _plan_json,
+    _text,
+    row_error,
+)
 from ucudnn.db.schema import initialise, require_current
 from ucudnn.solver.types import MicroConfig
 
@@ -58,6 +66,8 @@ _devices, _problems, _measurements, _plans, _meta = (
 
 T = TypeVar("T")
 
+_REPAIR = " (`ucudnn db check` lists damaged rows, `ucudnn db prune --invalid` removes them)"
+
 
 def _chunks(items: list[T], size: int = ROWS_PER_STATEMENT) -> Iterator[list[T]]:
     for start in range(0, len(items), size):
@@ -79,12 +89,13 @@ class Cache:
     ) -> None:
         self._url = _resolve_url(url)
         self.readonly = readonly
-        self.url = self._url.render_as_string(hide_password=True)
+        self.url = mask_password(self._url.render_as_string(hide_password=True))
         self._where = f"cache {self.url}"
         self._is_sqlite = self._url.get_backend_name() == "sqlite"
         self.sqlite_path = path = _sqlite_file(self._url)
         # Why this cache was opened read-only when writing was asked for (None: it was not).
         self.readonly_reason: str | None = None
+        self._damaged: set[tuple[str, str]] = set()  # the damaged rows this object met (warned once each)
         if path is not None:
             if not create and not path.exists():
                 raise DatabaseError(f"no cache at {path}; run a benchmark to create one, or pass --db")
@@ -218,14 +229,61 @@ class Cache:
             base = base.where(m.algo.in_(algo_list))
         queries = [base] if batch_list is None else [base.where(m.batch.in_(chunk)) for chunk in _chunks(batch_list)]
 
-        def work(conn: Connection) -> dict[tuple[str, int], MicroConfig]:
-            found = {}
+        def work(conn: Connection) -> tuple[dict[tuple[str, int], MicroConfig], list[tuple[Any, str]]]:
+            found, damaged = {}, []
             for query in queries:
                 for row in conn.execute(query):
-                    found[(row.algo, row.batch)] = _micro_from_row(row)
-            return found
+                    error = row_error(row)
+                    if error:
+                        damaged.append((row, error))
+                    else:
+                        found[(row.algo, row.batch)] = _micro_from_row(row)
+            return found, damaged
 
-        return self._run(work, write=False, action="read", single_read=True)
+        found, damaged = self._run(work, write=False, action="read", single_read=True)
+        for row, error in damaged:
+            self.discard(*ident, row.algo, row.batch, row.time_ms, row.workspace_bytes, error)
+        return found
+
+    def discard(
+        self,
+        device: str,
+        backend: str,
+        versions: str,
+        problem_key: str,
+        algo: str,
+        batch: object,
+        time_ms: object,
+        workspace_bytes: object,
+        rule: str,
+    ) -> None:
+        """A measurement read from this cache breaks `rule`: warn once, and delete it (where the cache can be
+        written) while it still holds what was read, so that it is missing, as the caller treats it, and the
+        new measurement is stored in its place. A row another process replaced meanwhile is kept."""
+        self.damaged(
+            "measurement", f"{algo!r:.80} at batch {batch!r:.20} of {problem_key!r:.160} on {device!r:.80}", rule
+        )
+        if self.readonly:
+            return
+        m, d, p = _measurements.c, _devices.c, _problems.c
+        stmt = delete(_measurements).where(
+            m.device_id.in_(select(d.id).where(d.model == device, d.backend == backend, d.versions == versions)),
+            m.problem_id.in_(select(p.id).where(p.key == problem_key)),
+            m.algo == algo,
+            m.batch == batch,
+            m.time_ms.is_not_distinct_from(time_ms),
+            m.workspace_bytes == workspace_bytes,
+        )
+        self._run(lambda conn: conn.execute(stmt), write=True, action="write to")
+
+    def damaged(self, what: str, key: str, rule: str) -> None:
+        """Say once for this cache that a row (`what` under `key`) breaks `rule`: ignored as missing."""
+        if (what, key) not in self._damaged:
+            self._damaged.add((what, key))
+            again = "measured" if what == "measurement" else "planned"
+            log.warning(
+                "%s: damaged %s %s ignored (%s); %s again and replaced%s", self._where, what, key, rule, again, _REPAIR
+            )
 
     @staticmethod
     def _check_batches(batches: Iterable[int]) -> list[int]:
@@ -312,13 +370,20 @@ class Cache:
         text = self._run(work, write=False, action="read", single_read=True)
         if text is None:
             return None
-        try:
-            return json.loads(text)
-        except ValueError as exc:
-            raise DatabaseError(
-                f"{self._where}: the plan under key {key[:80]!r} is not valid JSON "
-                f"({exc}); prune it or use another --db"
-            ) from exc
+        return self._checked_plan(key, text)
+
+    def _checked_plan(self, key: str, text: object) -> dict | None:
+        """The plan in `text`, or None (with a warning) where it is no plan: a damaged row is a missing one."""
+        plan, error = None, "plan_json is not text"
+        if isinstance(text, str):
+            try:
+                plan, error = PLAN_JSON.decode(text), "it is no JSON object"
+            except ValueError as exc:
+                error = f"not JSON: {exc}"
+        if isinstance(plan, dict):
+            return plan
+        self.damaged("plan", repr(key[:80]), error)
+        return None
 
     def put_plan(self, key: str, plan: dict) -> None:
         """Store `plan` (a JSON-able dict) under `key`, replacing any plan already there."""
@@ -379,53 +444,35 @@ class Cache:
         versions: str | None = None,
         older_than_days: float | None = None,
         everything: bool = False,
+        invalid: bool = False,
         dry_run: bool = False,
     ) -> dict[str, int]:
         """Delete measurements matching every given filter; returns rows removed per table.
 
         Filters combine with AND. Plans carry no device, so they are removed only by age
-        (`older_than_days` with no device/backend/versions filter) or by `everything`. Devices
-        and problems left with no measurement are removed too. At least one filter or
+        (`older_than_days` with no device/backend/versions filter) or by `everything`. `invalid`
+        (alone) removes the damaged measurements and plans that `check` lists. Devices and
+        problems left with no measurement are removed too. At least one filter, `invalid` or
         `everything=True` is required, so that a bare call cannot empty the cache.
         """
-        filters = {"device": device, "backend": backend, "versions": versions}
-        for name, value in filters.items():
-            if value is not None:
-                _text(name, value)
-        if older_than_days is not None and (
-            not isinstance(older_than_days, (int, float)) or not math.isfinite(older_than_days) or older_than_days < 0
-        ):
-            raise InvalidInput(f"older_than_days must be a non-negative number, got {older_than_days!r}")
-        has_filter = any(v is not None for v in filters.values()) or older_than_days is not None
-        if everything == has_filter:
-            raise InvalidInput(
-                "prune needs --device, --backend, --versions or --older-than (combined with AND), or --all alone"
+        if invalid:
+            if everything or any(v is not None for v in (device, backend, versions, older_than_days)):
+                raise InvalidInput("prune --invalid takes no other filter and not --all")
+        else:
+            where = maintenance.filters(
+                device=device,
+                backend=backend,
+                versions=versions,
+                older_than_days=older_than_days,
+                everything=everything,
             )
         m, d = _measurements.c, _devices.c
-        conditions = []
-        for column, value in ((d.model, device), (d.backend, backend), (d.versions, versions)):
-            if value is not None:
-                conditions.append(column == value)
-        measurement_where: list[ColumnElement[bool]] = []
-        if conditions:
-            measurement_where.append(m.device_id.in_(select(d.id).where(and_(*conditions))))
-        cutoff = None
-        if older_than_days is not None:
-            try:
-                cutoff = _now() - timedelta(days=older_than_days)
-            except OverflowError:  # before year 1: nothing stored is that old
-                cutoff = datetime.min
-            measurement_where.append(m.created_at < cutoff)
-        plan_where: list | None = None
-        if everything:
-            plan_where = []
-        elif cutoff is not None and not conditions:
-            plan_where = [_plans.c.created_at < cutoff]
         orphan_devices = ~exists().where(m.device_id == d.id)
         orphan_problems = ~exists().where(m.problem_id == _problems.c.id)
 
         def work(conn: Connection) -> dict[str, int]:
             self._lock_for_bulk(conn)
+            measurement_where, plan_where = where if not invalid else maintenance.damaged_where(conn)
             count = lambda table, where: conn.execute(
                 select(func.count()).select_from(table).where(*where)
             ).scalar_one()
@@ -443,6 +490,10 @@ class Cache:
             return removed
 
         return self._run(work, write=not dry_run, action="prune")
+
+    def check(self) -> list[maintenance.Damaged]:
+        """The measurements and plans that break a rule (`ucudnn.db.rules`), as `db check` lists them."""
+        return self._run(maintenance.damaged_rows, write=False, action="read")
 
     # -- export and merge ---------------------------------------------------------------------
 

@@ -8,6 +8,7 @@ paths and psycopg 3 URLs, and refuses any other database before a driver is load
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 from sqlalchemy import exc as sa_exc
@@ -40,8 +41,23 @@ def default_url() -> str:
     return f"sqlite:///{folder / 'cache.db'}"
 
 
+# The password of a URL's user information (`scheme://user:PASSWORD@host`), or of a string shaped like one
+# that no parser accepts (a leading space, no scheme, a scheme typo): up to the last `@` of the word, so that a
+# password holding an unquoted `@` is masked whole.
+_USERINFO = re.compile(r"(?<![^/\s])((?:[A-Za-z][\w+.-]*://)?[^:/@\s]*):(?!//)\S*@")
+
+
+def mask_password(text: str) -> str:
+    """`text` (a URL, or a message naming one) with every password in it replaced by `***`."""
+    return _USERINFO.sub(r"\1:***@", text)
+
+
 def _resolve_url(url: str | os.PathLike[str] | None) -> URL:
-    """A SQLAlchemy URL from a URL, a plain file path (a SQLite file) or None (the default)."""
+    """A SQLAlchemy URL from a URL, a plain file path (a SQLite file) or None (the default).
+
+    Every message about `url` masks its password, whatever its shape; a URL that does not parse (a bad port,
+    spaces, a scheme typo) is InvalidInput.
+    """
     if url is None:
         url = default_url()
     if isinstance(url, os.PathLike):
@@ -49,14 +65,28 @@ def _resolve_url(url: str | os.PathLike[str] | None) -> URL:
     if not isinstance(url, str) or not url.strip():
         raise InvalidInput(f"cache URL must be a non-empty string or path, got {url!r}")
     if "://" not in url:
+        if _USERINFO.search(url):
+            raise InvalidInput(
+                f"cache URL {mask_password(url)!r} holds a user and password but no scheme://; "
+                f"use postgresql+psycopg://USER:PASSWORD@HOST/DB, or sqlite:///PATH for a file"
+            )
         return URL.create("sqlite", database=os.path.abspath(os.path.expanduser(url)))
+    problem, parsed = None, None
     try:
         parsed = make_url(url)
-    except sa_exc.ArgumentError as exc:
+    except (sa_exc.ArgumentError, ValueError) as exc:
+        problem = "has a port that is no number" if "int()" in str(exc) else "does not parse"
+    if url != url.strip() or " " in url.split("?", 1)[0]:
+        problem = "has white space"
+    elif parsed is not None and "@" in (parsed.host or ""):
+        problem = "has an @ in its password or host; write it as %40"
+    elif parsed is not None and parsed.port is not None and not 0 < parsed.port < 65536:
+        problem = f"has the port {parsed.port}, not one from 1 to 65535"
+    if problem or parsed is None:
         raise InvalidInput(
-            f"cache URL {url!r} is not a database URL ({exc}); "
-            f"use sqlite:///PATH, a file path, or postgresql+psycopg://..."
-        ) from exc
+            f"cache URL {mask_password(url)!r} is not a database URL (it {problem}); "
+            f"use sqlite:///PATH, a file path, or postgresql+psycopg://USER@HOST:PORT/DB"
+        )
     backend = parsed.get_backend_name()
     if backend not in ("sqlite", "postgresql"):
         raise InvalidInput(

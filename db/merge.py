@@ -14,7 +14,7 @@ from datetime import datetime
 
 from sqlalchemy import Connection, bindparam, select, update
 from ucudnn.db.models import TABLES
-from ucudnn.db.rows import _key_sha256
+from ucudnn.db.rows import _key_sha256, row_error
 
 _measurements, _plans = TABLES["measurements"], TABLES["plans"]
 
@@ -158,7 +158,7 @@ def merge_measurements(
                     reason=old.reason,
                     created_at=old.created_at,
                 )
-                if rec.rank > old_rec.rank:
+                if row_error(old) is not None or rec.rank > old_rec.rank:  # a damaged row loses to any checked one
                     to_update.append({"_id": old.id, **values})
                     replaced += 1
                 else:

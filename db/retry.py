@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from sqlalchemy import exc as sa_exc
+from ucudnn.db.location import mask_password
 
 from ucudnn.errors import DatabaseError
 
@@ -34,7 +35,7 @@ def _reason(exc: BaseException) -> str:
     orig = getattr(exc, "orig", None)
     text = str(orig if orig is not None else exc)
     text = text.split("\n[SQL:", 1)[0]
-    return " ".join(text.split()) or type(exc).__name__
+    return mask_password(" ".join(text.split())) or type(exc).__name__
 
 
 def _is_transient(exc: BaseException) -> bool:

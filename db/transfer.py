@@ -9,33 +9,31 @@ reason. Import merges by `MERGE_RULE` (see `ucudnn.db.merge`).
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
-import math
 import os
 import re
+import socket
 import stat
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import IO, Any
 
 from ucudnn.db.cache import Cache
+from ucudnn.db.location import mask_password
 from ucudnn.db.merge import MeasurementRecord, MergeReport, PlanRecord
 from ucudnn.db.models import SCHEMA_VERSION
 from ucudnn.db.opening import SQLITE_HEADER
 from ucudnn.db.rows import _kind_of, _now, _plan_json
+from ucudnn.db.rules import _check_text, _timestamp, check_measurement, check_plan
 
 from ucudnn.errors import DatabaseError, InvalidInput
 
 EXPORT_FORMAT = "ucudnn-cache-export"
 EXPORT_VERSION = 1
-
-
-def _timestamp(value: datetime) -> str:
-    return value.isoformat(timespec="microseconds") + "Z"
 
 
 def _parse_timestamp(text: object) -> datetime:
@@ -86,6 +84,40 @@ def _umask() -> int:
     return mask
 
 
+# Who writes an export's temporary file, in its name (`.NAME.HOST-PID.XXXXXXXX.tmp`), so that the next export
+# can tell one left by a killed writer (this host, a process that is gone) from one still being written.
+_HOST = re.sub(r"[^A-Za-z0-9]", "", socket.gethostname())[:32] or "host"
+# A temporary whose writer cannot be asked (another host, or a name without one) is stale once unchanged this long.
+STALE_TEMPORARY = timedelta(hours=1)
+
+
+def _writer_gone(host: str | None, pid: str | None) -> bool:
+    if host != _HOST or pid is None:
+        return False
+    try:
+        os.kill(int(pid), 0)  # signal 0: is it there?
+    except ProcessLookupError:
+        return True
+    except (PermissionError, OverflowError):  # another user's process; a number no pid can be
+        pass
+    return False
+
+
+def _remove_stale_temporaries(path: Path) -> None:
+    """Remove temporaries of exports to `path` that their writer left behind (killed): written on this host by a
+    process that is gone, or unchanged for `STALE_TEMPORARY`. Another export running now keeps its own."""
+    pattern = re.compile(rf"\.{re.escape(path.name)}\.(?:(?P<host>[A-Za-z0-9]+)-(?P<pid>\d+)\.)?[^/]+\.tmp")
+    cutoff = time.time() - STALE_TEMPORARY.total_seconds()
+    with contextlib.suppress(OSError), os.scandir(path.parent) as entries:
+        for entry in entries:
+            match = pattern.fullmatch(entry.name)
+            if match is None or not entry.is_file(follow_symlinks=False):
+                continue
+            with contextlib.suppress(OSError):
+                if _writer_gone(match["host"], match["pid"]) or entry.stat(follow_symlinks=False).st_mtime < cutoff:
+                    os.unlink(entry.path)
+
+
 def export_to(cache: Cache, target: str) -> dict[str, int]:
     """Write the export to what `target` names; returns counts per record type.
 
@@ -132,8 +164,9 @@ def export_to(cache: Cache, target: str) -> dict[str, int]:
         except OSError as exc:
             raise failed(path, exc) from exc
         return counts
+    _remove_stale_temporaries(path)
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.{_HOST}-{os.getpid()}.", suffix=".tmp", dir=path.parent)
     except OSError as exc:
         raise failed(path, exc) from exc
     try:
@@ -162,112 +195,6 @@ def _reject_constant(name: str) -> float:
 
 
 _DECODER = json.JSONDecoder(parse_constant=_reject_constant)  # made once, not per line
-
-
-# What a fresh measurement can hold; an import is held to the same, so nothing poisons a cache.
-# Clocks of the machines sharing a cache may disagree by this much, no more.
-CLOCK_SKEW = timedelta(hours=1)
-EARLIEST = datetime(2000, 1, 1)
-_MAX_INT32, _MAX_INT64 = 2**31 - 1, 2**63 - 1
-_MAX_TIME_MS = 86_400_000.0  # one kernel taking a day is a broken record, not a measurement
-# Longest text per field: device models, version lists, problem keys and cuDNN engine names with
-# their knobs are all far below these; a reason quotes an exception, so it gets more room.
-_MAX_LENGTH = {
-    "device": 256,
-    "backend": 32,
-    "versions": 1024,
-    "problem_key": 512,
-    "algo": 256,
-    "reason": 4096,
-    "plan key": 4096,
-}
-_BACKEND_NAME = re.compile(r"[a-z][a-z0-9_-]*")
-_WHITE_SPACE = re.compile(r"\s")
-_CPU_ALGORITHMS = ("im2col_gemm", "shift_gemm", "fft", "winograd", "native")
-
-
-def _check_text(name: str, value: object, *, empty_ok: bool = False) -> str:
-    if not isinstance(value, str) or (not value.strip() and not empty_ok):
-        raise ValueError(f"{name} must be a non-empty string, got {value!r:.80}")
-    if len(value) > _MAX_LENGTH[name]:
-        raise ValueError(f"{name} is {len(value)} characters long, over the {_MAX_LENGTH[name]} a real one needs")
-    if not value.isprintable():
-        raise ValueError(f"{name} {value!r:.80} holds control characters")
-    return value
-
-
-def _check_timestamp(value: datetime, now: datetime) -> None:
-    if value > now + CLOCK_SKEW:
-        raise ValueError(
-            f"created_at {_timestamp(value)} is in the future (now is {_timestamp(now)}, "
-            f"clock skew allowed {CLOCK_SKEW}); it would win every later merge"
-        )
-    if value < EARLIEST:
-        raise ValueError(f"created_at {_timestamp(value)} is before {EARLIEST.year}; no ucudnn measurement is that old")
-
-
-def _check_number(name: str, value: object, *, maximum: float) -> None:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, float))
-        or not math.isfinite(value)
-        or not 0 <= value <= maximum
-    ):
-        raise ValueError(f"{name} must be a number from 0 to {maximum:g}, got {value!r:.80}")
-
-
-def _check_int(name: str, value: object, *, minimum: int, maximum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= maximum:
-        raise ValueError(f"{name} must be an integer from {minimum} to {maximum}, got {value!r:.80}")
-
-
-@functools.lru_cache(maxsize=4096)  # a cache holds few problems and many rows of each
-def _problem_key_error(key: str) -> str | None:
-    from ucudnn.problem import ConvProblem  # a leaf value module (it imports only the errors)
-
-    try:
-        problem = ConvProblem.parse(key)
-    except InvalidInput as exc:
-        return f"problem_key {key!r:.120} is not a problem: {exc}"
-    if problem.key != key:
-        return f"problem_key {key!r:.120} is not in canonical form ({problem.key!r}); it would never be looked up"
-    return None
-
-
-def check_measurement(r: MeasurementRecord, now: datetime) -> None:
-    """ValueError unless `r` could have been written by a fresh measurement at or before `now`.
-
-    The problem key must parse back to a problem and be its canonical text (a key in any other
-    form is never looked up); the backend a plain name; a cpu algorithm one the cpu backend has;
-    numbers in range; a failed candidate must say why; nothing from the future.
-    """
-    for name in ("device", "backend", "versions", "problem_key", "algo"):
-        _check_text(name, getattr(r, name))
-    _check_text("reason", r.reason, empty_ok=True)
-    if not _BACKEND_NAME.fullmatch(r.backend):
-        raise ValueError(f"backend {r.backend!r} is not a backend name (lower-case letters, digits, _ -)")
-    if r.backend == "cpu" and r.algo not in _CPU_ALGORITHMS:
-        raise ValueError(f"algo {r.algo!r:.80} is not a cpu algorithm ({', '.join(_CPU_ALGORITHMS)})")
-    if _WHITE_SPACE.search(r.algo):
-        raise ValueError(f"algo {r.algo!r:.80} holds white space; algorithm names have none")
-    problem_error = _problem_key_error(r.problem_key)
-    if problem_error:
-        raise ValueError(problem_error)
-    _check_int("batch", r.batch, minimum=1, maximum=_MAX_INT32)
-    _check_int("workspace_bytes", r.workspace_bytes, minimum=0, maximum=_MAX_INT64)
-    if r.time_ms is None:
-        if not r.reason.strip():
-            raise ValueError("a measurement with time_ms null (could not run) must give its reason")
-    else:
-        _check_number("time_ms", r.time_ms, maximum=_MAX_TIME_MS)
-    _check_number("spread_ms", r.spread_ms, maximum=_MAX_TIME_MS)
-    _check_timestamp(r.created_at, now)
-
-
-def check_plan(p: PlanRecord, now: datetime) -> None:
-    """ValueError unless `p` is a plan a fresh run could have stored at or before `now`."""
-    _check_text("plan key", p.key)
-    _check_timestamp(p.created_at, now)
 
 
 def _measurement(obj: dict[str, Any], now: datetime) -> MeasurementRecord:
@@ -373,9 +300,9 @@ def import_into(cache: Cache, source: str) -> MergeReport:
         return _import_cache(cache, Cache(source, readonly=True))
     path = Path(source).expanduser()
     if not path.is_file():
-        raise InvalidInput(f"import source {source!r} is not a file")
+        raise InvalidInput(f"import source {mask_password(source)!r} is not a file")
     if target_file is not None and _same_file(str(path), str(target_file)):
-        raise InvalidInput(f"import source {source!r} is the cache itself")
+        raise InvalidInput(f"import source {mask_password(source)!r} is the cache itself")
     with open(path, "rb") as fp:
         header = fp.read(len(SQLITE_HEADER))
     if header == SQLITE_HEADER:

@@ -4,7 +4,6 @@ stored plan where the cache has one."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -12,8 +11,25 @@ from ucudnn.backends.base import Backend
 from ucudnn.errors import InvalidInput
 from ucudnn.handle.arena import _place_segments
 from ucudnn.kernel.call_overhead import charged_fronts, native_undivided
-from ucudnn.kernel.measure import PRUNED, BenchStats, Policy, batch_sizes, confirm_faster, measure_table, policy_name
-from ucudnn.kernel.plans import micro_from_json, micro_to_json, pareto_fronts, plan_key, undivided_baseline
+from ucudnn.kernel.measure import (
+    PRUNED,
+    BenchStats,
+    Policy,
+    batch_sizes,
+    confirm_faster,
+    measure_table,
+    policy_name,
+    remeasure_understated,
+)
+from ucudnn.kernel.plans import (
+    DamagedPlan,
+    config_from_json,
+    micro_from_json,
+    micro_to_json,
+    pareto_fronts,
+    plan_key,
+    undivided_baseline,
+)
 from ucudnn.kernel.resources import check_can_run
 from ucudnn.problem import ConvProblem
 from ucudnn.solver import wr
@@ -32,10 +48,6 @@ class _Plan:
     config: Configuration
     baseline: MicroConfig | None
     offset: int | None = None
-
-
-def _config_from_dict(items: Iterable[dict]) -> Configuration:
-    return Configuration(tuple(micro_from_json(d) for d in items))
 
 
 def _pruned(table: dict[int, list[MicroConfig]]) -> list[list]:
@@ -170,19 +182,18 @@ class _Planning:
             return plan
         key = self._plan_key(mode="WR", workspace_limit=limit, problem=problem.key, batch=problem.n)
         cache = self._open_cache()
-        stored = cache.get_plan(key) if cache is not None and not fresh else None
-        if stored is not None:
-            plan = _Plan(
-                _config_from_dict(stored["config"]),
-                micro_from_json(stored["baseline"]) if stored.get("baseline") else None,
-            )
-        else:
+        plan = self._stored_wr(cache, key, problem, limit) if cache is not None and not fresh else None
+        if plan is None:
             table = self._measure(problem, limit)
-            try:
-                config = wr.solve(table, problem.n, limit)
-            except Infeasible as exc:
-                raise Infeasible(f"{problem.spec} ({problem.kind}): {exc}") from exc
-            baseline = undivided_baseline(table, problem.n, limit)
+            while True:  # again where the choice rests on a damaged row (measured again by the check)
+                try:
+                    config = wr.solve(table, problem.n, limit)
+                except Infeasible as exc:
+                    raise Infeasible(f"{problem.spec} ({problem.kind}): {exc}") from exc
+                baseline = undivided_baseline(table, problem.n, limit)
+                chosen = [*config.micros, *([baseline] if baseline else [])]
+                if not remeasure_understated(self._backend, problem, table, chosen, reps=self._reps, cache=cache):
+                    break
             native = native_undivided(table, problem.n, limit) if self._call_overhead else None
             if native is None or native.micros != (baseline,):
                 config = confirm_faster(self._backend, problem, config, baseline, self._reps)
@@ -206,6 +217,45 @@ class _Planning:
         self._wr_plans[memo] = plan
         return plan
 
+    def _stored_wr(self, cache: Any, key: str, problem: ConvProblem, limit: int | None) -> _Plan | None:
+        """The WR plan stored under `key`, checked as a fresh one; None where there is none or it is damaged."""
+        stored = cache.get_plan(key)
+        if stored is None:
+            return None
+        try:
+            config = config_from_json(stored.get("config"), self._backend, problem, self._candidates(problem), limit)
+            baseline = micro_from_json(stored["baseline"]) if stored.get("baseline") else None
+        except DamagedPlan as exc:
+            cache.damaged("plan", f"{key[:12]} (WR, {problem.kind} {problem.spec})", str(exc))
+            return None
+        return _Plan(config, baseline)
+
+    def _stored_wd(
+        self, cache: Any, key: str, problems: list[ConvProblem], total: int
+    ) -> tuple[list[Configuration], list[MicroConfig | None]] | None:
+        """The WD plan stored under `key` for `problems`, each kernel checked as a fresh one and the whole
+        placed within `total`; None where there is none or it is damaged."""
+        stored = cache.get_plan(key)
+        if stored is None:
+            return None
+        try:
+            kernels = stored.get("kernels")
+            if not isinstance(kernels, list) or len(kernels) != len(problems):
+                raise DamagedPlan(f"it holds no list of {len(problems)} kernels")
+            configs, baselines = [], []
+            for i, (k, p) in enumerate(zip(kernels, problems, strict=True)):
+                if not isinstance(k, dict) or k.get("problem") != p.key:
+                    raise DamagedPlan(f"kernel {i} is not the plan of {p.key!r}")
+                configs.append(config_from_json(k.get("config"), self._backend, p, self._candidates(p), total))
+                baselines.append(micro_from_json(k["baseline"]) if k.get("baseline") else None)
+            end = _place_segments(configs)[1]
+            if end > total:
+                raise DamagedPlan(f"its segments need {end} B of arena, over the total {total} B")
+        except DamagedPlan as exc:
+            cache.damaged("plan", f"{key[:12]} (WD, {len(problems)} kernels at batch {problems[0].n})", str(exc))
+            return None
+        return configs, baselines
+
     def _solve_wd(self, batch: int, fresh: bool = False) -> dict[tuple[str, str], tuple[ConvProblem, _Plan]]:
         """Solve (or load) the workspace division of every registered kernel at this batch."""
         total = self._total_workspace
@@ -222,13 +272,13 @@ class _Planning:
         problem_keys = [p.key for _, _, p in kernels]
         key = self._plan_key(mode="WD", total_workspace=total, batch=batch, kernels=problem_keys)
         cache = self._open_cache()
-        stored = cache.get_plan(key) if cache is not None and not fresh else None
-        if stored is not None and len(stored.get("kernels", ())) == len(kernels):
-            configs = [_config_from_dict(k["config"]) for k in stored["kernels"]]
-            baselines = [micro_from_json(k["baseline"]) if k.get("baseline") else None for k in stored["kernels"]]
+        problems = [p for _, _, p in kernels]
+        stored = self._stored_wd(cache, key, problems, total) if cache is not None and not fresh else None
+        if stored is not None:
+            configs, baselines = stored
             offsets, end = _place_segments(configs)
         else:
-            configs, baselines, offsets, end, tables = self._solve_wd_fresh([p for _, _, p in kernels], total)
+            configs, baselines, offsets, end, tables = self._solve_wd_fresh(problems, total)
             if cache is not None:
                 cache.put_plan(
                     key,
@@ -247,8 +297,6 @@ class _Planning:
                         ],
                     },
                 )
-        if end > total:  # only a corrupt stored plan gets here; a fresh solve places within the total
-            raise Infeasible(f"the stored WD plan needs {end} B of arena, over the total {total} B")
         if self._arena is None and not self._backend.workspace_per_run:
             self._arena = self._backend.empty_workspace(total)
         self._peak_bytes = max(self._peak_bytes, end)

@@ -90,6 +90,32 @@ LOSS_MARGIN = 1.5
 PRUNED = "pruned: "  # the reason of every candidate pruned before it was timed starts so
 
 
+def _short_of(micro: MicroConfig, need: int) -> str | None:
+    if micro.workspace < need:
+        return f"{micro.algo!r:.80} at batch {micro.batch} records {micro.workspace} B of workspace, not the {need} B it needs"
+    return None
+
+
+def discard(cache, backend: Backend, problem: ConvProblem, micro: MicroConfig, rule: str) -> None:
+    """Tell `cache` that its row of `micro` (of `problem`) is damaged by `rule`: warned once, and removed so
+    that the measurement taken again takes its place."""
+    time_ms = micro.time if micro.usable else None
+    key = device_key(backend, micro.algo)
+    where = (key["device"], key["backend"], key["versions"], problem.key)
+    cache.discard(*where, micro.algo, micro.batch, time_ms, micro.workspace, rule)
+
+
+def understated(backend: Backend, problem: ConvProblem, micro: MicroConfig) -> str | None:
+    """Why `micro` (of `problem`, from a cache or a stored plan) is damaged, or None: it records less workspace
+    than its algorithm needs at that size, which a run would refuse. (An algorithm this backend no longer has is
+    no damage: the run records it unusable and plans again, `Handle`'s recovery.) `measure_table` checks this
+    where it computes the workspace anyway (under a limit); a plan checks its own micro-configs."""
+    part = problem.with_batch(micro.batch)
+    if backend.unsupported_reason(part, micro.algo) is not None:
+        return None
+    return _short_of(micro, backend.workspace_size(part, micro.algo))
+
+
 def device_key(backend: Backend, algo: str | None = None) -> dict[str, str]:
     """The cache fields that identify where a measurement was taken: for one algorithm, the
     versions of the libraries it runs on (`Backend.versions_for`); without one, all of them."""
@@ -162,6 +188,11 @@ def measure_table(
             reason = backend.unsupported_reason(part, algo)
             if reason is None and workspace_limit is not None:
                 need = backend.workspace_size(part, algo)
+                stored = found.get((algo, size))
+                # a damaged row (a run would refuse it): measured again below, and the new row replaces it
+                if stored is not None and stored.usable and (why := _short_of(stored, need)):
+                    discard(cache, backend, problem, stored, why)
+                    del found[algo, size]
                 if need > workspace_limit:
                     if (algo, size) in found:
                         row[algo] = found[algo, size]
@@ -285,6 +316,28 @@ def remeasure(backend: Backend, problem: ConvProblem, micro: MicroConfig, *, rep
     if cache is not None:
         cache.store(problem_key=problem.key, micros=[again], replace=True, **device_key(backend, micro.algo))
     return again
+
+
+def remeasure_understated(
+    backend: Backend, problem: ConvProblem, table: dict[int, list[MicroConfig]], chosen, *, reps: int, cache=None
+) -> bool:
+    """Measure again each of the `chosen` micro-configs of `table` whose cached row records less workspace than
+    its algorithm needs (damaged: a run would refuse it), replacing it in `table` and in the cache; whether any
+    was. A solver's choice is checked so, a few calls, where `measure_table` (without a limit) did not."""
+    found = False
+    for micro in dict.fromkeys(chosen):
+        why = understated(backend, problem, micro)
+        if not why:
+            continue
+        if cache is not None:
+            discard(cache, backend, problem, micro, why)
+        accumulate = problem.kind == "bwd_filter" and micro.batch < problem.n  # as measure_table times it
+        (again,) = backend.measure(problem.with_batch(micro.batch), [micro.algo], reps, accumulate=accumulate)
+        if cache is not None:
+            cache.store(problem_key=problem.key, micros=[again], **device_key(backend, micro.algo))
+        table[micro.batch] = [again if m.algo == micro.algo else m for m in table[micro.batch]]
+        found = True
+    return found
 
 
 # The clock `confirm_faster` times its real runs by, read at each call: a test puts a stand-in clock here.
