@@ -8,6 +8,7 @@ import sys
 
 import click
 from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 from ucudnn.cli.options import size_option
 
 from ucudnn.devices import load_profile
@@ -150,6 +151,7 @@ def plan(
     from ucudnn.memory import available_policies, make_plan
     from ucudnn.memory.graph import from_network
     from ucudnn.memory.planner import smallest_fitting_limit
+    from ucudnn.memory.reuse import PlanCache
     from ucudnn.network.zoo import DEFAULT_BATCH, canonical_name
 
     canonical = canonical_name(network)
@@ -194,11 +196,16 @@ def plan(
         for path in plots.values():
             check_plot_path(path)
     graph = from_network(canonical, batch)
-    # progress on stderr, shown only on a terminal (disable=None), so --json stays clean
-    plans = [
-        make_plan(graph, profile, limit, p, devices=devices, db=db_url)
-        for p in tqdm(policies, desc="planning", unit="policy", disable=None, leave=False, file=sys.stderr)
-    ]
+    # one cache for every plan here: optimal's comparison reuses the other policies' plans, and the search for the
+    # smallest limit that fits reuses their simulations
+    cache = PlanCache()
+    # progress on stderr, on a terminal only and never with --json (its stdout is the JSON alone)
+    quiet = as_json or not sys.stderr.isatty()
+    with logging_redirect_tqdm():
+        plans = [
+            make_plan(graph, profile, limit, p, devices=devices, db=db_url, cache=cache)
+            for p in tqdm(policies, desc="planning", unit="policy", disable=quiet, leave=False, file=sys.stderr)
+        ]
 
     if plots:
         from ucudnn.memory.plot import plot_plan
@@ -219,7 +226,8 @@ def plan(
     if any(p.fits for p in plans):
         return 0
     needed = min(
-        (smallest_fitting_limit(graph, profile, p.policy, devices=devices, above=limit), p.policy) for p in plans
+        (smallest_fitting_limit(graph, profile, p.policy, devices=devices, above=limit, cache=cache), p.policy)
+        for p in plans
     )
     shown_limit, shown_needed = format_sizes(limit, needed[0])  # two sizes never read as one
     click.echo(

@@ -35,6 +35,7 @@ import math
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import chain
 
 from ucudnn.errors import InvalidInput
 
@@ -108,18 +109,15 @@ def evaluate(
 def _evaluate(s: list[int], checkpoints: Sequence[int], f: list[float], kept_s: list[int]) -> Segmentation:
     """`evaluate` on checked arguments (the searches call it thousands of times)."""
     n = len(s)
-    kept = {*checkpoints, n - 1}
-    largest_segment = segment = 0
-    for i in range(n):
-        if i in kept:
-            largest_segment = max(largest_segment, segment)
-            segment = 0
-        else:
-            segment += s[i]
+    kept = sorted({*checkpoints, n - 1})
+    # the segments run between kept stages (the chain start before the first); the last stage is always kept
+    gaps = list(zip([-1, *kept], kept))
+    largest_segment = max(sum(s[a + 1 : b]) for a, b in gaps)
     peak = sum(kept_s[k] for k in kept) + largest_segment
-    last = max(kept - {n - 1}, default=-1)  # the segment after it is kept whole
-    recompute = sum(f[i] for i in range(last) if i not in kept)
-    return Segmentation(tuple(sorted(kept)), peak, recompute)
+    last = kept[-2] if len(kept) > 1 else -1  # the segment after it is kept whole
+    # what is recomputed: the stages before `last` that are not kept, summed in stage order
+    recompute = sum(chain.from_iterable(f[a + 1 : b] for a, b in gaps if b <= last))
+    return Segmentation(tuple(kept), peak, recompute)
 
 
 def sqrt_n(n: int) -> tuple[int, ...]:

@@ -33,8 +33,9 @@ from ucudnn.errors import InvalidInput
 from ucudnn.memory.graph import TrainingGraph
 from ucudnn.memory.plan import MemoryPlan
 from ucudnn.memory.planner import baseline, to_plan
-from ucudnn.memory.simulate import StepCost, simulate
-from ucudnn.memory.timing import conv_fronts, fastest, step_costs
+from ucudnn.memory.reuse import PlanCache
+from ucudnn.memory.simulate import StepCost
+from ucudnn.memory.timing import fastest
 from ucudnn.solver import checkpoint as chain
 
 __all__ = ["SEARCHES", "actions_for", "articulation_storages", "chain_of", "forward_ms", "plan"]
@@ -134,19 +135,23 @@ def plan(
     db=None,
     fronts=None,
     search: str = "auto",
+    cache: PlanCache | None = None,
 ) -> MemoryPlan:
     """Chen et al.'s checkpointing plan for `graph` within `memory_limit`; see the module docstring."""
     if search not in SEARCHES:
         raise InvalidInput(f"checkpoint search must be one of {', '.join(SEARCHES)}, got {search!r}")
-    fronts = conv_fronts(graph, device, db=db, given=fronts)
+    cache = PlanCache() if cache is None else cache
+    fronts = cache.fronts(graph, device, db, fronts)
     workspace = {k: fastest(opts).workspace for k, opts in fronts.items()}
-    costs = step_costs(graph, device, workspace=workspace, fronts=fronts)
-    base = baseline(graph, device, fronts)
+    costs = cache.costs(graph, device, workspace, fronts)
+    base = baseline(graph, device, fronts, cache=cache)
     storages = graph.storages
-    sizes, kept_sizes, forward_costs, candidates = chain_of(graph, costs)
+    sizes, kept_sizes, forward_costs, candidates = cache.memo(
+        "checkpoint chain", (cache.ident(graph), cache.ident(costs)), lambda: chain_of(graph, costs)
+    )
 
     def run(actions):
-        return simulate(graph, device, costs, actions, memory_limit=memory_limit, devices=devices)
+        return cache.simulate(graph, device, costs, actions, memory_limit=memory_limit, devices=devices)
 
     tried = []
     if search == "auto":
@@ -163,7 +168,13 @@ def plan(
         tried.append((actions, run(actions)))
         return tried[-1][1].fits
 
-    for seg in _segmentations(sizes, kept_sizes, forward_costs, candidates, search).values():
+    # (the segmentations depend on the chain alone, not on the limit: one search for the plans at every limit)
+    segmentations = cache.memo(
+        "checkpoint segmentations",
+        (tuple(sizes), tuple(kept_sizes), tuple(forward_costs), tuple(candidates), search),
+        lambda: _segmentations(sizes, kept_sizes, forward_costs, candidates, search),
+    )
+    for seg in segmentations.values():
         attempt(seg)
     if search in ("frontier", "auto") and candidates:
         # Equation (1) counts the maps backward reads and nothing else (weights, gradients, workspaces):

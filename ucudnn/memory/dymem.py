@@ -31,8 +31,9 @@ from ucudnn.memory.graph import TrainingGraph
 from ucudnn.memory.gtbm import Alloc, Event, Free
 from ucudnn.memory.plan import MemoryPlan
 from ucudnn.memory.planner import baseline, to_plan
-from ucudnn.memory.simulate import StepCost, simulate
-from ucudnn.memory.timing import conv_fronts, fastest, step_costs
+from ucudnn.memory.reuse import PlanCache
+from ucudnn.memory.simulate import StepCost
+from ucudnn.memory.timing import fastest
 from ucudnn.memory.vdnn import actions_for
 
 __all__ = ["allocation_trace", "dfs_graph", "plan", "prefetch_schedule"]
@@ -81,21 +82,23 @@ def plan(
     db=None,
     fronts=None,
     conv_lookahead: int = dymem_order.CONV_LOOKAHEAD,
+    cache: PlanCache | None = None,
 ) -> MemoryPlan:
     """Dymem's plan for `graph` within `memory_limit`; see the module docstring."""
-    graph = dfs_graph(graph)
-    fronts = conv_fronts(graph, device, db=db, given=fronts)
+    cache = PlanCache() if cache is None else cache
+    graph = cache.memo("dfs order", (cache.ident(graph),), lambda: dfs_graph(graph))
+    fronts = cache.fronts(graph, device, db, fronts)
     fast = {k: fastest(opts).workspace for k, opts in fronts.items()}
     small = {k: opts[0].workspace for k, opts in fronts.items()}
-    base = baseline(graph, device, fronts)
+    base = baseline(graph, device, fronts, cache=cache)
     tried = []
     for workspace in (fast, small):
-        costs = step_costs(graph, device, workspace=workspace, fronts=fronts)
+        costs = cache.costs(graph, device, workspace, fronts)
         for mode in ("none", "conv", "all"):
             actions = actions_for(graph, mode)
             for lookahead in sorted({conv_lookahead, 1}, reverse=True):
                 prefetch = prefetch_schedule(graph, actions, conv_lookahead=lookahead)
-                result = simulate(
+                result = cache.simulate(
                     graph, device, costs, actions, memory_limit=memory_limit, prefetch=prefetch, devices=devices
                 )
                 tried.append((actions, workspace, result))

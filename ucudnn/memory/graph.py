@@ -379,13 +379,29 @@ class TrainingGraph:
         """How many steps the forward pass has (the backward steps follow)."""
         return len(self.ops)
 
+    @cached_property
+    def _readers(self) -> dict[str, list[int]]:
+        readers: dict[str, list[int]] = {}
+        for s in self.steps:
+            for name in s.reads:
+                readers.setdefault(name, []).append(s.index)
+        return readers
+
     def consumers(self, name: str, phase: str | None = None) -> tuple[int, ...]:
         """Indices of the steps that read storage or gradient `name` (in `phase` when given)."""
-        return tuple(s.index for s in self.steps if name in s.reads and (phase is None or s.phase == phase))
+        steps = self.steps
+        return tuple(k for k in self._readers.get(name, ()) if phase is None or steps[k].phase == phase)
+
+    @cached_property
+    def _writers(self) -> dict[str, tuple[Op, ...]]:
+        writers: dict[str, list[Op]] = {}
+        for op in self.ops:
+            writers.setdefault(self._storage[op.name], []).append(op)
+        return {s: tuple(ops) for s, ops in writers.items()}
 
     def producers(self, storage: str) -> tuple[Op, ...]:
         """The ops whose forward steps write `storage`: its owner, then in-place writers, in order."""
-        return tuple(op for op in self.ops if self._storage[op.name] == storage)
+        return self._writers.get(storage, ())
 
 
 # ---- the zoo's networks with their layers between convolutions --------------------------------------

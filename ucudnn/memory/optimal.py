@@ -38,8 +38,9 @@ from ucudnn.memory.gradients import gradient_lives
 from ucudnn.memory.graph import TrainingGraph
 from ucudnn.memory.plan import MemoryPlan
 from ucudnn.memory.planner import baseline, to_plan
-from ucudnn.memory.simulate import StepCost, simulate
-from ucudnn.memory.timing import KernelOption, conv_fronts, fastest, step_costs
+from ucudnn.memory.reuse import PlanCache
+from ucudnn.memory.simulate import StepCost
+from ucudnn.memory.timing import KernelOption, fastest
 from ucudnn.solver import memplan
 from ucudnn.solver.types import Infeasible
 
@@ -189,12 +190,18 @@ def search(
     db=None,
     fronts=None,
     time_limit_s: float = 4.0,
+    cache: PlanCache | None = None,
 ) -> OptimalResult:
-    """The optimal policy's plan and the program's figures (see the module docstring)."""
-    fronts = conv_fronts(graph, device, db=db, given=fronts)
-    base = baseline(graph, device, fronts)
-    tensors, kernels, fixed, thinned, budget, constant_ms, prefetch_at, drain = _tables(
-        graph, device, base.costs, fronts
+    """The optimal policy's plan and the program's figures (see the module docstring). `cache`: what plans of
+    the same graph and profile at other limits simulated (`ucudnn.memory.reuse`), used and added to."""
+    cache = PlanCache() if cache is None else cache
+    fronts = cache.fronts(graph, device, db, fronts)
+    base = baseline(graph, device, fronts, cache=cache)
+    # the program's tables depend on no limit: made once for the plans at every limit
+    tensors, kernels, fixed, thinned, budget, constant_ms, prefetch_at, drain = cache.memo(
+        "optimal tables",
+        (cache.ident(graph), device, cache.ident(fronts)),
+        lambda: _tables(graph, device, base.costs, fronts),
     )
     target = memory_limit
     best = None
@@ -261,8 +268,8 @@ def search(
         for k in kernels:
             layer, kind = k.name.split("\t")
             workspace[(layer, kind)] = thinned[(layer, kind)][sol.options[k.name]].workspace
-        costs = step_costs(graph, device, workspace=workspace, fronts=fronts)
-        result = simulate(
+        costs = cache.costs(graph, device, workspace, fronts)
+        result = cache.simulate(
             graph,
             device,
             costs,
@@ -303,7 +310,7 @@ def search(
 
     fast = {k: fastest(v).workspace for k, v in fronts.items()}
     small = {k: v[0].workspace for k, v in fronts.items()}
-    fast_costs = step_costs(graph, device, workspace=fast, fronts=fronts)
+    fast_costs = cache.costs(graph, device, fast, fronts)
     static = None
     statics: tuple[tuple[str, dict[tuple[str, str], int], tuple[StepCost, ...] | None], ...]
     statics = (("none", fast, fast_costs), ("conv", fast, fast_costs), ("all", fast, fast_costs), ("all", small, None))
@@ -312,8 +319,8 @@ def search(
     for mode, workspace, static_costs in statics:
         actions = actions_for(graph, mode)
         if static_costs is None:
-            static_costs = step_costs(graph, device, workspace=workspace, fronts=fronts)
-        result = simulate(
+            static_costs = cache.costs(graph, device, workspace, fronts)
+        result = cache.simulate(
             graph, device, static_costs, actions, memory_limit=memory_limit, prefetch="adaptive", devices=devices
         )
         if static is None or _better(result, static[2]):
@@ -338,7 +345,7 @@ def search(
         found = OptimalResult(
             p, sol.objective_ms, sol.mip_gap, result.step_ms / sol.objective_ms - 1, solve_s, rounds, "program"
         )
-    return _against_heuristics(found, graph, device, memory_limit, devices=devices, fronts=fronts)
+    return _against_heuristics(found, graph, device, memory_limit, devices=devices, fronts=fronts, cache=cache)
 
 
 def _better(result, other) -> bool:
@@ -354,19 +361,27 @@ def _better(result, other) -> bool:
 
 
 def _against_heuristics(
-    found: OptimalResult, graph: TrainingGraph, device: DeviceProfile, memory_limit: int, *, devices: int, fronts
+    found: OptimalResult,
+    graph: TrainingGraph,
+    device: DeviceProfile,
+    memory_limit: int,
+    *,
+    devices: int,
+    fronts,
+    cache: PlanCache,
 ) -> OptimalResult:
     """`found`, or the fastest fitting plan of a heuristic policy when that one is faster (or `found` does
     not fit): the program's time and copy-queue models are conservative, so a heuristic's simulated plan
     can beat it, and `optimal` must never be beaten by a policy on the same graph, profile and limit.
-    Where nothing fits, the plan with the smallest peak: the closest any policy comes."""
+    Where nothing fits, the plan with the smallest peak: the closest any policy comes. The heuristics' plans come
+    from `cache` where a plan at this limit made them, and their simulations where a plan at another did."""
     from ucudnn.memory.planner import POLICIES, make_plan
 
     best = found.plan
     for name in POLICIES:
         if name == "optimal":
             continue
-        p = make_plan(graph, device, memory_limit, name, devices=devices, fronts=fronts)
+        p = make_plan(graph, device, memory_limit, name, devices=devices, fronts=fronts, cache=cache)
         if _better(p, best):
             best = p
     if best is found.plan:
@@ -386,6 +401,10 @@ def plan(
     db=None,
     fronts=None,
     time_limit_s: float = 4.0,
+    cache: PlanCache | None = None,
 ) -> MemoryPlan:
     """The `optimal` policy (see the module docstring)."""
-    return search(graph, device, memory_limit, devices=devices, db=db, fronts=fronts, time_limit_s=time_limit_s).plan
+    found = search(
+        graph, device, memory_limit, devices=devices, db=db, fronts=fronts, time_limit_s=time_limit_s, cache=cache
+    )
+    return found.plan

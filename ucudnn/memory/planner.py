@@ -1,22 +1,27 @@
 """The policies by name, and what every policy shares: the baseline and turning a simulation into a plan.
 
-`make_plan(graph, device, memory_limit, policy, *, devices=1, db=None)` runs one policy. Each policy
-is a module with a function ``plan(graph, device, memory_limit, *, devices=1, db=None, **options)``
-returning a `MemoryPlan`; `POLICIES` maps a policy's name to its module, function and options.
+`make_plan(graph, device, memory_limit, policy, *, devices=1, db=None)` runs one policy; `frontier(graph, device,
+memory_limits, policy)` plans several limits in one pass (a `ucudnn.memory.reuse.PlanCache` shared). Each policy
+is a module with a function ``plan(graph, device, memory_limit, *, devices=1, db=None, fronts=None, cache=None,
+**options)`` returning a `MemoryPlan`, which simulates through `cache` (a `PlanCache`: `cache.simulate`,
+`cache.costs`, `cache.fronts`); `POLICIES` maps a policy's name to its module, function and options.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
-from collections.abc import Mapping, Sequence
+import inspect
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from ucudnn.devices import DeviceProfile, load_profile
 from ucudnn.errors import InvalidInput
 from ucudnn.memory.graph import TrainingGraph
 from ucudnn.memory.plan import ConvWorkspace, MemoryPlan, TensorAction
-from ucudnn.memory.simulate import SimResult, StepCost, network_wide_bytes, simulate
+from ucudnn.memory.reuse import PlanCache
+from ucudnn.memory.simulate import SimResult, StepCost, network_wide_bytes
 
 __all__ = [
     "OFFLOADING",
@@ -25,6 +30,7 @@ __all__ = [
     "as_executed",
     "available_policies",
     "baseline",
+    "frontier",
     "make_executed_plan",
     "make_plan",
     "smallest_fitting_limit",
@@ -60,6 +66,11 @@ def _policy_function(name: str):
     return (fn, options) if fn is not None else None
 
 
+@functools.cache
+def _takes_cache(fn) -> bool:
+    return "cache" in inspect.signature(fn).parameters
+
+
 def available_policies() -> list[str]:
     """The policies whose modules are present, in `POLICIES` order."""
     return [name for name in POLICIES if _policy_function(name) is not None]
@@ -79,6 +90,7 @@ def make_plan(
     devices: int = 1,
     db=None,
     fronts=None,
+    cache: PlanCache | None = None,
 ) -> MemoryPlan:
     """The plan `policy` makes for `graph` on `devices` copies of `device` within `memory_limit` bytes each.
 
@@ -86,6 +98,8 @@ def make_plan(
     unavailable one raises `InvalidInput` naming those available. The plan's `fits` says whether the
     simulated memory stayed within the limit. `fronts`: conv kernels' options that the caller
     measured, (layer, kind) -> `KernelOption`s, used before the cache `db` and shipped figures.
+    `cache`: what earlier plans of this graph and profile computed (`ucudnn.memory.reuse.PlanCache`): a plan
+    made at this limit before is given again, and the simulations of plans at other limits are reused.
     """
     profile = device if isinstance(device, DeviceProfile) else load_profile(device)
     _check_limit(memory_limit)
@@ -98,10 +112,18 @@ def make_plan(
     if profile.shares_host_memory and policy in OFFLOADING:
         # offloads would land in the same memory: vDNN's search without them (see ucudnn.memory.vdnn)
         fn, options = _policy_function("vdnn-dyn")
-    plan = fn(graph, profile, memory_limit, devices=devices, db=db, fronts=fronts, **options)
-    if fronts:
-        plan = _torch_own_marked(plan, fronts)
-    return plan if plan.policy == policy else dataclasses.replace(plan, policy=policy)
+    cache = PlanCache() if cache is None else cache
+    own = cache.fronts(graph, profile, db, fronts)
+
+    def made() -> MemoryPlan:
+        reused = {"cache": cache} if _takes_cache(fn) else {}  # (a policy written before caches: on its own)
+        plan = fn(graph, profile, memory_limit, devices=devices, db=db, fronts=own, **reused, **options)
+        if fronts:
+            plan = _torch_own_marked(plan, fronts)
+        return plan if plan.policy == policy else dataclasses.replace(plan, policy=policy)
+
+    key = (cache.ident(graph), profile, memory_limit, policy, devices, cache.ident(own), bool(fronts))
+    return cache.memo("plan", key, made)
 
 
 def _torch_own_marked(plan: MemoryPlan, fronts) -> MemoryPlan:
@@ -129,14 +151,17 @@ class Baseline:
     costs: tuple[StepCost, ...]
 
 
-def baseline(graph: TrainingGraph, device: DeviceProfile, fronts=None) -> Baseline:
+def baseline(graph: TrainingGraph, device: DeviceProfile, fronts=None, *, cache: PlanCache | None = None) -> Baseline:
     """Everything resident with the fastest option of each conv kernel (`fronts`: its options, as
-    `ucudnn.memory.timing.conv_fronts` gives them; computed when not given)."""
-    from ucudnn.memory.timing import step_costs
+    `ucudnn.memory.timing.conv_fronts` gives them; computed when not given), once per `cache`."""
+    cache = PlanCache() if cache is None else cache
 
-    costs = step_costs(graph, device, fronts=fronts)
-    result = simulate(graph, device, costs, timeline=False)
-    return Baseline(network_wide_bytes(graph, max(c.workspace for c in costs)), result.step_ms, costs)
+    def made() -> Baseline:
+        costs = cache.costs(graph, device, None, fronts)
+        result = cache.simulate(graph, device, costs, timeline=False)
+        return Baseline(network_wide_bytes(graph, max(c.workspace for c in costs)), result.step_ms, costs)
+
+    return cache.memo("baseline", (cache.ident(graph), device, cache.ident(fronts)), made)
 
 
 def to_plan(
@@ -191,7 +216,9 @@ def to_plan(
     )
 
 
-def as_executed(plan: MemoryPlan, graph: TrainingGraph, device: DeviceProfile) -> MemoryPlan:
+def as_executed(
+    plan: MemoryPlan, graph: TrainingGraph, device: DeviceProfile, *, cache: PlanCache | None = None
+) -> MemoryPlan:
     """`plan` with the figures of its step as `ucudnn.torch.execute_plan` runs it. A policy times its copies
     back by its own trigger and starts each when memory allows; the executor issues them by its own rule,
     one map ahead of the backward pass, and each holds its memory from its issue, whatever the limit
@@ -201,7 +228,8 @@ def as_executed(plan: MemoryPlan, graph: TrainingGraph, device: DeviceProfile) -
     acts = [{t.name: t.action for t in ts} for ts in plan.device_actions()]
     if sim is None or not sim.costs or not any("offload" in a.values() for a in acts):
         return plan
-    result = simulate(graph, device, sim.costs, acts, prefetch="ahead", devices=plan.devices)
+    cache = PlanCache() if cache is None else cache
+    result = cache.simulate(graph, device, sim.costs, acts, prefetch="ahead", devices=plan.devices)
     return dataclasses.replace(
         plan,
         fits=result.peak_bytes <= plan.memory_limit,
@@ -223,19 +251,21 @@ def make_executed_plan(
     devices: int = 1,
     db=None,
     fronts=None,
+    cache: PlanCache | None = None,
 ) -> MemoryPlan:
     """`make_plan` with the figures of its step as `ucudnn.torch.execute_plan` runs it (`as_executed`). Where
     the policy's plan fits by its own timing of the copies back but not as executed, the policy plans again
     within the limit lowered by the overflow (`EXECUTED_ROUNDS` times at most); the first plan that fits as
     executed is returned, else the one of least peak as executed (a limit below every plan: the policy's
     smallest). `optimal` is beaten by no policy as executed either: where its plan does not fit, the fastest
-    other policy's that fits is returned, else the least peak of them all."""
+    other policy's that fits is returned, else the least peak of them all. `cache`: as `make_plan`'s."""
     profile = device if isinstance(device, DeviceProfile) else load_profile(device)
+    cache = PlanCache() if cache is None else cache
     made_plans = []
     target = memory_limit
     for _ in range(EXECUTED_ROUNDS):
-        made = make_plan(graph, profile, target, policy, devices=devices, db=db, fronts=fronts)
-        plan = as_executed(dataclasses.replace(made, memory_limit=memory_limit), graph, profile)
+        made = make_plan(graph, profile, target, policy, devices=devices, db=db, fronts=fronts, cache=cache)
+        plan = as_executed(dataclasses.replace(made, memory_limit=memory_limit), graph, profile, cache=cache)
         made_plans.append(plan)
         if plan.fits or not made.fits:  # fits, or the policy itself does not: a lower limit will not help
             break
@@ -250,7 +280,9 @@ def make_executed_plan(
     for name in POLICIES:
         if name == "optimal":
             continue
-        other = make_executed_plan(graph, profile, memory_limit, name, devices=devices, db=db, fronts=fronts)
+        other = make_executed_plan(
+            graph, profile, memory_limit, name, devices=devices, db=db, fronts=fronts, cache=cache
+        )
         if _closest(other) < _closest(plan):
             why = "faster than" if other.fits else "nothing fits; a smaller peak than"
             plan = dataclasses.replace(other, policy="optimal", search=f"{name}'s plan, {why} optimal's as executed")
@@ -264,21 +296,62 @@ def _closest(plan: MemoryPlan) -> tuple:
 
 
 def smallest_fitting_limit(
-    graph: TrainingGraph, device: DeviceProfile, policy: str, *, devices: int = 1, above: int = 0
+    graph: TrainingGraph,
+    device: DeviceProfile,
+    policy: str,
+    *,
+    devices: int = 1,
+    above: int = 0,
+    cache: PlanCache | None = None,
 ) -> int:
     """The smallest memory limit at which `policy`'s plan fits, to within 1/256 of it (at least 1 MiB).
 
     Bisection between `above` (known not to fit) and the peak of the policy's plan without a limit
-    (which fits at its own peak), assuming a larger limit never makes a plan stop fitting.
+    (which fits at its own peak), assuming a larger limit never makes a plan stop fitting. `cache`: as
+    `make_plan`'s (the plans at the limits it tries share their simulations).
     """
-    hi = make_plan(graph, device, 2**62, policy, devices=devices).peak_bytes
-    while not make_plan(graph, device, hi, policy, devices=devices).fits:
+    cache = PlanCache() if cache is None else cache
+    hi = make_plan(graph, device, 2**62, policy, devices=devices, cache=cache).peak_bytes
+    while not make_plan(graph, device, hi, policy, devices=devices, cache=cache).fits:
         hi *= 2  # a policy's own unconstrained peak may still block on copies: give it room
     lo = min(above, hi)
     while hi - lo > max(2**20, hi // 256):
         mid = (lo + hi) // 2
-        if make_plan(graph, device, mid, policy, devices=devices).fits:
+        if make_plan(graph, device, mid, policy, devices=devices, cache=cache).fits:
             hi = mid
         else:
             lo = mid
     return hi
+
+
+def frontier(
+    graph: TrainingGraph,
+    device: DeviceProfile | str,
+    memory_limits: Sequence[int],
+    policy: str,
+    *,
+    devices: int = 1,
+    db=None,
+    fronts=None,
+    executed: bool = False,
+    cache: PlanCache | None = None,
+    on_plan: Callable[[MemoryPlan], object] | None = None,
+) -> list[MemoryPlan]:
+    """`policy`'s plan at each of `memory_limits` (in their order), in one pass: the plans share one `cache`
+    (`ucudnn.memory.reuse.PlanCache`: the baseline, the steps' costs, the heuristics' plans and every simulation
+    that holds at another limit are computed once), so a few limits cost little more than one. Each plan is
+    `make_plan`'s, or `make_executed_plan`'s where `executed`; `on_plan(plan)` is called as each is made."""
+    limits = list(memory_limits)
+    if not limits:
+        raise InvalidInput("memory_limits must name at least one limit, got none")
+    for limit in limits:
+        _check_limit(limit)
+    profile = device if isinstance(device, DeviceProfile) else load_profile(device)
+    cache = PlanCache() if cache is None else cache
+    make = make_executed_plan if executed else make_plan
+    plans = []
+    for limit in limits:
+        plans.append(make(graph, profile, limit, policy, devices=devices, db=db, fronts=fronts, cache=cache))
+        if on_plan is not None:
+            on_plan(plans[-1])
+    return plans

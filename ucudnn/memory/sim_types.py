@@ -1,12 +1,14 @@
 """The event simulator's values (`ucudnn.memory.simulate`): what it is given per graph step (`StepCost`), the
 steps of its expanded schedule (`SimStep`), and what it returns: each stream's activity (`Interval`), each
-device's figures (`DeviceResult`) and the step's (`SimResult`)."""
+device's figures (`DeviceResult`), the step's (`SimResult`) and the limits they hold for (`Bounded`)."""
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass
 
-__all__ = ["DeviceResult", "Interval", "SimResult", "SimStep", "StepCost"]
+__all__ = ["Bounded", "DeviceResult", "Interval", "SimResult", "SimStep", "StepCost"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,3 +88,31 @@ class SimResult:
     def memory(self) -> tuple[tuple[float, int], ...]:
         """Device 0's memory in use over the step."""
         return self.devices[0].memory
+
+
+@dataclass(frozen=True, slots=True)
+class Bounded:
+    """A simulation and the limits it holds for: every limit from `passed` up to (not including) `failed` runs the
+    same course (each allocation that waited, or went ahead, would again), so that its result there is `result`
+    with each device over the limit where its `tops` (the most it held after an allocation) is."""
+
+    result: SimResult
+    passed: int
+    failed: float
+    tops: tuple[int, ...]
+
+    def holds_for(self, memory_limit: int | None) -> bool:
+        if memory_limit is None:
+            return self.failed == math.inf
+        return self.passed <= memory_limit < self.failed
+
+    def at(self, memory_limit: int | None) -> SimResult:
+        """`result` as the simulation at `memory_limit` (one `holds_for`) returns it."""
+        r = self.result
+        if memory_limit == r.memory_limit:
+            return r
+        devs = tuple(
+            dataclasses.replace(d, overflow=memory_limit is not None and top > memory_limit)
+            for d, top in zip(r.devices, self.tops)
+        )
+        return dataclasses.replace(r, memory_limit=memory_limit, devices=devs)

@@ -46,10 +46,14 @@ the index, in the expanded schedule, of the step at whose start it begins; or a 
 one per device (each device sets its own triggers from its own timings). The policies time their
 copies by their own triggers; the figures of a plan for a PyTorch model are its step under
 ``"ahead"`` (`ucudnn.memory.planner.as_executed`).
+
+`simulate_bounded` also says at which limits its answer holds (`Bounded`), for `ucudnn.memory.reuse.PlanCache`. A
+plan that copies nothing, its devices alike, runs each device's steps in a row, without the event loop.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -59,9 +63,20 @@ from ucudnn.memory.gradients import gradient_lives
 from ucudnn.memory.graph import TrainingGraph
 from ucudnn.memory.plan import ACTIONS
 from ucudnn.memory.prefetch import ahead, trigger
-from ucudnn.memory.sim_types import DeviceResult, Interval, SimResult, SimStep, StepCost
+from ucudnn.memory.sim_types import Bounded, DeviceResult, Interval, SimResult, SimStep, StepCost
 
-__all__ = ["DeviceResult", "Interval", "SimResult", "SimStep", "StepCost", "expand", "network_wide_bytes", "simulate"]
+__all__ = [
+    "Bounded",
+    "DeviceResult",
+    "Interval",
+    "SimResult",
+    "SimStep",
+    "StepCost",
+    "expand",
+    "network_wide_bytes",
+    "simulate",
+    "simulate_bounded",
+]
 
 _GB = 1e9
 _EPS_MS = 1e-9
@@ -136,12 +151,14 @@ class _Plan:
     alloc_at: dict[int, list[tuple[str, int]]]  # step -> tensors allocated at its start
     free_after: dict[int, list[str]]  # step -> tensors freed at its end
     offload_after: dict[int, list[str]]  # step -> storages whose copy out starts at its end
-    offload_free_after: dict[str, int]  # offloaded storage -> its last forward reader
+    offload_free_at: dict[int, list[str]]  # step -> offloaded storages it is the last forward reader of
     prefetches: list[tuple[int, int, str]]  # (trigger step, first use step, storage)
     waits_for: dict[int, list[str]]  # step -> prefetched storages it needs
     nbytes: dict[str, int]
     persistent: int
     allocate_at_issue: bool  # a copy back holds its memory from its trigger (else: its start)
+    steps: int  # len(sched)
+    workspace_label: list[str]  # each step's workspace, as the allocation trace names it
 
 
 def _prepare(
@@ -175,7 +192,7 @@ def _prepare(
     alloc_at: dict[int, list[tuple[str, int]]] = {}
     free_after: dict[int, list[str]] = {}
     offload_after: dict[int, list[str]] = {}
-    offload_free_after: dict[str, int] = {}
+    offload_free_at: dict[int, list[str]] = {}
     prefetches: list[tuple[int, int, str]] = []
     waits_for: dict[int, list[str]] = {}
     # a recompute step costs its op's forward time and what running it again costs the host (`replay_host_ms`)
@@ -194,7 +211,7 @@ def _prepare(
                 free_after.setdefault(last_use[name], []).append(name)
         elif action == "offload":
             offload_after.setdefault(last_fwd_write[name], []).append(name)
-            offload_free_after[name] = last_fwd_use[name]
+            offload_free_at.setdefault(last_fwd_use[name], []).append(name)
             if name in first_late_use:
                 use = first_late_use[name]
                 prefetches.append((trigger(sched, ms, use, name, nbytes[name], device, prefetch), use, name))
@@ -217,12 +234,14 @@ def _prepare(
         alloc_at,
         free_after,
         offload_after,
-        offload_free_after,
+        offload_free_at,
         prefetches,
         waits_for,
         nbytes,
         persistent,
         prefetch == "ahead",
+        len(sched),
+        [f"workspace:{s.op}" for s in sched],
     )
 
 
@@ -252,7 +271,12 @@ class _Device:
         self.recompute_ms = 0.0
         self.used = plan.persistent
         self.peak = self.used
+        self.top = 0  # the most in use after any allocation or free (what `overflow` is judged on)
         self.overflow = False
+        # the limits this run's course holds for: each check that passed asked for `passed` bytes at most and each
+        # that failed for `failed` at least, so any limit from `passed` up to below `failed` runs the same course
+        self.passed = 0
+        self.failed = math.inf
         self.memory: list[tuple[float, int]] = [(0.0, self.used)]
         self.resident: dict[str, int] = {}
         self.pending_free: set[str] = set()  # offloaded, freed when their copy out ends
@@ -272,16 +296,23 @@ class _Device:
     def set_used(self, t: float, delta: int, name: str) -> None:
         self.used += delta
         self.events.append((t, name, delta))
-        self.peak = max(self.peak, self.used)
-        if self.limit is not None and self.used > self.limit:
-            self.overflow = True
+        if self.used > self.top:
+            self.top = self.used
+            self.peak = max(self.peak, self.used)
+            if self.limit is not None and self.used > self.limit:
+                self.overflow = True
         if self.memory[-1][0] == t:
             self.memory[-1] = (t, self.used)
         else:
             self.memory.append((t, self.used))
 
     def fits(self, extra: int) -> bool:
-        return self.limit is None or self.used + extra <= self.limit
+        need = self.used + extra
+        if self.limit is None or need <= self.limit:
+            self.passed = max(self.passed, need)
+            return True
+        self.failed = min(self.failed, need)
+        return False
 
     def can_free_soon(self) -> bool:
         """Memory will come back without the compute stream moving: an offload still copying out."""
@@ -289,11 +320,23 @@ class _Device:
 
     def step_needs(self, k: int) -> int:
         p = self.p
-        new = sum(b for name, b in p.alloc_at.get(k, ()) if name not in self.resident)
-        return new + p.workspace[k]
+        return sum(b for name, b in p.alloc_at.get(k, ()) if name not in self.resident) + p.workspace[k]
 
 
 def simulate(
+    graph: TrainingGraph,
+    device: DeviceProfile,
+    costs: Sequence[StepCost],
+    actions: Mapping[str, str] | Sequence[Mapping[str, str]] | None = None,
+    **options,
+) -> SimResult:
+    """Simulate one training step of `graph` on `devices` copies of `device` (data parallel: the same
+    steps; `actions` is one mapping for all, or one per device, and so is `prefetch`). See the module docstring;
+    `options` are `simulate_bounded`'s: memory_limit, prefetch, devices, devices_per_link, timeline."""
+    return simulate_bounded(graph, device, costs, actions, **options).result
+
+
+def simulate_bounded(
     graph: TrainingGraph,
     device: DeviceProfile,
     costs: Sequence[StepCost],
@@ -304,9 +347,10 @@ def simulate(
     devices: int = 1,
     devices_per_link: int | None = None,
     timeline: bool = True,
-) -> SimResult:
-    """Simulate one training step of `graph` on `devices` copies of `device` (data parallel: the same
-    steps; `actions` is one mapping for all, or one per device, and so is `prefetch`). See the module docstring."""
+) -> Bounded:
+    """`simulate`, with the limits its result holds for (`Bounded`). `memory_limit`: bytes per device (None: no
+    limit); `prefetch`: when copies back start (the module docstring); `devices_per_link`: devices sharing one host
+    link (default: the profile's); `timeline`: whether the result holds each stream's intervals."""
     if not isinstance(devices, int) or isinstance(devices, bool) or devices < 1:
         raise InvalidInput(f"devices must be a positive integer, got {devices!r}")
     if len(costs) != len(graph.steps):
@@ -338,14 +382,10 @@ def simulate(
     intervals: list[Interval] = []
     t = 0.0
 
-    def log(d: int, stream: str, start: float, end: float, label: str) -> None:
-        if timeline:
-            intervals.append(Interval(d, stream, start, end, label))
-
     def try_start_compute(dv: _Device, force: bool = False) -> bool:
         p = dv.p
         k = dv.next
-        if dv.running is not None or k >= len(p.sched) or dv.pending_free:
+        if dv.running is not None or k >= p.steps or dv.pending_free:
             return False  # (an offloaded storage past its last reader: the compute stream waits for its copy)
         # the prefetches this step triggers queue on the copy stream as soon as it is next
         while dv.trigger_pos < len(p.prefetches) and p.prefetches[dv.trigger_pos][0] <= k:
@@ -363,19 +403,18 @@ def simulate(
             return False
         if t > dv.idle_since:
             dv.stall += t - dv.idle_since
+        resident = dv.resident
         for name, b in p.alloc_at.get(k, ()):
-            if name not in dv.resident:
-                dv.resident[name] = b
+            if name not in resident:
+                resident[name] = b
                 dv.set_used(t, b, name)
         if p.workspace[k]:
-            dv.set_used(t, p.workspace[k], f"workspace:{p.sched[k].op}")
+            dv.set_used(t, p.workspace[k], p.workspace_label[k])
         # the invariant every plan must keep: what a step reads is on the device when it starts
-        s = p.sched[k]
-        dv.missing += [
-            f"{k} {s.phase} {s.op}: {name}"
-            for name in s.reads
-            if name not in dv.resident and not name.startswith("grad:")
-        ]  # gradients: by construction
+        for name in p.sched[k].reads:
+            if name not in resident and not name.startswith("grad:"):  # gradients: by construction
+                s = p.sched[k]
+                dv.missing.append(f"{k} {s.phase} {s.op}: {name}")
         dv.running = k
         dv.ends_at = t + p.ms[k]
         return True
@@ -385,18 +424,20 @@ def simulate(
         k = dv.running
         assert k is not None
         s = p.sched[k]
-        log(dv.index, "recompute" if s.phase == "recompute" else "compute", t - p.ms[k], t, f"{s.phase} {s.op}")
+        if timeline:
+            stream = "recompute" if s.phase == "recompute" else "compute"
+            intervals.append(Interval(dv.index, stream, t - p.ms[k], t, f"{s.phase} {s.op}"))
         if s.phase == "recompute":
             dv.recompute_ms += p.ms[k]
         if p.workspace[k]:
-            dv.set_used(t, -p.workspace[k], f"workspace:{s.op}")
+            dv.set_used(t, -p.workspace[k], p.workspace_label[k])
         for name in p.offload_after.get(k, ()):
             dv.d2h_queue.append(name)
         for name in p.free_after.get(k, ()):
             if name in dv.resident:
                 dv.set_used(t, -dv.resident.pop(name), name)
-        for name, last in p.offload_free_after.items():
-            if last == k and name in dv.resident:
+        for name in p.offload_free_at.get(k, ()):
+            if name in dv.resident:
                 if name in dv.offloaded:
                     dv.set_used(t, -dv.resident.pop(name), name)
                 else:
@@ -418,7 +459,7 @@ def simulate(
             # a prefetch leaves room for the next step's own allocations unless that step waits for it
             k = dv.next
             reserve = 0
-            if dv.running is None and k < len(dv.p.sched) and name not in dv.p.waits_for.get(k, ()):
+            if dv.running is None and k < dv.p.steps and name not in dv.p.waits_for.get(k, ()):
                 reserve = dv.step_needs(k)
             if name in dv.offloaded and (dv.p.allocate_at_issue or dv.fits(b + reserve) or force):
                 dv.h2d_queue.pop(0)
@@ -429,8 +470,16 @@ def simulate(
                 started = True
         return started
 
+    def copy_rate(direction: str, both: bool) -> float:  # bytes per ms of one device's copy, as `rates` has it
+        return (device.duplex_gbps / 2 if both else getattr(device, f"{direction}_gbps")) * _GB / 1e3 / 1
+
+    single = {(d, both): copy_rate(d, both) for d in ("h2d", "d2h") for both in (False, True)}
+
     def rates(active: list[_Copy]) -> list[float]:
         """Bytes per ms of each active copy (fluid sharing of each link)."""
+        if len(devs) == 1:  # one device: at most one copy each way
+            both = len(active) == 2
+            return [single[(c.direction, both)] for c in active]
         by_link: dict[int, list[_Copy]] = {}
         for c in active:
             by_link.setdefault(c.device // share, []).append(c)
@@ -447,7 +496,8 @@ def simulate(
 
     def finish_copy(c: _Copy) -> None:
         dv = devs[c.device]
-        log(c.device, c.direction, c.start_ms, t, c.name)
+        if timeline:
+            intervals.append(Interval(c.device, c.direction, c.start_ms, t, c.name))
         if c.direction == "d2h":
             dv.d2h = None
             dv.offloaded.add(c.name)
@@ -460,46 +510,57 @@ def simulate(
             dv.h2d_done.add(c.name)
             dv.bytes_prefetched += dv.p.nbytes[c.name]
 
-    while True:
-        progress = True
-        while progress:
-            progress = False
-            for dv in devs:  # the compute stream allocates first: a prefetch must not starve it
-                progress |= try_start_compute(dv)
-                progress |= try_start_copies(dv)
-        if all(
-            dv.next >= len(dv.p.sched) and dv.running is None and dv.d2h is None and dv.h2d is None and not dv.d2h_queue
-            for dv in devs
-        ):
-            break
-        active = [c for dv in devs for c in (dv.d2h, dv.h2d) if c is not None]
-        running = [dv for dv in devs if dv.running is not None]
-        if not active and not running:
-            # nothing in flight can free memory: the blocked allocation goes over the limit
-            forced = False
-            for dv in devs:
-                p = dv.p
-                k = dv.next
-                waiting = [n for n in p.waits_for.get(k, ()) if n not in dv.h2d_done]
-                if waiting and dv.h2d is None and dv.h2d_queue:
-                    forced |= try_start_copies(dv, force=True)
-                elif not waiting:
-                    forced |= try_start_compute(dv, force=True)
-            if not forced:
-                raise AssertionError("simulator deadlock: a prefetch was never issued before its use")
-            continue
-        r = rates(active)
-        t_next = min([dv.ends_at for dv in running] + [t + c.remaining / rate for c, rate in zip(active, r)])
-        dt = t_next - t
-        for c, rate in zip(active, r):
-            c.remaining -= rate * dt
-        t = t_next
-        for c in active:
-            if c.remaining <= 1e-9 * c.total + 1e-6:
-                finish_copy(c)
-        for dv in running:
-            if dv.ends_at <= t + _EPS_MS:
+    alike = len(plans) == 1  # every device given the same plan: they run alike
+    copies = not alike or bool(devs[0].p.offload_after)
+    if not copies:
+        # nothing is copied: steps run one after another, one that does not fit at once (nothing can free memory)
+        for dv in devs:
+            t = 0.0
+            for _ in range(dv.p.steps):
+                try_start_compute(dv, force=True)
+                t = dv.ends_at
                 finish_compute(dv)
+    else:
+        while True:
+            progress = True
+            while progress:
+                progress = False
+                for dv in devs:  # the compute stream allocates first: a prefetch must not starve it
+                    progress |= try_start_compute(dv)
+                    progress |= try_start_copies(dv)
+            if all(
+                dv.next >= dv.p.steps and dv.running is None and dv.d2h is None and dv.h2d is None and not dv.d2h_queue
+                for dv in devs
+            ):
+                break
+            active = [c for dv in devs for c in (dv.d2h, dv.h2d) if c is not None]
+            running = [dv for dv in devs if dv.running is not None]
+            if not active and not running:
+                # nothing in flight can free memory: the blocked allocation goes over the limit
+                forced = False
+                for dv in devs:
+                    p = dv.p
+                    k = dv.next
+                    waiting = [n for n in p.waits_for.get(k, ()) if n not in dv.h2d_done]
+                    if waiting and dv.h2d is None and dv.h2d_queue:
+                        forced |= try_start_copies(dv, force=True)
+                    elif not waiting:
+                        forced |= try_start_compute(dv, force=True)
+                if not forced:
+                    raise AssertionError("simulator deadlock: a prefetch was never issued before its use")
+                continue
+            r = rates(active)
+            t_next = min([dv.ends_at for dv in running] + [t + c.remaining / rate for c, rate in zip(active, r)])
+            dt = t_next - t
+            for c, rate in zip(active, r):
+                c.remaining -= rate * dt
+            t = t_next
+            for c in active:
+                if c.remaining <= 1e-9 * c.total + 1e-6:
+                    finish_copy(c)
+            for dv in running:
+                if dv.ends_at <= t + _EPS_MS:
+                    finish_compute(dv)
 
     results = []
     for dv in devs:
@@ -523,10 +584,16 @@ def simulate(
                 tuple(dv.events),
             )
         )
-    return SimResult(
+    result = SimResult(
         memory_limit=memory_limit,
         timeline=tuple(sorted(intervals, key=lambda i: (i.device, i.start_ms))),
         devices=tuple(results),
         schedule=tuple(dv.p.sched for dv in devs),
         costs=tuple(costs),
     )
+    tops = tuple(dv.top for dv in devs)
+    if not copies:
+        # no copies, and the devices alike: an allocation that does not fit goes ahead at once (nothing in flight
+        # can free memory), as one that fits does, so every limit runs this course
+        return Bounded(result, 0, math.inf, tops)
+    return Bounded(result, max(dv.passed for dv in devs), min(dv.failed for dv in devs), tops)

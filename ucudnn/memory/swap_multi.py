@@ -34,8 +34,9 @@ from ucudnn.errors import InvalidInput
 from ucudnn.memory.graph import TrainingGraph
 from ucudnn.memory.plan import MemoryPlan
 from ucudnn.memory.planner import baseline, to_plan
-from ucudnn.memory.simulate import SimResult, StepCost, simulate
-from ucudnn.memory.timing import conv_fronts, fastest, step_costs
+from ucudnn.memory.reuse import PlanCache
+from ucudnn.memory.simulate import SimResult, StepCost
+from ucudnn.memory.timing import fastest
 from ucudnn.memory.vdnn import actions_for
 
 __all__ = ["adapt_triggers", "device_actions", "plan", "staggered_layers", "swappable"]
@@ -113,6 +114,7 @@ def adapt_triggers(
     actions: Sequence[Mapping[str, str]],
     memory_limit: int,
     devices_per_link: int,
+    cache: PlanCache | None = None,
 ) -> tuple[list[dict[str, int]] | str, SimResult]:
     """Section III.C: prefetch triggers from measured compute and transfer times, within the limit.
 
@@ -120,11 +122,12 @@ def adapt_triggers(
     slowed by the others' copies). Returns the triggers (per device, storage -> schedule step; or
     ``"layer"`` when vDNN's one-layer trigger was not beaten) and their simulation: the fastest that
     fits of those tried."""
+    cache = PlanCache() if cache is None else cache
     # Step 1: right before use
     triggers = [{s: graph.consumers(s, "bwd")[0] - 1 for s, a in acts.items() if a == "offload"} for acts in actions]
 
     def run(trig):
-        return simulate(
+        return cache.simulate(
             graph,
             device,
             costs,
@@ -174,20 +177,22 @@ def plan(
     fronts=None,
     devices_per_link: int | None = None,
     stagger: bool = True,
+    cache: PlanCache | None = None,
 ) -> MemoryPlan:
     """Kim et al.'s plan for `devices` GPUs of `device`, `devices_per_link` to a switch; see the module docstring."""
     per_link = device.devices_per_link if devices_per_link is None else devices_per_link
     if isinstance(per_link, bool) or not isinstance(per_link, int) or per_link < 1:
         raise InvalidInput(f"devices_per_link must be a positive integer, got {per_link!r}")
-    fronts = conv_fronts(graph, device, db=db, given=fronts)
+    cache = PlanCache() if cache is None else cache
+    fronts = cache.fronts(graph, device, db, fronts)
     workspace = {k: fastest(opts).workspace for k, opts in fronts.items()}
-    costs = step_costs(graph, device, workspace=workspace, fronts=fronts)
-    base = baseline(graph, device, fronts)
+    costs = cache.costs(graph, device, workspace, fronts)
+    base = baseline(graph, device, fronts, cache=cache)
     layers = len(swappable(graph))
 
     def attempt(b: int):
         actions = device_actions(graph, b, devices, per_link, stagger=stagger)
-        return actions, simulate(
+        return actions, cache.simulate(
             graph,
             device,
             costs,
@@ -212,7 +217,7 @@ def plan(
         else:
             lo = mid
     actions, _ = attempt(hi)
-    _, result = adapt_triggers(graph, device, costs, actions, memory_limit, per_link)
+    _, result = adapt_triggers(graph, device, costs, actions, memory_limit, per_link, cache)
     return to_plan(
         graph,
         device,

@@ -31,8 +31,8 @@ from ucudnn.errors import InvalidInput
 from ucudnn.memory.graph import TrainingGraph
 from ucudnn.memory.plan import MemoryPlan
 from ucudnn.memory.planner import baseline, to_plan
-from ucudnn.memory.simulate import simulate
-from ucudnn.memory.timing import conv_fronts, fastest, step_costs
+from ucudnn.memory.reuse import PlanCache
+from ucudnn.memory.timing import fastest
 
 __all__ = ["SEARCH_PASSES", "actions_for", "overflowing_kernels", "plan"]
 
@@ -69,21 +69,23 @@ def plan(
     fronts=None,
     mode: str = "dyn",
     algorithms: str = "fastest",
+    cache: PlanCache | None = None,
 ) -> MemoryPlan:
     """vDNN's plan in `mode` (all, conv, dyn); see the module docstring."""
     if mode not in MODES:
         raise InvalidInput(f"vDNN mode must be one of {', '.join(MODES)}, got {mode!r}")
     if algorithms not in ("fastest", "memory"):
         raise InvalidInput(f"algorithms must be 'fastest' or 'memory', got {algorithms!r}")
-    fronts = conv_fronts(graph, device, db=db, given=fronts)
+    cache = PlanCache() if cache is None else cache
+    fronts = cache.fronts(graph, device, db, fronts)
     fast = {k: fastest(opts).workspace for k, opts in fronts.items()}
     small = {k: opts[0].workspace for k, opts in fronts.items()}
-    base = baseline(graph, device, fronts)
+    base = baseline(graph, device, fronts, cache=cache)
     policy = f"vdnn-{mode}"
 
     def run(actions: dict[str, str], workspace: dict[tuple[str, str], int]):
-        costs = step_costs(graph, device, workspace=workspace, fronts=fronts)
-        return costs, simulate(graph, device, costs, actions, memory_limit=memory_limit, devices=devices)
+        costs = cache.costs(graph, device, workspace, fronts)
+        return costs, cache.simulate(graph, device, costs, actions, memory_limit=memory_limit, devices=devices)
 
     def done(actions, workspace, result, search: str = "") -> MemoryPlan:
         return to_plan(
