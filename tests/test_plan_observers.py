@@ -243,7 +243,7 @@ def test_a_second_backward_through_a_retained_graph_is_refused_in_one_line_that_
 @pytest.mark.parametrize("policy", PLANS)
 def test_a_plan_trains_like_plain_inside_distributed_data_parallel_with_its_gradient_hooks(plain, policy, tmp_path):
     """DDP (one process, gloo) reduces gradients from hooks of its own; the plan is made for the wrapped module and
-    run on it."""
+    run on it, around DDP's forward and backward (planning the DDP itself is refused: test_trainers_distributed)."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
@@ -251,12 +251,12 @@ def test_a_plan_trains_like_plain_inside_distributed_data_parallel_with_its_grad
     try:
         model = _chain()
         ddp = DistributedDataParallel(model)
-        plan = PLANS[policy](ddp)
+        plan = PLANS[policy](model)
         opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
         for step in range(STEPS):
             x, y = _batch(step)
             opt.zero_grad()
-            with late_copies(), execute_plan(ddp, plan):
+            with late_copies(), execute_plan(model, plan):
                 _loss(ddp(x), y).backward()
             opt.step()
     finally:

@@ -600,7 +600,7 @@ def test_a_layers_backward_makes_both_gradients_before_its_kernels_run(monkeypat
     dw's bytes below the prediction (2304 bytes: SmallNet's conv2 under a plan, by chance of measurement)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from ucudnn.torch.converting import launch
+    from ucudnn.handle import Kernel
 
     layer = convert(
         nn.Conv2d(8, 8, 3, padding=1, bias=False),
@@ -613,11 +613,11 @@ def test_a_layers_backward_makes_both_gradients_before_its_kernels_run(monkeypat
     x = torch.randn(2, 8, 8, 8, requires_grad=True)
     out = layer(x)
     events = []
-    real = launch._launch
+    real = Kernel.run
 
-    def kernel(*args, **kwargs):
+    def kernel(self, **kwargs):
         events.append("kernel")
-        return real(*args, **kwargs)
+        return real(self, **kwargs)
 
     class Allocations(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -625,7 +625,7 @@ def test_a_layers_backward_makes_both_gradients_before_its_kernels_run(monkeypat
                 events.append("result")
             return func(*args, **(kwargs or {}))
 
-    monkeypatch.setattr(launch, "_launch", kernel)
+    monkeypatch.setattr(Kernel, "run", kernel)
     with Allocations():
         out.backward(torch.randn_like(out))
     assert events == ["result", "result", "kernel", "kernel"]

@@ -77,6 +77,26 @@ def test_an_out_argument_resized_by_the_operation_is_counted():
     assert r.end_by_category["tensor"] == 400 + 400
 
 
+def test_a_storage_resized_outside_dispatch_holds_its_new_bytes():
+    """FSDP2 frees a gathered parameter by resizing its storage to 0 bytes (``UntypedStorage.resize_``, no operation
+    of the dispatch), and gathers it again into the same storage resized back."""
+    a = torch.ones(1000)  # 4000 bytes
+    with StepTracker() as tracker:
+        tracker.track(a)
+        b = a * 2  # + 4000
+        b.untyped_storage().resize_(0)  # freed: - 4000
+        c = a + 1  # + 4000: no more than before
+        b.untyped_storage().resize_(4000)  # gathered again: + 4000
+        b.copy_(c)
+        fresh = torch.UntypedStorage(0)  # a storage made and grown outside dispatch counts from its growth
+        fresh.resize_(400)
+    r = tracker.report()
+    assert _values(r) == [0, 4000, 8000, 4000, 8000, 12000, 12400]
+    assert r.peak_bytes == 12400
+    assert "resize_" not in torch.UntypedStorage.__dict__  # the method is wrapped while a tracker counts only
+    assert b.sum().item() == 2000
+
+
 def test_numpy_memory_wrapped_again_is_an_alias_and_new_numpy_memory_counts():
     # a converted conv hands micro-batches of its operands to PyTorch's kernel as torch.from_numpy of
     # NumPy views: new storages over memory a live tensor holds

@@ -27,7 +27,9 @@ ucudnn's kernels, others torch's), warmed up, planned; "plain" is then the conve
 the converted step is timed against torch's own copy of the model too (the ``converted`` line).
 
 ``--host``: only the executor's own host time, with compute made negligible (tiny tensors, one thread: what
-a GPU step pays on its host): a block that acts on nothing over a plain step, and each dropped map.
+a GPU step pays on its host): a block that acts on nothing over a plain step, and each dropped map; and
+`with_plan`'s module called eagerly (its backward pass run after the call returned): acting on nothing over a
+plain step, and dropping the maps over the block that drops them.
 
 The same script runs against another checkout of the package (``PYTHONPATH=<checkout>``): what the numbers were
 before this executor.
@@ -55,7 +57,7 @@ from common import keep_freed_memory, table, write_json
 from models import NAMES, build, loss
 
 import ucudnn
-from ucudnn.torch import convert, execute_plan, plan_memory
+from ucudnn.torch import convert, execute_plan, plan_memory, with_plan
 
 EXECUTOR_FILES = tuple(
     str(Path(ucudnn.__file__).parent / "torch" / "running" / f) for f in ("executor.py", "offload.py", "recompute.py")
@@ -312,20 +314,42 @@ def host_cost(reps: int, rounds: int) -> dict:
 
         return one
 
-    fns = {"plain": run(None), "none dropped": run(plan(0)), f"{HOST_DROPPED} dropped": run(plan(HOST_DROPPED))}
-    block, per_map = [], []
+    def module(p: MemoryPlan):
+        planned = with_plan(model, p)
+
+        def one():
+            model.zero_grad(set_to_none=True)
+            planned(x).square().mean().backward()  # the backward pass after the planned call returned
+
+        return one
+
+    none, some = plan(0), plan(HOST_DROPPED)
+    fns = {
+        "plain": run(None),
+        "none dropped": run(none),
+        f"{HOST_DROPPED} dropped": run(some),
+        "module, none dropped": module(none),
+        f"module, {HOST_DROPPED} dropped": module(some),
+    }
+    parts: dict[str, list[float]] = {"block": [], "per_map": [], "module": [], "module_over_block": []}
     for _ in range(rounds):
         samples = interleaved(fns, reps)
         us = {name: statistics.median(cpu for _, cpu in v) * 1e3 for name, v in samples.items()}
-        block.append(us["none dropped"] - us["plain"])
-        per_map.append((us[f"{HOST_DROPPED} dropped"] - us["none dropped"]) / HOST_DROPPED)
-    return {
-        "plain_us": us["plain"],
-        "block_us": statistics.median(block),
-        "block_range": (min(block), max(block)),
-        "per_dropped_map_us": statistics.median(per_map),
-        "per_dropped_map_range": (min(per_map), max(per_map)),
-    }
+        parts["block"].append(us["none dropped"] - us["plain"])
+        parts["per_map"].append((us[f"{HOST_DROPPED} dropped"] - us["none dropped"]) / HOST_DROPPED)
+        parts["module"].append(us["module, none dropped"] - us["plain"])
+        # the module acting on maps against the block acting on the same ones (its fixed cost included)
+        parts["module_over_block"].append(us[f"module, {HOST_DROPPED} dropped"] - us[f"{HOST_DROPPED} dropped"])
+    out = {"plain_us": us["plain"]}
+    for key, name in (
+        ("block", "block"),
+        ("per_map", "per_dropped_map"),
+        ("module", "module"),
+        ("module_over_block", "module_over_block"),
+    ):
+        out[f"{name}_us"] = statistics.median(parts[key])
+        out[f"{name}_range"] = (min(parts[key]), max(parts[key]))
+    return out
 
 
 def main(argv=None) -> int:
@@ -358,7 +382,10 @@ def main(argv=None) -> int:
             f"{cost['plain_us']:.0f}; a block that acts on nothing +{cost['block_us']:.0f} "
             f"({cost['block_range'][0]:.0f}-{cost['block_range'][1]:.0f}); per dropped map "
             f"+{cost['per_dropped_map_us']:.0f} ({cost['per_dropped_map_range'][0]:.0f}-"
-            f"{cost['per_dropped_map_range'][1]:.0f})"
+            f"{cost['per_dropped_map_range'][1]:.0f}); with_plan's module acting on nothing "
+            f"+{cost['module_us']:.0f} ({cost['module_range'][0]:.0f}-{cost['module_range'][1]:.0f}), dropping "
+            f"{HOST_DROPPED} maps {cost['module_over_block_us']:+.0f} over the block dropping them "
+            f"({cost['module_over_block_range'][0]:+.0f} to {cost['module_over_block_range'][1]:+.0f})"
         )
         write_json(args.json, cost)
         return 0

@@ -22,7 +22,8 @@ Categories (`ucudnn.torch.running.labels.CATEGORIES`):
   autograd saves, what an operation returns. A tensor alive before the tracker started counts from
   the first operation that reads it (or from `track`).
 - ``host``: the executor's host copies of offloaded tensors (allocated inside `allocated_as("host")`,
-  which `ucudnn.torch.running.executor` does), and, when the tracked device is a GPU, anything in host memory.
+  which `ucudnn.torch.running.executor` does, and those its model's prepared plans pool between steps), and,
+  when the tracked device is a GPU, anything in host memory.
 - ``workspace``: the workspace buffers of the ucudnn handles of the model's converted convolutions
   (the handles `execute_plan` swaps in included). They are NumPy or CuPy memory, outside PyTorch's
   dispatch, so they are read from the handles (`Handle.workspace_bytes`, the buffers a handle keeps)
@@ -36,6 +37,10 @@ The device's bytes are every category but ``host``: what a `MemoryPlan`'s ``peak
 (weights, weight gradients, feature maps, gradients and workspaces). `TrackerReport.memory` is
 ``(time_ms, bytes)`` at every change, as `ucudnn.memory.simulate.DeviceResult.memory`.
 
+A wrapper subclass holds no memory of its own: a DTensor (FSDP2's sharded parameter) counts as its local
+shard. A storage resized outside dispatch (`UntypedStorage.resize_`: FSDP2 frees a gathered parameter by
+resizing it to 0 bytes and gathers into it again) holds its new bytes from then.
+
 Not counted, as in MemTracker: memory an operator allocates and frees inside its own kernel (an
 im2col buffer of PyTorch's CPU convolution), and tensors made under ``no_dispatch``. Unlike it, a storage
 that wraps memory a live storage holds (`torch.from_numpy` of a NumPy view of a tensor, as a converted
@@ -46,6 +51,7 @@ the count as a second witness (`TrackerReport.allocator_peak_bytes`).
 
 from __future__ import annotations
 
+import contextlib
 import time
 import weakref
 from dataclasses import dataclass
@@ -53,7 +59,7 @@ from typing import TYPE_CHECKING, Any, Self
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
 from ucudnn.errors import InvalidInput
@@ -71,6 +77,33 @@ if TYPE_CHECKING:
 __all__ = ["DEVICE_CATEGORIES", "StepTracker", "TrackerReport"]
 
 DEVICE_CATEGORIES = ("weight", "weight_grad", "tensor", "workspace")
+
+# What is told of each storage resized outside dispatch (`_watching_resizes`), innermost last.
+_RESIZE_WATCHERS: list[Any] = []
+_STORAGE_RESIZE = torch._C.StorageBase.resize_  # type: ignore[attr-defined]
+
+
+def _resize(storage: Any, size: int) -> Any:
+    out = _STORAGE_RESIZE(storage, size)
+    for watcher in _RESIZE_WATCHERS:
+        watcher(storage)
+    return out
+
+
+@contextlib.contextmanager
+def _watching_resizes(callback: Any) -> Any:
+    """Inside this block, `callback(storage)` after each `UntypedStorage.resize_`: FSDP2 frees a gathered parameter
+    by resizing its storage to 0 bytes and gathers it again into the same storage resized back, no operation of
+    PyTorch's dispatch (which a tensor's ``resize_`` is). The method is wrapped while a tracker counts, only."""
+    if not _RESIZE_WATCHERS:
+        torch.UntypedStorage.resize_ = _resize  # type: ignore[method-assign,assignment]
+    _RESIZE_WATCHERS.append(callback)
+    try:
+        yield
+    finally:
+        _RESIZE_WATCHERS.remove(callback)
+        if not _RESIZE_WATCHERS:
+            del torch.UntypedStorage.resize_  # (StorageBase's again)
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,7 +177,7 @@ class StepTracker(TorchDispatchMode):
         self._params: set[int] = set()
         self._report: TrackerReport | None = None
         self._used = False
-        self._inductor: Any = None
+        self._watches = contextlib.ExitStack()  # the watches of memory allocated outside dispatch
         watch_inductor_buffers()  # (before the code to count is compiled, where the tracker is made first)
 
     @classmethod
@@ -164,8 +197,17 @@ class StepTracker(TorchDispatchMode):
         if self.device.type == "cuda":  # pragma: no cover - needs a GPU
             torch.cuda.synchronize(self.device)  # measuring: the witness below starts from here
             torch.cuda.reset_peak_memory_stats(self.device)
+        try:  # whatever stops the installing (a KeyboardInterrupt too), nothing installed stays: `with` calls no __exit__
+            self._install()
+            return super().__enter__()
+        except BaseException:
+            self._uninstall()
+            raise
+
+    def _install(self) -> None:
         if self.model is not None:
             from ucudnn.torch.converting.layer import ConvLayer
+            from ucudnn.torch.running.prepared_plan import held_host_buffers
 
             self._convs = [m for m in self.model.modules() if isinstance(m, ConvLayer)]
             for handle in {id(c.handle): c.handle for c in self._convs}.values():
@@ -180,20 +222,29 @@ class StepTracker(TorchDispatchMode):
                     self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_accumulated))
             for b in self.model.buffers():
                 self.track(b, "weight")
+            for host in held_host_buffers(self.model):  # a plan's pooled host copies, kept between its steps
+                self.track(host, "host")
         self._sample()
-        self._inductor = watching(self.track)
-        self._inductor.__enter__()
-        return super().__enter__()
+        self._watches.enter_context(_watching_resizes(self._resized))
+        self._watches.enter_context(watching(self.track))
+
+    def _uninstall(self) -> None:
+        """Take back every hook, listener and watch the tracker installed, each even where another fails."""
+        try:
+            self._watches.close()  # (each watch's exit, even where another's fails)
+        finally:
+            for h in self._hooks:
+                h.remove()
+            self._hooks = []
+            for handle in self._listening:
+                handle.workspace_listener = None
+            self._listening = []
 
     def __exit__(self, *exc: object) -> None:
-        super().__exit__(*exc)
-        self._inductor.__exit__(*exc)
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
-        for handle in self._listening:
-            handle.workspace_listener = None
-        self._listening = []
+        try:
+            super().__exit__(*exc)
+        finally:
+            self._uninstall()
         witness = None
         if self.device.type == "cuda":  # pragma: no cover - needs a GPU
             torch.cuda.synchronize(self.device)
@@ -228,30 +279,47 @@ class StepTracker(TorchDispatchMode):
         self._see(t, category)
         self._sample()
 
-    def _category_for(self, t: torch.Tensor, labelled: bool) -> str:
+    def _category_for(self, device: torch.device, labelled: bool) -> str:
         label = current_label() if labelled else None
         if label is not None:
             return label
-        if t.device != self.device and t.device.type == "cpu":
+        if device != self.device and device.type == "cpu":
             return "host"
         return "tensor"
 
     def _see(self, t: torch.Tensor, category: str | None, labelled: bool = True) -> None:
         """Count `t`'s storage if new (under `category`, else by `allocated_as` when `labelled`, else by
-        device), refile it under `category` if given, and follow a change of its size."""
+        device), refile it under `category` if given, and follow a change of its size. A wrapper subclass (FSDP2's
+        DTensor parameters) holds no memory of its own: its inner tensors (a DTensor's local shard) are counted."""
         if t.device.type == "meta" or t.layout != torch.strided:
+            return
+        if is_traceable_wrapper_subclass(t):
+            for name in t.__tensor_flatten__()[0]:
+                inner = getattr(t, name)
+                if isinstance(inner, torch.Tensor):
+                    self._see(inner, category, labelled)
             return
         try:
             storage = t.untyped_storage()
         except (RuntimeError, NotImplementedError):  # a tensor subclass without storage of its own (fake, functional)
             return
+        self._see_storage(storage, t.device, category, labelled)
+
+    def _resized(self, storage: Any) -> None:
+        """A storage was resized outside dispatch (`_watching_resizes`): a counted one now holds its new bytes (0
+        when freed, FSDP2's gathered parameters between uses); an uncounted one grown counts from now."""
+        if storage._cdata in self._live or storage.nbytes() > 0:
+            self._see_storage(storage, storage.device, None, True)
+            self._sample()
+
+    def _see_storage(self, storage: Any, device: torch.device, category: str | None, labelled: bool) -> None:
         key = storage._cdata
         entry = self._live.get(key)
         nbytes = storage.nbytes()
         if entry is None:
-            if t.device != self.device and t.device.type != "cpu":
+            if device != self.device and device.type != "cpu":
                 return  # another accelerator's memory: not this device's, not host memory
-            category = category or self._category_for(t, labelled)
+            category = category or self._category_for(device, labelled)
             ref = weakref.ref(storage, self._freed_callback(key))
             ptr = storage.data_ptr()
             # memory a live storage holds, wrapped anew (torch.from_numpy of a view of it): no bytes of its own

@@ -21,6 +21,7 @@ step is then captured on the real inputs, as ``fake=False`` asks, and planned fr
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -46,6 +47,7 @@ from ucudnn.errors import InvalidInput, UnsupportedProblem
 from ucudnn.handle import Handle, native_only
 from ucudnn.memory.graph import TrainingGraph
 from ucudnn.memory.plan import MemoryPlan
+from ucudnn.memory.reuse import PlanCache
 from ucudnn.memory.timing import KernelOption, front_of
 from ucudnn.sizes import parse_size
 from ucudnn.torch.capturing.capture import CapturedStep, capture, diverged, hook_nodes, state_kept
@@ -162,6 +164,19 @@ def _profile_for(device: DeviceProfile | str | None, example_input: torch.Tensor
     return measure_profile("cpu")
 
 
+@contextlib.contextmanager
+def _autocast_uncached():
+    """Autocast's cast cache off: each step planning runs casts the weights, as a training step's first forward
+    pass in its own autocast block does (a step captured reading an earlier run's cached casts is not that step)."""
+    before = torch.is_autocast_cache_enabled()
+    torch.set_autocast_cache_enabled(False)
+    try:
+        yield
+    finally:
+        torch.set_autocast_cache_enabled(before)
+
+
+@_autocast_uncached()
 def plan_memory(
     model: nn.Module,
     example_input: Any,
@@ -199,6 +214,13 @@ def plan_memory(
     """
     if not isinstance(model, nn.Module):
         raise InvalidInput(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if isinstance(model, nn.parallel.DistributedDataParallel):  # (its first forward pass is not its later ones)
+        raise InvalidInput(
+            "model is a DistributedDataParallel: plan the module it wraps (plan_memory(ddp.module, ...)) and train "
+            "DDP(with_plan(module, plan))"
+        )
+    if fake is None and any(torch.is_autocast_enabled(d) for d in ("cpu", "cuda")):
+        fake = False  # under autocast, batch-norm on fake tensors saves its statistics in another dtype than real
     key, step = _captured(model, example_input, loss, fake, weight_grads)
     args, kwargs, tensors = batched_call(example_input)
     first = tensors[0]
@@ -220,7 +242,10 @@ def plan_memory(
         graph = holder[-1]
         fronts = _fronts_for(model, step, graph, db, first.device.type == "cpu")
     if not compiled:
-        plan = make_executed_plan(graph, profile, limit, policy, devices=devices, db=db, fronts=fronts)
+        # planned from the capture itself (no database: it may learn more), the plans share a PlanCache at every limit
+        held = graph is step.graph and db is None
+        cache = _PLAN_CACHES.setdefault(model, {}).setdefault(key, PlanCache()) if held else None
+        plan = make_executed_plan(graph, profile, limit, policy, devices=devices, db=db, fronts=fronts, cache=cache)
         return dataclasses.replace(plan, capture=step)
     if not real:
         raise InvalidInput("compiled=True plans from a compiled step on real example inputs, got fake tensors")
@@ -241,6 +266,9 @@ _CAPTURES: weakref.WeakKeyDictionary[nn.Module, dict[tuple, CapturedStep]] = wea
 
 # model -> the keys of `_CAPTURES` whose step a real step on this machine followed (the timed steps, `_follow`)
 _FOLLOWED: weakref.WeakKeyDictionary[nn.Module, set[tuple]] = weakref.WeakKeyDictionary()
+
+# model -> {the keys of `_CAPTURES`: what the plans of that step computed}, weak on the model (a sweep of limits)
+_PLAN_CACHES: weakref.WeakKeyDictionary[nn.Module, dict[tuple, PlanCache]] = weakref.WeakKeyDictionary()
 
 
 def _captured(
@@ -361,6 +389,8 @@ def _fronts_for(model: nn.Module, step: CapturedStep, graph: TrainingGraph, db: 
     return held[2]
 
 
+# (the kernels are measured in their problems' dtypes: not recast by an autocast block around plan_memory)
+@torch.autocast("cpu", enabled=False)
 def _conv_fronts(model: nn.Module, graph: TrainingGraph, native: Handle | None) -> dict:
     """The options of each conv's kernels: a converted conv's as its own handle measures them (so
     that the plan's workspace budgets are ones its kernels run within), and where `native` is given
@@ -389,6 +419,10 @@ def _conv_fronts(model: nn.Module, graph: TrainingGraph, native: Handle | None) 
         copies = {kind: (copied, converted) for kind, copied, converted in op.layout_copies}
         for kind in step.kernels:
             problem = op.conv.with_kind(kind)
+            if not converted and problem.dtype in ("float16", "bfloat16"):
+                # torch's conv under autocast: the CPU backend's handle runs float32 only, and the plan holds no
+                # workspace for torch's conv, so the float32 kernel's time stands in for its time
+                problem = dataclasses.replace(problem, dtype="float32", compute_type="")
             # a kind the layer's own route leaves to torch stays torch's under a plan (`ConvLayer._route`):
             # torch's option alone, or the plan would charge a workspace option that nothing holds
             torch_own = handle.native(problem) if kind in torch_kinds else None

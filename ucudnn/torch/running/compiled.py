@@ -1,10 +1,30 @@
-"""A memory plan inside `torch.compile`: its decisions given to PyTorch as per-operation checkpoint policies.
+"""`with_plan`: a memory plan carried by a module, so that a trainer that calls the model, computes the loss and
+runs the backward pass itself (Lightning, the Hugging Face Trainer, accelerate, DDP) trains under it, eagerly or
+inside `torch.compile`.
 
-    plan = ucudnn.torch.plan_memory(model, x, memory_limit="2GiB", compiled=True, loss=...)
-    step = torch.compile(ucudnn.torch.with_plan(model, plan))
-    loss(step(x)).backward()
+    plan = ucudnn.torch.plan_memory(model, x, memory_limit="2GiB", loss=...)
+    planned = ucudnn.torch.with_plan(model, plan)
+    loss(planned(x)).backward()                            # eager: the whole plan (keep, offload, recompute)
+    step = torch.compile(ucudnn.torch.with_plan(model, compiled_plan))  # compiled: plan_memory(..., compiled=True)
 
-`execute_plan` acts on a step through Python hooks that a compiled graph does not run. A compiled step keeps what
+**Called eagerly** (not under Dynamo's trace: `torch.compiler.is_compiling()`), each training call runs through
+`execute_plan`'s executor (`ucudnn.torch.running.executor._Executor.run`): one executor per forward call, whose
+hooks (`execute_plan`'s model hooks, called around the model's forward instead of registered on it; the scoped
+modules' hooks; the saved-tensor hooks and dispatch mode at the calls where the plan acts) are all gone when the
+call returns or raises, whatever it raises. What the backward pass needs (offloaded and dropped saves, the prefetch
+hook on the output's node) the graph's saves hold, so the backward pass runs whenever the caller runs it, and the
+executor goes with the graph: after the backward pass has consumed it, or when the graph is dropped unused. Each
+call is a step of the plan: one backward per forward (gradient accumulation) and several forwards before one
+backward both work, each call with its own saves (and its own host buffers while they are in use). The counted peak
+is then `execute_plan`'s, the plan's prediction. Under `torch.no_grad`, `torch.inference_mode` or in `eval()` mode
+the model runs as it is (an evaluation is not a training step). `stats` is the last planned call's `ExecutionStats`.
+
+**What the module shows a trainer.** Its `forward` has the model's signature (the HF Trainer keeps the dataset
+columns it names and passes loss keywords where it has ``**kwargs``), and so has its class's, a `PlannedModule`
+made per wrapped class (the Trainer reads the label names off the class: `_planned_class`); the model is `module` (where
+`unwrap_model`-style helpers look) and its public attributes (``config``) read through.
+
+**Compiled**, the plan's decisions reach PyTorch as per-operation checkpoint policies. A compiled step keeps what
 its partitioner decides, and PyTorch lets a program steer that decision per operation: selective activation
 checkpointing (`torch.utils.checkpoint.create_selective_checkpoint_contexts`) tags each operation of a
 checkpointed region `MUST_SAVE` or `MUST_RECOMPUTE`, and AOTAutograd's partitioner obeys the tags. So
@@ -14,27 +34,26 @@ what the plan does with the feature map it makes: kept maps are saved (`MUST_SAV
 that makes no map of the plan's (on parameters alone) or only maps the backward pass does not read is
 `PREFER_RECOMPUTE`, which 2.13's partitioner treats as `MUST_RECOMPUTE`. Converted convolutions run within the plan's
 workspace budgets: the budgets are the layers' from `with_plan` on (the compiled graph reads them when it runs,
-the backward pass's kernels too, which run after the forward call has returned).
+the backward pass's kernels too, which run after the forward call has returned; so do the eager module's).
 
 **Which operation is which.** The policy sees the forward pass's ATen operations in order, as the capture saw
 them, but as the compiler traces them: batch-norm may be another overload (`_native_batch_norm_legit`), an
 instance norm may add a copy. So operations are matched to the captured ones in order, by family
 (`_family`), an unmatched one taking the action of the operation before it (its module's output, copied); a
 trace that leaves captured operations unmatched is refused in one line. Views are not operations here, as in
-the capture (`counted`).
+the capture (`counted`). An operation that updates state (batch-norm's running statistics) is saved where the
+region runs eagerly (Dynamo falling back), so that a replay does not update it twice.
 
-**Called eagerly** (for a check) the region is PyTorch's eager selective checkpointing: the same decisions,
-with PyTorch's eager recomputation, which replays the whole region at the first backward use (its memory is
-not the compiled step's). An operation that updates state (batch-norm's running statistics) is saved there,
-so that the replay does not update it twice; a compiled graph updates it once in any case.
-
-**Not carried: offloading.** `CheckpointPolicy.MUST_CPU_OFFLOAD` names it, but PyTorch 2.13's partitioner does
-not consume it: a plan that offloads is refused in one line (`plan_memory(..., compiled=True)` plans without).
+**Not carried compiled: offloading.** `CheckpointPolicy.MUST_CPU_OFFLOAD` names it, but PyTorch 2.13's partitioner
+does not consume it: a compiled step of a plan that offloads is refused in one line where it runs
+(`plan_memory(..., compiled=True)` plans without); eagerly the module offloads.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
+import types
 from typing import Any
 
 import torch
@@ -46,8 +65,10 @@ from ucudnn.memory.plan import MemoryPlan
 from ucudnn.torch.capturing.capture import CapturedStep
 from ucudnn.torch.capturing.operations import CONVOLUTIONS
 from ucudnn.torch.converting.layer import ConvLayer
+from ucudnn.torch.running.executor import _Executor
 from ucudnn.torch.running.labels import watch_inductor_buffers
 from ucudnn.torch.running.prepared_plan import _prepared
+from ucudnn.torch.running.stats import ExecutionStats
 
 __all__ = ["PlannedModule", "with_plan"]
 
@@ -179,45 +200,107 @@ def _contexts(families: tuple, policies: tuple, step: CapturedStep) -> tuple[Any
 
 
 class PlannedModule(nn.Module):
-    """`model` whose forward pass runs under a memory plan's decisions, compiled or not (`with_plan`)."""
+    """`model` whose forward pass runs under a memory plan's decisions, eagerly or compiled (`with_plan`). Its
+    `forward` has `model.forward`'s signature; `module` is the model, whose public attributes (a Hugging Face
+    model's ``config``) it reads through; `stats` the `ExecutionStats` of its last planned eager step."""
 
-    def __init__(self, model: nn.Module, plan: MemoryPlan, step: CapturedStep) -> None:
+    def __init__(
+        self, model: nn.Module, plan: MemoryPlan, step: CapturedStep, prefetch_ahead: int = 1, acting: bool = True
+    ) -> None:
         super().__init__()
+        self._acting = acting  # (the plan's: whether it offloads, recomputes or releases a map autograd saves)
         self.module = model
         self.plan = plan
+        self.prefetch_ahead = prefetch_ahead
+        self.stats: ExecutionStats | None = None
         self._step = step
         ops = step.ops[: step.model_ops]
         self._families = tuple(_family(op.func) for op in ops)
         self._policies = _policies(step, plan)
+        self._offloads = [t.name for t in plan.tensors if t.action == "offload"]
         # (a partial, not a bound method: Dynamo keeps a context_fn as a constant, to call when AOTAutograd traces)
         self._context_fn = functools.partial(_contexts, self._families, self._policies, step)
+        # the model's signature on this module's forward: a trainer reads it (the Hugging Face Trainer keeps the
+        # dataset columns it names). Bound per instance (a copy of the module binds its own: `copy` rebinds).
+        self.forward = types.MethodType(_with_signature_of(model), self)
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if not torch.is_grad_enabled():
-            return self.module(*args, **kwargs)  # evaluation: nothing is saved, so nothing to plan
-        return checkpoint(self.module, *args, use_reentrant=False, context_fn=self._context_fn, **kwargs)
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name.startswith("_") or name == "module":  # (PyTorch's and the trainers' probes stay this module's)
+                raise
+            return getattr(self.module, name)
+
+    def gradient_checkpointing_enable(self, *args: Any, **kwargs: Any) -> None:
+        """Refused (the Hugging Face Trainer's ``gradient_checkpointing=True`` calls it): the plan decides."""
+        raise UnsupportedProblem(
+            "gradient checkpointing on a planned module: the plan decides what is recomputed; enable it on the "
+            "model before plan_memory (the plan is then made for the checkpointed step), or leave it off"
+        )
+
+    activation_checkpointing_enable = gradient_checkpointing_enable
+
+    def _forward(self, args: tuple, kwargs: dict) -> Any:
+        if not torch.is_grad_enabled() or not self.training:
+            return self.module(*args, **kwargs)  # evaluation: not a training step, nothing to plan
+        if torch.compiler.is_compiling():
+            if self._offloads:
+                _refuse_compiled_offload(self._offloads)
+            return checkpoint(self.module, *args, use_reentrant=False, context_fn=self._context_fn, **kwargs)
+        if not self._acting:  # every map kept: the plain step, its budgets set (`with_plan`), costs nothing more
+            return self.module(*args, **kwargs)
+        executor = _Executor(self.module, _prepared(self.module, self.plan), self.prefetch_ahead)
+        self.stats = executor.stats
+        return executor.run(args, kwargs)
 
 
-def with_plan(model: nn.Module, plan: MemoryPlan) -> PlannedModule:
-    """`model`, running `plan`'s decisions inside `torch.compile` (``torch.compile(with_plan(model, plan))``) or
-    eagerly (for a check): see the module docstring. From here on the model's converted convolutions run within
-    the plan's workspace budgets. A plan that offloads raises `UnsupportedProblem`; one made for another model or
-    input size, or read from JSON (it holds no captured step: plan again), `InvalidInput`."""
+def _with_signature_of(model: nn.Module) -> Any:
+    """`PlannedModule`'s forward function, with `model.forward`'s signature (``self`` first)."""
+
+    def forward(self: PlannedModule, *args: Any, **kwargs: Any) -> Any:
+        return self._forward(args, kwargs)
+
+    try:
+        signature = inspect.signature(model.forward)
+    except (TypeError, ValueError):  # none to give
+        return forward
+    first = inspect.Parameter("self", inspect.Parameter.POSITIONAL_ONLY)
+    forward.__signature__ = signature.replace(parameters=[first, *signature.parameters.values()])  # type: ignore[attr-defined]
+    forward.__doc__ = model.forward.__doc__
+    return forward
+
+
+@torch.compiler.disable
+def _refuse_compiled_offload(offloaded: list[str]) -> None:
+    """Raised where the compiled step runs (outside Dynamo's trace, which would fall back to the eager step)."""
+    raise UnsupportedProblem(
+        f"the plan offloads {len(offloaded)} feature map(s) ({offloaded[0]}, ...), which a compiled step cannot do "
+        "in this PyTorch (its partitioner does not consume CheckpointPolicy.MUST_CPU_OFFLOAD yet); plan with "
+        "plan_memory(..., compiled=True), which keeps or recomputes, or run the module without torch.compile"
+    )
+
+
+def with_plan(model: nn.Module, plan: MemoryPlan, *, prefetch_ahead: int = 1) -> PlannedModule:
+    """`model`, running `plan`'s decisions wherever it is called (see the module docstring): eagerly through
+    `execute_plan`'s executor (keep, offload, recompute, the conv budgets), the backward pass whenever the caller
+    runs it; inside `torch.compile` (``torch.compile(with_plan(model, plan))``) as checkpoint policies. Under
+    `torch.no_grad` / `torch.inference_mode` or in `eval()` mode it runs `model` as it is. From here on the
+    model's converted convolutions run within the plan's workspace budgets. `prefetch_ahead` as `execute_plan`'s.
+    A plan made for another model or input size, or read from JSON (it holds no captured step: plan again),
+    raises `InvalidInput`; a compiled step of a plan that offloads, `UnsupportedProblem`."""
     if not isinstance(model, nn.Module):
         raise InvalidInput(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if isinstance(model, PlannedModule):
+        raise InvalidInput("model is a PlannedModule already: give with_plan its .module")
     if not isinstance(plan, MemoryPlan):
         raise InvalidInput(f"plan must be a ucudnn.memory.MemoryPlan, got {type(plan).__name__}")
-    offloaded = [t.name for t in plan.tensors if t.action == "offload"]
-    if offloaded:
-        raise UnsupportedProblem(
-            f"the plan offloads {len(offloaded)} feature map(s) ({offloaded[0]}, ...), which a compiled step cannot "
-            "do in this PyTorch (its partitioner does not consume CheckpointPolicy.MUST_CPU_OFFLOAD yet); plan with "
-            "plan_memory(..., compiled=True), which keeps or recomputes"
-        )
+    if isinstance(prefetch_ahead, bool) or not isinstance(prefetch_ahead, int) or prefetch_ahead < 0:
+        raise InvalidInput(f"prefetch_ahead must be a non-negative integer, got {prefetch_ahead!r}")
     if plan.capture is None:
         raise InvalidInput(
             f"plan for {plan.network!r} holds no captured step (read from JSON?): with_plan needs plan_memory's "
-            "plan of this model; plan again with plan_memory(..., compiled=True)"
+            "plan of this model; plan again with plan_memory"
         )
     watch_inductor_buffers()  # so that a StepTracker counts the compiled step's buffers
     prep = _prepared(model, plan)
@@ -226,4 +309,22 @@ def with_plan(model: nn.Module, plan: MemoryPlan) -> PlannedModule:
         conv.handle.release_workspace()  # the plan counts the budgets' workspace, none kept between runs
     for conv, budgets in prep.budgets:
         conv._budgets = budgets
-    return PlannedModule(model, plan, prep.step)
+    planned = _planned_class(type(model))  # type: ignore[arg-type]  # (a class is hashable; mypy reads nn.Module's __hash__)
+    return planned(model, plan, prep.step, prefetch_ahead, prep.acting)
+
+
+@functools.cache
+def _planned_class(cls: type) -> type[PlannedModule]:
+    """`PlannedModule` named for the wrapped class (``PlannedMobileNetV2ForImageClassification``), its class-level
+    `forward` with that class's signature: the Hugging Face Trainer reads the label names and ``return_loss`` off the
+    model's class (`transformers.utils.find_labels(model.__class__)`), not off the instance."""
+
+    def forward(self: PlannedModule, *args: Any, **kwargs: Any) -> Any:
+        return self._forward(args, kwargs)
+
+    try:
+        forward.__signature__ = inspect.signature(cls.forward)  # type: ignore[attr-defined]
+    except (TypeError, ValueError):  # none to give
+        return PlannedModule
+    namespace = {"forward": forward, "__module__": PlannedModule.__module__, "__doc__": PlannedModule.__doc__}
+    return type(f"Planned{cls.__name__}", (PlannedModule,), namespace)

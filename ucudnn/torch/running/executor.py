@@ -7,8 +7,18 @@ backward pass, recompute dropped ones, and give converted convolutions their pla
         loss.backward()
     optimizer.step()
 
-This module runs a plan (`execute_plan`). Making one is `ucudnn.torch.planning.planner`; the offload and
-prefetch copies are `ucudnn.torch.running.offload`, recomputation `ucudnn.torch.running.recompute`.
+This module runs a plan: `execute_plan`, the explicit block, and the executor that `with_plan`'s module
+(`ucudnn.torch.running.compiled`) runs each eager training call through (`_Executor.run`: the same hooks, called
+around the model's forward instead of registered on it). Making a plan is `ucudnn.torch.planning.planner`; the
+offload and prefetch copies are `ucudnn.torch.running.offload`, recomputation `ucudnn.torch.running.recompute`.
+
+**What lives how long.** Per forward pass: the scoped modules' hooks (registered as it starts, removed as it ends),
+and, at the calls where the plan acts, the saved-tensor hooks and the dispatch mode (made and entered at the call,
+left and dropped as it returns). Per backward pass: nothing installed; the saves hold the executor's handles and the
+prefetch hook sits on the output's autograd node, so the graph, not the block, keeps what the backward pass needs
+(the executor holds none of its own bound methods, so it goes with the graph). However a forward pass ends (an
+exception, a KeyboardInterrupt or SystemExit, which the module hooks called for an `Exception` do not see),
+`_Executor.unwind` takes off what it installed: at the end of the block (`execute_plan`) or of the call (`with_plan`).
 
 **Following the captured step, at the tensors the plan acts on.** A plan names the feature maps of a
 captured step (`ucudnn.torch.capturing.capture`), which also recorded, in order, every tensor autograd saved in
@@ -182,9 +192,11 @@ class _Executor(_OffloadHooks, _Recompute):
         self.preparing = False  # capturing the model for a plan read back
         self.diverged = False  # the step was refused: the checks at its end stand down
         self.quiet = 0  # inside the executor's own hooks: their operations are not the step's
-        self.mode = _Follow(self)
-        # entered and left at the calls where the plan acts (`_enter`, `_leave`), not around the whole step
-        self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+        # the saved-tensor hooks and the mode, entered and left at the calls where the plan acts (`_enter`,
+        # `_leave`), not around the whole step; made there and dropped on leaving, so that the executor holds
+        # none of its own bound methods: what the graph's saves hold of it goes with the graph
+        self.hooks: Any = None
+        self.mode: _Follow | None = None
         self.hooked: nn.Module | None = None  # the module whose call pushed the saved-tensor hooks
         self.following: nn.Module | None = None  # the module whose call the mode follows
         self.operators: Any = None  # `through_operators` while it does
@@ -192,7 +204,7 @@ class _Executor(_OffloadHooks, _Recompute):
         self.stopper: Any = None  # the module hook that stops following after that operation
         self.calls: dict[str, int] = {}  # per scoped module: its calls in this forward pass
         self.nodes = 0  # the autograd sequence number when the forward pass began
-        self.handles: list[Any] = []
+        self.handles: list[Any] = []  # the scoped modules' hooks, for one forward pass
         self.copier: Any = None
         self.buffers: _HostBuffers | None = None
         self.pending: list[tuple[Any, torch.Tensor, int]] = []  # device tensors whose host copy may be in flight
@@ -223,12 +235,12 @@ class _Executor(_OffloadHooks, _Recompute):
         self.pass_ = _Pass()
         self.rebuilds = _Rebuilds(prep.programs, self.pass_)
         self.saved = self.position = self.current = 0
-        if not self.handles and prep.scopes:
-            for name, m in prep.scoped:
-                self.handles += [
-                    m.register_forward_pre_hook(functools.partial(self._scope_starts, name)),
-                    m.register_forward_hook(functools.partial(self._scope_ends, name), always_call=True),
-                ]
+        self._unhook()  # (a forward pass interrupted inside an `execute_plan` block left its hooks)
+        for name, m in prep.scoped:
+            self.handles += [
+                m.register_forward_pre_hook(functools.partial(self._scope_starts, name)),
+                m.register_forward_hook(functools.partial(self._scope_ends, name), always_call=True),
+            ]
         self.calls = dict.fromkeys(prep.scopes, 0)
         self.forward_running = True
         self.nodes = torch._C._autograd._get_sequence_nr()
@@ -241,6 +253,7 @@ class _Executor(_OffloadHooks, _Recompute):
             return
         self.forward_running = False
         self._leave(self.model, None)
+        self._unhook()
         self._settle_sources()
         self._release(None)
         if self.diverged:
@@ -295,11 +308,13 @@ class _Executor(_OffloadHooks, _Recompute):
         self.stats.acting_calls += 1
         if self.hooked is None:
             self.hooked, self.saved = module, scope.save
+            self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
             self.hooks.__enter__()
         if scope.follow and self.following is None:
             self.following, self.position, self.last = module, scope.op, scope.last
             self.operators = through_operators()  # its converted convolutions as the mode sees them captured
             self.operators.__enter__()
+            self.mode = _Follow(self)
             self.mode.__enter__()
             if scope.stop is not None:  # following stops at the module call after its last replayed operation
                 # (outside the dispatcher, where the mode may go; first, so that where that call is followed
@@ -313,20 +328,62 @@ class _Executor(_OffloadHooks, _Recompute):
 
     def _stop_following(self) -> None:
         self.following = None
-        self.mode.__exit__(None, None, None)
+        mode, self.mode = self.mode, None
+        assert mode is not None  # entered with `following`
+        mode.__exit__(None, None, None)
         self.operators.__exit__(None, None, None)
+        self.operators = None
         if self.stopper is not None:
             self.stopper.remove()
             self.stopper = None
+
+    def _stop_hooking(self) -> None:
+        self.hooked = None
+        hooks, self.hooks = self.hooks, None
+        hooks.__exit__(None, None, None)
 
     def _leave(self, module: nn.Module, scope: _Scope | None) -> None:
         if self.following is module:
             self._stop_following()
         if self.hooked is module:
-            self.hooked = None
-            self.hooks.__exit__(None, None, None)
+            self._stop_hooking()
         if self.pending and scope is not None:  # (on a GPU) offloaded maps this call read last go
             self._release(scope.end)
+
+    def _unhook(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+    def unwind(self) -> None:
+        """Whatever this forward pass installed goes, however it ended: the module hooks that run for an
+        `Exception` do not run for a KeyboardInterrupt or SystemExit, which would leave the saved-tensor
+        hooks and the mode on for everything after. Idempotent; the step's graph, if any, is the caller's."""
+        self.forward_running = False
+        try:
+            if self.following is not None:
+                self._stop_following()
+            if self.hooked is not None:
+                self._stop_hooking()
+        finally:
+            self._unhook()
+            if self.stopper is not None:
+                self.stopper.remove()
+                self.stopper = None
+            self.pending = []  # (the interrupted pass's device tensors: nothing will read their copies)
+
+    def run(self, args: tuple, kwargs: dict) -> Any:
+        """One call of the model under the plan (`with_plan`'s eager forward): the hooks of `execute_plan`'s
+        block, called around the model's forward instead of registered on it, and nothing left installed once
+        the call returns or raises. The backward pass may run later: what it needs, its graph's saves hold."""
+        try:
+            self.model_starts(self.model, args, kwargs)
+            output = self.model(*args, **kwargs)
+            self.model_ends(self.model, args, kwargs, output)
+        except BaseException:
+            self.unwind()
+            raise
+        return output
 
     def _check_inputs(self, step: CapturedStep, args: tuple, kwargs: dict) -> None:
         plan = self.prep.plan
@@ -335,7 +392,8 @@ class _Executor(_OffloadHooks, _Recompute):
         if set(given) != set(step.inputs):
             raise InvalidInput(
                 f"the plan was made for inputs {', '.join(sorted(step.inputs))}, the model was given "
-                f"{', '.join(sorted(given)) or 'none'}"
+                f"{', '.join(sorted(given)) or 'none'}: make the plan with the arguments the step passes (a "
+                "trainer may add some: the HF Trainer passes num_items_in_batch to a forward taking **kwargs)"
             )
         for path, t in given.items():
             _, shape, dtype = step.inputs[path]
@@ -443,7 +501,8 @@ def execute_plan(model: nn.Module, plan: MemoryPlan, *, prefetch_ahead: int = 1)
 
     Call the model (positional and keyword inputs) and `backward()` inside the block (see the module
     docstring for what happens); a training loop enters one block per step, and only the first block
-    of a (model, plan) pair checks the plan against the model. `prefetch_ahead`: how many offloaded
+    of a (model, plan) pair checks the plan against the model. Where the loop is a trainer's, `with_plan`'s
+    module runs the same executor per call. Leaving the block, however, leaves nothing installed. `prefetch_ahead`: how many offloaded
     tensors beyond those the current backward step needs are fetched ahead. A plan made for another
     model, batch or input size raises `InvalidInput`; a step that runs other operations than the
     captured one raises `UnsupportedProblem`.
@@ -463,5 +522,6 @@ def execute_plan(model: nn.Module, plan: MemoryPlan, *, prefetch_ahead: int = 1)
         with executor.workspaces():
             yield executor.stats
     finally:
-        for h in handles + executor.handles + ([executor.stopper] if executor.stopper is not None else []):
+        for h in handles:
             h.remove()
+        executor.unwind()

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ucudnn.errors import InvalidInput
+from ucudnn.errors import InvalidInput, UnsupportedProblem
 from ucudnn.memory.plan import MemoryPlan
 from ucudnn.torch.capturing.capture import CapturedStep, capture, structure
 from ucudnn.torch.converting.layer import ConvLayer, PlanBudgets
@@ -34,6 +34,7 @@ class _Prepared:
     def __init__(self, model: nn.Module, plan: MemoryPlan) -> None:
         self.plan, self.tree = plan, _tree(model)
         self.structure = structure(model)
+        self.kinds = {name: _kind(p) for name, p in model.named_parameters()}  # (`_check_parameters`)
         self.actions = {t.name: t.action for t in plan.tensors}
         self.step: CapturedStep | None = None
         self.copies: dict[tuple[torch.device, str], tuple[Any, _HostBuffers]] = {}
@@ -222,24 +223,67 @@ def _scopes(
 
 def _tree(model: nn.Module) -> tuple:
     """What a prepared run rests on: the model's modules, each with its children (by name and identity)
-    and class. Checked in two list comparisons per step, without walking the model (and without a list per
-    module, which would wake the garbage collector): where every module kept has the same children as
-    when prepared, the tree is the same."""
+    and class, and its parameters (by identity). Checked in a few list comparisons per step, without walking
+    the model (and without a list per module, which would wake the garbage collector): where every module kept
+    has the same children and parameters as when prepared, the tree is the same."""
     modules = list(model.modules())[1:]  # (not the model: the prepared run would keep it alive)
-    return type(model), dict(model._modules), modules, list(map(type, modules)), [dict(m._modules) for m in modules]
+    return (
+        type(model),
+        dict(model._modules),
+        modules,
+        list(map(type, modules)),
+        [dict(m._modules) for m in modules],
+        _parameters(model, modules),
+    )
 
 
 _CHILDREN = operator.attrgetter("_modules")
 
 
+def _parameters(model: nn.Module, modules: list[nn.Module]) -> list[Any]:
+    """The parameters of the model and of `modules`, in module order (None where a slot holds none)."""
+    return [*model._parameters.values(), *(p for m in modules for p in m._parameters.values())]
+
+
 def _same_tree(model: nn.Module, tree: tuple) -> bool:
-    root_type, root, modules, types, children = tree
+    return _same_modules(model, tree) and _same_parameters(model, tree)
+
+
+def _same_modules(model: nn.Module, tree: tuple) -> bool:
+    root_type, root, modules, types, children, _ = tree
     return (
         type(model) is root_type
         and model._modules == root
         and list(map(type, modules)) == types
         and list(map(_CHILDREN, modules)) == children
     )
+
+
+def _same_parameters(model: nn.Module, tree: tuple) -> bool:
+    modules, params = tree[2], tree[5]
+    now = _parameters(model, modules)
+    return len(now) == len(params) and all(map(operator.is_, now, params))
+
+
+def _check_parameters(model: nn.Module, before: _Prepared) -> None:
+    """Parameters replaced since `before` was prepared: the same kinds, shapes and dtypes (a state dict loaded with
+    ``assign=True``) prepare again; others (a sharding wrapper's DTensors, another dtype) are refused."""
+    old = before.kinds
+    for name, p in model.named_parameters():
+        if name in old and old[name] != _kind(p):
+            raise UnsupportedProblem(
+                f"the model's parameter {name} was replaced since the plan was prepared for it: now "
+                f"{_words(_kind(p))}, then {_words(old[name])} (a wrapper that shards or converts parameters?); "
+                "plan the model as it is now (plan_memory), after wrapping it"
+            )
+
+
+def _kind(p: torch.Tensor) -> tuple:
+    return type(p).__name__, tuple(p.shape), p.dtype
+
+
+def _words(kind: tuple) -> str:
+    return f"a {kind[0]} of shape {kind[1]} ({str(kind[2]).removeprefix('torch.')})"
 
 
 def _example(args: tuple, kwargs: dict) -> Any:
@@ -267,8 +311,22 @@ def _prepared(model: nn.Module, plan: MemoryPlan) -> _Prepared:
             return last
     prep = plans.pop(plan, None)
     if prep is None or not _same_tree(model, prep.tree):
+        if prep is not None and _same_modules(model, prep.tree):  # the same modules, other parameters
+            try:
+                _check_parameters(model, prep)
+            except UnsupportedProblem:
+                plans[plan] = prep  # (refused again at the next call, against the same parameters)
+                raise
         prep = _Prepared(model, plan)
     plans[plan] = prep
     while len(plans) > _PLANS_PER_MODEL:
         del plans[next(iter(plans))]
     return prep
+
+
+def held_host_buffers(model: nn.Module) -> list[torch.Tensor]:
+    """The host buffers `model`'s prepared plans keep for their next steps' offloads (a memory tracker's host
+    copies, taken again when the step offloads)."""
+    return [
+        host for prep in _PREPARED.get(model, {}).values() for _, pool in prep.copies.values() for host in pool.held()
+    ]
