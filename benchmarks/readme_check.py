@@ -5,8 +5,10 @@
 --files checks other Markdown files instead, in the order given: the guide pages (`--files docs/guide-*.md`;
 a pattern the shell left unexpanded is expanded from the repository root); README.md alone by default.
 Blocks are fenced ```bash (each line one command, run by bash in a scratch folder) and ```python (those
-of one `## ` section of one file in one interpreter, in file order, as if pasted one after another into it;
-each section starts afresh). A fence indented inside a list item is not run. An HTML
+of one `## ` section of one file in one interpreter, in file order). Each Python block runs as if pasted
+alone: it finds the names a reader brings (below) and nothing else, not even `torch`, unless its first line
+says it continues (`# continued from the block above`, as the reader sees it too): then it runs in the names
+the blocks before it in its section left. A fence indented inside a list item is not run. An HTML
 comment on the line just before a block tags it:
 
     <!-- readme-check: setup -->        the fresh-machine set-up: run only with --fresh-clone, in a
@@ -14,13 +16,14 @@ comment on the line just before a block tags it:
     <!-- readme-check: slow -->         long (a benchmark from an empty cache): left out by --only fast
     <!-- readme-check: gpu -->          needs an NVIDIA GPU: run only where `nvidia-smi -L` lists one
     <!-- readme-check: torchvision -->  run only where torchvision imports beside torch
-    <!-- readme-check: models -->       run only where transformers and MONAI import (the `models` extra); the
-                                        block stands alone (its names do not reach the blocks after it)
+    <!-- readme-check: models -->       run only where transformers and MONAI import (the `models` extra)
 
 The scratch folder has its own user cache ($XDG_CACHE_HOME; $UCUDNN_DB unset), so every benchmark
 starts from an empty cache, as on a new machine. The Python blocks use names a reader brings
-(`model`, `example_input`, `x`, `y`, `criterion`, `optimizer`, as the README says): PRELUDE gives
-them a small CNN; the guide pages say the same. Without --fresh-clone the commands run with this interpreter's
+(READER_NAMES: `model`, `example_input`, `x`, `y`, `criterion`, `optimizer`, as the README says): PRELUDE
+gives them a small CNN, made afresh for each block that stands alone; the guide pages say the same.
+After a run the speedup the README's main job printed (its `speedup:` line) must lie in the range the
+README states for it ("the `speedup:` line read LOWx to HIGHx"), which fails the check otherwise. Without --fresh-clone the commands run with this interpreter's
 `ucudnn`. The bash blocks of every file given run in one scratch folder, in order.
 """
 
@@ -56,6 +59,9 @@ x, y = torch.randn(4, 3, 32, 32), torch.randint(0, 10, (4,))
 example_input, criterion = x, nn.CrossEntropyLoss()
 optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
 """
+READER_NAMES = ("model", "example_input", "x", "y", "criterion", "optimizer")
+# The first line of a Python block that runs on in the names of the blocks before it.
+CONTINUED = re.compile(r"^# continued\b", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -66,6 +72,11 @@ class Block:
     text: str
     section: str = ""  # the `## ` heading it is under
     source: str = "README.md"  # the file, relative to the repository root
+
+    @property
+    def continued(self) -> bool:
+        """A Python block that says, on its first line, that it runs on from the block before it."""
+        return bool(CONTINUED.match(self.text.lstrip()))
 
     def commands(self) -> list[str]:
         """A bash block's commands: its lines without blank and comment-only ones."""
@@ -174,20 +185,24 @@ def run_python(chosen: list[Block], cwd: Path, env: dict[str, str], python: str,
     """The chosen Python blocks in one interpreter, in order; each block timed on its own."""
     if not chosen:
         return []
-    # a `models` block builds its own model and batch: it runs in a copy of the names, so that the blocks after it
-    # still find the reader's (PRELUDE's)
+    # a block that stands alone gets a fresh namespace holding only the reader's names (from a fresh PRELUDE);
+    # a continued one the namespace the block before it left
     driver = (
-        "import json, sys, time, traceback\nns = {'__name__': '__main__'}\nexec(PRELUDE, ns)\n"
-        "for source, line, text, alone in BLOCKS:\n"
+        "import json, sys, time, traceback\nns = None\n"
+        "for source, line, text, continued in BLOCKS:\n"
         "    start = time.perf_counter()\n"
-        "    try:\n        exec(compile(text, f'{source}:{line}', 'exec'), dict(ns) if alone else ns)\n"
+        "    try:\n"
+        "        if not continued or ns is None:\n"
+        "            reader = {'__name__': '__main__'}\n            exec(PRELUDE, reader)\n"
+        "            ns = {'__name__': '__main__', **{n: reader[n] for n in READER_NAMES}}\n"
+        "        exec(compile(text, f'{source}:{line}', 'exec'), ns)\n"
         "        code, tail = 0, ''\n"
         "    except BaseException:\n        code, tail = 1, traceback.format_exc()[-2000:]\n"
         "    print('@@' + json.dumps([line, time.perf_counter() - start, code, tail]), flush=True)\n"
         "    if code:\n        break\n"
     )
-    blocks_ = [(b.source, b.line, b.text, b.tag == "models") for b in chosen]
-    script = f"PRELUDE = {PRELUDE!r}\nBLOCKS = {blocks_!r}\n{driver}"
+    blocks_ = [(b.source, b.line, b.text, b.continued) for b in chosen]
+    script = f"PRELUDE = {PRELUDE!r}\nREADER_NAMES = {READER_NAMES!r}\nBLOCKS = {blocks_!r}\n{driver}"
     start = time.perf_counter()
     try:
         proc = subprocess.run(
@@ -267,6 +282,43 @@ def check(
         shutil.rmtree(scratch, ignore_errors=True)
 
 
+# How the README states its main job's headline, and how the job prints it.
+STATED_RANGE = re.compile(r"the `speedup:` line read (\d+(?:\.\d+)?)x to (\d+(?:\.\d+)?)x")
+PRINTED = re.compile(r"^speedup: (\d+(?:\.\d+)?)x in total", re.MULTILINE)
+
+
+def stated_range(readme: Path = README) -> tuple[float, float] | None:
+    """The main job's `speedup:` range as the README's text states it (whitespace runs read as one space)."""
+    match = STATED_RANGE.search(" ".join(readme.read_text(encoding="utf-8").split()))
+    return (float(match.group(1)), float(match.group(2))) if match else None
+
+
+def check_headline(results: list[Result], readme: Path = README) -> list[Result]:
+    """A result for each run of the README's main job (its set-up block's `ucudnn bench`): passed when its printed
+    speedup lies in the range the README states, failed when outside or when it printed none (no result when
+    the job did not run: only --fresh-clone runs the set-up block)."""
+    stated = stated_range(readme)
+    source = _source(readme)
+    setup = [b for b in blocks(readme) if b.tag == "setup"]
+    jobs = {c for b in setup for c in b.commands() if "ucudnn bench " in c}
+    found = []
+    for r in results:
+        if r.source != source or r.what not in jobs or r.code:
+            continue
+        printed = PRINTED.search(r.tail)
+        if stated is None or printed is None:
+            why = "the README states no `speedup:` range" if stated is None else "it printed no `speedup:` line"
+            found.append(Result(f"the main job's headline: {why}", r.line, 0.0, 1, r.tail[-2000:], source))
+            continue
+        value = float(printed.group(1))
+        inside = stated[0] <= value <= stated[1]
+        what = f"the main job printed {value:.2f}x, {'inside' if inside else 'OUTSIDE'} the README's range"
+        found.append(
+            Result(f"{what}, {stated[0]:.2f}x to {stated[1]:.2f}x", r.line, 0.0, 0 if inside else 1, r.tail, source)
+        )
+    return found
+
+
 def markdown_files(names: Sequence[str]) -> list[Path]:
     """The files named, in order: each as given (from the current folder) or from the repository root; a glob
     pattern (`docs/guide-*.md`, when the shell did not expand it) from the repository root, sorted."""
@@ -306,6 +358,7 @@ def main(argv: list[str] | None = None) -> int:
     except FileNotFoundError as error:
         parser.error(str(error))
     results, left_out = check(only=args.only, fresh_clone=args.fresh_clone, files=files)
+    results += check_headline(results)
     for r in results:
         status = "ok" if r.code == 0 else f"EXIT {r.code}"
         print(f"{r.seconds:8.1f} s  {status:<7}  {r.source}:{r.line}  {r.what}")

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import sys
 from pathlib import Path
 
 import click
+from ucudnn.cli.options import positive_int
 from ucudnn.cli.options import size_option as _size_option
 
 from ucudnn.backends.base import NOISY_SPREAD_FRACTION
@@ -32,7 +34,7 @@ _UNUSED_LAYER_KEYS = {"kind": "bench runs every kind of --kinds"}
     help="A conv layer, e.g. n=32,c=64,h=56,w=56,k=128,r=3,s=3,pad=1 (repeatable; no kind=, see --kinds).",
 )
 @click.option("--network", metavar="NAME", help="A network of the zoo (see `ucudnn networks`).")
-@click.option("--batch", type=click.IntRange(min=1), help="Mini-batch size (overrides n of --layer).")
+@click.option("--batch", type=int, callback=positive_int, help="Mini-batch size (overrides n of --layer).")
 @click.option(
     "--workspace", callback=_size_option, metavar="SIZE", help="Per-kernel workspace limit, WR mode (e.g. 64MiB)."
 )
@@ -220,14 +222,88 @@ def bench(
         from ucudnn.network.plot import plot_wd
 
         plot_wd(report, plot_path)
+    conditions = run_conditions(report, backend)
     if as_json:
-        click.echo(json.dumps(report.to_json(), indent=2))
+        click.echo(json.dumps({**report.to_json(), "conditions": conditions}, indent=2))
     else:
         specs = None if network else [(name, p.spec) for name, p in layers]
-        click.echo(format_report(report, verbose=verbose, layer_specs=specs))
+        click.echo(format_report(report, verbose=verbose, layer_specs=specs, conditions=conditions))
 
 
-def format_report(report, verbose: bool = False, layer_specs=None) -> str:
+# The library each CPU algorithm's speed rests on, so that a ratio says whose speed it compares.
+_LIBRARY = {"native": "PyTorch", "fft": "scipy.fft"}
+
+
+def run_conditions(report, backend) -> dict:
+    """What the speedup rests on here: the algorithms on each side, the BLAS pools threadpoolctl finds (the package
+    that ships each, its library, version and threads while measuring) and PyTorch's version and threads (null
+    when no side ran `native`)."""
+    from threadpoolctl import threadpool_info
+
+    baseline_algos = sorted({k.baseline.algo for k in report.kernels if k.baseline})
+    algos = sorted({m.algo for k in report.kernels for m in k.config.micros})
+    torch = None
+    if "native" in baseline_algos + algos:  # a warm run read its times from the cache without loading torch
+        torch = importlib.import_module("torch")
+    threads = getattr(backend, "numpy_threads", None)
+    return {
+        "baseline_algos": baseline_algos,
+        "algos": algos,
+        "blas": [
+            {
+                "package": _shipped_by(pool["filepath"]),
+                "library": pool["internal_api"],
+                "version": pool["version"],
+                "threads": threads or pool["num_threads"],
+            }
+            for pool in threadpool_info()
+            if pool["user_api"] == "blas"
+        ],
+        "torch": {"version": torch.__version__, "threads": torch.get_num_threads()} if torch else None,
+    }
+
+
+def _threads(n: int) -> str:
+    return f"{n} thread" + ("" if n == 1 else "s")
+
+
+def _shipped_by(filepath: str) -> str:
+    """The package whose wheel holds a library: `numpy` for site-packages/numpy.libs/libscipy_openblas64_.so."""
+    parts = Path(filepath).parts
+    if "site-packages" in parts[:-2]:
+        return parts[parts.index("site-packages") + 1].removesuffix(".libs")
+    return Path(filepath).name
+
+
+def format_conditions(conditions: dict, backend_name: str) -> list[str]:
+    """The `why:` lines under the CPU backend's speedup: whose speed each side is, with its threads."""
+    if backend_name != "cpu":
+        return []
+    blas = (
+        ", ".join(
+            f"{b['package']}'s {b['library']} {b['version']} ({_threads(b['threads'])})" for b in conditions["blas"]
+        )
+        or "none found"
+    )
+    torch = conditions["torch"]
+
+    def side(algos: list[str]) -> str:
+        named = []
+        for algo in algos:
+            library = _LIBRARY.get(algo, "NumPy on BLAS")
+            if library == "PyTorch" and torch:
+                library = f"PyTorch {torch['version']}, {_threads(torch['threads'])}"
+            named.append(f"{algo} ({library})")
+        return ", ".join(named) or "none"
+
+    sides = f"why: baseline {side(conditions['baseline_algos'])} against {side(conditions['algos'])}"
+    return [
+        f"{sides}; BLAS (threadpoolctl): {blas}.",
+        "why: each side runs at its library's speed on this CPU and threads: the ratio moves with them and the load.",
+    ]
+
+
+def format_report(report, verbose: bool = False, layer_specs=None, conditions: dict | None = None) -> str:
     """A table a person can read: one row per kernel, then totals, what the columns mean, the headline."""
     from ucudnn.network.optimize import BASELINE_LEAST_WORKSPACE, configuration_notation
 
@@ -304,6 +380,7 @@ def format_report(report, verbose: bool = False, layer_specs=None) -> str:
         )
     else:
         lines.append("speedup: - in total: some kernel has no baseline (no algorithm ran its undivided batch)")
+    lines += format_conditions(conditions, report.backend) if conditions else []
     s = report.stats
     lines.append(
         f"benchmark: {s.candidates} candidates (an algorithm at a micro-batch size), {s.measured} measured now, "

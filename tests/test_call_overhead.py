@@ -193,12 +193,53 @@ def test_a_copied_handle_keeps_its_charge():
 torch = pytest.importorskip("torch")
 
 
+@pytest.fixture
+def scripted_probe(monkeypatch):
+    """`route_overhead_ms` with its timer replaced: each contender runs once, forward and backward (as the probe
+    runs it), and the given medians come back, so that the charge's arithmetic and the probe's grad mode are
+    checked whatever the load (measured, the host cost of a tiny layer is microseconds that a busy machine can
+    invert). Returns, per contender, whether autograd was on when it ran; the real measurement comes back after."""
+    from ucudnn.torch.converting import route_cost
+
+    ran: dict[str, bool] = {}
+    given: dict[str, float] = {}
+
+    def medians(fns, reps, warmup=1, clock=None):
+        for name, fn in fns.items():
+            fn()  # its backward raises where autograd is off
+            ran[name] = torch.is_grad_enabled()
+        return dict(given)
+
+    def script(times: dict[str, float]) -> dict[str, bool]:
+        given.update(times)
+        return ran
+
+    monkeypatch.setattr(route_cost, "interleaved_medians_ms", medians)
+    route_cost.route_overhead_ms.cache_clear()
+    yield script
+    route_cost.route_overhead_ms.cache_clear()
+
+
+@pytest.mark.parametrize(
+    "times, charge",
+    [
+        ({"direct": 1.0, "function": 1.25, "routed": 1.55}, 0.35),  # the Function's cost + a third of routing
+        ({"direct": 1.0, "function": 0.9, "routed": 0.8}, 0.0),  # noise that inverts the order charges nothing
+        ({"direct": 1.0, "function": 1.0, "routed": 1.004}, 0.0),  # rounded to 10 us, so plans recur
+    ],
+)
+def test_the_route_charge_is_the_functions_cost_and_a_third_of_routing(scripted_probe, times, charge):
+    from ucudnn.torch.converting.conv import route_overhead_ms
+
+    scripted_probe(times)
+    assert route_overhead_ms() == charge
+
+
 def test_torch_handles_charge_the_measured_route_cost():
     from ucudnn.torch import Conv2d, convert
     from ucudnn.torch.converting.conv import route_overhead_ms
 
-    overhead = route_overhead_ms()
-    assert 0 < overhead < 100  # the autograd Function alone costs host time; a step is not 100 ms
+    overhead = route_overhead_ms()  # measured: its size is the machine's (the test above checks the arithmetic)
     model = convert(torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3)), backend="cpu", db=False)
     assert model[0].handle.call_overhead == overhead
     default = Conv2d(3, 4, 3).handle  # backend "auto": cudnn where a GPU is usable, and CUDA is not charged
@@ -209,14 +250,15 @@ def test_torch_handles_charge_the_measured_route_cost():
 
 
 @pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
-def test_the_route_is_measured_whatever_grad_mode_convert_runs_in(mode):
+def test_the_route_is_measured_whatever_grad_mode_convert_runs_in(mode, scripted_probe):
     from ucudnn.torch import convert
-    from ucudnn.torch.converting.conv import route_overhead_ms
 
-    route_overhead_ms.cache_clear()  # measure again, inside the mode
+    ran = scripted_probe({"direct": 1.0, "function": 1.25, "routed": 1.55})
     with getattr(torch, mode)():
         model = convert(torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3)), backend="cpu", db=False)
-    assert model[0].handle.call_overhead > 0
+    # every contender ran forward and backward with autograd on, inside the caller's mode, and the layer charges it
+    assert ran == {"direct": True, "function": True, "routed": True}
+    assert model[0].handle.call_overhead == 0.35
 
 
 @pytest.mark.parametrize("numpy_ms, routed", [(19.0, False), (8.0, True)])

@@ -64,6 +64,7 @@ def test_json_follows_the_contract_and_the_second_run_measures_nothing(tmp_path,
         "warnings",
         "noisy",
         "legend",
+        "conditions",  # issue 54: what the speedup rests on (docs/json.md)
     }
     assert first["warnings"]["noisy_timings"] == len(first["noisy"]) and first["warnings"]["wrong_results"] == 0
     assert (first["backend"], first["policy"], first["mode"]) == ("cpu", "powerOfTwo", "WR")

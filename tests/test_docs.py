@@ -4,9 +4,10 @@ example (docs/examples/) its figure and printed output. A broken internal link f
 real headless browser (Debian's chromium), the landing page and an example page show what they should.
 
 Sphinx, MyST, sphinx-click and sphinx-gallery come with the `docs` extra; without them the tests skip, with the
-reason. The build runs as CI would run it, `sphinx-build -W --keep-going`, in a subprocess: a few seconds, and
-on a clean checkout the examples' run too (about a minute on an idle 2-core VM; sphinx-gallery keeps their
-output in docs/auto_examples/ and runs an example again only when its script changed). Without chromium the
+reason. The build runs as CI would run it, `sphinx-build -W --keep-going`, in a subprocess, with no time limit (a
+busy machine makes it slow, not wrong): a few seconds, and on a clean checkout the examples' run too (about
+a minute on an idle 2-core VM; sphinx-gallery keeps their output in docs/auto_examples/ and runs an example
+again only when its script changed). Without chromium the
 browser test skips, unless `UCUDNN_REQUIRE_BROWSER=1` (CI's .ci/run), which makes that a failure."""
 
 from __future__ import annotations
@@ -42,12 +43,13 @@ def _skip_unless_installed() -> None:
 
 
 def _sphinx(src: Path, out: Path) -> subprocess.CompletedProcess:
+    # No timeout: the build's time is the machine's load (a minute idle, over ten beside other suites), and a
+    # verdict must not be; a build that hangs is the CI job's own time limit to catch.
     return subprocess.run(
         [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-b", "html", str(src), str(out)],
         check=False,
         capture_output=True,
         text=True,
-        timeout=600,
     )
 
 
@@ -71,9 +73,11 @@ def test_the_site_builds_without_warnings(site):
 
 
 def test_the_cli_page_lists_every_command(site):
+    import click
     from ucudnn.cli.main import cli
 
-    assert set(COMMANDS) == set(cli.commands)  # a new command is listed here, and so checked on the page
+    # a new command is listed here, and so checked on the page
+    assert set(COMMANDS) == set(cli.list_commands(click.Context(cli)))
     text = _text(site / "cli.html")
     for command in COMMANDS:
         assert re.search(rf"\bucudnn {command} \[OPTIONS\]", text), f"ucudnn {command} is not on the CLI page"
@@ -207,7 +211,7 @@ def _browse(chromium: str, page: Path, tmp_path: Path) -> tuple[str, Path]:
         check=False,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=1800,  # only a hang: a page opens in seconds, and in a minute on the busiest machine seen
     )
     assert run.returncode == 0, f"chromium failed on {page}:\n{run.stderr[-3000:]}"
     return run.stdout, shot

@@ -5,6 +5,10 @@ convolutions' workspaces: `plain_training.memtracker_peak`; `check_plan`'s StepT
 - HF Whisper reads a scalar lifted to a tensor (its labels shifted right), which dies at once: the capture took
   the next storage made at its address for that constant (no feature map: a raw IndexError in `vdnn.actions_for`
   where a convolution's input went missing); its encoder's positions require no gradient (MemTracker hooked them).
+- MONAI's DynUNet holds each block under two names (its skip layers too): a capture on fake tensors swapped each
+  name's parameter and put the first swap's fake one back under the second, so the next real step fed a
+  FakeTensor to NumPy (".numpy() is not supported for tensor subclasses"). Whisper, converted, with its encoder's
+  positions frozen, planned for an H100 to offload and recompute, runs on this CPU (its offloads host copies).
 - HF SegFormer's convolutions take channels-last maps (a transposed view) and give back channels-last gradients:
   a converted layer's planned kernels copy them into their layout, memory the plan did not count (1.22x).
 
@@ -22,6 +26,7 @@ torch = pytest.importorskip("torch")
 from plain_training import assert_trains_alike, memtracker_peak, train
 from torch import nn
 
+from ucudnn.errors import UnsupportedProblem
 from ucudnn.memory.plan import MemoryPlan
 from ucudnn.torch import capture, check_plan, convert, plan_memory
 from ucudnn.torch.converting.layer import ConvLayer, PlanBudgets
@@ -32,13 +37,13 @@ needs_transformers = pytest.mark.skipif(
 TOLERANCE = (0.97, 1.03)
 
 
-def _converted(model, tmp_path, algos):
+def _converted(model, tmp_path, algos, workspace_limit=8 * 2**20):
     """`convert` with no trials and one measurement per kernel: every plan and its run rest on the cached
     measurements, not on this machine's load (`algos`: the kernels' candidates)."""
     return convert(
         model,
         backend="cpu",
-        workspace_limit=8 * 2**20,
+        workspace_limit=workspace_limit,
         policy="undivided",
         reps=1,
         trial_runs=0,
@@ -136,6 +141,170 @@ def test_whisper_converted_and_planned_to_recompute_trains_like_plain_and_counts
     ratio = memtracker_peak(model, plan, x, y, loss=_model_loss) / plan.peak_bytes
     assert TOLERANCE[0] <= ratio <= TOLERANCE[1], ratio
     assert_trains_alike(train(model, _speech, plan, loss=_model_loss), reference, noise)
+
+
+def _acts(plan) -> set[str]:
+    return {t.action for t in plan.tensors}
+
+
+def _offloading_and_recomputing(model, x, loss):
+    """A plan for an H100 (whose memory is not the host's, so that it may offload) at the first limit, from
+    the smallest plan up to every map kept, where it both offloads and recomputes; on this CPU its offloads are
+    copies in host memory. The converted layers run torch's own kernel (`_converted` with ``native``): one
+    plain step first settles that, and the plan's kernel budgets (the H100's figures) then leave them to it."""
+    smallest = plan_memory(model, x, memory_limit=1, loss=loss, device="h100")
+    every_map = plan_memory(model, x, memory_limit=2**40, loss=loss, device="h100")
+    for tenth in range(1, 10):
+        limit = smallest.peak_bytes + tenth * (every_map.peak_bytes - smallest.peak_bytes) // 10
+        plan = plan_memory(model, x, memory_limit=limit, loss=loss, device="h100")
+        if {"offload", "recompute"} <= _acts(plan):
+            return plan
+    raise AssertionError("no limit makes a plan that both offloads and recomputes")
+
+
+def _planned_offloading_trains_like_plain(base, batch, loss, tmp_path):
+    """Converted, one plain step, planned to offload and recompute, executed (StepTracker's count against the
+    prediction), then trained under the plan against plain PyTorch's parameters and their 1-vs-2-thread noise."""
+    reference = train(copy.deepcopy(base), batch, loss=loss)
+    noise = (reference - train(copy.deepcopy(base), batch, threads=2, loss=loss)).norm().item()
+    model = _converted(copy.deepcopy(base), tmp_path, ["native"], workspace_limit=64 * 2**20)
+    x, y = batch(0)
+    loss(model(**x) if isinstance(x, dict) else model(x), y).backward()
+    model.zero_grad(set_to_none=True)
+    plan = _offloading_and_recomputing(model, x, lambda out: loss(out, y))
+    assert plan.fits
+    checked = check_plan(model, plan, x, loss=lambda out: loss(out, y), steps=1)
+    assert checked.bytes_moved > 0  # the offloads ran
+    assert TOLERANCE[0] <= checked.peak_ratio <= TOLERANCE[1], (checked.peak_bytes, plan.peak_bytes)
+    assert_trains_alike(train(model, batch, plan, loss=loss), reference, noise)
+
+
+@needs_transformers
+def test_whisper_converted_planned_to_offload_and_recompute_runs_counts_and_trains_like_plain(tmp_path):
+    """Its decoder's input given as well as its labels; its encoder's positions require no gradient (PyTorch's
+    MemTracker refuses such a parameter a hook, ucudnn's StepTracker counts it as a weight)."""
+
+    def batch(step: int):
+        x, labels = _speech(step)
+        return dict(x, decoder_input_ids=torch.roll(labels, 1, dims=1)), labels
+
+    base = _whisper()
+    assert any(not p.requires_grad for p in base.parameters())
+    _planned_offloading_trains_like_plain(base, batch, _model_loss, tmp_path)
+
+
+# ---- MONAI DynUNet in 3-D -------------------------------------------------------------------------------------
+needs_monai = pytest.mark.skipif(
+    importlib.util.find_spec("monai") is None, reason="needs monai (pip install '.[models]')"
+)
+
+
+def _dynunet():
+    from monai.networks.nets import DynUNet
+
+    torch.manual_seed(0)
+    return DynUNet(
+        spatial_dims=3,
+        in_channels=1,
+        out_channels=2,
+        kernel_size=[3, 3, 3],
+        strides=[1, 2, 2],
+        upsample_kernel_size=[2, 2],
+        filters=[4, 8, 16],
+    )
+
+
+def _volumes(step: int, meta: bool = False):
+    """A batch of two 8^3 volumes and their voxels' labels; `meta`: as MONAI's transforms give them (MetaTensor)."""
+    g = torch.Generator().manual_seed(step)
+    x = torch.randn(2, 1, 8, 8, 8, generator=g)
+    if meta:
+        from monai.data import MetaTensor
+
+        x = MetaTensor(x)
+    return x, torch.randint(0, 2, (2, 8, 8, 8), generator=g)
+
+
+def _voxel_loss(out, y):
+    return nn.functional.cross_entropy(out, y)
+
+
+@needs_monai
+@pytest.mark.parametrize("meta", [False, True], ids=["tensor", "metatensor"])
+def test_dynunet_3d_converted_planned_to_offload_and_recompute_runs_counts_and_trains_like_plain(tmp_path, meta):
+    """DynUNet holds its blocks under two names each (its skip layers too): a capture on fake tensors that left
+    the second name's fake parameter in the model fed it to the next real step (".numpy() is not supported for
+    tensor subclasses" in a converted layer's backward). Its input as MONAI's transforms give it, a MetaTensor,
+    is captured on the real step (on fake tensors it is a plain tensor, whose step makes other autograd nodes)."""
+    _planned_offloading_trains_like_plain(_dynunet(), lambda step: _volumes(step, meta), _voxel_loss, tmp_path)
+
+
+# ---- the classes of those failures, without transformers or monai ----------------------------------------------
+class _TwoPaths(nn.Module):
+    """A block under two names (as DynUNet's skip layers hold its blocks) and a weight two modules share."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.BatchNorm2d(4))
+        self.skip = nn.ModuleList([self.block])
+        self.head = nn.Linear(4, 4)
+        self.tail = nn.Linear(4, 4)
+        self.tail.weight = self.head.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tail(self.head(self.skip[0](x).mean((2, 3)))).sum()
+
+
+@pytest.mark.parametrize("converted", [False, True], ids=["plain", "converted"])
+def test_a_fake_capture_leaves_every_parameter_and_buffer_in_place(tmp_path, converted):
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    torch.manual_seed(0)
+    model = _TwoPaths()
+    if converted:
+        model = _converted(model, tmp_path, ["im2col_gemm"])
+    before = {name: t for name, t in (*model.named_parameters(), *model.named_buffers())}
+    step = capture(model, torch.randn(2, 2, 6, 6), fake=True)
+    assert step.fake
+    after = {name: t for name, t in (*model.named_parameters(), *model.named_buffers())}
+    assert after.keys() == before.keys()
+    assert all(after[name] is t and not isinstance(t, FakeTensor) for name, t in before.items())
+    assert model.tail.weight is model.head.weight
+    model(torch.randn(2, 2, 6, 6)).backward()  # a real step after it
+
+
+@needs_monai
+def test_a_converted_layer_runs_a_metatensor_as_torch_does(tmp_path):
+    from monai.data import MetaTensor
+
+    torch.manual_seed(0)
+    layer = _converted(nn.Conv2d(3, 4, 3, padding=1), tmp_path, ["im2col_gemm"])
+    reference = nn.Conv2d(3, 4, 3, padding=1)
+    reference.load_state_dict(layer.state_dict())
+    x = torch.randn(2, 3, 6, 6)
+    meta, plain = MetaTensor(x.clone()).requires_grad_(), x.clone().requires_grad_()
+    out, expected = layer(meta), reference(plain)
+    assert layer._routes and all(r.fwd is not None for r in layer._routes.values())  # through the handle's kernels
+    dy = torch.randn_like(expected)
+    out.backward(dy)
+    expected.backward(dy)
+    assert torch.allclose(out, expected, atol=1e-5)
+    assert torch.allclose(meta.grad, plain.grad, atol=1e-5)
+    assert torch.allclose(layer.weight.grad, reference.weight.grad, atol=1e-4)
+
+
+def test_a_tensor_without_data_at_a_converted_kernel_is_refused_in_one_line(tmp_path):
+    """A parameter a capture on fake tensors left fake (as DynUNet's second names did) reached NumPy raw."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    torch.manual_seed(0)
+    layer = _converted(nn.Conv2d(3, 4, 3, padding=1), tmp_path, ["im2col_gemm"])
+    layer(torch.randn(2, 3, 6, 6))  # routed through the handle's kernels
+    assert all(r.fwd is not None for r in layer._routes.values())
+    layer.weight = nn.Parameter(FakeTensorMode().from_tensor(layer.weight.detach()))
+    with pytest.raises(UnsupportedProblem, match="fake tensor") as info:
+        layer(torch.randn(2, 3, 6, 6))
+    assert "\n" not in str(info.value)
 
 
 # ---- HF SegFormer --------------------------------------------------------------------------------------------------

@@ -1,10 +1,15 @@
 """What a newcomer meets in the first hour: baselines for every kernel, outliers measured again before
-they become a ratio, sizes rounded down with a note, spec keys refused rather than ignored, and
-messages that say where a device name was looked for."""
+they become a ratio, sizes rounded down with a note and units read only as documented, spec keys refused
+rather than ignored, messages that say where a device name was looked for, a headline that says what it
+rests on, a `--help` that loads no command, and Ctrl-C ending in one line."""
 
 import json
 import math
+import signal
+import subprocess
+import sys
 from decimal import Decimal
+from pathlib import Path
 
 import pytest
 from ucudnn.cli.main import main
@@ -17,6 +22,7 @@ from ucudnn.problem import ConvProblem
 from ucudnn.sizes import exact_bytes, parse_size
 
 LAYER = "n=8,c=8,h=12,w=12,k=16,r=3,s=3,pad=1"
+FAST = ("--backend", "cpu", "--reps", "1", "--quiet", "--algos", "im2col_gemm,shift_gemm")
 PROBLEM = ConvProblem.parse(LAYER)
 
 
@@ -349,7 +355,9 @@ def test_every_option_of_every_command_says_what_it_does():
     from ucudnn.cli.main import cli
 
     def commands(group, path):
-        for name, command in group.commands.items():
+        ctx = click.Context(group)
+        for name in group.list_commands(ctx):  # the top group loads its commands only when asked for one
+            command = group.get_command(ctx, name)
             if isinstance(command, click.Group):
                 yield from commands(command, [*path, name])
             else:
@@ -362,3 +370,118 @@ def test_every_option_of_every_command_says_what_it_does():
         if isinstance(param, click.Option) and not param.help
     ]
     assert not silent, silent
+
+
+# ---- sizes: only the documented units, and a size in powers of 1000 says its bytes ----
+
+
+@pytest.mark.parametrize("text, meant", [("8mb", "8MiB"), ("8Mb", "8MiB"), ("8KB", "8KiB"), ("8mib", "8MiB")])
+def test_a_unit_spelt_otherwise_than_documented_is_refused_naming_the_forms(text, meant, tmp_path, capsys):
+    code, out, err = run(capsys, "bench", "--layer", LAYER, "--backend", "cpu", "--workspace", text)
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and err.startswith("ucudnn: error: ") and "--workspace" in err, err
+    assert meant in err and text in err
+
+
+def test_a_size_in_powers_of_1000_says_its_bytes(tmp_path, capsys):
+    code, out, err = run(
+        capsys, "bench", "--layer", LAYER, *FAST, "--workspace", "8MB", "--json", "--db", str(tmp_path / "c.db")
+    )
+    assert code == 0, err
+    assert json.loads(out)["workspace_limit"] == 8 * 10**6
+    assert "--workspace 8MB is 8000000 bytes (7.6 MiB; powers of 1000)" in err
+
+
+def test_bench_and_plan_refuse_a_negative_batch_in_the_same_words(capsys):
+    bench = run(capsys, "bench", "--network", "alexnet", "--batch", "-3", "--backend", "cpu")
+    plan = run(capsys, "plan", "--network", "alexnet", "--batch", "-3", "--memory", "1GiB")
+    assert bench[0] == plan[0] == 2
+    assert bench[2] == plan[2] == "ucudnn: error: --batch must be a positive integer, got -3\n"
+
+
+# ---- the headline says what it rests on: each side's library, the BLAS and the threads ----
+
+
+def test_the_headline_names_its_baseline_its_blas_and_torchs_threads(tmp_path, capsys):
+    torch = pytest.importorskip("torch")
+    from threadpoolctl import threadpool_info
+
+    tiny = "n=2,c=4,h=8,w=8,k=4,r=3,s=3,pad=1"
+    argv = ["bench", "--layer", tiny, "--backend", "cpu", "--reps", "1", "--quiet", "--workspace", "64MiB"]
+    argv += ["--algos", "native", "--policy", "undivided", "--db", str(tmp_path / "c.db")]
+    code, out, err = run(capsys, *argv, "--json")
+    assert code == 0, err
+    report = json.loads(out)
+    conditions = report["conditions"]
+    assert conditions["baseline_algos"] == sorted({k["baseline"]["algo"] for k in report["kernels"]})
+    assert conditions["algos"] == sorted({m["algo"] for k in report["kernels"] for m in k["config"]})
+    pools = [p for p in threadpool_info() if p["user_api"] == "blas"]
+    assert pools, "NumPy's BLAS is found by threadpoolctl"
+    assert [(b["library"], b["version"], b["threads"]) for b in conditions["blas"]] == [
+        (p["internal_api"], p["version"], p["num_threads"]) for p in pools
+    ]
+    assert "native" in conditions["baseline_algos"] + conditions["algos"]
+    assert conditions["torch"] == {"version": torch.__version__, "threads": torch.get_num_threads()}
+    code, out, err = run(capsys, *argv)  # the table, from the cache
+    assert code == 0, err
+    why = [line for line in out.splitlines() if line.startswith("why: ")]
+    lines = out.splitlines()
+    assert len(why) == 2 and lines.index(why[0]) == 1 + next(i for i, x in enumerate(lines) if x.startswith("speedup:"))
+    for algo in conditions["baseline_algos"] + conditions["algos"]:
+        assert algo in why[0]
+    assert all(f"{b['library']} {b['version']}" in why[0] for b in conditions["blas"])
+    assert f"PyTorch {torch.__version__}, {torch.get_num_threads()} thread" in why[0]
+
+
+# ---- the entry point: --help loads no command; Ctrl-C ends in one line ----
+
+
+def test_help_lists_every_command_in_its_own_words_and_loads_none():
+    import click
+    from ucudnn.cli.main import COMMANDS, cli
+
+    for name, (_, summary) in COMMANDS.items():  # the summary --help lists is the command's own first sentence
+        assert summary == cli.get_command(click.Context(cli), name).get_short_help_str(limit=10**6), name
+    script = (
+        "import sys\nfrom ucudnn.cli.main import main\ncode = main(['--help'])\n"
+        "print([m for m in sys.modules if m.split('.')[0] in ('numpy', 'scipy', 'sqlalchemy', 'torch')"
+        " or m.startswith('ucudnn.cli.') and m != 'ucudnn.cli.main'], code)"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stderr
+    *help_lines, loaded = proc.stdout.splitlines()
+    assert loaded == "[] 0"
+    listed = "\n".join(help_lines).split("Commands:", 1)[1].split()
+    assert [name for name in COMMANDS if name in listed] == list(COMMANDS)
+
+
+def test_ctrl_c_while_a_command_loads_ends_in_one_line_and_130():
+    # Ctrl-C arrives while the command's module imports (NumPy, SciPy, torch: seconds on a busy machine)
+    script = (
+        "import importlib\nfrom ucudnn.cli import main\n"
+        "def interrupted(name, *args):\n    raise KeyboardInterrupt\n"
+        "main.importlib.import_module = interrupted\nmain.sys.argv = ['ucudnn', 'bench', '--help']\n"
+        "main.entry_point()\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=False)
+    assert proc.returncode == 130 and proc.stdout == ""
+    assert proc.stderr.strip() == "ucudnn: interrupted", proc.stderr
+
+
+def test_ctrl_c_during_a_benchmark_ends_in_one_line_and_130(tmp_path):
+    ucudnn = Path(sys.executable).with_name("ucudnn")
+    if not ucudnn.exists():
+        pytest.skip("the ucudnn script is not installed beside this interpreter")
+    argv = [str(ucudnn), "bench", "--layer", "n=64,c=64,h=56,w=56,k=64,r=3,s=3,pad=1", "--backend", "cpu"]
+    argv += ["--policy", "all", "--exhaustive", "--db", str(tmp_path / "c.db")]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    seen = b""
+    while b"benchmark" not in seen:  # the progress bar: the command has loaded and is measuring
+        chunk = proc.stderr.read1(4096)
+        assert chunk, f"the benchmark ended before it was interrupted: {seen.decode(errors='replace')}"
+        seen += chunk
+    proc.send_signal(signal.SIGINT)
+    _, rest = proc.communicate()
+    err = (seen + rest).decode(errors="replace").split("\r")[-1]  # after the progress bar's last redraw
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and err.strip().splitlines()[-1] == "ucudnn: interrupted", err

@@ -10,7 +10,7 @@ Every point is measured: the peak counted by `ucudnn.torch.StepTracker` over one
 median CPU time of 5 interleaved rounds.
 
 It runs the project's benchmark `benchmarks/memory/bench_frontier.py` in small (its ``run_model`` and
-``plot``), so the figures here and in BENCHMARKS.md are made the same way. The benchmark itself runs more
+``plot``), so the figures here and in benchmarks/BENCHMARKS.md are made the same way. The benchmark itself runs more
 budgets, segments and rounds, and a ResNet-shaped model; `benchmarks/memory/bench_planners.py` adds models
 nobody here wrote and PyTorch's selective-checkpointing ILP. One compile budget only: each budget compiles
 the model's forward and backward anew, 10-15 s on a 2-core CPU. Downloaded, the script runs from

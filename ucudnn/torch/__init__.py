@@ -1,7 +1,8 @@
 """PyTorch integration: `Conv1d`, `Conv2d`, `Conv3d`, `ConvTranspose1d`, `ConvTranspose2d`, `ConvTranspose3d`
 (drop-ins for torch's), `convert(model)` and `announce`;
-memory plans in training: `plan_memory(model, example_input, ...)` and `execute_plan(model, plan)`, on a
-training step captured as PyTorch runs it (`capture`), or compiled: ``torch.compile(with_plan(model, plan))``.
+memory plans in training: `plan_memory(model, example_input, ...)` (`plan_frontier` at several limits) and
+`execute_plan(model, plan)`, on a training step captured as PyTorch runs it (`capture`), or compiled:
+``torch.compile(with_plan(model, plan))``.
 
 Five rooms, each importing only the ones before it: `converting` (the drop-ins, `convert`, their kernels
 as operators), `capturing` (one training step recorded), `running` (`execute_plan`: offload, prefetch,
@@ -24,6 +25,7 @@ from ucudnn.torch.converting.conv import (
     announce,
     convert,
 )
+from ucudnn.torch.planning.frontier import plan_frontier
 from ucudnn.torch.planning.planner import measure_profile, plan_memory
 from ucudnn.torch.running.compiled import PlannedModule, with_plan
 from ucudnn.torch.running.executor import ExecutionStats, execute_plan
@@ -45,6 +47,7 @@ __all__ = [
     "convert",
     "execute_plan",
     "measure_profile",
+    "plan_frontier",
     "plan_memory",
     "with_plan",
     "zoo",

@@ -25,7 +25,8 @@ captured on a laptop, and autograd's saved tensors are not held by the capture, 
 program drops a saved tensor is seen too. A model whose Python reads tensor values (data-dependent
 control flow) cannot run on fake tensors; with real example inputs it is then captured with real ones
 (``fake=False`` asks for that: the model's parameters' gradients, its buffers and the random-number
-state are put back afterwards). A reduction's result is counted in the storage its real kernel returns it in
+state are put back afterwards), as is a step whose example input is a tensor subclass (MONAI's MetaTensor: its
+own code runs on real tensors alone). A reduction's result is counted in the storage its real kernel returns it in
 (`ucudnn.torch.capturing.operations.reduction_bytes`). The recorder that does all this is
 `ucudnn.torch.capturing.recorder`; the graph is built by `ucudnn.torch.capturing.graph`.
 """
@@ -48,6 +49,7 @@ from torch._subclasses.fake_tensor import (
     FakeTensorMode,
     UnsupportedOperatorException,
 )
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ucudnn.backends.base import one_line
 from ucudnn.errors import InvalidInput, UnsupportedProblem
@@ -147,21 +149,21 @@ def _run(
 ) -> tuple[_Recorder, list]:
     """Run the step under a recorder; (recorder, (name, feature map) of each input tensor)."""
     names = {id(m): name for name, m in reversed(list(model.named_modules(remove_duplicate=False)))}
-    state = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers(remove_duplicate=False))
+    state = _slots(model)
     if fake_mode is not None:
         with fake_mode:
             state = {name: fake_mode.from_tensor(t) for name, t in state.items()}
             for t in state.values():
                 t.grad = None  # (a copy carries the parameter's gradient: the step makes its own, as after zero_grad())
             args, kwargs = _as_fake(fake_mode, (args, kwargs))
-    persistent = {storage_key(t): t.untyped_storage().nbytes() for t in state.values()}
+    persistent = {storage_key(t): t.untyped_storage().nbytes() for t in _held(state.values())}
     recorder = _Recorder(persistent, fake_mode is not None, names)
     inputs = [(name, recorder.input(t)) for name, t in input_leaves(model, args, kwargs) if isinstance(t, torch.Tensor)]
 
     def call() -> Any:
         if fake_mode is None:
             return model(*args, **kwargs)
-        return torch.func.functional_call(model, state, args, kwargs, tie_weights=True, strict=False)
+        return torch.func.functional_call(model, state, args, kwargs, tie_weights=False, strict=False)
 
     # a module that the model's forward makes and calls on the spot (transformers' ConvBERT head calls
     # ``ACT2FN[...](x)``) is none of its modules: its operations are its caller's, as a function's are
@@ -199,6 +201,29 @@ def _run(
         grads = [t.grad for t in state.values() if isinstance(t, torch.Tensor) and t.grad is not None]
         recorder.grads = {storage_key(g): g.untyped_storage().nbytes() for g in grads}
     return recorder, inputs
+
+
+def _held(tensors: Any) -> Iterator[torch.Tensor]:
+    """The tensors whose storages hold `tensors`' memory: a wrapper subclass's inner ones (FSDP2's DTensor
+    parameter: its local shard; the wrapper's own storage is none, and reports the whole parameter's bytes)."""
+    for t in tensors:
+        if is_traceable_wrapper_subclass(t):
+            yield from _held(getattr(t, name) for name in t.__tensor_flatten__()[0])
+        elif isinstance(t, torch.Tensor):
+            yield t
+
+
+def _slots(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer of `model` by one name per place that holds it (a module's attribute), for
+    `functional_call` to swap each place once. A module reached by two paths (MONAI's DynUNet holds its blocks
+    in its skip layers too) is one place: named under both, torch swaps it twice and puts the first swap's fake
+    tensor back. A tensor two modules hold (tied embeddings) is named in each, the same fake tensor in both."""
+    return {
+        f"{prefix}{'.' if prefix else ''}{leaf}": t
+        for prefix, module in model.named_modules()
+        for leaf, t in (*module._parameters.items(), *module._buffers.items())
+        if t is not None
+    }
 
 
 @contextlib.contextmanager
@@ -248,7 +273,16 @@ def capture(
         raise InvalidInput("fake=False needs real example inputs; these are fake tensors")
     loss = loss or default_loss
     title = name or type(model).__name__
-    attempts = [True] if fake else [False] if fake is False else [True, False] if given is None else [True]
+    if fake is not None:
+        attempts = [fake]
+    elif given is not None:
+        attempts = [True]
+    elif any(type(t) not in (torch.Tensor, nn.Parameter) for t in leaves):
+        # a subclass's own code (MONAI's MetaTensor's __torch_function__) runs on the real step alone: its fake
+        # copy is a plain tensor, whose step makes other autograd nodes
+        attempts = [False]
+    else:
+        attempts = [True, False]
     for use_fake in attempts:
         mode = (given or FakeTensorMode(allow_non_fake_inputs=True)) if use_fake else None
         try:

@@ -20,6 +20,7 @@ from torch._prims_common import (
     make_contiguous_strides_for,
     suggest_memory_format,  # eager's Tensor.suggest_memory_format
 )
+from torch._subclasses.fake_tensor import FakeTensor
 
 from ucudnn.backends.base import one_line
 from ucudnn.errors import BackendUnavailable, InvalidInput, UnsupportedProblem
@@ -56,7 +57,9 @@ def _dtype_name(t: torch.Tensor, backend_name: str) -> str:
 
 
 def _as_array(t: torch.Tensor, backend_name: str) -> Any:
-    """A view of a tensor as the handle's array type (NumPy on the CPU, CuPy on CUDA), no copy."""
+    """A view of a tensor as the handle's array type (NumPy on the CPU, CuPy on CUDA), no copy. A subclass that
+    holds its data (MONAI's MetaTensor) is viewed so; one that holds none (a fake tensor, a wrapper of others)
+    is refused in one line (`_viewed`)."""
     t = t.detach()
     if t.device.type == "cpu":
         if backend_name != "cpu":
@@ -64,7 +67,7 @@ def _as_array(t: torch.Tensor, backend_name: str) -> Any:
                 f"a CPU tensor reached a handle of backend {backend_name!r}; "
                 "give the model a handle with backend='cpu' (or move the model to the GPU)"
             )
-        return t.numpy()
+        return _viewed(Tensor.numpy, t)
     if t.device.type == "cuda":  # pragma: no cover - needs a GPU
         if backend_name != "cudnn":
             raise InvalidInput(
@@ -77,8 +80,23 @@ def _as_array(t: torch.Tensor, backend_name: str) -> Any:
             raise BackendUnavailable("CUDA tensors need CuPy: pip install 'ucudnn[cuda]'") from exc
         if t.dtype == torch.bfloat16:  # the backend stores bfloat16 as uint16 words
             return cupy.asarray(t.view(torch.int16)).view(cupy.uint16)
-        return cupy.asarray(t)  # zero-copy through __cuda_array_interface__
+        return _viewed(cupy.asarray, t)  # zero-copy through __cuda_array_interface__
     raise UnsupportedProblem(f"ucudnn.torch.Conv2d runs CPU or CUDA tensors, got a tensor on {t.device}")
+
+
+def _viewed(as_array: Any, t: torch.Tensor) -> Any:
+    """``as_array(t)``; a subclass whose memory it cannot view (one that holds no data of its own: NumPy's
+    "not supported for tensor subclasses") is refused in one line."""
+    try:
+        return as_array(t)
+    except (RuntimeError, TypeError, AttributeError) as exc:
+        if type(t) is Tensor:
+            raise
+        what = "a fake tensor (a capture's, outside it)" if isinstance(t, FakeTensor) else f"a {type(t).__qualname__}"
+        raise UnsupportedProblem(
+            f"ucudnn.torch.Conv2d: {what} reached a converted layer's kernel, which reads the tensor's memory; it "
+            f"runs plain tensors and subclasses that hold their data (MONAI's MetaTensor) ({one_line(exc)})"
+        ) from None
 
 
 def _torch_allocator(device_index: int):  # pragma: no cover - needs a GPU
@@ -295,6 +313,36 @@ def _launch(kernel: Kernel, backend: str, out: torch.Tensor, **operands: torch.T
     return out
 
 
+# each kind's operands, as `Kernel.run` names them (the result is `out`)
+_OPERANDS = {"fwd": ("x", "w"), "bwd_data": ("dy", "w"), "bwd_filter": ("x", "dy")}
+
+
+def prepared_launch(kernel: Kernel | None, kind: str, backend: str) -> Any:
+    """`_launch` of one route's `kernel` made once: ``launch(out, first, second)`` with the kind's operands in
+    `_OPERANDS` order. On the CPU backend the tensors are viewed as NumPy arrays without `_launch`'s checks (a
+    route runs the devices and dtypes it was planned for: its key holds them); a tensor NumPy cannot view
+    (another device, a subclass that holds no data) goes through `_launch`, which says why. None: no kernel."""
+    if kernel is None:
+        return None
+    a, b = _OPERANDS[kind]
+    if backend != "cpu":
+        return lambda out, first, second: _launch(kernel, backend, out, **{a: first, b: second})
+
+    def launch(out: torch.Tensor, first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
+        try:
+            arrays: dict[str, Any] = {
+                "out": _planar(out).numpy(),
+                a: _planar(first).detach().numpy(),
+                b: _planar(second).detach().numpy(),
+            }
+        except (RuntimeError, TypeError):
+            return _launch(kernel, backend, out, **{a: first, b: second})
+        kernel.run(**arrays)
+        return out
+
+    return launch
+
+
 def _copy_bytes(t: torch.Tensor, fmt: torch.memory_format) -> int:
     """The bytes ``t.contiguous(memory_format=fmt)`` allocates: none where `t` is in `fmt` already."""
     return 0 if t.is_contiguous(memory_format=fmt) else t.numel() * t.element_size()
@@ -310,8 +358,11 @@ def run_forward(
         return geometry.torch(x, w, bias)
     fmt = _memory_format(route.layout, x.dim())
     y = torch.empty(geometry.out_shape(x.shape, w.shape), dtype=x.dtype, device=x.device, memory_format=fmt)
-    _launch(route.fwd, route.backend, y, x=x.contiguous(memory_format=fmt), w=w.contiguous(memory_format=fmt))
-    return y if bias is None else y.add_(bias.view(1, -1, *[1] * (y.dim() - 2)))
+    route.launches[0](y, x.contiguous(memory_format=fmt), w.contiguous(memory_format=fmt))
+    return y if bias is None else y.add_(bias.view(_BIAS_SHAPES[y.dim()]))
+
+
+_BIAS_SHAPES = {3: (1, -1, 1), 4: (1, -1, 1, 1), 5: (1, -1, 1, 1, 1)}  # a bias broadcast over a result's map
 
 
 def run_backward(
@@ -337,9 +388,9 @@ def run_backward(
     dw_out = torch.empty_like(w, memory_format=fmt) if need_dw and not native_dw else None
     dy = dy.contiguous(memory_format=fmt)
     if dx_out is not None:
-        dx = _launch(route.bwd_data, route.backend, dx_out, dy=dy, w=w.contiguous(memory_format=fmt))
+        dx = route.launches[1](dx_out, dy, w.contiguous(memory_format=fmt))
     if dw_out is not None:
-        dw = _launch(route.bwd_filter, route.backend, dw_out, x=x.contiguous(memory_format=fmt), dy=dy)
+        dw = route.launches[2](dw_out, x.contiguous(memory_format=fmt), dy)
     return dx, dw
 
 

@@ -12,7 +12,14 @@ from torch.autograd.function import once_differentiable
 
 from ucudnn.handle import Handle, Kernel, Turns
 from ucudnn.problem import ConvProblem
-from ucudnn.torch.converting.launch import Geometry, _in_format, _result_format, run_backward, run_forward
+from ucudnn.torch.converting.launch import (
+    Geometry,
+    _in_format,
+    _result_format,
+    prepared_launch,
+    run_backward,
+    run_forward,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +40,12 @@ class _Route:
     trial: _BackwardTrial | None = None  # its backward against torch's fused one, for its first backward passes
     problem: ConvProblem | None = None  # the forward problem it runs (None: a geometry only torch expresses)
     asked: tuple[str, ...] = ()  # the kinds it was planned for (the others are not needed)
+    # each kind's kernel launch (`prepared_launch`), made with the route: its calls only launch
+    launches: tuple = dataclasses.field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        kernels = (("fwd", self.fwd), ("bwd_data", self.bwd_data), ("bwd_filter", self.bwd_filter))
+        object.__setattr__(self, "launches", tuple(prepared_launch(k, kind, self.backend) for kind, k in kernels))
 
     @property
     def left_to_torch(self) -> set[str]:
