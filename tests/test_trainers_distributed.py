@@ -1,7 +1,8 @@
 """Data-parallel training under a memory plan, on 2 gloo ranks (127.0.0.1, a free port, bounded timeouts): the
 module planned inside `DistributedDataParallel` (``DDP(with_plan(model, plan))``, the plan made for the module
 DDP wraps) trains as plain DDP does; the uneven-batch trainer (`ucudnn.torch.distributed`, each rank planned for
-its own batch) as one process on the global batch; FSDP2 (`fully_shard`) as docs/guide-trainers.md says.
+its own batch) as one process on the global batch; FSDP2 (`fully_shard`) as docs/guide-trainers.md says, its
+counted per-rank peak the plan's; ``DDP(torch.compile(with_plan(model, plan)))`` as compiled plain DDP (slow).
 Equality: the whole-parameter norm within the model's own rounding noise (`plain_training`)."""
 
 from __future__ import annotations
@@ -160,7 +161,7 @@ def _compiled_worker(rank: int, init: str, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-@pytest.mark.slow  # compiling on each of 2 ranks: 100+ s on 2 busy cores (benchmarks/BENCHMARKS.md)
+@pytest.mark.slow  # compiling on each of 2 ranks at once: 85-91 s on 2 cores, cache empty (benchmarks/BENCHMARKS.md)
 def test_a_compiled_planned_module_inside_ddp_trains_like_compiled_plain_ddp(tmp_path):
     """``DDP(torch.compile(with_plan(model, plan)))``, the plan made with ``compiled=True`` at the least memory
     (it recomputes), against ``DDP(torch.compile(model))``."""
