@@ -45,6 +45,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import random
 import statistics
 import sys
 import time
@@ -70,15 +71,18 @@ HOST_BLOCKS, HOST_DROPPED, HOST_REPS = 16, 8, 200  # --host: the chain, the maps
 
 
 def interleaved(fns: dict, reps: int) -> dict[str, list[tuple[float, float]]]:
-    """(wall ms, CPU ms of this process) of each function, run in turn rep after rep, the order reversed every
-    rep, after one warm-up each (`ucudnn.kernel.measure.interleaved_samples_ms` with both clocks: on a
-    loaded machine the process's CPU time is what its own work costs, the wall time what it waited too)."""
+    """(wall ms, CPU ms of this process) of each function, run in turn rep after rep, in an order shuffled every
+    rep (seeded), after one warm-up each (both clocks: on a loaded machine the process's CPU time is what its own
+    work costs, the wall time what it waited too). Shuffled, not reversed: a step that runs after a heavy one
+    pays for what that one left (freed graphs, cold caches; +40 us on a 670 us step here), and with a fixed or
+    reversed order some function always follows a heavy one and another never does."""
     names = list(fns)
     for fn in fns.values():
         fn()
     samples: dict[str, list[tuple[float, float]]] = {name: [] for name in names}
-    for rep in range(reps):
-        for name in names if rep % 2 == 0 else names[::-1]:
+    order = random.Random(0)
+    for _ in range(reps):
+        for name in order.sample(names, len(names)):
             wall, cpu = time.perf_counter(), time.process_time()
             fns[name]()
             samples[name].append(((time.perf_counter() - wall) * 1e3, (time.process_time() - cpu) * 1e3))
