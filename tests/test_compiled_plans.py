@@ -8,6 +8,7 @@ no code generation); one test compiles with Inductor itself (about a minute on 2
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 
@@ -17,8 +18,10 @@ from torch import nn
 from torch.nn import functional as F
 
 from ucudnn.errors import InvalidInput, UnsupportedProblem
-from ucudnn.memory.plan import MemoryPlan
-from ucudnn.torch import StepTracker, plan_memory, with_plan
+from ucudnn.handle import native_only
+from ucudnn.memory.plan import ConvWorkspace, MemoryPlan
+from ucudnn.torch import StepTracker, convert, plan_memory, with_plan
+from ucudnn.torch.converting.layer import ConvLayer, PlanBudgets
 from ucudnn.torch.planning import compiled_step
 
 BATCH, SIZE = 4, 16
@@ -250,3 +253,33 @@ def test_a_model_that_breaks_dynamos_graph_is_refused_in_one_line_at_planning():
     with pytest.raises(UnsupportedProblem, match="graph break") as info:
         plan_memory(Broken(), X, loss=_loss, compiled=True)
     assert "\n" not in str(info.value)
+
+
+def test_a_converted_models_compiled_peak_adds_the_workspace_its_kernels_hold_under_their_budgets(model):
+    """A budget is a ceiling: a converted layer runs the fastest configuration within it (or torch's own kernel,
+    which holds none of ours), so the compiled peak adds what the kernels' prepared configurations hold under the
+    plan's budgets, each where it runs, not the largest budget (MONAI's 2-D UNet converted: 2.5 MiB added where at
+    most 1.25 MiB was held)."""
+    # (one algorithm, no torch's own: every kernel then runs a configuration of ours, whichever is timed fastest)
+    converted = convert(copy.deepcopy(model), backend="cpu", algos=("im2col_gemm",))
+    plan = plan_memory(converted, X, loss=_loss, device="h100")  # (keeps everything: no limit; no kernel timed)
+    big = 2**30  # a budget above every configuration's workspace
+    kinds = ("fwd", "bwd_data", "bwd_filter")
+    budgeted = dataclasses.replace(
+        plan, conv_workspace=tuple(ConvWorkspace(op.name, k, big) for op in plan.capture.graph.conv_ops for k in kinds)
+    )
+    peak = compiled_step.compiled_peak(converted, budgeted, (X,), {}, _loss)
+    # the configurations the handle prepared within those budgets, as the layers' routes hold them
+    held = [
+        k.config.workspace
+        for conv in converted.modules()
+        if isinstance(conv, ConvLayer)
+        for route in conv._routes.values()
+        if isinstance(route.budgets, PlanBudgets) and set(route.budgets.values()) == {big}
+        for k in (route.fwd, route.bwd_data, route.bwd_filter)
+        if k is not None and not native_only(k.config)
+    ]
+    assert len(held) > 1 and max(held) > 0  # (the kernels ran under the budgets, holding workspace)
+    unbudgeted = compiled_step.compiled_peak(converted, dataclasses.replace(plan, conv_workspace=()), (X,), {}, _loss)
+    # (each kernel's at its node, over what is live there: at most the most any kernel holds, not the budget)
+    assert 0 < peak - unbudgeted <= max(held) < big
