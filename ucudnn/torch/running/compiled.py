@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import types
 from typing import Any
 
 import torch
@@ -201,7 +200,7 @@ def _contexts(families: tuple, policies: tuple, step: CapturedStep) -> tuple[Any
 
 class PlannedModule(nn.Module):
     """`model` whose forward pass runs under a memory plan's decisions, eagerly or compiled (`with_plan`). Its
-    `forward` has `model.forward`'s signature; `module` is the model, whose public attributes (a Hugging Face
+    `forward` has the model class's signature (`_planned_class`); `module` is the model, whose public attributes (a Hugging Face
     model's ``config``) it reads through; `stats` the `ExecutionStats` of its last planned eager step."""
 
     def __init__(
@@ -220,9 +219,6 @@ class PlannedModule(nn.Module):
         self._offloads = [t.name for t in plan.tensors if t.action == "offload"]
         # (a partial, not a bound method: Dynamo keeps a context_fn as a constant, to call when AOTAutograd traces)
         self._context_fn = functools.partial(_contexts, self._families, self._policies, step)
-        # the model's signature on this module's forward: a trainer reads it (the Hugging Face Trainer keeps the
-        # dataset columns it names). Bound per instance (a copy of the module binds its own: `copy` rebinds).
-        self.forward = types.MethodType(_with_signature_of(model), self)
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -241,6 +237,9 @@ class PlannedModule(nn.Module):
 
     activation_checkpointing_enable = gradient_checkpointing_enable
 
+    def forward(self, *args: Any, **kwargs: Any) -> Any:  # (`_planned_class` gives it the model's signature)
+        return self._forward(args, kwargs)
+
     def _forward(self, args: tuple, kwargs: dict) -> Any:
         if not torch.is_grad_enabled() or not self.training:
             return self.module(*args, **kwargs)  # evaluation: not a training step, nothing to plan
@@ -253,22 +252,6 @@ class PlannedModule(nn.Module):
         executor = _Executor(self.module, _prepared(self.module, self.plan), self.prefetch_ahead)
         self.stats = executor.stats
         return executor.run(args, kwargs)
-
-
-def _with_signature_of(model: nn.Module) -> Any:
-    """`PlannedModule`'s forward function, with `model.forward`'s signature (``self`` first)."""
-
-    def forward(self: PlannedModule, *args: Any, **kwargs: Any) -> Any:
-        return self._forward(args, kwargs)
-
-    try:
-        signature = inspect.signature(model.forward)
-    except (TypeError, ValueError):  # none to give
-        return forward
-    first = inspect.Parameter("self", inspect.Parameter.POSITIONAL_ONLY)
-    forward.__signature__ = signature.replace(parameters=[first, *signature.parameters.values()])  # type: ignore[attr-defined]
-    forward.__doc__ = model.forward.__doc__
-    return forward
 
 
 @torch.compiler.disable
@@ -315,15 +298,17 @@ def with_plan(model: nn.Module, plan: MemoryPlan, *, prefetch_ahead: int = 1) ->
 
 @functools.cache
 def _planned_class(cls: type) -> type[PlannedModule]:
-    """`PlannedModule` named for the wrapped class (``PlannedMobileNetV2ForImageClassification``), its class-level
-    `forward` with that class's signature: the Hugging Face Trainer reads the label names and ``return_loss`` off the
-    model's class (`transformers.utils.find_labels(model.__class__)`), not off the instance."""
+    """`PlannedModule` named for the wrapped class (``PlannedMobileNetV2ForImageClassification``), its `forward`
+    with that class's signature: a trainer reads it (the Hugging Face Trainer keeps the dataset columns
+    ``model.forward`` names, and reads the label names and ``return_loss`` off the model's class,
+    `transformers.utils.find_labels(model.__class__)`)."""
 
     def forward(self: PlannedModule, *args: Any, **kwargs: Any) -> Any:
         return self._forward(args, kwargs)
 
     try:
         forward.__signature__ = inspect.signature(cls.forward)  # type: ignore[attr-defined]
+        forward.__doc__ = cls.forward.__doc__
     except (TypeError, ValueError):  # none to give
         return PlannedModule
     namespace = {"forward": forward, "__module__": PlannedModule.__module__, "__doc__": PlannedModule.__doc__}
