@@ -307,8 +307,9 @@ def _planned_class(cls: type) -> type[PlannedModule]:
         return self._forward(args, kwargs)
 
     try:
-        forward.__signature__ = inspect.signature(cls.forward)  # type: ignore[attr-defined]
-        forward.__doc__ = cls.forward.__doc__
+        method = cls.forward  # type: ignore[attr-defined]
+        forward.__signature__ = inspect.signature(method)  # type: ignore[attr-defined]
+        forward.__doc__ = method.__doc__
     except (TypeError, ValueError):  # none to give
         return PlannedModule
     namespace = {"forward": forward, "__module__": PlannedModule.__module__, "__doc__": PlannedModule.__doc__}
