@@ -26,7 +26,9 @@ The objective is the program's model of the step time; the caller simulates the 
 how far the simulated time is from it. `solve` returns the choices, the objective, HiGHS's own MIP
 gap (0 when proved optimal) and the solve time. With ``minimise_peak=True`` the objective is the peak
 instead: M is a variable (at most `memory_limit`) and the program minimises it, whatever the time
-(`Solution.peak_bytes`; its `objective_ms` is then the time model of the choices it made).
+(`Solution.peak_bytes`; its `objective_ms` is then the time model of the choices it made). With ``relaxed=True``
+every 0-1 variable may take any value in [0, 1]: a linear program, solved in a fraction of the time, whose
+optimum bounds the program's from below (its choices are then not a plan).
 """
 
 from __future__ import annotations
@@ -103,9 +105,11 @@ def solve(
     time_limit_s: float = 8.0,
     mip_rel_gap: float = 1e-3,
     minimise_peak: bool = False,
+    relaxed: bool = False,
 ) -> Solution:
     """Solve the program above; `Infeasible` when no choice fits `memory_limit`. `minimise_peak`: the
-    choices with the least peak instead of the least time (see the module docstring)."""
+    choices with the least peak instead of the least time; `relaxed`: its linear relaxation, a bound (see the
+    module docstring)."""
     from scipy.optimize import Bounds, LinearConstraint, milp
     from scipy.sparse import coo_matrix
 
@@ -228,6 +232,8 @@ def solve(
         continuous.append(peak_var)
     integrality = np.ones(n, dtype=np.int8)  # 1: integer, 0: continuous
     integrality[continuous] = 0
+    if relaxed:
+        integrality[:] = 0
     upper = np.ones(n)
     upper[continuous] = np.inf
     if peak_var is not None:

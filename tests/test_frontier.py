@@ -5,6 +5,7 @@ progress bar of ``ucudnn plan`` kept off stderr under ``--json``."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import sys
@@ -13,15 +14,16 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from ucudnn.cli.main import main
+from ucudnn.solver import memplan
 
 from ucudnn.devices import PROFILES
 from ucudnn.errors import InvalidInput
-from ucudnn.memory import optimal, reuse
+from ucudnn.memory import dymem, optimal, reuse
 from ucudnn.memory.graph import from_network
 from ucudnn.memory.planner import POLICIES, frontier, make_executed_plan, make_plan
 from ucudnn.memory.reuse import PlanCache
 from ucudnn.memory.simulate import simulate
-from ucudnn.memory.timing import step_costs
+from ucudnn.memory.timing import fastest, step_costs
 from ucudnn.memory.vdnn import actions_for
 from ucudnn.torch import plan_frontier, plan_memory, zoo
 
@@ -155,7 +157,7 @@ def _counted(monkeypatch) -> list:
 def test_a_frontier_computes_the_heuristics_once(monkeypatch):
     """Three limits (everything, halfway, the smallest), `optimal` as executed: the frontier runs the simulator
     fewer times than the three plans made apart, the work that no limit changes (the baseline, checkpoint's
-    segmentations) once, and its plans are theirs."""
+    segmentations, the program's tables and its relaxation's bound) once, and its plans are theirs."""
     graph = from_network("resnet18", 16)
     ends = [make_plan(graph, H100, limit, "optimal").peak_bytes for limit in (2**62, 1)]
     limits = [2**62, sum(ends) // 2, 1]
@@ -169,8 +171,9 @@ def test_a_frontier_computes_the_heuristics_once(monkeypatch):
     assert len(calls) == cache.counts["simulated"]
     baselines = [c for c in calls if c == (None, None)]
     assert len(baselines) == 1  # everything resident, no limit: the baseline, simulated once for all three
-    assert cache.counts["made:baseline"] == 1 and cache.counts["made:checkpoint segmentations"] == 1
-    assert len(calls) < 0.8 * simulated_apart, (len(calls), simulated_apart)
+    for kind in ("baseline", "checkpoint segmentations", "optimal tables", "optimal peak bound"):
+        assert cache.counts[f"made:{kind}"] == 1, kind
+    assert cache.counts["reused"] > 0 and len(calls) < simulated_apart, (len(calls), simulated_apart)
 
 
 @pytest.mark.parametrize("as_json", [True, False])
@@ -183,3 +186,101 @@ def test_plan_shows_its_progress_on_a_terminal_and_never_under_json(monkeypatch,
     assert ("planning" in err) is not as_json
     if as_json:
         assert len(json.loads(out)["policies"]) == len(POLICIES)  # stdout is the JSON alone
+
+
+# Below every plan (a limit nothing fits): the smallest plan, made without the searches that cannot give it.
+
+HOST = dataclasses.replace(H100, shares_host_memory=True)  # nothing offloaded: the program recomputes or keeps
+
+
+def _mip_solves(monkeypatch) -> list:
+    calls: list = []
+    solve = memplan.solve
+
+    def counting(*args, **kwargs):
+        if not kwargs.get("relaxed"):
+            calls.append(kwargs.get("minimise_peak", False))
+        return solve(*args, **kwargs)
+
+    monkeypatch.setattr(memplan, "solve", counting)
+    return calls
+
+
+@pytest.mark.parametrize(
+    ("network", "batch", "device"),
+    [("resnet50", 32, H100), ("alexnet", 64, V100), ("googlenet", 16, H100), ("resnet18", 16, HOST)],
+)
+def test_below_every_plan_the_smallest_plan_is_the_one_the_whole_search_gives(monkeypatch, network, batch, device):
+    """At a limit below every plan, `optimal` (and as executed) gives the plan it gives when the program is always
+    searched for its least peak (`PROGRAM_REACH` unbounded): leaving the program out where its relaxation's bound
+    is far above a static plan or a heuristic's loses nothing; and the bound is below the program's least peak."""
+    graph = from_network(network, batch)
+    solves = _mip_solves(monkeypatch)
+    quick = [make_plan(graph, device, 1, "optimal"), make_executed_plan(graph, device, 1, "optimal")]
+    skipped = not solves
+    monkeypatch.setattr(optimal, "PROGRAM_REACH", float("inf"))
+    solves.clear()
+    whole = [make_plan(graph, device, 1, "optimal"), make_executed_plan(graph, device, 1, "optimal")]
+    assert solves  # (the whole search solves the program)
+    assert [_figures(p) for p in quick] == [_figures(p) for p in whole]
+    cache = PlanCache()
+    found = optimal.search(graph, device, 1, cache=cache)
+    bound = next(v for k, v in cache._values.items() if k[0] == "optimal peak bound")
+    least = next(v for k, v in cache._values.items() if k[0] == "optimal least peak")
+    assert 0 < bound <= least[0].peak_bytes
+    assert not found.plan.fits
+    if device is HOST:
+        assert not skipped  # no static plan offloads there: the program's recomputation is searched
+
+
+def test_below_every_plan_the_program_is_left_out_where_a_heuristic_is_far_smaller(monkeypatch):
+    """ResNet-50 on the H100 at a limit nothing fits: a vDNN plan is half the least peak the program allows (its
+    copies must hide behind compute), so no 0-1 program is solved, and the plan is a static or heuristic one."""
+    graph = from_network("resnet50", 32)
+    solves = _mip_solves(monkeypatch)
+    found = optimal.search(graph, H100, 1, cache=PlanCache())
+    assert solves == []
+    assert found.chosen != "program" and found.rounds == 0 and not found.plan.fits
+
+
+def test_below_every_plan_dymem_and_swap_multi_give_their_smallest_without_searching(monkeypatch):
+    """Where even the least a heuristic holds does not fit: Dymem's plan is the closest to the limit of every
+    configuration it tries (offloading and look-ahead, fastest and smallest workspaces), simulated apart; swap-multi
+    moves no prefetch earlier (an earlier one holds its map longer): its simulations are its bisection's and the
+    two triggers it starts from."""
+    graph = from_network("resnet18", 16)
+    cache = PlanCache()
+    fronts = cache.fronts(graph, H100)
+    planned = make_plan(graph, H100, 1, "dymem", cache=PlanCache())
+    peaks = []
+    fast = {k: fastest(v).workspace for k, v in fronts.items()}
+    for workspace in (fast, {k: v[0].workspace for k, v in fronts.items()}):
+        costs = step_costs(graph, H100, workspace=workspace, fronts=fronts)
+        for mode in ("none", "conv", "all"):
+            actions = actions_for(graph, mode)
+            for lookahead in (1, 2):
+                prefetch = dymem.prefetch_schedule(graph, actions, conv_lookahead=lookahead)
+                peaks.append(simulate(graph, H100, costs, actions, memory_limit=1, prefetch=prefetch).peak_bytes)
+    assert not planned.fits and planned.peak_bytes == min(peaks)
+    calls = _counted(monkeypatch)
+    swapped = make_plan(graph, H100, 1, "swap-multi", cache=PlanCache())
+    assert not swapped.fits
+    assert len(calls) <= 4, len(calls)  # everything swapped (its bisection's first try), then the two triggers
+
+
+@pytest.mark.parametrize(
+    ("network", "batch", "device", "devices"), [("resnet18", 16, H100, 1), ("alexnet", 64, V100, 2)]
+)
+def test_where_everything_kept_fits_it_is_the_plan_unsearched(monkeypatch, network, batch, device, devices):
+    """At a limit the baseline fits (and at none): no 0-1 program is solved, the plan keeps everything at the
+    baseline's step, and no other policy's plan there is faster."""
+    graph = from_network(network, batch)
+    solves = _mip_solves(monkeypatch)
+    top = make_plan(graph, device, 2**62, "vdnn-all", devices=devices).baseline_peak_bytes
+    for limit in (2**62, top):
+        plan = make_plan(graph, device, limit, "optimal", devices=devices, cache=PlanCache())
+        assert plan.fits and plan.step_ms == plan.baseline_step_ms and plan.bytes_offloaded == 0
+        assert all(t.action in ("keep", "release") for t in plan.tensors)
+        for name in POLICIES:
+            assert make_plan(graph, device, limit, name, devices=devices).step_ms >= plan.step_ms, name
+    assert solves == []

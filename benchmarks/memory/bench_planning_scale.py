@@ -13,7 +13,8 @@ Each is captured once (`ucudnn.torch.capture`: its ATen operations and graph ste
 - ``sac_milp`` (``--sac MODEL``): PyTorch's estimators on fake tensors and its ILP at the halfway limit, as
   ``bench_planners.py`` runs them (its CBC solve stops at 180 s).
 
-Run on a tree without `ucudnn.memory.reuse` (before issue 52), the frontier is the three plans made one after
+The ``--json`` rows hold each frontier plan's peak, step and whether it fits (``frontier_plans``), to compare the
+plans of two trees. Run on a tree without `ucudnn.memory.reuse` (before issue 52), the frontier is the three plans made one after
 another, which is what a sweep cost there. Targets (issue 52): one plan of HF ResNet-50 <= 1.5 s, ResNet-152 <= 5 s,
 the SD UNet <= 8 s; the frontier <= 1.3x one plan.
 
@@ -148,6 +149,7 @@ def bench(name: str, args, device) -> dict:
         seconds, plans = cpu_seconds(lambda: sweep(graph, device, [2**62, half, 1]))
         times["frontier"].append(seconds)
         # the frontier's halfway plan is the one plan's, unless HiGHS stopped at its time limit (a busy machine)
+        row.setdefault("frontier_plans", []).append([[p.peak_bytes, p.step_ms, p.fits] for p in plans])
         row.setdefault("halfway_differs", []).append(
             None if (plans[1].tensors, plans[1].step_ms) == (plan.tensors, plan.step_ms) else plans[1].step_ms
         )

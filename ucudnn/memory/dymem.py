@@ -12,7 +12,9 @@ Against vDNN, on the same simulator:
 - **What to offload**, as vDNN_dyn orders it: nothing when everything fits; else the inputs of
   convolutions; else every map the backward pass reads (the loss's input excepted); with the
   fastest algorithms first, then the memory-optimal ones; look-ahead 2, then 1 when the
-  prefetched maps do not fit. The fastest plan that fits wins.
+  prefetched maps do not fit. The fastest plan that fits wins; where the least of them (every map offloaded,
+  the memory-optimal algorithms, look-ahead 1) does not fit, nothing else is tried: the plan is it or the same
+  with the fastest algorithms, the one closer to the limit.
 
 `allocation_trace` turns a plan into the allocator's requests in step order, each with its GTBM
 mobility, for `ucudnn.memory.gtbm` to replay on a best-fit and a GTBM pool.
@@ -91,19 +93,29 @@ def plan(
     fast = {k: fastest(opts).workspace for k, opts in fronts.items()}
     small = {k: opts[0].workspace for k, opts in fronts.items()}
     base = baseline(graph, device, fronts, cache=cache)
+
+    def run(workspace, mode: str, lookahead: int):
+        actions = actions_for(graph, mode)
+        prefetch = prefetch_schedule(graph, actions, conv_lookahead=lookahead)
+        costs = cache.costs(graph, device, workspace, fronts)
+        result = cache.simulate(
+            graph, device, costs, actions, memory_limit=memory_limit, prefetch=prefetch, devices=devices
+        )
+        return actions, workspace, result
+
+    if not run(fast, "none", conv_lookahead)[2].fits:
+        # the least Dymem holds: every map offloaded, one convolution ahead, the smallest workspaces; where that does
+        # not fit, no plan of Dymem's does, and the plan is the closer to the limit of it and the same with the
+        # fastest workspaces (then the faster)
+        least = [run(small, "all", 1), run(fast, "all", 1)]
+        if not least[0][2].fits:
+            actions, workspace, result = min(least, key=lambda t: (t[2].peak_bytes, t[2].step_ms))
+            return to_plan(graph, device, memory_limit, "dymem", actions, workspace, result, devices=devices, base=base)
     tried = []
     for workspace in (fast, small):
-        costs = cache.costs(graph, device, workspace, fronts)
         for mode in ("none", "conv", "all"):
-            actions = actions_for(graph, mode)
-            for lookahead in sorted({conv_lookahead, 1}, reverse=True):
-                prefetch = prefetch_schedule(graph, actions, conv_lookahead=lookahead)
-                result = cache.simulate(
-                    graph, device, costs, actions, memory_limit=memory_limit, prefetch=prefetch, devices=devices
-                )
-                tried.append((actions, workspace, result))
-                if mode == "none":
-                    break  # nothing offloaded: the look-ahead changes nothing
+            for lookahead in sorted({conv_lookahead, 1}, reverse=True) if mode != "none" else (conv_lookahead,):
+                tried.append(run(workspace, mode, lookahead))  # (nothing offloaded: no look-ahead to vary)
         if any(r.fits for _, _, r in tried):
             break  # the memory-optimal algorithms are only for when the fastest cannot fit
     fitting = [t for t in tried if t[2].fits]

@@ -10,14 +10,19 @@ limit (a copy or prefetch ran later than the program assumed) or stalls, the pro
 with the limit lowered by the overflow, or the copy budget cut, and the best simulated plan that
 fits wins.
 
+Where everything kept with the fastest workspaces fits, that is the plan, unsearched: no step is faster.
 vDNN's static plans (nothing, conv inputs or everything offloaded, fastest or smallest workspaces)
 are simulated too, and win where they fit and run faster (the program's copy queue is conservative).
 So are the other policies' plans (`ucudnn.memory.planner.POLICIES`) on the same graph, profile, limit
 and fronts: `optimal` is never slower than a heuristic, nor fails where one fits (`OptimalResult.chosen`
 then names the policy, and the plan's `search` says so).
-Where no choice of the program fits the limit, the program is solved for the least peak it allows
-(`memplan.solve`'s ``minimise_peak``), then for the fastest choices within that peak; among it, the static
-plans and the heuristics' the smallest simulated peak wins: a limit below every plan gives the smallest plan.
+Where no choice of the program fits the limit (its linear relaxation's least peak, a bound computed once per
+graph, is above the limit: no 0-1 solve is needed to know it), the smallest simulated peak wins: a limit below
+every plan gives the smallest plan. The program is then solved for the least peak it allows (`memplan.solve`'s
+``minimise_peak``), and for the fastest choices within that peak, once for every such limit, but only where its
+bound comes within `PROGRAM_REACH` of the smallest static or heuristic plan: the program offloads no more than its
+copies hide behind compute, and where everything offloaded is far smaller (ResNet-50 and -152 at batch 64, half
+the program's least peak or less) its search, seconds of HiGHS, could not win.
 On a device whose memory is the host's (a CPU) nothing is offloaded: the program has no offload
 option there and the static plans keep everything.
 
@@ -29,6 +34,7 @@ bound for the decisions it weighs), HiGHS's own MIP gap, and the simulated step'
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 from dataclasses import dataclass
@@ -39,8 +45,8 @@ from ucudnn.memory.graph import TrainingGraph
 from ucudnn.memory.plan import MemoryPlan
 from ucudnn.memory.planner import baseline, to_plan
 from ucudnn.memory.reuse import PlanCache
-from ucudnn.memory.simulate import StepCost
 from ucudnn.memory.timing import KernelOption, fastest
+from ucudnn.memory.vdnn import actions_for
 from ucudnn.solver import memplan
 from ucudnn.solver.types import Infeasible
 
@@ -53,6 +59,7 @@ QUEUE_BLOCKS = 24  # the copy-out queue is modelled per block of forward steps (
 MAX_OPTIONS = 4  # options kept per kernel front: the program stays small, the extremes stay in
 MIP_REL_GAP = 0.005  # HiGHS stops within 0.5% of its bound: the time model is not finer than that
 PEAK_REL_GAP = 1e-4  # ... and within 0.01% of it where it minimises the peak (nothing fits the limit)
+PROGRAM_REACH = 1.25  # nothing fits: the program is searched where its least peak may be within this of the others'
 ROUNDS = 6  # solve-simulate rounds at most
 STALL_TOLERANCE = 0.01  # a plan stalling more than this share of its step is solved again with fewer copies
 _PREFER_KEEP_MS = 1e-6  # per MB offloaded: among equally fast plans, copy less
@@ -197,71 +204,58 @@ def search(
     cache = PlanCache() if cache is None else cache
     fronts = cache.fronts(graph, device, db, fronts)
     base = baseline(graph, device, fronts, cache=cache)
+    # everything kept with the fastest workspaces is the fastest step there is: where it fits, it is the plan
+    keep, fast = actions_for(graph, "none"), {k: fastest(v).workspace for k, v in fronts.items()}
+    costs = cache.costs(graph, device, fast, fronts)
+    kept = cache.simulate(graph, device, costs, keep, memory_limit=memory_limit, prefetch="adaptive", devices=devices)
+    if kept.fits:
+        p = to_plan(graph, device, memory_limit, "optimal", keep, fast, kept, devices=devices, base=base)
+        return OptimalResult(p, kept.step_ms, 0.0, 0.0, 0.0, 0, "vdnn")
     # the program's tables depend on no limit: made once for the plans at every limit
+    key = (cache.ident(graph), device, cache.ident(fronts))
     tensors, kernels, fixed, thinned, budget, constant_ms, prefetch_at, drain = cache.memo(
-        "optimal tables",
-        (cache.ident(graph), device, cache.ident(fronts)),
-        lambda: _tables(graph, device, base.costs, fronts),
+        "optimal tables", key, lambda: _tables(graph, device, base.costs, fronts)
     )
+    tables = (tensors, kernels, fixed, budget, drain)
+    # the least peak the program's model allows, as its linear relaxation bounds it (within 1% of the 0-1 answer on
+    # the models benchmarked, at a fraction of its cost): a limit below it is out of the program's reach unsearched
+    bound = cache.memo("optimal peak bound", key, lambda: _peak_bound(tables))
+    statics = _statics(graph, device, fronts, memory_limit, devices, cache)
+    if bound > memory_limit:
+        # nothing the program chooses fits: the smallest plan wins. The program offloads no more than its copies can
+        # hide behind compute, so a static plan or a heuristic's, offloading more, is often far smaller than any of
+        # its choices; it is searched only where its bound comes within PROGRAM_REACH of the smallest of theirs
+        others = [r.peak_bytes for _, _, r in statics]
+        others += [p.peak_bytes for p in _heuristic_plans(graph, device, memory_limit, devices, fronts, cache)]
+        searched = bound <= PROGRAM_REACH * min(others)
+        if not searched:
+            log.info("optimal: nothing fits; the program's least peak (%d bytes at least) is not searched", bound)
+    else:
+        searched = True
     target = memory_limit
     best = None
     last = None
     solve_s = 0.0
     rounds = 0
     least = None  # where no choice fits the limit: the program's choices of least peak
-    for rounds in range(1, ROUNDS + 1):
+    for rounds in range(1, ROUNDS + 1 if searched else 1):
         try:
-            sol = memplan.solve(
-                tensors,
-                kernels,
-                fixed,
-                target,
-                copy_budget_bytes=budget,
-                drain_bytes=drain[0],
-                queue_block=drain[1],
-                time_limit_s=max(1.0, time_limit_s - solve_s),
-                mip_rel_gap=MIP_REL_GAP,
-            )
+            if bound > memory_limit:
+                raise Infeasible(f"{memory_limit} bytes is below the least peak the program allows, {bound} bytes")
+            sol = _solve(tables, target, budget, time_limit_s=max(1.0, time_limit_s - solve_s), mip_rel_gap=MIP_REL_GAP)
         except Infeasible as exc:  # proved infeasible, or HiGHS found no answer in its time
             log.info("optimal: round %d: %s", rounds, exc)
             if rounds > 1 or least is not None:
                 break
-            # nothing fits: the least peak the program allows, then the fastest choices within it (a hair above:
-            # HiGHS meets its rows to a tolerance); the smallest plan there is, where the limit is below it
-            try:
-                least = memplan.solve(
-                    tensors,
-                    kernels,
-                    fixed,
-                    2**62,
-                    copy_budget_bytes=budget,
-                    drain_bytes=drain[0],
-                    queue_block=drain[1],
-                    time_limit_s=max(1.0, time_limit_s - solve_s),
-                    mip_rel_gap=PEAK_REL_GAP,
-                    minimise_peak=True,
-                )
-            except Infeasible as exc:
-                log.info("optimal: the least peak: %s", exc)
+            # nothing fits: the least peak the program allows, then the fastest choices within it; the same at every
+            # limit below it, so solved once
+            found = cache.memo(
+                "optimal least peak", key, functools.partial(_least_peak, tables, time_limit_s - solve_s)
+            )
+            if found is None:
                 break
+            least, sol, target = found
             solve_s += least.solve_time_s
-            assert least.peak_bytes is not None  # minimise_peak: the least peak is the answer
-            target = math.ceil(least.peak_bytes * (1 + PEAK_REL_GAP / 10)) + 1
-            try:
-                sol = memplan.solve(
-                    tensors,
-                    kernels,
-                    fixed,
-                    target,
-                    copy_budget_bytes=budget,
-                    drain_bytes=drain[0],
-                    queue_block=drain[1],
-                    time_limit_s=max(1.0, time_limit_s - solve_s),
-                    mip_rel_gap=MIP_REL_GAP,
-                )
-            except Infeasible as exc:
-                log.info("optimal: the fastest at the least peak: %s", exc)
-                sol = least
             log.info("optimal: nothing fits %d bytes; the program's least peak is %d bytes", memory_limit, target)
         solve_s += sol.solve_time_s
         workspace = {}
@@ -306,25 +300,10 @@ def search(
             break
     # vDNN's static plans are candidates too: the program's memory model is conservative (whole-block
     # copy queues), so where a plain plan fits and runs faster in simulation, it is the better answer
-    from ucudnn.memory.vdnn import actions_for
-
-    fast = {k: fastest(v).workspace for k, v in fronts.items()}
-    small = {k: v[0].workspace for k, v in fronts.items()}
-    fast_costs = cache.costs(graph, device, fast, fronts)
     static = None
-    statics: tuple[tuple[str, dict[tuple[str, str], int], tuple[StepCost, ...] | None], ...]
-    statics = (("none", fast, fast_costs), ("conv", fast, fast_costs), ("all", fast, fast_costs), ("all", small, None))
-    if device.shares_host_memory:
-        statics = (("none", fast, fast_costs), ("none", small, None))
-    for mode, workspace, static_costs in statics:
-        actions = actions_for(graph, mode)
-        if static_costs is None:
-            static_costs = cache.costs(graph, device, workspace, fronts)
-        result = cache.simulate(
-            graph, device, static_costs, actions, memory_limit=memory_limit, prefetch="adaptive", devices=devices
-        )
-        if static is None or _better(result, static[2]):
-            static = (actions, workspace, result)
+    for candidate in statics:
+        if static is None or _better(candidate[2], static[2]):
+            static = candidate
     assert static is not None  # (statics is never empty)
     if best is None or _better(static[2], best[2]):
         actions, workspace, result = static
@@ -346,6 +325,93 @@ def search(
             p, sol.objective_ms, sol.mip_gap, result.step_ms / sol.objective_ms - 1, solve_s, rounds, "program"
         )
     return _against_heuristics(found, graph, device, memory_limit, devices=devices, fronts=fronts, cache=cache)
+
+
+def _solve(tables, memory_limit: int, copy_budget_bytes: float, **options) -> memplan.Solution:
+    """`memplan.solve` on the program's `tables` (as `search` holds them), under `copy_budget_bytes`."""
+    tensors, kernels, fixed, _, drain = tables
+    return memplan.solve(
+        tensors,
+        kernels,
+        fixed,
+        memory_limit,
+        copy_budget_bytes=copy_budget_bytes,
+        drain_bytes=drain[0],
+        queue_block=drain[1],
+        **options,
+    )
+
+
+def _peak_bound(tables) -> int:
+    """A lower bound of the least peak the program allows: its linear relaxation's (0 where HiGHS finds none)."""
+    try:
+        relaxed = _solve(tables, 2**62, tables[3], minimise_peak=True, relaxed=True)
+    except Infeasible:
+        return 0
+    assert relaxed.peak_bytes is not None  # minimise_peak: the least peak is the answer
+    return math.floor(relaxed.peak_bytes * (1 - 1e-6))  # (HiGHS meets its rows to a tolerance)
+
+
+def _least_peak(tables, time_limit_s: float):
+    """The program's choices of least peak, the fastest choices within that peak (a hair above: HiGHS meets its
+    rows to a tolerance; the least-peak choices where it finds none in time) and that peak; None where HiGHS finds
+    no least peak."""
+    budget = tables[3]
+    try:
+        least = _solve(
+            tables, 2**62, budget, time_limit_s=max(1.0, time_limit_s), mip_rel_gap=PEAK_REL_GAP, minimise_peak=True
+        )
+    except Infeasible as exc:
+        log.info("optimal: the least peak: %s", exc)
+        return None
+    assert least.peak_bytes is not None
+    target = math.ceil(least.peak_bytes * (1 + PEAK_REL_GAP / 10)) + 1
+    try:
+        within = _solve(
+            tables, target, budget, time_limit_s=max(1.0, time_limit_s - least.solve_time_s), mip_rel_gap=MIP_REL_GAP
+        )
+    except Infeasible as exc:
+        log.info("optimal: the fastest at the least peak: %s", exc)
+        within = least
+    return least, within, target
+
+
+def _statics(graph: TrainingGraph, device: DeviceProfile, fronts, memory_limit: int, devices: int, cache: PlanCache):
+    """vDNN's static plans simulated at `memory_limit`: nothing, the conv inputs or everything offloaded with the
+    fastest workspaces, and everything with the smallest (a CPU: nothing offloaded, fastest or smallest), each as
+    (actions, workspace, simulation)."""
+    fast = {k: fastest(v).workspace for k, v in fronts.items()}
+    small = {k: v[0].workspace for k, v in fronts.items()}
+    modes = [("none", fast), ("none", small)]
+    if not device.shares_host_memory:
+        modes = [("none", fast), ("conv", fast), ("all", fast), ("all", small)]
+    found = []
+    for mode, workspace in modes:
+        actions = actions_for(graph, mode)
+        costs = cache.costs(graph, device, workspace, fronts)
+        found.append(
+            (
+                actions,
+                workspace,
+                cache.simulate(
+                    graph, device, costs, actions, memory_limit=memory_limit, prefetch="adaptive", devices=devices
+                ),
+            )
+        )
+    return found
+
+
+def _heuristic_plans(
+    graph: TrainingGraph, device: DeviceProfile, memory_limit: int, devices: int, fronts, cache: PlanCache
+) -> list[MemoryPlan]:
+    """Every other policy's plan (`ucudnn.memory.planner.POLICIES`) at `memory_limit`, made once per `cache`."""
+    from ucudnn.memory.planner import POLICIES, make_plan
+
+    return [
+        make_plan(graph, device, memory_limit, name, devices=devices, fronts=fronts, cache=cache)
+        for name in POLICIES
+        if name != "optimal"
+    ]
 
 
 def _better(result, other) -> bool:
@@ -375,13 +441,8 @@ def _against_heuristics(
     can beat it, and `optimal` must never be beaten by a policy on the same graph, profile and limit.
     Where nothing fits, the plan with the smallest peak: the closest any policy comes. The heuristics' plans come
     from `cache` where a plan at this limit made them, and their simulations where a plan at another did."""
-    from ucudnn.memory.planner import POLICIES, make_plan
-
     best = found.plan
-    for name in POLICIES:
-        if name == "optimal":
-            continue
-        p = make_plan(graph, device, memory_limit, name, devices=devices, fronts=fronts, cache=cache)
+    for p in _heuristic_plans(graph, device, memory_limit, devices, fronts, cache):
         if _better(p, best):
             best = p
     if best is found.plan:

@@ -142,6 +142,9 @@ def adapt_triggers(
     best: tuple[list[dict[str, int]] | str, SimResult] = ("layer", run("layer"))  # vDNN's trigger, to beat
     if (result.fits, -result.step_ms) > (best[1].fits, -best[1].step_ms):
         best = (triggers, result)
+    if not result.fits:
+        # Step 2 moves a trigger only while the step fits: prefetching earlier than right before use holds more
+        return best
     ms = [c.ms for c in costs]
     for _ in range(MAX_TRIGGER_ROUNDS):
         moved = [dict(t) for t in triggers]
@@ -159,7 +162,7 @@ def adapt_triggers(
         if moved == triggers:
             break
         trial = run(moved)
-        if result.fits and not trial.fits:
+        if not trial.fits:
             break  # Step 2: earlier prefetches no longer fit: keep the last triggers that did
         triggers, result = moved, trial
         if (result.fits, -result.step_ms) > (best[1].fits, -best[1].step_ms):
