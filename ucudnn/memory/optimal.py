@@ -216,12 +216,13 @@ def search(
     tensors, kernels, fixed, thinned, budget, constant_ms, prefetch_at, drain = cache.memo(
         "optimal tables", key, lambda: _tables(graph, device, base.costs, fronts)
     )
-    tables = (tensors, kernels, fixed, budget, drain)
+    tables = (tensors, kernels, fixed, drain)
     # the least peak the program's model allows, as its linear relaxation bounds it (within 1% of the 0-1 answer on
     # the models benchmarked, at a fraction of its cost): a limit below it is out of the program's reach unsearched
-    bound = cache.memo("optimal peak bound", key, lambda: _peak_bound(tables))
+    bound = cache.memo("optimal peak bound", key, lambda: _peak_bound(tables, budget))
+    out_of_reach = bound > memory_limit
     statics = _statics(graph, device, fronts, memory_limit, devices, cache)
-    if bound > memory_limit:
+    if out_of_reach:
         # nothing the program chooses fits: the smallest plan wins. The program offloads no more than its copies can
         # hide behind compute, so a static plan or a heuristic's, offloading more, is often far smaller than any of
         # its choices; it is searched only where its bound comes within PROGRAM_REACH of the smallest of theirs
@@ -240,7 +241,7 @@ def search(
     least = None  # where no choice fits the limit: the program's choices of least peak
     for rounds in range(1, ROUNDS + 1 if searched else 1):
         try:
-            if bound > memory_limit:
+            if out_of_reach:
                 raise Infeasible(f"{memory_limit} bytes is below the least peak the program allows, {bound} bytes")
             sol = _solve(tables, target, budget, time_limit_s=max(1.0, time_limit_s - solve_s), mip_rel_gap=MIP_REL_GAP)
         except Infeasible as exc:  # proved infeasible, or HiGHS found no answer in its time
@@ -250,7 +251,7 @@ def search(
             # nothing fits: the least peak the program allows, then the fastest choices within it; the same at every
             # limit below it, so solved once
             found = cache.memo(
-                "optimal least peak", key, functools.partial(_least_peak, tables, time_limit_s - solve_s)
+                "optimal least peak", key, functools.partial(_least_peak, tables, budget, time_limit_s - solve_s)
             )
             if found is None:
                 break
@@ -329,7 +330,7 @@ def search(
 
 def _solve(tables, memory_limit: int, copy_budget_bytes: float, **options) -> memplan.Solution:
     """`memplan.solve` on the program's `tables` (as `search` holds them), under `copy_budget_bytes`."""
-    tensors, kernels, fixed, _, drain = tables
+    tensors, kernels, fixed, drain = tables
     return memplan.solve(
         tensors,
         kernels,
@@ -342,21 +343,20 @@ def _solve(tables, memory_limit: int, copy_budget_bytes: float, **options) -> me
     )
 
 
-def _peak_bound(tables) -> int:
+def _peak_bound(tables, budget: float) -> int:
     """A lower bound of the least peak the program allows: its linear relaxation's (0 where HiGHS finds none)."""
     try:
-        relaxed = _solve(tables, 2**62, tables[3], minimise_peak=True, relaxed=True)
+        relaxed = _solve(tables, 2**62, budget, minimise_peak=True, relaxed=True)
     except Infeasible:
         return 0
     assert relaxed.peak_bytes is not None  # minimise_peak: the least peak is the answer
     return math.floor(relaxed.peak_bytes * (1 - 1e-6))  # (HiGHS meets its rows to a tolerance)
 
 
-def _least_peak(tables, time_limit_s: float):
+def _least_peak(tables, budget: float, time_limit_s: float):
     """The program's choices of least peak, the fastest choices within that peak (a hair above: HiGHS meets its
     rows to a tolerance; the least-peak choices where it finds none in time) and that peak; None where HiGHS finds
     no least peak."""
-    budget = tables[3]
     try:
         least = _solve(
             tables, 2**62, budget, time_limit_s=max(1.0, time_limit_s), mip_rel_gap=PEAK_REL_GAP, minimise_peak=True
