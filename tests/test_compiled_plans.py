@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
 
 import pytest
 
@@ -20,9 +21,11 @@ from torch.nn import functional as F
 from ucudnn.errors import InvalidInput, UnsupportedProblem
 from ucudnn.handle import native_only
 from ucudnn.memory.plan import ConvWorkspace, MemoryPlan
+from ucudnn.memory.planner import EXECUTED_ROUNDS
 from ucudnn.torch import StepTracker, convert, plan_memory, with_plan
 from ucudnn.torch.converting.layer import ConvLayer, PlanBudgets
 from ucudnn.torch.planning import compiled_step
+from ucudnn.torch.planning import planner as planner_module
 
 BATCH, SIZE = 4, 16
 
@@ -143,6 +146,39 @@ def test_a_limit_the_plan_keeping_what_it_may_fits_gets_that_plan_without_tracin
     assert plan.fits and plan.peak_bytes == everything.peak_bytes
     assert [(t.name, t.action) for t in plan.tensors] == [(t.name, t.action) for t in everything.tensors]
     assert traced == []
+
+
+def test_below_the_fastest_plan_the_next_guess_is_its_modelled_peak_less_its_overflow_until_peaks_stop_falling(
+    model, plans, monkeypatch
+):
+    """A limit just below the compiled peak of the plan that keeps what it may: the eager planner is asked next for
+    that plan's modelled (eager) peak lowered by the compiled overflow, not for the limit, and the search stops at
+    the first plan whose compiled peak is no lower than an earlier one's; the plan is the one of least peak."""
+    asked, traced = [], []
+    search = planner_module.compiled_plan
+
+    def spied(step, graph, limit, make, peak_of):
+        def made(target):
+            plan = make(target)
+            asked.append((target, plan.peak_bytes))
+            return plan
+
+        def peak(plan):
+            traced.append(peak_of(plan))
+            return traced[-1]
+
+        return search(step, graph, limit, made, peak)
+
+    monkeypatch.setattr(planner_module, "compiled_plan", spied)
+    limit = plans[0].peak_bytes - 1
+    plan = plan_memory(copy.deepcopy(model), X, memory_limit=limit, loss=_loss, compiled=True)  # (traced anew)
+    assert traced[0] == plans[0].peak_bytes and len(traced) >= 2
+    assert asked[1][0] == asked[0][1] - (traced[0] - limit)
+    for i in range(1, len(asked) - 1):  # each target after: the last plan's modelled peak less its overflow
+        assert asked[i + 1][0] == max(1, asked[i][1] - (traced[i] - limit))
+    assert all(later < earlier for earlier, later in itertools.pairwise(traced[:-1]))  # falling until the last
+    assert len(traced) == EXECUTED_ROUNDS + 1 or traced[-1] >= min(traced[:-1])
+    assert not plan.fits and plan.peak_bytes == min(traced)
 
 
 def test_an_offloading_plan_is_refused_compiled_in_one_line_naming_the_policy_that_would_carry_it(model):

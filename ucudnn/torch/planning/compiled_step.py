@@ -21,8 +21,8 @@ themselves run uncompiled for the one traced step. Counted against this, the com
 lay within 0.91-1.07 of it (benchmarks/pytorch/bench_compiled_plans.py), MONAI's 2-D UNet converted at 1.07; on
 the test suite's small CNN it is one feature map off either way (0.90 or 1.12, by plan), not yet taken apart.
 
-**Which plan** (`compiled_plan`): the fastest first, then plans within the limit, each traced once per model and
-decisions (`traced_peak`).
+**Which plan** (`compiled_plan`): the fastest first, then plans at lowered targets while their compiled peaks
+fall, each traced once per model and decisions (`traced_peak`).
 """
 
 from __future__ import annotations
@@ -324,22 +324,29 @@ def compiled_plan(
 ) -> MemoryPlan:
     """The plan for a compiled step within `limit`: made (`make(target)`) as an eager one is on the compiled step's
     costs (`graph`) and on a profile that offloads nothing (a device whose memory is the host's has nowhere to copy
-    to), then its compiled step's peak counted (`peak_of`). First the plan that keeps what it may: the fastest, so where it
-    fits nothing is better (a compiled step often fits where its eager plan would not, and its peak does not always
-    fall as the plan recomputes more: a recomputed chain lives from the backward graph's start). Then the plan
-    within the limit, and, where that does not fit, within the limit lowered by the overflow, as
-    `make_executed_plan` does. The first that fits, else the one of least peak."""
+    to), then its compiled step's peak counted (`peak_of`, a trace). First the plan that keeps what it may: the
+    fastest, so where it fits nothing is better (a compiled step often fits where its eager plan would not).
+
+    Where it does not fit, the next target is the eager model's peak of the plan just traced, lowered by its
+    compiled overflow: what the eager model must save for the compiled step to save as much (the limit itself
+    would be a poor first guess: the compiled step's peak lies far below the eager model's). The search stops at
+    the first plan that fits, or at the first whose compiled peak is no lower than an earlier plan's: a compiled
+    step's peak does not always fall as the plan recomputes more (a recomputed chain can live from the backward
+    graph's start), and on the library models benchmarked it never fell below the fastest plan's (HF
+    MobileNetV2 and ResNet-50, MONAI's 2-D and 3-D UNet; benchmarks/BENCHMARKS.md, issue 52), so lowering the
+    target further costs traces and finds nothing. The first that fits, else the one of least peak."""
     from ucudnn.memory.planner import EXECUTED_ROUNDS
 
     made = []
     target = None  # (None: no limit)
     for _ in range(EXECUTED_ROUNDS + 1):
         plan = make(_NO_LIMIT if target is None else target)
+        modelled = plan.peak_bytes  # (the eager model's peak of it)
         plan = recompute_fused(dataclasses.replace(plan, capture=step, memory_limit=limit, compiled=True), graph)
         peak = peak_of(plan)
         plan = dataclasses.replace(plan, peak_bytes=peak, fits=peak <= limit)
         made.append(plan)
-        if plan.fits or target == 1:
-            break
-        target = limit if target is None else max(1, target - (peak - limit))
+        if plan.fits or target == 1 or (len(made) > 1 and peak >= min(p.peak_bytes for p in made[:-1])):
+            break  # (the last: recomputing more did not lower the compiled peak, nor will lowering the target)
+        target = max(1, modelled - (peak - limit))
     return next((p for p in made if p.fits), min(made, key=lambda p: p.peak_bytes))
