@@ -19,7 +19,10 @@ its prepared configuration holds under the plan's budget (not the budget: often 
 ours, or a smaller configuration), at the node that runs it, to what the estimate has live there. The graphs
 themselves run uncompiled for the one traced step. Counted against this, the compiled steps of four library models
 lay within 0.91-1.07 of it (benchmarks/pytorch/bench_compiled_plans.py), MONAI's 2-D UNet converted at 1.07; on
-the test suite's small CNN it is one feature map off either way (0.90 or 1.12, by plan), not yet taken apart.
+the test suite's small CNN it is one feature map off either way (0.90 or 1.12, by plan). The 2-D UNet's 7% is
+Inductor's CPU code: it runs each stretch of nodes between two extern kernels as one C++ kernel, allocating all of
+its buffers before the call, where the scheduler's estimate frees between the nodes; its buffer reuse and its
+concatenations written in place, which the estimate counts apart, pull the other way (benchmarks/BENCHMARKS.md).
 
 **Which plan** (`compiled_plan`): the fastest first, then plans at lowered targets while their compiled peaks
 fall, each traced once per model and decisions (`traced_peak`).
