@@ -17,8 +17,13 @@ SGD steps on one batch against plain compiled training's (relative to their norm
 compiling itself (plain compiled against plain eager). Planning time: the three plans' `plan_memory` calls
 against one compile (the plain variant's first step less a later step).
 
+``--convert``: the model converted first (`ucudnn.torch.convert`, backend ``cpu``, its defaults) and warmed up
+eagerly (its kernels measured, their trials against torch's settled), so that every variant, plain included, is
+the converted model compiled, and a plan's prediction holds the workspace its kernels take under its budgets.
+
     pip install '.[models]'
     OMP_NUM_THREADS=2 python benchmarks/pytorch/bench_compiled_plans.py --models monai-unet --json compiled.json
+    OMP_NUM_THREADS=2 python benchmarks/pytorch/bench_compiled_plans.py --models monai-unet --convert
     python benchmarks/pytorch/bench_compiled_plans.py --device cuda --models hf-resnet50 --batch 64 --size 224
 """
 
@@ -40,7 +45,7 @@ from common import table
 from models import build, loss
 from torch import nn
 
-from ucudnn.torch import StepTracker, plan_memory, with_plan
+from ucudnn.torch import StepTracker, convert, plan_memory, with_plan
 from ucudnn.torch.planning.compiled_step import fresh_call
 from ucudnn.torch.running.labels import watch_inductor_buffers
 
@@ -51,6 +56,7 @@ DEFAULTS = {  # (batch, size): small enough that four models compile and run on 
     "monai-unet": (4, 64),
     "monai-unet-3d": (2, 32),
 }
+CONVERTED_WARMUP = 8  # --convert: eager steps before anything compiles (kernels measured, trials settled)
 
 
 class Point:
@@ -118,6 +124,11 @@ def run_model(name: str, args) -> dict:
     device = torch.device(args.device)
     base, x, y = base.to(device), x.to(device), y.to(device)
     _no_dropout(base)
+    if args.convert:
+        base = convert(base, backend="cpu" if device.type == "cpu" else "auto")
+        for _ in range(CONVERTED_WARMUP):
+            base.zero_grad(set_to_none=True)
+            loss(base(x), y).backward()
     torch._dynamo.reset()
     points = [Point("plain", m := copy.deepcopy(base), m, y)]
     _measure(points[0], x)
@@ -168,6 +179,7 @@ def run_model(name: str, args) -> dict:
     compile_s = points[0].first_s - statistics.median(points[0].ms) / 1e3
     return {
         "model": name,
+        "converted": args.convert,
         "batch": batch,
         "size": size,
         "rows": rows,
@@ -186,6 +198,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:i] (a GPU: step time is wall time)")
     parser.add_argument("--batch", type=int, help="batch size for every model (default: each model's own)")
     parser.add_argument("--size", type=int, help="input size for every model (default: each model's own)")
+    parser.add_argument("--convert", action="store_true", help="convert each model first (ucudnn.torch.convert)")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
     args.budgets = [float(b) for b in args.budgets.split(",")]
@@ -204,7 +217,7 @@ def main() -> None:
         results.append(r)
         plain_ms = r["rows"][0]["step_ms"]
         print(
-            f"\n{name} (batch {r['batch']}, {r['size']} px): compiling took {r['compile_s']:.0f} s, three plans "
+            f"\n{name}{' converted' if r['converted'] else ''} (batch {r['batch']}, {r['size']} px): compiling took {r['compile_s']:.0f} s, three plans "
             f"{sum(r['planning_s']):.0f} s; compile's own noise {r['noise_compiled_vs_eager']:.1e}"
         )
         print(

@@ -25,7 +25,8 @@ its buffers before the call, where the scheduler's estimate frees between the no
 concatenations written in place, which the estimate counts apart, pull the other way (benchmarks/BENCHMARKS.md).
 
 **Which plan** (`compiled_plan`): the fastest first, then plans at lowered targets while their compiled peaks
-fall, each traced once per model and decisions (`traced_peak`).
+fall, each traced once per model and decisions (`traced_peak`), and only where the eager model, taking the
+decisions as the compiled step does, does not find them larger.
 """
 
 from __future__ import annotations
@@ -323,6 +324,7 @@ def compiled_plan(
     graph: TrainingGraph,
     limit: int,
     make: Callable[[int], MemoryPlan],
+    modelled_peak: Callable[[MemoryPlan], int],
     peak_of: Callable[[MemoryPlan], int],
 ) -> MemoryPlan:
     """The plan for a compiled step within `limit`: made (`make(target)`) as an eager one is on the compiled step's
@@ -337,15 +339,23 @@ def compiled_plan(
     step's peak does not always fall as the plan recomputes more (a recomputed chain can live from the backward
     graph's start), and on the library models benchmarked it never fell below the fastest plan's (HF
     MobileNetV2 and ResNet-50, MONAI's 2-D and 3-D UNet; benchmarks/BENCHMARKS.md, issue 52), so lowering the
-    target further costs traces and finds nothing. The first that fits, else the one of least peak."""
+    target further costs traces and finds nothing. A plan is not traced at all where the eager model's peak of its
+    decisions as the compiled step takes them (`modelled_peak`: what fused ops make recomputed) is above the last
+    traced plan's: the eager model finds them larger too (HF ResNet-50's second plan, one more convolution
+    recomputed: 0.1 MiB larger so, 12.4 MiB compiled), and a trace costs most of a compile. The first that fits,
+    else the one of least peak."""
     from ucudnn.memory.planner import EXECUTED_ROUNDS
 
     made = []
     target = None  # (None: no limit)
+    taken = 0  # the eager model's peak of the last traced plan's decisions, as its compiled step takes them
     for _ in range(EXECUTED_ROUNDS + 1):
         plan = make(_NO_LIMIT if target is None else target)
         modelled = plan.peak_bytes  # (the eager model's peak of it)
         plan = recompute_fused(dataclasses.replace(plan, capture=step, memory_limit=limit, compiled=True), graph)
+        if made and modelled_peak(plan) > taken:
+            break  # (not traced: as the compiled step takes them, even the eager model finds these decisions larger)
+        taken = modelled_peak(plan)
         peak = peak_of(plan)
         plan = dataclasses.replace(plan, peak_bytes=peak, fits=peak <= limit)
         made.append(plan)

@@ -48,6 +48,7 @@ from ucudnn.handle import Handle, native_only
 from ucudnn.memory.graph import TrainingGraph
 from ucudnn.memory.plan import MemoryPlan
 from ucudnn.memory.reuse import PlanCache
+from ucudnn.memory.simulate import simulate
 from ucudnn.memory.timing import KernelOption, front_of
 from ucudnn.sizes import parse_size
 from ucudnn.torch.capturing.capture import CapturedStep, capture, diverged, hook_nodes, state_kept
@@ -255,8 +256,18 @@ def plan_memory(
         costs,
         limit,
         lambda target: make_executed_plan(costs, host, target, policy, devices=devices, db=db, fronts=fronts),
+        lambda plan: _modelled_peak(costs, host, plan),
         lambda plan: traced_peak(model, key, plan, args, kwargs, loss_of),
     )
+
+
+def _modelled_peak(graph: TrainingGraph, device: DeviceProfile, plan: MemoryPlan) -> int:
+    """The eager model's peak of a compiled plan's decisions, as its compiled step takes them (the maps fused ops
+    make recomputed: `recompute_fused`), where the eager model can take them (a map only its operation's
+    recomputation rebuilds, such as a batch-norm's statistics, kept)."""
+    pinned = graph.captured.pinned if graph.captured is not None else ()
+    actions = {t.name: t.action for t in plan.tensors if t.name not in pinned}
+    return simulate(graph, device, plan.simulation.costs, actions).peak_bytes
 
 
 # model -> {(its modules, the inputs' shapes, the loss, fake, weight_grads): its captured step}, weak on the
