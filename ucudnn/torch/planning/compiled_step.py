@@ -346,7 +346,7 @@ def compiled_plan(
     else the one of least peak."""
     from ucudnn.memory.planner import EXECUTED_ROUNDS
 
-    made = []
+    made: list[MemoryPlan] = []
     target = None  # (None: no limit)
     taken = 0  # the eager model's peak of the last traced plan's decisions, as its compiled step takes them
     for _ in range(EXECUTED_ROUNDS + 1):
