@@ -148,34 +148,44 @@ def test_a_limit_the_plan_keeping_what_it_may_fits_gets_that_plan_without_tracin
     assert traced == []
 
 
+def _spied_search(monkeypatch) -> dict[str, list]:
+    """What `compiled_plan` asks of its three callables, as it asks: each target with the eager plan made for it
+    (``asked``: target, its modelled peak), each plan as the compiled step takes it with the eager model's peak of it
+    (``made``, ``taken``), and each traced peak (``traced``)."""
+    seen: dict[str, list] = {"asked": [], "made": [], "taken": [], "traced": []}
+    search = planner_module.compiled_plan
+
+    def spied(step, graph, limit, make, modelled_peak, peak_of):
+        def made(target):
+            plan = make(target)
+            seen["asked"].append((target, plan.peak_bytes))
+            return plan
+
+        def eager(plan):
+            seen["made"].append(plan)
+            seen["taken"].append(modelled_peak(plan))
+            return seen["taken"][-1]
+
+        def peak(plan):
+            seen["traced"].append(peak_of(plan))
+            return seen["traced"][-1]
+
+        return search(step, graph, limit, made, eager, peak)
+
+    monkeypatch.setattr(planner_module, "compiled_plan", spied)
+    return seen
+
+
 def test_below_the_fastest_plan_the_next_guess_is_its_modelled_peak_less_its_overflow_until_peaks_stop_falling(
     model, plans, monkeypatch
 ):
     """A limit just below the compiled peak of the plan that keeps what it may: the eager planner is asked next for
     that plan's modelled (eager) peak lowered by the compiled overflow, not for the limit, and the search stops at
     the first plan whose compiled peak is no lower than an earlier one's; the plan is the one of least peak."""
-    asked, traced, taken = [], [], []
-    search = planner_module.compiled_plan
-
-    def spied(step, graph, limit, make, modelled_peak, peak_of):
-        def made(target):
-            plan = make(target)
-            asked.append((target, plan.peak_bytes))
-            return plan
-
-        def eager(plan):
-            taken.append(modelled_peak(plan))
-            return taken[-1]
-
-        def peak(plan):
-            traced.append(peak_of(plan))
-            return traced[-1]
-
-        return search(step, graph, limit, made, eager, peak)
-
-    monkeypatch.setattr(planner_module, "compiled_plan", spied)
+    search = _spied_search(monkeypatch)
     limit = plans[0].peak_bytes - 1
     plan = plan_memory(copy.deepcopy(model), X, memory_limit=limit, loss=_loss, compiled=True)  # (traced anew)
+    asked, traced = search["asked"], search["traced"]
     assert traced[0] == plans[0].peak_bytes and len(traced) >= 2
     for i in range(len(asked) - 1):  # each target after the first: the last plan's modelled peak less its overflow
         assert asked[i + 1][0] == max(1, asked[i][1] - (traced[i] - limit)) != limit
@@ -202,23 +212,9 @@ def test_a_plan_the_eager_model_finds_larger_as_the_compiled_step_takes_it_is_no
         return F.cross_entropy(out.logits, Y)
 
     fastest = plan_memory(resnet, x, loss=labelled, compiled=True)
-    made, taken, traced = [], [], []
-    search = planner_module.compiled_plan
-
-    def spied(step, graph, limit, make, modelled_peak, peak_of):
-        def eager(plan):
-            made.append(plan)
-            taken.append(modelled_peak(plan))
-            return taken[-1]
-
-        def peak(plan):
-            traced.append(peak_of(plan))
-            return traced[-1]
-
-        return search(step, graph, limit, make, eager, peak)
-
-    monkeypatch.setattr(planner_module, "compiled_plan", spied)
+    search = _spied_search(monkeypatch)
     plan = plan_memory(resnet, x, memory_limit=int(0.8 * fastest.peak_bytes), loss=labelled, compiled=True)
+    made, taken, traced = search["made"], search["taken"], search["traced"]
     assert traced == [fastest.peak_bytes]  # (the fastest, traced again by nothing: its trace is held)
     assert len(taken) == 2 and taken[1] > taken[0]  # the next plan: larger, as the compiled step takes it
     assert {t.name for t in made[1].tensors if t.action == "recompute"} > {

@@ -348,14 +348,15 @@ def compiled_plan(
 
     made: list[MemoryPlan] = []
     target = None  # (None: no limit)
-    taken = 0  # the eager model's peak of the last traced plan's decisions, as its compiled step takes them
+    last_taken = 0  # the eager model's peak of the last traced plan's decisions, as its compiled step takes them
     for _ in range(EXECUTED_ROUNDS + 1):
         plan = make(_NO_LIMIT if target is None else target)
         modelled = plan.peak_bytes  # (the eager model's peak of it)
         plan = recompute_fused(dataclasses.replace(plan, capture=step, memory_limit=limit, compiled=True), graph)
-        if made and modelled_peak(plan) > taken:
+        taken = modelled_peak(plan)  # (of its decisions as the compiled step takes them)
+        if made and taken > last_taken:
             break  # (not traced: as the compiled step takes them, even the eager model finds these decisions larger)
-        taken = modelled_peak(plan)
+        last_taken = taken
         peak = peak_of(plan)
         plan = dataclasses.replace(plan, peak_bytes=peak, fits=peak <= limit)
         made.append(plan)
