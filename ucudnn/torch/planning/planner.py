@@ -263,10 +263,9 @@ def plan_memory(
 
 def _modelled_peak(graph: TrainingGraph, device: DeviceProfile, plan: MemoryPlan) -> int:
     """The eager model's peak of a compiled plan's decisions, as its compiled step takes them (the maps fused ops
-    make recomputed: `recompute_fused`), where the eager model can take them (a map only its operation's
-    recomputation rebuilds, such as a batch-norm's statistics, kept)."""
-    pinned = graph.captured.pinned if graph.captured is not None else ()
-    actions = {t.name: t.action for t in plan.tensors if t.name not in pinned}
+    make recomputed: `recompute_fused`), where the eager model can take them (what every plan keeps,
+    `TrainingGraph.must_keep`, such as a batch-norm's statistics, kept)."""
+    actions = {t.name: t.action for t in plan.tensors if t.name not in graph.must_keep}
     return simulate(graph, device, plan.simulation.costs, actions).peak_bytes
 
 
