@@ -77,6 +77,19 @@ def test_an_out_argument_resized_by_the_operation_is_counted():
     assert r.end_by_category["tensor"] == 400 + 400
 
 
+def test_a_higher_order_operator_counts_as_one_operation_its_outputs_counted():
+    """A compiled step that recomputes an operation drawing random numbers (attention or dropout, under a compiled
+    plan: diffusers' UNet) runs it inside `run_and_save_rng_state`; the tracker counts what it returns (the
+    generator's state, the result and the mask) where PyTorch would otherwise refuse the operator under the mode."""
+    x = torch.randn(64, 64)
+    with StepTracker() as tracker:
+        state, (out, mask) = torch.ops.higher_order.run_and_save_rng_state(
+            torch.ops.aten.native_dropout.default, x, 0.5, True
+        )
+    made = [t.untyped_storage().nbytes() for t in (x, state, out, mask)]
+    assert mask.dtype == torch.bool and tracker.report().peak_bytes == sum(made) == 64 * 64 * (F32 + F32 + 1) + made[1]
+
+
 def test_a_storage_resized_outside_dispatch_holds_its_new_bytes():
     """FSDP2 frees a gathered parameter by resizing its storage to 0 bytes (``UntypedStorage.resize_``, no operation
     of the dispatch), and gathers it again into the same storage resized back."""

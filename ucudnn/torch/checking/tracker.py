@@ -150,6 +150,11 @@ class StepTracker(TorchDispatchMode):
     (default: the model's parameters', else the CPU). One use per tracker.
     """
 
+    # a compiled step's higher-order operators (`run_and_save_rng_state`, around an operation that draws random
+    # numbers, such as attention's with dropout: diffusers' UNet) reach `__torch_dispatch__` as one operation each,
+    # their outputs counted as any operation's (else PyTorch refuses them under the tracker)
+    supports_higher_order_operators = True
+
     def __init__(self, model: nn.Module | None = None, *, device: torch.device | str | None = None) -> None:
         super().__init__()
         if model is not None and not isinstance(model, nn.Module):
@@ -416,7 +421,8 @@ class StepTracker(TorchDispatchMode):
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 self._see(t, None)
-        if func._schema.is_mutable:  # an in-place or out= operation may have resized its argument's storage
+        schema = getattr(func, "_schema", None)  # (a higher-order operator has none)
+        if schema is not None and schema.is_mutable:  # an in-place or out= operation may have resized its argument
             for t in inputs:
                 self._see(t, None, labelled=False)
         self._sample()
