@@ -239,6 +239,37 @@ def test_a_stalled_baseline_is_measured_again_before_it_becomes_a_ratio(tmp_path
     assert again.kernels[0].baseline == k.baseline
 
 
+class StallOnceBeside(StallOnce):
+    """StallOnce (5 times too slow) beside shift_gemm, a steady 100 times slower than im2col_gemm: it loses at
+    every size, so the benchmark prunes it between the largest size and the smallest, saying by how much it
+    lost there, against the stalled time."""
+
+    STALL = 5.0
+
+    def time_run_ms(self, problem, algo, operands, workspace, reps, beta=0.0):
+        return [(10.0 if algo == "shift_gemm" else 0.1) * problem.n] * reps
+
+
+def test_a_rerun_from_the_cache_prunes_as_the_run_that_measured_again(tmp_path):
+    # The undivided im2col_gemm, stalled, is measured again and replaced in the cache after shift_gemm was pruned
+    # for losing to it. The run prunes anew from the replaced time, as a rerun from its cache does.
+    kernels = expand_kernels([("layer1", PROBLEM)], 8, ["fwd"])
+    algos = ["im2col_gemm", "shift_gemm"]
+    with Cache(str(tmp_path / "c.db")) as cache:
+        report = optimize(
+            StallOnceBeside(), kernels, policy="powerOfTwo", cache=cache, algos=algos, reps=1, benchmark_limit=10
+        )
+        again = optimize(
+            CpuBackend(), kernels, policy="powerOfTwo", cache=cache, algos=algos, reps=1, benchmark_limit=10
+        )
+    (k,) = report.kernels
+    assert report.remeasured >= 1 and k.baseline.time == pytest.approx(0.8)  # (the stall was 4 ms)
+    assert {m.batch for m in k.pruned if m.algo == "shift_gemm"} == {2, 4}
+    assert all("against 0.8 ms" in m.reason for m in k.pruned)  # (the time it lost to, replaced)
+    assert again.stats.measured == 0 and again.kernels == report.kernels
+    assert report.stats.candidates == again.stats.candidates == 8  # (2 algorithms at 4 sizes, each counted once)
+
+
 class StallAlways(StallOnce):
     """Every measurement of the undivided kernel is STALL times too slow: re-measuring cannot help."""
 

@@ -136,6 +136,7 @@ def measure_table(
     fresh: set[tuple[str, int]] | None = None,
     benchmark_limit: int | None = None,
     front: bool = False,
+    known: Mapping[tuple[str, int], MicroConfig] | None = None,
 ) -> tuple[dict[int, list[MicroConfig]], BenchStats]:
     """Every candidate algorithm at every size: `{size: [MicroConfig, ...]}`.
 
@@ -144,7 +145,9 @@ def measure_table(
     at a size exceeds `workspace_limit` is not run there: it appears with infinite time and the
     reason (and is not cached, since another limit may admit it). `progress`, if given, is a tqdm
     bar advanced once per micro-config. `fresh`, if given, receives the `(algo, size)` of every
-    measurement taken now (not read from the cache).
+    measurement taken now (not read from the cache). `known`: rows this run holds already, `(algo, size)`:
+    row, taken as the cache's are (and counted as measured where `fresh` has them): a table derived anew
+    from its rows after some were measured again.
 
     `benchmark_limit` k (None or 0: every candidate is timed) prunes before timing, as PyTorch's
     `cudnn.benchmark_limit` does: the sizes are taken largest first, then the smallest, then down
@@ -173,12 +176,15 @@ def measure_table(
             found.update(
                 cache.lookup(problem_key=problem.key, batches=sizes, algos=group, **device_key(backend, group[0]))
             )
+    found.update(known or {})
+    earlier = set(fresh or ())  # rows this run measured before this call: counted as measured, not cached
     order = backend.ranked(problem, candidates) if pruning else candidates
     # size -> algo -> {winner: why}: who beat whom, clearly and on a steady timing, at each size timed
     losses: dict[int, dict[str, dict[str, str]]] = {}
     ascending = sorted(sizes)
     table: dict[int, list[MicroConfig]] = {}
-    measured = cached = over_limit = pruned = 0
+    measured = over_limit = pruned = 0
+    served: list[tuple[str, int]] = []  # rows found (in the cache, or `known`)
     for size in _pruning_order(sizes) if pruning else sizes:
         part = problem.with_batch(size)
         row: dict[str, MicroConfig] = {}
@@ -196,7 +202,7 @@ def measure_table(
                 if need > workspace_limit:
                     if (algo, size) in found:
                         row[algo] = found[algo, size]
-                        cached += 1
+                        served.append((algo, size))
                     else:
                         row[algo] = MicroConfig(
                             algo,
@@ -211,7 +217,7 @@ def measure_table(
                 runnable.append(algo)
             elif (algo, size) in found:
                 row[algo] = found[algo, size]
-                cached += 1
+                served.append((algo, size))
             else:
                 to_measure.append(algo)  # `measure` records why it cannot run
         # The largest and the smallest sizes are timed first; a size between them drops a candidate that
@@ -245,7 +251,7 @@ def measure_table(
                 timed.append(algo)
                 if (algo, size) in found:
                     row[algo] = found[algo, size]
-                    cached += 1
+                    served.append((algo, size))
                 else:
                     to_measure.append(algo)
                 continue
@@ -272,7 +278,8 @@ def measure_table(
         if progress is not None:
             progress.update(len(candidates))
     table = {size: table[size] for size in sizes}
-    return table, BenchStats(measured, cached, time.perf_counter() - start, over_limit, pruned)
+    prior = sum(key in earlier for key in served)
+    return table, BenchStats(measured + prior, len(served) - prior, time.perf_counter() - start, over_limit, pruned)
 
 
 def _pruning_order(sizes: Sequence[int]) -> list[int]:

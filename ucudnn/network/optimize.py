@@ -322,25 +322,29 @@ def optimize(
     tables: dict[tuple[str, int], dict[int, list[MicroConfig]]] = {}
     fresh: dict[tuple[str, int], set[tuple[str, int]]] = {}  # (algo, size) measured by this run
     problem_of: dict[tuple[str, int], ConvProblem] = {}
-    stats = BenchStats()
+    stats: dict[tuple[str, int], BenchStats] = {}  # per table
+
+    def measured_table(tk: tuple[str, int], progress=progress, known=None):
+        return measure_table(
+            backend,
+            problem_of[tk],
+            batch_sizes(policy, tk[1]),
+            cache=cache,
+            algos=algos,
+            reps=reps,
+            workspace_limit=measure_limit,
+            progress=progress,
+            fresh=fresh[tk],
+            benchmark_limit=benchmark_limit,
+            front=mode == "WD",
+            known=known,
+        )
+
     for _, problem in kernels:
         tk = (problem.key, problem.n)
         if tk not in tables:
             fresh[tk], problem_of[tk] = set(), problem
-            tables[tk], s = measure_table(
-                backend,
-                problem,
-                batch_sizes(policy, problem.n),
-                cache=cache,
-                algos=algos,
-                reps=reps,
-                workspace_limit=measure_limit,
-                progress=progress,
-                fresh=fresh[tk],
-                benchmark_limit=benchmark_limit,
-                front=mode == "WD",
-            )
-            stats += s
+            tables[tk], stats[tk] = measured_table(tk)
 
     baseline_limit = total_workspace // len(kernels) if total_workspace is not None else workspace_limit
     batch = next(iter(batches))
@@ -352,7 +356,7 @@ def optimize(
             )
             table[tk[1]] = [new[tk[1]][0] if m.algo == algo else m for m in table[tk[1]]]
             # The candidate moves from "over the limit" to measured or cached: the total stays the bar's.
-            stats += dataclasses.replace(s, over_limit=-1)
+            stats[tk] += dataclasses.replace(s, over_limit=-1)
 
     def solve():
         chosen_baselines = {tk: choose_baseline(table, tk[1], baseline_limit) for tk, table in tables.items()}
@@ -390,6 +394,7 @@ def optimize(
         if not suspects:
             break
         began = clock()
+        replaced: set[tuple[str, int]] = set()  # tables a re-measurement changed a row of
         if progress is not None:  # one step per re-measurement, so that the bar moves while they run
             progress.total += len(suspects)
             progress.set_description(f"re-measuring {len(suspects)} outliers")
@@ -398,13 +403,22 @@ def optimize(
             for attempt in range(REMEASURE_ATTEMPTS):
                 if attempt and progress is not None:
                     progress.total += 1
-                m = remeasure(backend, problem_of[tk], m, reps=REMEASURE_REPS_FACTOR * reps, cache=cache)
-                tables[tk][m.batch] = [m if (x.algo, x.batch) == (m.algo, m.batch) else x for x in tables[tk][m.batch]]
+                again = remeasure(backend, problem_of[tk], m, reps=REMEASURE_REPS_FACTOR * reps, cache=cache)
+                if again is not m:  # (the faster time: kept, and in the cache)
+                    row = tables[tk][m.batch]
+                    tables[tk][m.batch] = [again if (x.algo, x.batch) == (m.algo, m.batch) else x for x in row]
+                    replaced.add(tk)
+                m = again
                 if progress is not None:
                     progress.update(1)
                 if not looks_like_outlier(m, tables[tk]):
                     break
             remeasured.add(key)
+        # what was pruned rested on the times replaced: pruned anew from the rows as they are now, as a rerun
+        # from the cache prunes them (a candidate no longer pruned is measured)
+        for tk in replaced if benchmark_limit else ():
+            known = {(x.algo, x.batch): x for row in tables[tk].values() for x in row if (x.algo, x.batch) in fresh[tk]}
+            tables[tk], stats[tk] = measured_table(tk, progress=None, known=known)
         remeasure_seconds += clock() - began
     else:
         baselines, configs, fronts = solve()
@@ -439,7 +453,7 @@ def optimize(
         total_workspace=total_workspace,
         batch=batch if len(batches) == 1 else None,
         kernels=tuple(plans),
-        stats=dataclasses.replace(stats, seconds=clock() - start),
+        stats=dataclasses.replace(sum(stats.values(), BenchStats()), seconds=clock() - start),
         fronts=fronts,
         baseline_limit=baseline_limit,
         remeasured=len(remeasured),
