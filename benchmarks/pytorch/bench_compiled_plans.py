@@ -11,7 +11,8 @@ with Inductor once:
   trained as `torch.compile(with_plan(model, plan))`.
 
 Per point: the counted peak of one step after two warm-up steps (`StepTracker`, which also counts the buffers
-Inductor's generated kernels allocate), every compile from nothing (no cached graphs), the step time (median CPU ms over ``--rounds``
+Inductor's generated kernels allocate), every compile from nothing (no cached graphs; each model's kernels
+compiled into an empty Inductor cache directory, as on a user's first run), the step time (median CPU ms over ``--rounds``
 interleaved rounds), for a plan its predicted peak and counted / predicted, and the parameters after ``--steps``
 SGD steps on one batch against plain compiled training's (relative to their norm), beside the noise of
 compiling itself (plain compiled against plain eager). Planning time: the three plans' `plan_memory` calls
@@ -32,8 +33,10 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -213,7 +216,11 @@ def main() -> None:
     torch._inductor.config.fx_graph_cache = False
     results = []
     for name in models:
-        r = run_model(name, args)
+        # a compile from nothing: kernels an earlier run compiled, left in Inductor's on-disk cache, would make the
+        # compile a partial cache read (HF MobileNetV2's took 44 s so, against 65 s from an empty cache)
+        with tempfile.TemporaryDirectory(prefix="inductor-") as fresh:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = fresh
+            r = run_model(name, args)
         results.append(r)
         plain_ms = r["rows"][0]["step_ms"]
         print(

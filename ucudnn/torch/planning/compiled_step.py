@@ -8,21 +8,19 @@ matrix product costs what it measures (`compiled_costs`).
 **Memory.** A compiled step's memory is not the eager step's: the partitioner saves its own set of tensors for
 the backward pass (the plan's tags steer it), and Inductor fuses pointwise results away and reuses buffers. So the
 peak of a compiled plan is Inductor's own (`compiled_peak`): the model is traced once under the plan
-(`with_plan`) through Inductor's decompositions, partitioner, lowering and scheduler, stopping before code
-generation (the costly part of a compile), and each graph's peak is the estimate Inductor's scheduler makes of
-its own buffers (`torch._inductor.memory.estimate_peak_memory`, which its peak-memory reordering uses). The
-backward graph's estimate holds the activations the forward graph saved for it until their last use: AOTAutograd
-hands them over (`steal_args`) and the generated code frees each after its last reader, so they count from the
-start, each until then. The step's peak adds what lives beside the graphs: the parameters, buffers and inputs,
-and what the loss reads beside the model's output (its target). A converted layer's kernel adds the workspace
-its prepared configuration holds under the plan's budget (not the budget: often torch's kernel, holding none of
-ours, or a smaller configuration), at the node that runs it, to what the estimate has live there. The graphs
-themselves run uncompiled for the one traced step. Counted against this, the compiled steps of four library models
-lay within 0.91-1.07 of it (benchmarks/pytorch/bench_compiled_plans.py), MONAI's 2-D UNet converted at 1.07; on
-the test suite's small CNN one or two feature maps off either way (0.90-1.18, by plan). The 2-D UNet's 7% is
-Inductor's CPU code: it runs each stretch of nodes between two extern kernels as one C++ kernel, allocating all of
-its buffers before the call, where the scheduler's estimate frees between the nodes; its buffer reuse and its
-concatenations written in place, which the estimate counts apart, pull the other way (benchmarks/BENCHMARKS.md).
+(`with_plan`) through Inductor's decompositions, partitioner, lowering and scheduler to the wrapper code it
+generates (its kernels' source written, scalar, and not compiled: compiling them is the costly part of a
+compile), and each graph's peak is that code's own memory lines walked (`wrapper_walk`). The backward graph is
+traced with the saved activations laid out as the forward graph's code lays them out (channels-last maps, where
+Inductor chooses them), as a compile reports them to AOTAutograd; and its walk holds those activations from the
+start until the code drops each after its last use (AOTAutograd hands them over, `steal_args`). The step's peak
+adds what lives beside the graphs: the parameters, buffers and inputs, and what the loss reads beside the model's
+output (its target). A converted layer's kernel adds the workspace its prepared configuration holds under the
+plan's budget (not the budget: often torch's kernel, holding none of ours, or a smaller configuration), at the line
+that runs it, to what the walk has live there. The graphs themselves run uncompiled for the one traced step. A
+compiled step of the test suite's small CNN counts its prediction to 8 bytes (the loss's value and its gradient's
+seed); HF MobileNetV2's two plans, which Inductor's scheduler estimate (`torch._inductor.memory`) put 6% off
+either way and in the wrong order, to 0.01% (benchmarks/BENCHMARKS.md, issue 52).
 
 **Which plan** (`compiled_plan`): the fastest first, then plans at lowered targets while their compiled peaks
 fall, each traced once per model and decisions (`traced_peak`), and only where the eager model, taking the
@@ -48,6 +46,7 @@ from ucudnn.memory.graph import TrainingGraph
 from ucudnn.memory.plan import MemoryPlan
 from ucudnn.torch.capturing.capture import CapturedStep, state_kept
 from ucudnn.torch.converting.layer import ConvLayer
+from ucudnn.torch.planning.wrapper_walk import walk_call
 from ucudnn.torch.running.compiled import PlannedModule, with_plan
 
 __all__ = ["compiled_costs", "compiled_peak", "compiled_plan", "fresh_call", "fused", "recompute_fused", "traced_peak"]
@@ -78,40 +77,55 @@ def recompute_fused(plan: MemoryPlan, graph: TrainingGraph) -> MemoryPlan:
     return dataclasses.replace(plan, tensors=tensors)
 
 
-class _Estimated(Exception):
-    """Raised in place of Inductor's code generation, with what its scheduler says of the graph's memory."""
+class _Walked(Exception):
+    """Raised in place of Inductor's compiling of its generated code, with what the code holds as it runs."""
 
 
-def _estimate_instead_of_codegen(graph: Any, freeable: dict[str, int]) -> Any:
-    """`GraphLowering.codegen` stood in for: the peak of the buffers the scheduler Inductor would generate code from
-    allocates, and of its inputs named in `freeable` (name: bytes), which the generated code frees after their last
-    use (a backward graph's saved activations: AOTAutograd hands them over, `steal_args`); the other inputs are
-    the caller's, not counted. Raised with the peak and, per graph output, whether the graph made it (not one of
-    its inputs)."""
-    from torch._inductor.dependencies import WeakDep
-    from torch._inductor.memory import FreeableInputBuffer, MemoryPlanningInfoForBuffer, estimate_peak_memory
-    from torch.utils._ordered_set import OrderedSet
+def _walked_instead_of_codegen(graph: Any, freeable: dict[str, int], codegen: Callable[[Any], Any]) -> Any:
+    """`GraphLowering.codegen` stood in for: the wrapper code Inductor generates for the graph (`codegen`, its
+    kernels' source written, not compiled) walked for the bytes it holds as it runs (`wrapper_walk`), with its
+    inputs named in `freeable` (name: bytes), which the generated code frees after their last use (a backward
+    graph's saved activations: AOTAutograd hands them over, `steal_args`); the other inputs are the caller's,
+    not counted. Raised with the peak, per graph output whether the graph made it (not one of its inputs), and
+    per node running converted layers' kernels the bytes live as it runs and its (layer key, kind) pairs."""
+    from torch._inductor.ir import Layout, MutationLayoutSHOULDREMOVE, NonOwningLayout
 
-    graph.init_wrapper_code()
-    graph._update_scheduler()
-    nodes = graph.scheduler.nodes
-    # (Inductor's own `get_freeable_input_buf` leaves out inputs named like parameters, ``primals_*``, which under
-    # its layout optimisation are the forward graph's channels-last copies of them, and sizes an input by the
-    # bytes its nodes read, less than the whole where an extern kernel reads it)
-    readers: dict[str, OrderedSet[Any]] = {name: OrderedSet() for name in freeable}
-    for node in nodes:
-        for dep in node.read_writes.reads:
-            if dep.name in readers and not (isinstance(dep, WeakDep) and dep.is_fake):
-                readers[dep.name].add(node)
-    inputs = {
-        name: FreeableInputBuffer(name, MemoryPlanningInfoForBuffer(freeable[name], freeable[name], users, users))
-        for name, users in readers.items()
-        if users
-    }
+    # scalar kernels: their source is written in half the vectorised kernels' time, around the same memory lines
+    # (HF ResNet-50 at 128 px: 9.1 s against 18.8 s for its two graphs, the same peak)
+    with torch._inductor.config.patch({"cpp.simdlen": 1}):
+        source = codegen(graph)[0].value
+    sizes = {}
+    for name, buffer in graph.name_to_buffer.items():
+        layout = buffer.get_output_spec()
+        if isinstance(layout, Layout) and not isinstance(layout, (NonOwningLayout, MutationLayoutSHOULDREMOVE)):
+            sizes[name] = int(layout.storage_size()) * layout.dtype.itemsize  # (static shapes)
+    walk = walk_call(source, sizes, freeable)
     outputs = graph.get_output_names()
-    peak, during = estimate_peak_memory(nodes, inputs, OrderedSet(outputs))
-    calls = [(int(during[i]), _kernels_of(node)) for i, node in enumerate(nodes)]
-    raise _Estimated(int(peak), [name not in graph.graph_inputs for name in outputs], [c for c in calls if c[1]])
+    calls = [
+        (
+            max(
+                (walk.live_at[b.get_name()] for b in node.get_outputs() if b.get_name() in walk.live_at),
+                default=walk.peak,
+            ),
+            pairs,
+        )
+        for node in graph.scheduler.nodes
+        if (pairs := _kernels_of(node))
+    ]
+    raise _Walked(walk.peak, [name not in graph.graph_inputs for name in outputs], calls, _strides(graph))
+
+
+def _strides(graph: Any) -> list[tuple[int, ...] | None]:
+    """The strides of the graph's outputs as its generated code lays them out (static sizes), None where not a
+    tensor's: what a compile reports to AOTAutograd (`TracingContext.output_strides`), which lays out the backward
+    graph's saved inputs so (Inductor's channels-last layout of a convolutional network's maps)."""
+    strides: list[tuple[int, ...] | None] = []
+    for out in graph.graph_outputs:
+        try:
+            strides.append(tuple(int(s) for s in out.get_layout().stride))
+        except (AttributeError, TypeError, NotImplementedError):  # (not a tensor, or a size not static)
+            strides.append(None)
+    return strides
 
 
 # the converted layers' operators (`ucudnn.torch.converting.ops`), by name: the kernel kinds each runs, one at a time
@@ -139,11 +153,11 @@ def _kernels_of(node: Any) -> tuple[tuple[int, str], ...]:
     return tuple(dict.fromkeys(found))
 
 
-def _estimated(exc: BaseException) -> tuple[int, list[bool], list] | None:
-    """What an exception carries, where Inductor's wrappers raised it from `_Estimated`."""
+def _walked(exc: BaseException) -> tuple[int, list[bool], list, list] | None:
+    """What an exception carries, where Inductor's wrappers raised it from `_Walked`."""
     while exc is not None:
-        if isinstance(exc, _Estimated):
-            return exc.args[0], exc.args[1], exc.args[2]
+        if isinstance(exc, _Walked):
+            return exc.args[0], exc.args[1], exc.args[2], exc.args[3]
         exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
     return None
 
@@ -173,8 +187,8 @@ def fresh_call(module: nn.Module) -> Callable[..., Any]:
 
 
 def _graphs(module: PlannedModule, call: Callable[[Any], Any]) -> dict[bool, tuple[Any, int, list]]:
-    """The forward (False) and backward (True) graphs Inductor would compile for `module`, each with its
-    scheduler's peak estimate and, per node running converted layers' kernels, the bytes live while it runs and
+    """The forward (False) and backward (True) graphs Inductor would compile for `module`, each with the peak
+    of its generated code and, per node running converted layers' kernels, the bytes live while it runs and
     its (layer key, kind) pairs; traced by one step (`call`) that runs them as they are, uncompiled."""
     import copy
 
@@ -190,20 +204,23 @@ def _graphs(module: PlannedModule, call: Callable[[Any], Any]) -> dict[bool, tup
         graph = copy.deepcopy(gm)  # (Inductor's passes rewrite `gm`: this one runs)
         freeable = _freeable(gm, example_inputs, made) if backward else {}
         codegen = GraphLowering.codegen
-        GraphLowering.codegen = lambda lowering: _estimate_instead_of_codegen(lowering, freeable)  # type: ignore[method-assign, assignment]
+        GraphLowering.codegen = lambda lowering: _walked_instead_of_codegen(lowering, freeable, codegen)  # type: ignore[method-assign, assignment]
         try:
             compile_fx_inner(gm, example_inputs, **kwargs)
-        except Exception as exc:  # (the estimate, raised through Inductor's wrappers)
-            estimate = _estimated(exc)
-            if estimate is None:
+        except Exception as exc:  # (the walk, raised through Inductor's wrappers)
+            walked = _walked(exc)
+            if walked is None:
                 raise
         else:
-            raise AssertionError("Inductor generated code: the estimate did not stand in for its codegen")
+            raise AssertionError("Inductor compiled its code: the walk did not stand in for its codegen")
         finally:
             GraphLowering.codegen = codegen  # type: ignore[method-assign]
         if not backward:
-            made[:] = estimate[1]
-        graphs[backward] = graph, estimate[0], estimate[2]
+            made[:] = walked[1]
+            context = torch._guards.TracingContext.try_get()
+            if context is not None and context.output_strides is not None:  # (as a compile reports them)
+                context.output_strides[:] = walked[3]
+        graphs[backward] = graph, walked[0], walked[2]
         return make_boxed_func(graph.forward)
 
     def backend(gm: Any, example_inputs: Any) -> Any:
@@ -245,7 +262,7 @@ class _ReadBefore(TorchDispatchMode):
 def compiled_peak(model: nn.Module, plan: MemoryPlan, args: tuple, kwargs: dict, loss: Callable) -> int:
     """The peak bytes of `model`'s training step compiled under `plan` (see the module docstring): its
     parameters and buffers, the inputs, what the loss reads beside the model's output (its target), and
-    Inductor's estimates of its graphs. The model's state is as it was."""
+    the peaks of its graphs' generated code. The model's state is as it was."""
     convs = [m for m in model.modules() if isinstance(m, ConvLayer)]
     budgets = [(c, c._budgets) for c in convs]
     inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
@@ -307,9 +324,14 @@ def _with_workspace(peak: int, calls: list, held: dict[tuple[int, str], int]) ->
 _PEAKS: weakref.WeakKeyDictionary[nn.Module, dict[tuple, int]] = weakref.WeakKeyDictionary()
 
 
+def _decisions(plan: MemoryPlan) -> tuple:
+    """What a compiled step takes of `plan`: each map's action and each convolution's workspace."""
+    return tuple((t.name, t.action) for t in plan.tensors), plan.conv_workspace
+
+
 def traced_peak(model: nn.Module, key: tuple, plan: MemoryPlan, args: tuple, kwargs: dict, loss: Callable) -> int:
     """`compiled_peak` of `plan`, traced once per model, capture (`key`) and decisions."""
-    decisions = (key, tuple((t.name, t.action) for t in plan.tensors), plan.conv_workspace)
+    decisions = (key, *_decisions(plan))
     peaks = _PEAKS.setdefault(model, {})
     if decisions not in peaks:
         peaks[decisions] = compiled_peak(model, plan, args, kwargs, loss)
@@ -334,25 +356,35 @@ def compiled_plan(
 
     Where it does not fit, the next target is the eager model's peak of the plan just traced, lowered by its
     compiled overflow: what the eager model must save for the compiled step to save as much (the limit itself
-    would be a poor first guess: the compiled step's peak lies far below the eager model's). The search stops at
-    the first plan that fits, or at the first whose compiled peak is no lower than an earlier plan's: a compiled
-    step's peak does not always fall as the plan recomputes more (a recomputed chain can live from the backward
-    graph's start), and on the library models benchmarked it never fell below the fastest plan's (HF
-    MobileNetV2 and ResNet-50, MONAI's 2-D and 3-D UNet; benchmarks/BENCHMARKS.md, issue 52), so lowering the
-    target further costs traces and finds nothing. A plan is not traced at all where the eager model's peak of its
-    decisions as the compiled step takes them (`modelled_peak`: what fused ops make recomputed) is above the last
-    traced plan's: the eager model finds them larger too (HF ResNet-50's second plan, one more convolution
-    recomputed: 0.1 MiB larger so, 12.4 MiB compiled), and a trace costs most of a compile. The first that fits,
-    else the one of least peak."""
+    would be a poor first guess: the compiled step's peak lies far below the eager model's). A plan the compiled
+    step takes as one traced (the eager model at the lower target recomputed only maps that fused operations make,
+    which the compiled step recomputes anyway) is not traced: the target goes on down by that plan's overflow, a
+    solve each (HF MobileNetV2 at compile(0.25)'s 25.13 MiB: the search, which stopped at the fastest plan's
+    26.87 MiB, goes on to one of 24.63 MiB). The search stops at the first plan that fits, or at the first whose
+    compiled peak is no lower than an earlier plan's: a compiled step's peak does not always fall as the plan
+    recomputes more (a recomputed chain can live from the backward graph's start), so lowering the target further
+    costs traces and finds nothing. A plan is not traced at all where the
+    eager model's peak of its decisions as the compiled step takes them (`modelled_peak`: what fused ops make
+    recomputed) is above the last traced plan's: the eager model finds them larger too (HF ResNet-50's second plan,
+    one more convolution recomputed: 0.1 MiB larger so, 12.4 MiB compiled), and a trace costs most of a compile.
+    The first that fits, else the one of least peak."""
     from ucudnn.memory.planner import EXECUTED_ROUNDS
 
     made: list[MemoryPlan] = []
     target = None  # (None: no limit)
     last_taken = 0  # the eager model's peak of the last traced plan's decisions, as its compiled step takes them
-    for _ in range(EXECUTED_ROUNDS + 1):
+    # plans asked of the eager planner, a solve each, traced or not: a lowered target often changes only what the
+    # compiled step recomputes anyway
+    for _ in range(4 * (EXECUTED_ROUNDS + 1)):
         plan = make(_NO_LIMIT if target is None else target)
         modelled = plan.peak_bytes  # (the eager model's peak of it)
         plan = recompute_fused(dataclasses.replace(plan, capture=step, memory_limit=limit, compiled=True), graph)
+        same = next((p for p in made if _decisions(p) == _decisions(plan)), None)
+        if same is not None:  # decided as a plan traced (fused maps aside): lower the target on, tracing nothing
+            if target == 1:
+                break
+            target = max(1, modelled - (same.peak_bytes - limit))
+            continue
         taken = modelled_peak(plan)  # (of its decisions as the compiled step takes them)
         if made and taken > last_taken:
             break  # (not traced: as the compiled step takes them, even the eager model finds these decisions larger)
@@ -362,5 +394,7 @@ def compiled_plan(
         made.append(plan)
         if plan.fits or target == 1 or (len(made) > 1 and peak >= made[-2].peak_bytes):  # (the peaks so far fell)
             break  # (the last: recomputing more did not lower the compiled peak, nor will lowering the target)
+        if len(made) > EXECUTED_ROUNDS:  # (traces, each most of a compile)
+            break
         target = max(1, modelled - (peak - limit))
     return next((p for p in made if p.fits), min(made, key=lambda p: p.peak_bytes))
