@@ -3,14 +3,14 @@
 The wrapper's ``call`` is the graph's run, one statement a line, and its memory lines are Inductor's own memory
 plan: a buffer allocated (``bufN = empty_strided_cpu(...)``), an extern kernel's result (``bufN =
 torch.ops.aten.convolution_backward.default(...)``, a tuple whose elements ``bufM = bufN[i]`` are storages of
-their own; an element no name takes, which Inductor gives no size, counts nothing), a buffer reused for another (``bufM = bufN; del bufN  # reuse``) or viewed
-(``reinterpret_tensor(bufN, ...)``), and a reference dropped (``del bufN``). A storage lives while a name holds
-it. Walking these lines gives the bytes live at each statement, as the generated code holds them: its CPU
-kernels allocate every buffer of a fused stretch of nodes before the call, and an extern kernel's result lives
-beside its operands until the line after it, where the scheduler's estimate
-(`torch._inductor.memory.estimate_peak_memory`) frees between nodes. On HF MobileNetV2's compiled step that
-estimate was 6% off either way by plan, and ordered two plans wrong; this walk lay within 1% of the counted peak
-on both (benchmarks/BENCHMARKS.md, issue 52).
+their own; an element no name takes, which Inductor gives no size, counts nothing), a buffer reused for another
+(``bufM = bufN; del bufN  # reuse``) or viewed (``reinterpret_tensor(bufN, ...)``), and a reference dropped
+(``del bufN``). A storage lives while a name holds it. Walking these lines gives the bytes live at each statement
+as the generated code holds them: its CPU kernels allocate every buffer of a fused stretch of nodes before the
+call, and an extern kernel's result lives beside its operands until the lines after it drop them, where the
+scheduler's estimate (`torch._inductor.memory.estimate_peak_memory`) frees between nodes. On HF MobileNetV2's
+compiled step that estimate was 6% off either way by plan and ordered two plans wrong; the walk counts both to
+8 bytes (benchmarks/BENCHMARKS.md, issue 52).
 
 Written by hand: Inductor exposes no replay of its generated code's memory, only the estimate above.
 """
@@ -21,6 +21,8 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+import torch
+
 __all__ = ["Walk", "walk_call"]
 
 _ALLOCATE = re.compile(r"(\w+) = empty_strided_\w+\(\(([^)]*)\), \(([^)]*)\), torch\.(\w+)\)")
@@ -29,7 +31,6 @@ _VIEW = re.compile(r"(\w+) = reinterpret_tensor\((\w+),")
 _ELEMENT = re.compile(r"(\w+) = (\w+)\[(\d+)\]$")
 _CALL = re.compile(r"(\w+) = ([\w.]+)\(")
 _DELETE = re.compile(r"del (\w+)$")
-_ITEM_BYTES = {"float64": 8, "int64": 8, "float32": 4, "int32": 4, "float16": 2, "bfloat16": 2, "bool": 1}
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,7 +47,7 @@ def _allocated_bytes(shape: str, stride: str, dtype: str) -> int:
     strides = [int(s) for s in stride.split(",") if s.strip()]
     if 0 in sizes:
         return 0
-    return (1 + sum((n - 1) * s for n, s in zip(sizes, strides, strict=True))) * _ITEM_BYTES.get(dtype, 4)
+    return (1 + sum((n - 1) * s for n, s in zip(sizes, strides, strict=True))) * getattr(torch, dtype).itemsize
 
 
 def walk_call(source: str, sizes: Mapping[str, int], freeable: Mapping[str, int]) -> Walk:
