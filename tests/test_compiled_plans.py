@@ -372,25 +372,3 @@ def test_a_converted_models_compiled_peak_adds_the_workspace_its_kernels_hold_un
     unbudgeted = compiled_step.compiled_peak(converted, dataclasses.replace(plan, conv_workspace=()), (X,), {}, _loss)
     # (each kernel's at its node, over what is live there: at most the most any kernel holds, not the budget)
     assert 0 < peak - unbudgeted <= max(held) < big
-
-
-def test_a_converted_models_compiled_step_counts_its_prediction(model):
-    """Inductor itself, compiling a converted model under a plan whose budgets let its kernels hold workspace: the
-    counted peak is the predicted one, each kernel's workspace counted over what the generated code holds at the
-    line that runs it (within the 8 bytes of the loss's scalars)."""
-    torch._dynamo.reset()
-    converted = convert(copy.deepcopy(model), backend="cpu", algos=("im2col_gemm",))
-    plan = plan_memory(converted, X, loss=_loss, device="h100")  # (keeps everything; no kernel timed)
-    budgeted = dataclasses.replace(
-        plan,
-        conv_workspace=tuple(
-            ConvWorkspace(op.name, k, 2**30)
-            for op in plan.capture.graph.conv_ops
-            for k in ("fwd", "bwd_data", "bwd_filter")
-        ),
-    )
-    predicted = compiled_step.compiled_peak(converted, budgeted, (X,), {}, _loss)
-    unbudgeted = compiled_step.compiled_peak(converted, dataclasses.replace(plan, conv_workspace=()), (X,), {}, _loss)
-    assert predicted > unbudgeted  # (the kernels hold workspace under the budgets)
-    counted = _compiled_peak(with_plan(converted, budgeted), converted)
-    assert 0 <= counted - predicted <= 8
