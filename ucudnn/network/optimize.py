@@ -324,7 +324,9 @@ def optimize(
     problem_of: dict[tuple[str, int], ConvProblem] = {}
     stats: dict[tuple[str, int], BenchStats] = {}  # per table
 
-    def measured_table(tk: tuple[str, int], progress=progress, known=None):
+    def measured_table(
+        tk: tuple[str, int], progress=progress, known: Mapping[tuple[str, int], MicroConfig] | None = None
+    ) -> tuple[dict[int, list[MicroConfig]], BenchStats]:
         return measure_table(
             backend,
             problem_of[tk],

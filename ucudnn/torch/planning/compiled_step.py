@@ -20,7 +20,7 @@ plan's budget (not the budget: often torch's kernel, holding none of ours, or a 
 that runs it, to what the walk has live there. The graphs themselves run uncompiled for the one traced step. A
 compiled step of the test suite's small CNN counts its prediction to 8 bytes (the loss's value and its gradient's
 seed); HF MobileNetV2's two plans, which Inductor's scheduler estimate (`torch._inductor.memory`) put 6% off
-either way and in the wrong order, to 0.01% (benchmarks/BENCHMARKS.md, issue 52).
+either way and in the wrong order, to 8 bytes too (benchmarks/BENCHMARKS.md, issue 52).
 
 **Which plan** (`compiled_plan`): the fastest first, then plans at lowered targets while their compiled peaks
 fall, each traced once per model and decisions (`traced_peak`), and only where the eager model, taking the
