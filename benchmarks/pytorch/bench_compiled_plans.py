@@ -13,7 +13,8 @@ with Inductor once:
 Per point: the counted peak of one step after two warm-up steps (`StepTracker`, which also counts the buffers
 Inductor's generated kernels allocate), every compile from nothing (no cached graphs; each model's kernels
 compiled into an empty Inductor cache directory, as on a user's first run), the step time (median CPU ms over ``--rounds``
-interleaved rounds), for a plan its predicted peak and counted / predicted, and the parameters after ``--steps``
+interleaved rounds, in an order shuffled every round), for a plan its step against compile(b)'s (the median of
+their ratios round by round), its predicted peak and counted / predicted, and the parameters after ``--steps``
 SGD steps on one batch against plain compiled training's (relative to their norm), beside the noise of
 compiling itself (plain compiled against plain eager). Planning time: the three plans' `plan_memory` calls
 against one compile (the plain variant's first step less a later step).
@@ -34,6 +35,7 @@ import argparse
 import copy
 import json
 import os
+import random
 import statistics
 import sys
 import tempfile
@@ -153,8 +155,9 @@ def run_model(name: str, args) -> dict:
         points.append(Point(f"ucudnn@compile({b})", planned, with_plan(planned, plan), y, plan))
         _measure(points[-1], x)
         print(f"{name}: planned at compile({b})'s {reached / MiB:.1f} MiB in {planning[-1]:.0f} s", flush=True)
-    for _ in range(args.rounds):  # interleaved
-        for p in points:
+    order = random.Random(0)
+    for _ in range(args.rounds):  # interleaved, in an order shuffled every round: no point always follows another
+        for p in order.sample(points, len(points)):
             p.ms.append(_timed_ms(p, x, device))
     # training equality: each plan's parameters against plain compiled training's, beside compile's own noise
     plain_eager = _trained(m := copy.deepcopy(base), m, x, y, args.steps)
@@ -170,11 +173,14 @@ def run_model(name: str, args) -> dict:
             "first_step_s": p.first_s,
         }
         if p.plan is not None:  # the plan measured above, on a fresh copy of the model
+            at = next(c for c in points if c.name == p.name.removeprefix("ucudnn@"))  # compile's point, its limit
             model = copy.deepcopy(base)
             trained = _trained(torch.compile(fresh_call(with_plan(model, p.plan))), model, x, y, args.steps)
             row |= {
                 "predicted_mib": p.plan.peak_bytes / MiB,
                 "counted_over_predicted": p.peak / p.plan.peak_bytes,
+                # the step against compile's at the same limit, round by round: a slow round slows both
+                "step_vs_compile_point": statistics.median(u / c for u, c in zip(p.ms, at.ms)),
                 "params_vs_plain_compiled": (trained - plain).norm().item() / norm,
                 "recomputed": sum(t.action == "recompute" for t in p.plan.tensors),
             }
@@ -233,6 +239,7 @@ def main() -> None:
                     "variant",
                     "peak MiB",
                     "x plain step",
+                    "x compile(b)",
                     "predicted MiB",
                     "counted/pred",
                     "params vs plain",
@@ -243,6 +250,7 @@ def main() -> None:
                         row["variant"],
                         f"{row['peak_mib']:.2f}",
                         f"{row['step_ms'] / plain_ms:.3f}",
+                        f"{row['step_vs_compile_point']:.3f}" if "predicted_mib" in row else "",
                         f"{row['predicted_mib']:.2f}" if "predicted_mib" in row else "",
                         f"{row['counted_over_predicted']:.3f}" if "predicted_mib" in row else "",
                         f"{row['params_vs_plain_compiled']:.1e}" if "predicted_mib" in row else "",

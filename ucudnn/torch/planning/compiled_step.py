@@ -24,7 +24,7 @@ either way and in the wrong order, to 8 bytes too (benchmarks/BENCHMARKS.md, iss
 
 **Which plan** (`compiled_plan`): the fastest first, then plans at lowered targets while their compiled peaks
 fall, each traced once per model and decisions (`traced_peak`), and only where the eager model, taking the
-decisions as the compiled step does, does not find them larger.
+decisions as the compiled step does, finds them smaller than the last traced.
 """
 
 from __future__ import annotations
@@ -64,14 +64,26 @@ def compiled_costs(graph: TrainingGraph) -> TrainingGraph:
     return dataclasses.replace(graph, ops=ops)
 
 
-def recompute_fused(plan: MemoryPlan, graph: TrainingGraph) -> MemoryPlan:
-    """`plan` with every kept map that fused ops alone make recomputed: compiled, recomputing it is free, and a
-    map that must be saved (`MUST_SAVE`) would keep the partitioner from saving the smaller tensors it is
-    recomputed from, as compile's own partitioning does."""
+def recompute_fused(plan: MemoryPlan, graph: TrainingGraph, rerunning_convs: bool = False) -> MemoryPlan:
+    """`plan` with every kept map that fused ops make from what the plan keeps (or from maps so made) recomputed:
+    compiled, recomputing it is free, and a map that must be saved (`MUST_SAVE`) would keep the partitioner from
+    saving the smaller tensors it is recomputed from, as compile's own partitioning does. A map made from one that
+    the plan drops and a convolution makes stays kept: recomputing it would run that convolution again (MONAI's
+    UNet: a residual unit's sum, whose strided convolution's output nothing else reads). `rerunning_convs`: every
+    kept map fused ops make recomputed, convolutions rerun where they must be (a smaller, slower plan)."""
+    actions = {t.name: t.action for t in plan.tensors}
+    free: dict[str, bool] = {}
+
+    def made_free(storage: str) -> bool:
+        if storage not in free:
+            ops = graph.producers(storage) if storage in graph.op_index else ()
+            sources = {graph.storage_of(i) for op in ops for i in op.inputs} - {storage}
+            free[storage] = bool(ops) and all(fused(op) for op in ops)
+            free[storage] &= rerunning_convs or all(actions.get(s, "keep") == "keep" or made_free(s) for s in sources)
+        return free[storage]
+
     tensors = tuple(
-        dataclasses.replace(t, action="recompute")
-        if t.action == "keep" and t.name in graph.op_index and all(fused(op) for op in graph.producers(t.name))
-        else t
+        dataclasses.replace(t, action="recompute") if t.action == "keep" and made_free(t.name) else t
         for t in plan.tensors
     )
     return dataclasses.replace(plan, tensors=tensors)
@@ -356,45 +368,47 @@ def compiled_plan(
 
     Where it does not fit, the next target is the eager model's peak of the plan just traced, lowered by its
     compiled overflow: what the eager model must save for the compiled step to save as much (the limit itself
-    would be a poor first guess: the compiled step's peak lies far below the eager model's). A plan the compiled
-    step takes as one traced (the eager model at the lower target recomputed only maps that fused operations make,
-    which the compiled step recomputes anyway) is not traced: the target goes on down by that plan's overflow, a
-    solve each (HF MobileNetV2 at compile(0.25)'s 25.13 MiB: the search, which stopped at the fastest plan's
-    26.87 MiB, goes on to one of 24.63 MiB). The search stops at the first plan that fits, or at the first whose
-    compiled peak is no lower than an earlier plan's: a compiled step's peak does not always fall as the plan
-    recomputes more (a recomputed chain can live from the backward graph's start), so lowering the target further
-    costs traces and finds nothing. A plan is not traced at all where the
-    eager model's peak of its decisions as the compiled step takes them (`modelled_peak`: what fused ops make
-    recomputed) is above the last traced plan's: the eager model finds them larger too (HF ResNet-50's second plan,
-    one more convolution recomputed: 0.1 MiB larger so, 12.4 MiB compiled), and a trace costs most of a compile.
+    would be a poor first guess: the compiled step's peak lies far below the eager model's). A trace costs most of
+    a compile, so a plan is traced only where the eager model's peak of its decisions as the compiled step takes
+    them (`modelled_peak`: the maps fused ops make recomputed) is below the last traced plan's. Otherwise (the plan
+    differs only in maps the compiled step recomputes anyway, or recomputes a convolution whose inputs then live
+    longer) the target goes on down by the last traced plan's overflow, a solve each, until the eager planner can
+    go no lower. HF MobileNetV2 at compile(0.25)'s 25.13 MiB: two plans not traced, then one of 24.63 MiB, from the
+    fastest's 26.87; HF ResNet-50 (4, 128) at compile(0.5)'s 231.93 MiB: one not traced, then one of 231.43 MiB
+    (benchmarks/BENCHMARKS.md, issue 52). The search stops at the first plan that fits, or at the first whose
+    compiled peak is no lower than the plan's traced before it: a compiled step's peak does not always fall as the
+    plan recomputes more (a recomputed chain can live from the backward graph's start), so lowering the target
+    further costs traces and finds nothing.
     The first that fits, else the one of least peak."""
     from ucudnn.memory.planner import EXECUTED_ROUNDS
 
     made: list[MemoryPlan] = []
     target = None  # (None: no limit)
+    asked = set()
     last_taken = 0  # the eager model's peak of the last traced plan's decisions, as its compiled step takes them
     # plans asked of the eager planner, a solve each, traced or not: a lowered target often changes only what the
     # compiled step recomputes anyway
     for _ in range(4 * (EXECUTED_ROUNDS + 1)):
-        plan = make(_NO_LIMIT if target is None else target)
-        modelled = plan.peak_bytes  # (the eager model's peak of it)
-        plan = recompute_fused(dataclasses.replace(plan, capture=step, memory_limit=limit, compiled=True), graph)
-        same = next((p for p in made if _decisions(p) == _decisions(plan)), None)
-        if same is not None:  # decided as a plan traced (fused maps aside): lower the target on, tracing nothing
-            if target == 1:
+        if target in asked:
+            break  # (the eager planner can go no lower: its plan at the last target was the one before)
+        asked.add(target)
+        eager = make(_NO_LIMIT if target is None else target)
+        eager = dataclasses.replace(eager, capture=step, memory_limit=limit, compiled=True)
+        done = False
+        for plan in (recompute_fused(eager, graph), recompute_fused(eager, graph, rerunning_convs=True)):
+            taken = modelled_peak(plan)  # (the eager model's peak of its decisions as the compiled step takes them)
+            if made and taken >= last_taken:
+                continue  # not traced: the eager model finds it no smaller than the last traced
+            last_taken = taken
+            peak = peak_of(plan)
+            plan = dataclasses.replace(plan, peak_bytes=peak, fits=peak <= limit)
+            made.append(plan)
+            # the last: it fits, or recomputing more did not lower the compiled peak (nor will lowering the
+            # target), or the traces (each most of a compile) are spent
+            done = plan.fits or (len(made) > 1 and peak >= made[-2].peak_bytes) or len(made) > EXECUTED_ROUNDS
+            if done:
                 break
-            target = max(1, modelled - (same.peak_bytes - limit))
-            continue
-        taken = modelled_peak(plan)  # (of its decisions as the compiled step takes them)
-        if made and taken > last_taken:
-            break  # (not traced: as the compiled step takes them, even the eager model finds these decisions larger)
-        last_taken = taken
-        peak = peak_of(plan)
-        plan = dataclasses.replace(plan, peak_bytes=peak, fits=peak <= limit)
-        made.append(plan)
-        if plan.fits or target == 1 or (len(made) > 1 and peak >= made[-2].peak_bytes):  # (the peaks so far fell)
-            break  # (the last: recomputing more did not lower the compiled peak, nor will lowering the target)
-        if len(made) > EXECUTED_ROUNDS:  # (traces, each most of a compile)
+        if done:
             break
-        target = max(1, modelled - (peak - limit))
+        target = max(1, eager.peak_bytes - (made[-1].peak_bytes - limit))  # lower the target on, a solve each
     return next((p for p in made if p.fits), min(made, key=lambda p: p.peak_bytes))
