@@ -376,9 +376,9 @@ def compiled_plan(
     them (`modelled_peak`: the maps fused ops make recomputed) is below the last traced plan's. Otherwise (the plan
     differs only in maps the compiled step recomputes anyway, or recomputes a convolution whose inputs then live
     longer) the target goes on down by the last traced plan's overflow, a solve each, until the eager planner can
-    go no lower. HF MobileNetV2 at compile(0.25)'s 25.13 MiB: two plans not traced, then one of 24.63 MiB, from the
-    fastest's 26.87; HF ResNet-50 (4, 128) at compile(0.5)'s 231.93 MiB: one not traced, then one of 231.43 MiB
-    (benchmarks/BENCHMARKS.md, issue 52). The search stops at the first plan that fits, or at the first whose
+    go no lower. HF MobileNetV2 at compile(0.25)'s 25.13 MiB goes past the fastest's 26.87 to a plan of 23.86 MiB;
+    HF ResNet-50 (4, 128) at compile(0.5)'s 231.93 MiB past a plan the eager model finds as large as the fastest
+    to one of 231.43 MiB (benchmarks/BENCHMARKS.md, issue 52). The search stops at the first plan that fits, or at the first whose
     compiled peak is no lower than the plan's traced before it: a compiled step's peak does not always fall as the
     plan recomputes more (a recomputed chain can live from the backward graph's start), so lowering the target
     further costs traces and finds nothing. The first that fits, else the one of least peak."""
