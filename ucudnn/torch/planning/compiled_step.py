@@ -378,16 +378,23 @@ def compiled_plan(
     longer) the target goes on down by the last traced plan's overflow, a solve each, until the eager planner can
     go no lower. HF MobileNetV2 at compile(0.25)'s 25.13 MiB goes past the fastest's 26.87 to a plan of 23.86 MiB;
     HF ResNet-50 (4, 128) at compile(0.5)'s 231.93 MiB past a plan the eager model finds as large as the fastest
-    to one of 231.43 MiB (benchmarks/BENCHMARKS.md, issue 52). The search stops at the first plan that fits, or at the first whose
-    compiled peak is no lower than the plan's traced before it: a compiled step's peak does not always fall as the
-    plan recomputes more (a recomputed chain can live from the backward graph's start), so lowering the target
-    further costs traces and finds nothing. The first that fits, else the one of least peak."""
+    to one of 231.43 MiB (benchmarks/BENCHMARKS.md, issue 52). The search stops at the first plan that fits, or
+    at the first whose compiled peak is no lower than the plan's traced before it: a compiled step's peak does not
+    always fall as the plan recomputes more (a recomputed chain can live from the backward graph's start), so
+    lowering the target further costs traces and finds nothing. The first that fits, else the one of least peak."""
     from ucudnn.memory.planner import EXECUTED_ROUNDS
 
     made: list[MemoryPlan] = []
     target = None  # (None: no limit)
     asked: set[int | None] = set()
     last_taken = 0  # the eager model's peak of the last traced plan's decisions, as its compiled step takes them
+
+    def last() -> bool:
+        """Whether the plan just traced ends the search: it fits, or recomputing more did not lower the compiled
+        peak (nor will lowering the target), or the traces (each most of a compile) are spent."""
+        peak = made[-1].peak_bytes
+        return made[-1].fits or (len(made) > 1 and peak >= made[-2].peak_bytes) or len(made) > EXECUTED_ROUNDS
+
     # plans asked of the eager planner, a solve each, traced or not: a lowered target often changes only what the
     # compiled step recomputes anyway
     for _ in range(4 * (EXECUTED_ROUNDS + 1)):
@@ -396,21 +403,17 @@ def compiled_plan(
         asked.add(target)
         eager = make(_NO_LIMIT if target is None else target)
         eager = dataclasses.replace(eager, capture=step, memory_limit=limit, compiled=True)
-        done = False
-        for plan in (recompute_fused(eager, graph), recompute_fused(eager, graph, rerunning_convs=True)):
+        free, rerunning = recompute_fused(eager, graph), recompute_fused(eager, graph, rerunning_convs=True)
+        for plan in (free, rerunning) if _decisions(rerunning) != _decisions(free) else (free,):
             taken = modelled_peak(plan)  # (the eager model's peak of its decisions as the compiled step takes them)
             if made and taken >= last_taken:
                 continue  # not traced: the eager model finds it no smaller than the last traced
             last_taken = taken
             peak = peak_of(plan)
-            plan = dataclasses.replace(plan, peak_bytes=peak, fits=peak <= limit)
-            made.append(plan)
-            # the last: it fits, or recomputing more did not lower the compiled peak (nor will lowering the
-            # target), or the traces (each most of a compile) are spent
-            done = plan.fits or (len(made) > 1 and peak >= made[-2].peak_bytes) or len(made) > EXECUTED_ROUNDS
-            if done:
+            made.append(dataclasses.replace(plan, peak_bytes=peak, fits=peak <= limit))
+            if last():
                 break
-        if done:
+        if made and last():
             break
         target = max(1, eager.peak_bytes - (made[-1].peak_bytes - limit))  # lower the target on, a solve each
     return next((p for p in made if p.fits), min(made, key=lambda p: p.peak_bytes))
