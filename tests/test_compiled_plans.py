@@ -185,8 +185,8 @@ def _spied_search(monkeypatch) -> dict[str, list]:
 
 
 def _traced_only_below_the_last_traced(search: dict[str, list]) -> None:
-    """Each plan asked was traced where, and only where, the eager model's peak of its decisions as the compiled step
-    takes them lay below the last traced plan's (the first plan is always traced)."""
+    """Each plan asked, taken whole, was traced where, and only where, the eager model's peak of its decisions as the
+    compiled step takes them lay below the last traced plan's (the first plan is always traced)."""
     traced = [any(p is q for q in search["traced_plans"]) for p in search["made"]]
     last = None
     for i, taken in enumerate(search["taken"]):

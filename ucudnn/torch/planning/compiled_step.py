@@ -365,9 +365,13 @@ def compiled_plan(
     costs (`graph`) and on a profile that offloads nothing (a device whose memory is the host's has nowhere to copy
     to), then its compiled step's peak counted (`peak_of`, a trace). First the plan that keeps what it may: the
     fastest, so where it fits nothing is better (a compiled step often fits where its eager plan would not).
-    Each eager plan is taken two ways (`recompute_fused`): with the maps recomputed that fused ops make from what
-    it keeps, then, smaller and slower, with every map fused ops make recomputed, convolutions rerun where they
-    must be (MONAI's 2-D UNet: 7.72 MiB, then 7.34 with four strided convolutions rerun).
+    Each eager plan is taken whole two ways (`recompute_fused`): with the maps recomputed that fused ops make from
+    what it keeps, then, smaller and slower, with every map fused ops make recomputed, convolutions rerun where they
+    must be (MONAI's 2-D UNet: 7.72 MiB, then 7.34 with four strided convolutions rerun). Between the two lie the
+    partial ways (`_ways`), which recompute the convolution-rerunning maps one more at a time. Where the first way
+    of an eager plan was traced and misses, a partial way is traced only where that traced peak, lowered by the
+    eager model's difference between the two, fits; one that fits is the plan (fewer convolutions rerun: the 2-D
+    UNet at compile(0.75)'s 7.67 MiB, 7.41 MiB rerunning one), one that misses leaves the search as it was.
 
     Where neither fits, the next target is the eager model's peak of the plan just traced, lowered by its
     compiled overflow: what the eager model must save for the compiled step to save as much (the limit itself
@@ -410,7 +414,7 @@ def compiled_plan(
         eager = make(_NO_LIMIT if target is None else target)
         eager = dataclasses.replace(eager, capture=step, memory_limit=limit, compiled=True)
         ways = _ways(eager, graph, modelled_peak)
-        free = None  # this eager plan's first way, where traced: (its compiled peak, the eager model's)
+        first = None  # this eager plan's first way, where traced: (its compiled peak, the eager model's)
         for i, plan in enumerate(ways):
             taken = modelled_peak(plan)  # (the eager model's peak of its decisions as the compiled step takes them)
             if made and taken >= last_taken:
@@ -418,7 +422,7 @@ def compiled_plan(
             if 0 < i < len(ways) - 1:
                 # a partial way: traced only where this eager plan's first way was, and where that peak, lowered
                 # as the eager model's, fits; aside: where it misses, the search goes on from the plans it follows
-                if free is None or _decisions(plan) in tried or free[0] - (free[1] - taken) > limit:
+                if first is None or _decisions(plan) in tried or first[0] - (first[1] - taken) > limit:
                     continue
                 tried[_decisions(plan)] = partial = traced(plan)
                 if partial.fits:
@@ -426,7 +430,7 @@ def compiled_plan(
             else:
                 last_taken = taken
                 made.append(traced(plan))
-                free = (made[-1].peak_bytes, taken) if i == 0 else None
+                first = (made[-1].peak_bytes, taken) if i == 0 else None
             if last():
                 break
         if made and last():
@@ -443,10 +447,9 @@ def _ways(eager: MemoryPlan, graph: TrainingGraph, modelled_peak: Callable[[Memo
     free = recompute_fused(eager, graph)
     rerunning = recompute_fused(eager, graph, rerunning_convs=True)
     maps = [t.name for t, r in zip(free.tensors, rerunning.tensors, strict=True) if t.action != r.action]
-    if len(maps) < 2:
-        return [free, rerunning][: len(maps) + 1]
-    maps.sort(key=lambda name: modelled_peak(_recomputing(free, [name])))
-    return [free, *(_recomputing(free, maps[:n]) for n in range(1, len(maps))), rerunning]
+    if len(maps) > 1:  # (of one map, the one partial way is the whole)
+        maps.sort(key=lambda name: modelled_peak(_recomputing(free, [name])))
+    return [free, *(_recomputing(free, maps[:n]) for n in range(1, len(maps))), rerunning] if maps else [free]
 
 
 def _recomputing(plan: MemoryPlan, names: list[str]) -> MemoryPlan:
