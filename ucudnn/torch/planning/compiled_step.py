@@ -368,10 +368,9 @@ def compiled_plan(
     Each eager plan is taken whole two ways (`recompute_fused`): with the maps recomputed that fused ops make from
     what it keeps, then, smaller and slower, with every map fused ops make recomputed, convolutions rerun where they
     must be (MONAI's 2-D UNet: 7.72 MiB, then 7.34 with four strided convolutions rerun). Between the two lie the
-    partial ways (`_ways`), which recompute the convolution-rerunning maps one more at a time. Where the first way
-    of an eager plan was traced and misses, a partial way is traced only where that traced peak, lowered by the
-    eager model's difference between the two, fits; one that fits is the plan (fewer convolutions rerun: the 2-D
-    UNet at compile(0.75)'s 7.67 MiB, 7.41 MiB rerunning one), one that misses leaves the search as it was.
+    partial ways (`_partial_ways`), which recompute the convolution-rerunning maps one more at a time, tried where
+    the first way was traced and misses (`partway`): one that fits is the plan (fewer convolutions rerun: the 2-D
+    UNet at compile(0.75)'s 7.67 MiB, 7.41 MiB rerunning one).
 
     Where neither fits, the next target is the eager model's peak of the plan just traced, lowered by its
     compiled overflow: what the eager model must save for the compiled step to save as much (the limit itself
@@ -389,7 +388,7 @@ def compiled_plan(
     from ucudnn.memory.planner import EXECUTED_ROUNDS
 
     made: list[MemoryPlan] = []  # the plans traced that the search follows: each eager plan taken one whole way
-    tried: dict[tuple, MemoryPlan] = {}  # the partial ways traced (`_ways`), by decisions
+    tried: dict[tuple, MemoryPlan] = {}  # the partial ways traced (`_partial_ways`), by decisions
     target = None  # (None: no limit)
     asked: set[int | None] = set()
     last_taken = 0  # the eager model's peak of the last traced plan's decisions, as its compiled step takes them
@@ -398,12 +397,39 @@ def compiled_plan(
         peak = peak_of(plan)
         return dataclasses.replace(plan, peak_bytes=peak, fits=peak <= limit)
 
+    def spent() -> bool:
+        return len(made) + len(tried) > EXECUTED_ROUNDS  # (each trace most of a compile)
+
     def last() -> bool:
         """Whether the plans traced end the search: the last fits, or recomputing more did not lower the compiled
-        peak (nor will lowering the target), or the traces (each most of a compile) are spent."""
-        peak = made[-1].peak_bytes
-        fell = len(made) == 1 or peak < made[-2].peak_bytes
-        return made[-1].fits or not fell or len(made) + len(tried) > EXECUTED_ROUNDS
+        peak (nor will lowering the target), or the traces are spent."""
+        fell = len(made) == 1 or made[-1].peak_bytes < made[-2].peak_bytes
+        return made[-1].fits or not fell or spent()
+
+    def follow(plan: MemoryPlan) -> bool:
+        """Trace a whole way of an eager plan where the eager model finds it below the last traced: whether traced."""
+        nonlocal last_taken
+        taken = modelled_peak(plan)  # (the eager model's peak of its decisions as the compiled step takes them)
+        if made and taken >= last_taken:
+            return False
+        last_taken = taken
+        made.append(traced(plan))
+        return True
+
+    def partway(free: MemoryPlan, rerunning: MemoryPlan) -> MemoryPlan | None:
+        """The first partial way between an eager plan's two whole ways that fits, where `free`, just traced,
+        missed. A way is traced only where `free`'s traced peak, lowered by the eager model's difference between
+        the two, fits; one that misses leaves the search as it was."""
+        for plan in _partial_ways(free, rerunning, modelled_peak):
+            lowered = made[-1].peak_bytes - (last_taken - modelled_peak(plan))
+            if lowered > limit or _decisions(plan) in tried:
+                continue
+            tried[_decisions(plan)] = way = traced(plan)
+            if way.fits:
+                return way
+            if spent():
+                break
+        return None
 
     # plans asked of the eager planner, a solve each, traced or not: a lowered target often changes only what the
     # compiled step recomputes anyway
@@ -413,43 +439,33 @@ def compiled_plan(
         asked.add(target)
         eager = make(_NO_LIMIT if target is None else target)
         eager = dataclasses.replace(eager, capture=step, memory_limit=limit, compiled=True)
-        ways = _ways(eager, graph, modelled_peak)
-        first = None  # this eager plan's first way, where traced: (its compiled peak, the eager model's)
-        for i, plan in enumerate(ways):
-            taken = modelled_peak(plan)  # (the eager model's peak of its decisions as the compiled step takes them)
-            if made and taken >= last_taken:
-                continue  # not traced: the eager model finds it no smaller than the last traced
-            if 0 < i < len(ways) - 1:
-                # a partial way: traced only where this eager plan's first way was, and where that peak, lowered
-                # as the eager model's, fits; aside: where it misses, the search goes on from the plans it follows
-                if first is None or _decisions(plan) in tried or first[0] - (first[1] - taken) > limit:
-                    continue
-                tried[_decisions(plan)] = partial = traced(plan)
-                if partial.fits:
-                    return partial
-            else:
-                last_taken = taken
-                made.append(traced(plan))
-                first = (made[-1].peak_bytes, taken) if i == 0 else None
+        free, rerunning = recompute_fused(eager, graph), recompute_fused(eager, graph, rerunning_convs=True)
+        if follow(free):
             if last():
                 break
-        if made and last():
+            if (partial := partway(free, rerunning)) is not None:
+                return partial
+            if spent():
+                break
+        if _decisions(rerunning) != _decisions(free) and follow(rerunning) and last():
             break
         target = max(1, eager.peak_bytes - (made[-1].peak_bytes - limit))  # lower the target on, a solve each
     return next((p for p in made if p.fits), min([*made, *tried.values()], key=lambda p: p.peak_bytes))
 
 
-def _ways(eager: MemoryPlan, graph: TrainingGraph, modelled_peak: Callable[[MemoryPlan], int]) -> list[MemoryPlan]:
-    """The ways a compiled step may take `eager` (`recompute_fused`), fastest first: rerunning no convolution, then
-    with the maps that rerun one recomputed one more at a time, the map the eager model finds lowest alone first,
-    up to every one. MONAI's 2-D UNet at compile(0.75)'s 7.67 MiB: 7.72 MiB rerunning none, 7.41 rerunning one
-    (the map its eager model finds lowest), 7.34 rerunning four."""
-    free = recompute_fused(eager, graph)
-    rerunning = recompute_fused(eager, graph, rerunning_convs=True)
+def _partial_ways(
+    free: MemoryPlan, rerunning: MemoryPlan, modelled_peak: Callable[[MemoryPlan], int]
+) -> list[MemoryPlan]:
+    """The ways a compiled step may take an eager plan between its two whole ways (`recompute_fused`): `free`,
+    rerunning no convolution, with the maps that `rerunning` recomputes, each rerunning a convolution, recomputed
+    one more at a time, the map the eager model finds lowest alone first. MONAI's 2-D UNet at compile(0.75)'s
+    7.67 MiB: 7.72 MiB rerunning none, 7.41 rerunning one (the map its eager model finds lowest), 7.34 rerunning
+    four, every one."""
     maps = [t.name for t, r in zip(free.tensors, rerunning.tensors, strict=True) if t.action != r.action]
-    if len(maps) > 1:  # (of one map, the one partial way is the whole)
-        maps.sort(key=lambda name: modelled_peak(_recomputing(free, [name])))
-    return [free, *(_recomputing(free, maps[:n]) for n in range(1, len(maps))), rerunning] if maps else [free]
+    if len(maps) < 2:
+        return []  # (of one map, the one way is `rerunning`)
+    maps.sort(key=lambda name: modelled_peak(_recomputing(free, [name])))
+    return [_recomputing(free, maps[:n]) for n in range(1, len(maps))]
 
 
 def _recomputing(plan: MemoryPlan, names: list[str]) -> MemoryPlan:
