@@ -75,18 +75,17 @@ def recompute_fused(plan: MemoryPlan, graph: TrainingGraph, rerunning_convs: boo
     free: dict[str, bool] = {}
 
     def made_free(storage: str) -> bool:
-        if storage not in free:
+        if storage not in free:  # (its sources looked at only where fused ops make it: no walk past a convolution)
             ops = graph.producers(storage) if storage in graph.op_index else ()
             sources = {graph.storage_of(i) for op in ops for i in op.inputs} - {storage}
-            free[storage] = bool(ops) and all(fused(op) for op in ops)
-            free[storage] &= rerunning_convs or all(actions.get(s, "keep") == "keep" or made_free(s) for s in sources)
+            free[storage] = (
+                bool(ops)
+                and all(fused(op) for op in ops)
+                and (rerunning_convs or all(actions.get(s, "keep") == "keep" or made_free(s) for s in sources))
+            )
         return free[storage]
 
-    tensors = tuple(
-        dataclasses.replace(t, action="recompute") if t.action == "keep" and made_free(t.name) else t
-        for t in plan.tensors
-    )
-    return dataclasses.replace(plan, tensors=tensors)
+    return _recomputing(plan, {t.name for t in plan.tensors if t.action == "keep" and made_free(t.name)})
 
 
 class _Walked(Exception):
@@ -464,11 +463,11 @@ def _partial_ways(
     maps = [t.name for t, r in zip(free.tensors, rerunning.tensors, strict=True) if t.action != r.action]
     if len(maps) < 2:
         return []  # (of one map, the one way is `rerunning`)
-    maps.sort(key=lambda name: modelled_peak(_recomputing(free, [name])))
-    return [_recomputing(free, maps[:n]) for n in range(1, len(maps))]
+    maps.sort(key=lambda name: modelled_peak(_recomputing(free, {name})))
+    return [_recomputing(free, set(maps[:n])) for n in range(1, len(maps))]
 
 
-def _recomputing(plan: MemoryPlan, names: list[str]) -> MemoryPlan:
+def _recomputing(plan: MemoryPlan, names: set[str]) -> MemoryPlan:
     """`plan` with the maps `names` recomputed."""
     tensors = tuple(dataclasses.replace(t, action="recompute") if t.name in names else t for t in plan.tensors)
     return dataclasses.replace(plan, tensors=tensors)
