@@ -146,6 +146,27 @@ def test_a_limit_the_plan_keeping_what_it_may_fits_gets_that_plan_without_tracin
     assert traced == []
 
 
+def test_a_compiled_plan_neither_measures_nor_charges_the_eager_executors_replay(monkeypatch):
+    """Compiled, a recomputation runs inside the backward graph's own code, where the eager executor replays each
+    operation from Python: planning on this CPU for a compiled step neither measures that host time nor charges it
+    (every solve's graph holds none). An eager plan of the same model afterwards measures it and plans with it."""
+    from ucudnn.memory import planner
+
+    measured, graphs = [], []
+    replay_host_ms = planner_module.replay_host_ms
+    monkeypatch.setattr(
+        planner_module, "replay_host_ms", lambda *a: measured.append(replay_host_ms(*a)) or measured[-1]
+    )
+    solve = planner.make_executed_plan
+    monkeypatch.setattr(planner, "make_executed_plan", lambda g, *a, **k: graphs.append(g) or solve(g, *a, **k))
+    torch.manual_seed(0)
+    model = Net()
+    plan_memory(model, X, loss=_loss, compiled=True)  # (no device: timed on this CPU)
+    assert graphs and all(g.replay_host_ms == 0.0 for g in graphs) and measured == []
+    plan_memory(model, X, memory_limit=1, loss=_loss)
+    assert len(measured) == 1 and graphs[-1].replay_host_ms == measured[0]
+
+
 def _spied_search(monkeypatch) -> dict[str, list]:
     """What `compiled_plan` asks of its three callables, as it asks: each target with the eager plan made for it
     (``asked``: target, its modelled peak), each plan as the compiled step takes it whole (`recompute_fused`, either

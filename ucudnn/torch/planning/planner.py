@@ -238,7 +238,11 @@ def plan_memory(
     if real and device is None:  # planning for the machine the inputs are on: time the ops there, measure the kernels
         holder = []
         step = _checked(
-            model, example_input, key, step, lambda s: holder.append(_timed_ops(model, s, args, kwargs, loss_of))
+            model,
+            example_input,
+            key,
+            step,
+            lambda s: holder.append(_timed_ops(model, s, args, kwargs, loss_of, replayed=not compiled)),
         )
         graph = holder[-1]
         fronts = _fronts_for(model, step, graph, db, first.device.type == "cpu")
@@ -480,23 +484,30 @@ def _fingerprint(model: nn.Module) -> tuple:
     return tuple((name, id(m), type(m)) for name, m in model.named_modules())
 
 
-# model -> {(input shapes, fingerprint): ({op: (forward ms, backward ms)}, replay host ms)}, weak on the model:
-# its ops are timed once per input shape, so that every plan made for it rests on the same figures
-_OP_TIMES: weakref.WeakKeyDictionary[nn.Module, dict[tuple, tuple]] = weakref.WeakKeyDictionary()
+# model -> {(input shapes, fingerprint): {op: (forward ms, backward ms)}} and {...: replay host ms}, weak on the
+# model: its ops are timed once per input shape, so that every plan made for it rests on the same figures
+_OP_TIMES: weakref.WeakKeyDictionary[nn.Module, dict[tuple, dict]] = weakref.WeakKeyDictionary()
+_REPLAY_MS: weakref.WeakKeyDictionary[nn.Module, dict[tuple, float]] = weakref.WeakKeyDictionary()
 
 
-def _timed_ops(model: nn.Module, step: CapturedStep, args: tuple, kwargs: dict, loss: Callable) -> TrainingGraph:
-    """The captured graph with each op's forward and backward times on this machine (`_op_times`) and the
-    host time a recomputation costs per replayed op (`replay_host_ms`), measured once per model and input
-    shapes."""
+def _timed_ops(
+    model: nn.Module, step: CapturedStep, args: tuple, kwargs: dict, loss: Callable, replayed: bool = True
+) -> TrainingGraph:
+    """The captured graph with each op's forward and backward times on this machine (`_op_times`) and, where
+    `replayed` (the eager executor recomputes; a compiled step does not replay), the host time a recomputation
+    costs per replayed op (`replay_host_ms`), each measured once per model and input shapes."""
     shapes = tuple((tuple(t.shape), t.dtype) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
     key = (shapes, _fingerprint(model), step.fake)  # (a capture on fake tensors is followed by real steps: timed)
     times = _OP_TIMES.setdefault(model, {})
     if key not in times:
-        measured = _op_times(model, step, args, kwargs, loss)
-        times[key] = measured, replay_host_ms(model, step, _with_times(step.graph, measured), args, kwargs, loss)
-    measured, host_ms = times[key]
-    return dataclasses.replace(_with_times(step.graph, measured), replay_host_ms=host_ms)
+        times[key] = _op_times(model, step, args, kwargs, loss)
+    graph = _with_times(step.graph, times[key])
+    if not replayed:
+        return graph
+    host = _REPLAY_MS.setdefault(model, {})
+    if key not in host:
+        host[key] = replay_host_ms(model, step, graph, args, kwargs, loss)
+    return dataclasses.replace(graph, replay_host_ms=host[key])
 
 
 def _with_times(graph: TrainingGraph, measured: dict[str, tuple[float, float | None]]) -> TrainingGraph:
