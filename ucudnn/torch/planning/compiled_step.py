@@ -41,16 +41,27 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from ucudnn.devices import DeviceProfile
 from ucudnn.errors import UnsupportedProblem
 from ucudnn.handle import native_only
 from ucudnn.memory.graph import TrainingGraph
 from ucudnn.memory.plan import MemoryPlan
+from ucudnn.memory.simulate import simulate
 from ucudnn.torch.capturing.capture import CapturedStep, state_kept
 from ucudnn.torch.converting.layer import ConvLayer
 from ucudnn.torch.planning.wrapper_walk import walk_call
 from ucudnn.torch.running.compiled import PlannedModule, with_plan
 
-__all__ = ["compiled_costs", "compiled_peak", "compiled_plan", "fresh_call", "fused", "recompute_fused", "traced_peak"]
+__all__ = [
+    "compiled_costs",
+    "compiled_peak",
+    "compiled_plan",
+    "fresh_call",
+    "fused",
+    "modelled_peak",
+    "recompute_fused",
+    "traced_peak",
+]
 
 
 def fused(op: Any) -> bool:
@@ -89,6 +100,14 @@ def recompute_fused(plan: MemoryPlan, graph: TrainingGraph, rerunning_convs: boo
         return free[storage]
 
     return _recomputing(plan, {t.name for t in plan.tensors if t.action == "keep" and made_free(t.name)})
+
+
+def modelled_peak(graph: TrainingGraph, device: DeviceProfile, plan: MemoryPlan) -> int:
+    """The eager model's peak of a compiled plan's decisions, as its compiled step takes them (the maps fused ops
+    make recomputed: `recompute_fused`), where the eager model can take them (what every plan keeps,
+    `TrainingGraph.must_keep`, such as a batch-norm's statistics, kept)."""
+    actions = {t.name: t.action for t in plan.tensors if t.name not in graph.must_keep}
+    return simulate(graph, device, plan.simulation.costs, actions).peak_bytes
 
 
 class _Walked(Exception):

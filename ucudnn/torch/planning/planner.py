@@ -48,7 +48,6 @@ from ucudnn.handle import Handle, native_only
 from ucudnn.memory.graph import TrainingGraph
 from ucudnn.memory.plan import MemoryPlan
 from ucudnn.memory.reuse import PlanCache
-from ucudnn.memory.simulate import simulate
 from ucudnn.memory.timing import KernelOption, front_of
 from ucudnn.sizes import parse_size
 from ucudnn.torch.capturing.capture import CapturedStep, capture, diverged, hook_nodes, state_kept
@@ -56,7 +55,7 @@ from ucudnn.torch.capturing.model_call import batched_call, call_args, default_l
 from ucudnn.torch.capturing.operations import counted, same_op
 from ucudnn.torch.converting.launch import held_with_copies
 from ucudnn.torch.converting.layer import ConvLayer, as_torch
-from ucudnn.torch.planning.compiled_step import compiled_costs, compiled_plan, traced_peak
+from ucudnn.torch.planning.compiled_step import compiled_costs, compiled_plan, modelled_peak, traced_peak
 from ucudnn.torch.planning.replay_cost import replay_host_ms
 
 __all__ = ["measure_profile", "plan_memory"]
@@ -260,17 +259,9 @@ def plan_memory(
         costs,
         limit,
         lambda target: make_executed_plan(costs, host, target, policy, devices=devices, db=db, fronts=fronts),
-        lambda plan: _modelled_peak(costs, host, plan),
+        lambda plan: modelled_peak(costs, host, plan),
         lambda plan: traced_peak(model, key, plan, args, kwargs, loss_of),
     )
-
-
-def _modelled_peak(graph: TrainingGraph, device: DeviceProfile, plan: MemoryPlan) -> int:
-    """The eager model's peak of a compiled plan's decisions, as its compiled step takes them (the maps fused ops
-    make recomputed: `recompute_fused`), where the eager model can take them (what every plan keeps,
-    `TrainingGraph.must_keep`, such as a batch-norm's statistics, kept)."""
-    actions = {t.name: t.action for t in plan.tensors if t.name not in graph.must_keep}
-    return simulate(graph, device, plan.simulation.costs, actions).peak_bytes
 
 
 # model -> {(its modules, the inputs' shapes, the loss, fake, weight_grads): its captured step}, weak on the
@@ -484,10 +475,9 @@ def _fingerprint(model: nn.Module) -> tuple:
     return tuple((name, id(m), type(m)) for name, m in model.named_modules())
 
 
-# model -> {(input shapes, fingerprint): {op: (forward ms, backward ms)}} and {...: replay host ms}, weak on the
-# model: its ops are timed once per input shape, so that every plan made for it rests on the same figures
-_OP_TIMES: weakref.WeakKeyDictionary[nn.Module, dict[tuple, dict]] = weakref.WeakKeyDictionary()
-_REPLAY_MS: weakref.WeakKeyDictionary[nn.Module, dict[tuple, float]] = weakref.WeakKeyDictionary()
+# model -> {(input shapes, fingerprint, fake): {op: (forward ms, backward ms)}, (..., "replay"): replay host ms},
+# weak on the model: measured once per input shape, so that every plan made for it rests on the same figures
+_OP_TIMES: weakref.WeakKeyDictionary[nn.Module, dict[tuple, Any]] = weakref.WeakKeyDictionary()
 
 
 def _timed_ops(
@@ -498,16 +488,13 @@ def _timed_ops(
     costs per replayed op (`replay_host_ms`), each measured once per model and input shapes."""
     shapes = tuple((tuple(t.shape), t.dtype) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
     key = (shapes, _fingerprint(model), step.fake)  # (a capture on fake tensors is followed by real steps: timed)
-    times = _OP_TIMES.setdefault(model, {})
+    times, replay = _OP_TIMES.setdefault(model, {}), (*key, "replay")
     if key not in times:
         times[key] = _op_times(model, step, args, kwargs, loss)
     graph = _with_times(step.graph, times[key])
-    if not replayed:
-        return graph
-    host = _REPLAY_MS.setdefault(model, {})
-    if key not in host:
-        host[key] = replay_host_ms(model, step, graph, args, kwargs, loss)
-    return dataclasses.replace(graph, replay_host_ms=host[key])
+    if replayed and replay not in times:
+        times[replay] = replay_host_ms(model, step, graph, args, kwargs, loss)
+    return dataclasses.replace(graph, replay_host_ms=times[replay]) if replayed else graph
 
 
 def _with_times(graph: TrainingGraph, measured: dict[str, tuple[float, float | None]]) -> TrainingGraph:
