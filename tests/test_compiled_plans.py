@@ -167,6 +167,26 @@ def test_a_compiled_plan_neither_measures_nor_charges_the_eager_executors_replay
     assert len(measured) == 1 and graphs[-1].replay_host_ms == measured[0]
 
 
+def test_a_trace_collects_only_its_own_garbage_and_leaves_the_collector_as_it_found_it(model, plans, monkeypatch):
+    """During a trace the garbage collector skips the objects alive before it (frozen), and after it they are
+    collected again; where the caller froze objects itself, they stay frozen."""
+    import gc
+
+    frozen_during = []
+    graphs = compiled_step._graphs
+    monkeypatch.setattr(compiled_step, "_graphs", lambda *a: frozen_during.append(gc.get_freeze_count()) or graphs(*a))
+    assert gc.get_freeze_count() == 0
+    peak = compiled_step.compiled_peak(model, plans[0], (X,), {}, _loss)
+    assert frozen_during[0] > 0 and gc.get_freeze_count() == 0
+    gc.freeze()  # the caller's
+    try:
+        theirs = gc.get_freeze_count()
+        assert compiled_step.compiled_peak(model, plans[0], (X,), {}, _loss) == peak
+        assert frozen_during[1] == theirs and gc.get_freeze_count() > 0  # (theirs, less what died since)
+    finally:
+        gc.unfreeze()
+
+
 def _spied_search(monkeypatch) -> dict[str, list]:
     """What `compiled_plan` asks of its three callables, as it asks: each target with the eager plan made for it
     (``asked``: target, its modelled peak), each plan as the compiled step takes it whole (`recompute_fused`, either

@@ -30,10 +30,12 @@ decisions as the compiled step does, finds them smaller than the last traced.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import types
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -311,7 +313,7 @@ def compiled_peak(model: nn.Module, plan: MemoryPlan, args: tuple, kwargs: dict,
 
     held: dict[tuple[int, str], int] = {}
     try:
-        with state_kept(model):
+        with state_kept(model), _collecting_only_new_objects():
             graphs = _graphs(with_plan(model, plan), step)
         for conv in convs:
             held.update(_held(conv))
@@ -327,6 +329,22 @@ def compiled_peak(model: nn.Module, plan: MemoryPlan, args: tuple, kwargs: dict,
     placed = {pair for _, _, calls in graphs.values() for _, pairs in calls for pair in pairs}
     unplaced = max((b for pair, b in held.items() if pair not in placed), default=0)
     return resident + unplaced + max(_with_workspace(peak, calls, held) for _, peak, calls in graphs.values())
+
+
+@contextlib.contextmanager
+def _collecting_only_new_objects() -> Iterator[None]:
+    """The garbage collector's passes during a trace skip the objects alive before it (`gc.freeze`): a trace
+    allocates enough to run many full passes, and each walks every object the process holds (one that compiled
+    other graphs holds hundreds of thousands). MONAI's 2-D UNet beside 800k objects: 5.3-5.9 s a trace, against
+    6.0-6.5. Where the caller froze objects itself, left as it is (unfreezing would undo theirs)."""
+    if gc.get_freeze_count():
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def _held(conv: ConvLayer) -> dict[tuple[int, str], int]:
